@@ -1,0 +1,25 @@
+"""gptlab: GPT-2-style language models from scratch in PyTorch.
+
+The public API is imported lazily, so `import gptlab` (and `gptlab --help`) does not load torch.
+"""
+
+from importlib import import_module
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "GPTConfig": "gptlab.config",
+    "GPT": "gptlab.model",
+    "KVCache": "gptlab.model",
+    "get_tokenizer": "gptlab.tokenizer",
+    "generate": "gptlab.generate",
+    "load_model": "gptlab.checkpoint",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        return getattr(import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'gptlab' has no attribute {name!r}")

@@ -1,0 +1,3 @@
+from gptlab.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,130 @@
+"""Native model files, atomic writes, and `load_model`, which resolves every --model spec.
+
+A native model directory holds `model.safetensors` (weights; a tied head stored once) and
+`gptlab.json` (format, config, tokenizer name, and any extra metadata such as a quantization
+scheme). Files are written to a temporary name in the same directory and renamed into place, so
+a crash never leaves a half-written file under the real name.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from gptlab.config import PRESETS, GPTConfig
+from gptlab.model import GPT
+
+log = logging.getLogger(__name__)
+META_FILE = "gptlab.json"
+WEIGHTS_FILE = "model.safetensors"
+
+
+def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> None:
+    """Call write(tmp_path) on a temporary file beside `path`, fsync it, then rename it to `path`."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        write(tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    atomic_write(path, lambda tmp: Path(tmp).write_text(text))
+
+
+def save_model(model: GPT, directory: str | os.PathLike, *, tokenizer: str = "gpt2", extra: dict | None = None) -> None:
+    """Write `model` as a native gptlab directory (weights first, then the metadata)."""
+    directory = Path(directory)
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    if model.config.tie_weights:
+        state.pop("lm_head.weight", None)  # the same tensor as wte; stored once
+    atomic_write(directory / WEIGHTS_FILE, lambda tmp: save_file(state, tmp))
+    meta = {"format": "gptlab", "config": model.config.to_dict(), "tokenizer": tokenizer, **(extra or {})}
+    atomic_write_text(directory / META_FILE, json.dumps(meta, indent=2))
+
+
+def read_meta(directory: str | os.PathLike) -> dict:
+    path = Path(directory) / META_FILE
+    try:
+        meta = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: not a readable gptlab model file ({e})") from e
+    if meta.get("format") != "gptlab":
+        raise ValueError(f"{path}: not a gptlab model file (format={meta.get('format')!r})")
+    return meta
+
+
+def load_native(directory: str | os.PathLike, *, device=None, dtype=None) -> GPT:
+    """Load a directory written by save_model, building on the meta device and assigning tensors."""
+    directory = Path(directory)
+    meta = read_meta(directory)
+    if meta.get("quantization"):
+        raise ValueError(f"{directory} holds a {meta['quantization']['mode']} quantized model; load it with gptlab.quantize.load_quantized")
+    config = GPTConfig.from_dict(meta["config"])
+    with torch.device("meta"):
+        model = GPT(config)
+    try:
+        state = load_file(directory / WEIGHTS_FILE, device=str(device or "cpu"))
+    except Exception as e:  # safetensors raises its own error types for damaged files
+        raise ValueError(f"{directory / WEIGHTS_FILE}: cannot read weights ({e})") from e
+    if config.tie_weights:
+        state["lm_head.weight"] = state["transformer.wte.weight"]
+    load_state_strict(model, state, str(directory))
+    model.tie_weights()
+    if dtype is not None:
+        model.to(dtype=dtype)
+    return model.eval()
+
+
+def load_state_strict(model: GPT, state: dict[str, torch.Tensor], source: str) -> None:
+    """Assign `state` into `model` (which may live on the meta device); any mismatch names the tensor."""
+    expected = model.state_dict()
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if missing or unexpected:
+        raise ValueError(f"{source}: missing tensors {missing[:5]}, unexpected tensors {unexpected[:5]}")
+    for name, tensor in state.items():
+        if tensor.shape != expected[name].shape:
+            raise ValueError(f"{source}: tensor {name} has shape {tuple(tensor.shape)}, the model expects {tuple(expected[name].shape)}")
+    model.load_state_dict(state, strict=True, assign=True)
+
+
+def tokenizer_name(spec: str) -> str:
+    """The tokenizer a model spec uses: the name recorded with a native model, else gpt2."""
+    path = Path(spec)
+    if (path / META_FILE).is_file():
+        return read_meta(path).get("tokenizer", "gpt2")
+    return "gpt2"
+
+
+def load_model(spec: str, *, device=None, dtype=None) -> GPT:
+    """Resolve a --model spec: a preset name (fresh random weights), a native gptlab directory,
+    a quantized gptlab directory, a Hugging Face directory, or a Hub id."""
+    path = Path(spec)
+    if spec in PRESETS and not path.exists():
+        with torch.device(device or "cpu"):
+            model = GPT(GPTConfig.from_name(spec))
+        return model.to(dtype=dtype).eval() if dtype is not None else model.eval()
+    if (path / META_FILE).is_file():
+        if read_meta(path).get("quantization"):
+            from gptlab.quantize import load_quantized
+
+            return load_quantized(path, device=device)
+        return load_native(path, device=device, dtype=dtype)
+    if path.is_dir() and not (path / "config.json").is_file():
+        raise ValueError(f"{spec}: directory holds neither {META_FILE} (gptlab) nor config.json (Hugging Face)")
+    return GPT.from_pretrained(spec, device=device, dtype=dtype)

@@ -1,0 +1,1 @@
+"""Subcommands of the gptlab CLI, one module each (see gptlab.cli)."""

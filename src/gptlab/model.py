@@ -1,0 +1,315 @@
+"""The GPT-2 model, read top to bottom in the order data flows:
+norm -> rotary helpers -> attention -> MLP -> block -> GPT.
+
+Module and parameter names follow OpenAI's GPT-2 (transformer.wte/wpe/h/ln_f, attn.c_attn/c_proj,
+mlp.c_fc/c_proj, lm_head), so Hugging Face conversion is a name table plus transposes (hf.py).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from gptlab.config import GPTConfig
+
+
+def make_norm(config: GPTConfig) -> nn.Module:
+    """LayerNorm (GPT-2) or RMSNorm (Zhang & Sennrich 2019), as the config asks."""
+    if config.norm == "rmsnorm":
+        return nn.RMSNorm(config.n_embd, eps=config.layer_norm_eps)
+    return nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps, bias=config.bias)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_size: int, theta: float, dtype: torch.dtype):
+    """Rotary angles for integer positions (B, T) -> cos, sin each (B, 1, T, head_size/2)."""
+    inv_freq = 1.0 / theta ** (
+        torch.arange(0, head_size, 2, device=positions.device, dtype=torch.float32) / head_size
+    )  # (hs/2,)
+    angles = positions.float()[:, None, :, None] * inv_freq  # (B, 1, T, hs/2)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x_i, x_{i+hs/2}) of x (B, nh, T, hs) by the angles (GPT-NeoX/Llama layout)."""
+    x1, x2 = x.chunk(2, dim=-1)  # (B, nh, T, hs/2) each
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+
+
+def explicit_attention(q, k, v, mask):
+    """softmax(q k^T / sqrt(hs) + mask) v, spelled out; also returns the probabilities.
+
+    q (B, nh, T, hs), k and v (B, nh, S, hs), mask bool broadcastable to (B, nh, T, S).
+    """
+    att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.size(-1)))  # (B, nh, T, S)
+    att = att.masked_fill(~mask, float("-inf"))
+    probs = F.softmax(att, dim=-1)
+    return probs @ v, probs  # (B, nh, T, hs), (B, nh, T, S)
+
+
+def causal_mask(T: int, S: int, device) -> torch.Tensor:
+    """(T, S) bool: query i, at absolute position S - T + i, sees keys 0..S - T + i."""
+    return torch.ones(T, S, dtype=torch.bool, device=device).tril(diagonal=S - T)
+
+
+class KVCache:
+    """Preallocated keys and values, one (k, v) pair of tensors per layer, (B, nh, max_len, hs).
+
+    The model writes the keys of new tokens at slots pos..pos+T; the caller advances `pos`.
+    """
+
+    def __init__(self, config: GPTConfig, batch_size: int, max_len: int, *, device=None, dtype=None):
+        shape = (batch_size, config.n_head, max_len, config.head_size)
+        self.layers = [
+            (torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype))
+            for _ in range(config.n_layer)
+        ]
+        self.pos = 0
+        self.max_len = max_len
+
+    @property
+    def nbytes(self) -> int:
+        return sum(k.nbytes + v.nbytes for k, v in self.layers)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.n_head, self.n_embd = config.n_head, config.n_embd
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # fused q, k, v
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = config.dropout
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x, rope=None, kv=None, cache_pos=0, mask=None, probs_out=None):
+        """x (B, T, C) -> (B, T, C).
+
+        rope: (cos, sin) or None; kv: this layer's (k, v) cache buffers or None; mask: bool
+        (B|1, 1, T, S) or None for plain causal attention; probs_out: a list to append the
+        attention probabilities to, which selects the explicit path.
+        """
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        if kv is not None:
+            k_cache, v_cache = kv
+            k_cache[:, :, cache_pos : cache_pos + T] = k
+            v_cache[:, :, cache_pos : cache_pos + T] = v
+            k, v = k_cache[:, :, : cache_pos + T], v_cache[:, :, : cache_pos + T]  # (B, nh, S, hs)
+        if probs_out is not None:
+            if mask is None:
+                mask = causal_mask(T, k.size(2), x.device)
+            y, probs = explicit_attention(q, k, v, mask)
+            probs_out.append(probs)
+        else:
+            y = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=mask is None and T > 1,
+                dropout_p=self.dropout if self.training else 0.0,
+            )  # (B, nh, T, hs)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)  # re-assemble heads side by side
+        return self.resid_dropout(self.c_proj(y))
+
+
+class MLP(nn.Module):
+    """GELU (tanh approximation) MLP, or SwiGLU with the gate and up projections fused in c_fc."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.swiglu = config.mlp == "swiglu"
+        hidden = config.mlp_hidden
+        self.c_fc = nn.Linear(config.n_embd, (2 if self.swiglu else 1) * hidden, bias=config.bias)
+        self.c_proj = nn.Linear(hidden, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x):
+        h = self.c_fc(x)  # (B, T, hidden) or (B, T, 2*hidden)
+        if self.swiglu:
+            gate, up = h.chunk(2, dim=-1)
+            h = F.silu(gate) * up
+        else:
+            h = F.gelu(h, approximate="tanh")
+        return self.dropout(self.c_proj(h))  # (B, T, C)
+
+
+class Block(nn.Module):
+    """Pre-LN Transformer block: x + attn(ln_1(x)), then x + mlp(ln_2(x))."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.ln_1 = make_norm(config)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = make_norm(config)
+        self.mlp = MLP(config)
+
+    def forward(self, x, rope=None, kv=None, cache_pos=0, mask=None, probs_out=None):
+        x = x + self.attn(self.ln_1(x), rope, kv, cache_pos, mask, probs_out)
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    """A GPT-2-style decoder-only language model."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.config = config
+        modules = dict(wte=nn.Embedding(config.vocab_size, config.n_embd))
+        if config.pos_embedding == "learned":
+            modules["wpe"] = nn.Embedding(config.block_size, config.n_embd)
+        modules["drop"] = nn.Dropout(config.dropout)
+        modules["h"] = nn.ModuleList([Block(config) for _ in range(config.n_layer)])
+        modules["ln_f"] = make_norm(config)
+        self.transformer = nn.ModuleDict(modules)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.tie_weights()
+        self.apply(self._init_weights)
+        # GPT-2 paper: scale the residual projections' init by 1/sqrt(N) for N residual additions.
+        for name, p in self.named_parameters():
+            if name.endswith("c_proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    @classmethod
+    def from_pretrained(cls, name_or_path: str, *, device=None, dtype=None) -> GPT:
+        """Load GPT-2 weights in the Hugging Face format: a Hub id or a local directory."""
+        from gptlab.hf import load_pretrained
+
+        return load_pretrained(name_or_path, device=device, dtype=dtype)
+
+    def save_pretrained(self, directory) -> None:
+        """Write the Hugging Face GPT2LMHeadModel layout (config, safetensors, tokenizer files)."""
+        from gptlab.hf import save_pretrained
+
+        save_pretrained(self, directory)
+
+    def tie_weights(self) -> None:
+        """Share lm_head's matrix with the token embedding when the config ties them."""
+        if self.config.tie_weights:
+            self.lm_head.weight = self.transformer.wte.weight
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def forward(self, idx, targets=None, *, positions=None, kv_cache=None, key_mask=None, attn_probs=None):
+        """Next-token logits (B, T, vocab_size) and, given targets (B, T), the mean cross-entropy.
+
+        Generation passes `kv_cache` (a KVCache; new keys go to slots kv_cache.pos...), per-row
+        `positions` (B, T) and `key_mask` (B, S_max) bool, False at padding slots. `attn_probs`,
+        a list, collects each layer's attention probabilities through the explicit path.
+        """
+        self._check_input(idx, targets, kv_cache)
+        B, T = idx.shape
+        start = kv_cache.pos if kv_cache is not None else 0
+        if positions is None:
+            positions = torch.arange(start, start + T, device=idx.device).expand(B, T)  # (B, T)
+        mask = self._attention_mask(T, start + T, kv_cache, key_mask, idx.device)
+        x = self.transformer.wte(idx)  # (B, T, C)
+        rope = None
+        if self.config.pos_embedding == "learned":
+            if int(positions.max()) >= self.config.block_size:
+                raise ValueError(f"position {int(positions.max())} exceeds block_size {self.config.block_size}")
+            x = x + self.transformer.wpe(positions)  # (B, T, C)
+        else:
+            rope = rope_cos_sin(positions, self.config.head_size, self.config.rope_theta, x.dtype)
+        x = self.transformer.drop(x)
+        for i, block in enumerate(self.transformer.h):
+            kv = kv_cache.layers[i] if kv_cache is not None else None
+            x = block(x, rope, kv, start, mask, attn_probs)
+        x = self.transformer.ln_f(x)
+        logits = self.lm_head(x)  # (B, T, vocab_size)
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=-100)
+        return logits, loss
+
+    @staticmethod
+    def _attention_mask(T, S, kv_cache, key_mask, device):
+        """None for plain causal attention over the input, else bool (B|1, 1, T, S)."""
+        if kv_cache is None and key_mask is None:
+            return None
+        mask = causal_mask(T, S, device)[None, None]  # (1, 1, T, S)
+        if key_mask is not None:
+            mask = mask & key_mask[:, None, None, :S]  # (B, 1, T, S)
+            # A padding query sees nothing else; let it see its own slot so softmax stays finite.
+            mask = mask | torch.eye(T, S, dtype=torch.bool, device=device).roll(S - T, dims=1)
+        return mask
+
+    def _check_input(self, idx, targets, kv_cache) -> None:
+        if not isinstance(idx, torch.Tensor) or idx.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"idx must be an integer tensor of token ids (B, T), got {_describe(idx)}")
+        if idx.dim() != 2 or idx.size(1) == 0:
+            raise ValueError(f"idx must have shape (B, T) with T >= 1, got {tuple(idx.shape)}")
+        limit = kv_cache.max_len if kv_cache is not None else self.config.block_size
+        end = idx.size(1) + (kv_cache.pos if kv_cache is not None else 0)
+        if end > limit:
+            raise ValueError(f"sequence length {end} exceeds the context length {limit} (block_size)")
+        if not torch.compiler.is_compiling():
+            lo, hi = int(idx.min()), int(idx.max())
+            if lo < 0 or hi >= self.config.vocab_size:
+                raise ValueError(f"token id {lo if lo < 0 else hi} outside the vocabulary [0, {self.config.vocab_size})")
+        if targets is not None and targets.shape != idx.shape:
+            raise ValueError(f"targets shape {tuple(targets.shape)} must equal idx shape {tuple(idx.shape)}")
+
+    @torch.no_grad()
+    def attention(self, idx, layer: int | None = None, head: int | None = None) -> torch.Tensor:
+        """Attention probabilities, recomputed through the explicit path.
+
+        Returns (n_layer, B, nh, T, T); with `layer`, (B, nh, T, T); with `head` too, (B, T, T).
+        """
+        if layer is not None and not -self.config.n_layer <= layer < self.config.n_layer:
+            raise ValueError(f"layer {layer} out of range: the model has {self.config.n_layer} layers")
+        if head is not None and not -self.config.n_head <= head < self.config.n_head:
+            raise ValueError(f"head {head} out of range: the model has {self.config.n_head} heads")
+        if head is not None and layer is None:
+            raise ValueError("head needs a layer")
+        probs: list[torch.Tensor] = []
+        self(idx, attn_probs=probs)
+        out = torch.stack(probs)  # (L, B, nh, T, T)
+        if layer is not None:
+            out = out[layer]
+            if head is not None:
+                out = out[:, head]
+        return out
+
+    def num_params(self, non_embedding: bool = False) -> int:
+        """Parameter count, tied weights once; non_embedding drops the position table (nanoGPT)."""
+        n = sum(p.numel() for p in self.parameters())
+        if non_embedding and "wpe" in self.transformer:
+            n -= self.transformer.wpe.weight.numel()
+        return n
+
+    def param_breakdown(self) -> list[dict]:
+        """Parameters per component; a tied head counts 0 and says so. Rows sum to num_params()."""
+        t = self.transformer
+
+        def count(modules):
+            return sum(p.numel() for m in modules for p in m.parameters())
+
+        rows = [dict(component="token embedding (wte)", params=t.wte.weight.numel(), note="")]
+        if "wpe" in t:
+            rows.append(dict(component="position embedding (wpe)", params=t.wpe.weight.numel(), note=""))
+        rows += [
+            dict(component="attention (all blocks)", params=count(b.attn for b in t.h), note=""),
+            dict(component="MLP (all blocks)", params=count(b.mlp for b in t.h), note=""),
+            dict(component="norms in blocks", params=count([*(b.ln_1 for b in t.h), *(b.ln_2 for b in t.h)]), note=""),
+            dict(component="final norm (ln_f)", params=count([t.ln_f]), note=""),
+        ]
+        tied = self.lm_head.weight is t.wte.weight
+        rows.append(dict(
+            component="head (lm_head)", params=0 if tied else self.lm_head.weight.numel(),
+            note="tied to wte, counted once" if tied else "",
+        ))
+        return rows
+
+
+def _describe(x) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"tensor of dtype {x.dtype}"
+    return type(x).__name__

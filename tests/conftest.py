@@ -1,0 +1,37 @@
+"""Shared fixtures: tiny configs and seeded models, so every test runs in seconds on a CPU."""
+
+import pytest
+import torch
+
+from gptlab.config import GPTConfig
+from gptlab.model import GPT
+
+VARIANTS = {
+    "gpt2": {},
+    "rope": dict(pos_embedding="rope"),
+    "rmsnorm": dict(norm="rmsnorm"),
+    "swiglu": dict(mlp="swiglu"),
+    "nobias-untied": dict(bias=False, tie_weights=False),
+    "llama": dict(pos_embedding="rope", norm="rmsnorm", mlp="swiglu", bias=False, tie_weights=False),
+}
+
+
+def tiny_config(**overrides) -> GPTConfig:
+    """A 2-layer, 32-wide model over a 97-token vocabulary."""
+    base = dict(vocab_size=97, block_size=32, n_layer=2, n_head=4, n_embd=32)
+    return GPTConfig(**{**base, **overrides})
+
+
+def tiny_model(seed: int = 0, **overrides) -> GPT:
+    torch.manual_seed(seed)
+    return GPT(tiny_config(**overrides)).eval()
+
+
+@pytest.fixture
+def model():
+    return tiny_model()
+
+
+@pytest.fixture(params=list(VARIANTS), ids=list(VARIANTS))
+def variant_model(request):
+    return tiny_model(**VARIANTS[request.param])

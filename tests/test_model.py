@@ -1,0 +1,182 @@
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import VARIANTS, tiny_config, tiny_model
+
+from gptlab.config import GPTConfig
+from gptlab.model import GPT, apply_rope, rope_cos_sin
+
+
+@pytest.mark.parametrize(
+    "name, expected",
+    [("gpt2", 124_439_808), ("gpt2-medium", 354_823_168), ("gpt2-large", 774_030_080), ("gpt2-xl", 1_557_611_200)],
+)
+def test_openai_parameter_counts(name, expected):
+    with torch.device("meta"):
+        model = GPT(GPTConfig.from_name(name))
+    assert model.num_params() == expected
+    assert model.num_params(non_embedding=True) == expected - model.config.block_size * model.config.n_embd
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_breakdown_sums_to_total(variant):
+    model = tiny_model(**VARIANTS[variant])
+    rows = model.param_breakdown()
+    assert sum(r["params"] for r in rows) == model.num_params()
+    head = rows[-1]
+    assert ("tied" in head["note"]) == model.config.tie_weights
+
+
+def test_gpt2_initialisation():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=4, n_head=4, n_embd=256, vocab_size=1000, block_size=64))
+    assert model.lm_head.weight is model.transformer.wte.weight
+    assert abs(model.transformer.h[0].mlp.c_fc.weight.std().item() - 0.02) < 0.002
+    scaled = 0.02 / math.sqrt(2 * 4)
+    assert abs(model.transformer.h[0].attn.c_proj.weight.std().item() - scaled) < 0.001
+    assert abs(model.transformer.h[0].mlp.c_proj.weight.std().item() - scaled) < 0.001
+    assert model.transformer.h[0].attn.c_attn.bias.abs().max() == 0
+
+
+@pytest.mark.parametrize(
+    "config",
+    [GPTConfig(n_layer=2, n_head=2, n_embd=64, block_size=64), GPTConfig.from_name("gpt2")],
+    ids=["small", "gpt2"],
+)
+def test_initial_loss_near_log_vocab(config):
+    torch.manual_seed(0)
+    model = GPT(config).eval()
+    idx = torch.randint(0, config.vocab_size, (2, 65))
+    with torch.no_grad():
+        _, loss = model(idx[:, :-1], idx[:, 1:])
+    assert abs(loss.item() - math.log(config.vocab_size)) < 0.25
+
+
+def test_overfits_one_batch():
+    torch.manual_seed(0)
+    model = GPT(tiny_config())
+    idx = torch.randint(0, 97, (4, 17))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for _ in range(300):
+        _, loss = model(idx[:, :-1], idx[:, 1:])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if loss.item() < 0.1:
+            break
+    assert loss.item() < 0.1
+
+
+def test_ignore_index():
+    model = tiny_model()
+    idx = torch.randint(0, 97, (2, 9))
+    targets = idx[:, 1:].clone()
+    targets[:, :4] = -100
+    logits, loss = model(idx[:, :-1], targets)
+    expected = F.cross_entropy(logits[:, 4:].reshape(-1, 97), targets[:, 4:].reshape(-1))
+    torch.testing.assert_close(loss, expected)
+
+
+def test_causality(variant_model):
+    idx = torch.randint(0, 97, (2, 16))
+    changed = idx.clone()
+    changed[:, 10] = (changed[:, 10] + 1) % 97
+    with torch.no_grad():
+        a, _ = variant_model(idx)
+        b, _ = variant_model(changed)
+    torch.testing.assert_close(a[:, :10], b[:, :10], rtol=0, atol=0)
+    assert not torch.allclose(a[:, 10:], b[:, 10:])
+
+
+def test_sdpa_and_explicit_paths_agree(variant_model):
+    idx = torch.randint(0, 97, (3, 20))
+    probs = []
+    with torch.no_grad():
+        fast, _ = variant_model(idx)
+        explicit, _ = variant_model(idx, attn_probs=probs)
+    assert (fast - explicit).abs().max() < 1e-5
+    assert len(probs) == variant_model.config.n_layer
+    torch.testing.assert_close(probs[0].sum(-1), torch.ones(3, 4, 20))
+
+
+def test_attention_probs_are_causal():
+    model = tiny_model()
+    att = model.attention(torch.randint(0, 97, (1, 12)), layer=1, head=2)  # (B, T, T)
+    assert att.shape == (1, 12, 12)
+    assert att.triu(diagonal=1).abs().max() == 0
+
+
+def test_rope_matches_complex_rotation():
+    torch.manual_seed(0)
+    B, nh, T, hs, theta = 2, 3, 7, 8, 10000.0
+    x = torch.randn(B, nh, T, hs)
+    positions = torch.arange(5, 5 + T).expand(B, T)
+    cos, sin = rope_cos_sin(positions, hs, theta, torch.float32)
+    got = apply_rope(x, cos, sin)
+    # Direct formula: pair i is (x_i, x_{i+hs/2}) as a complex number, rotated by pos * theta^(-2i/hs).
+    freqs = theta ** (-torch.arange(0, hs // 2, dtype=torch.float64) * 2 / hs)
+    angle = torch.arange(5, 5 + T, dtype=torch.float64)[:, None] * freqs  # (T, hs/2)
+    z = torch.complex(x[..., : hs // 2].double(), x[..., hs // 2 :].double()) * torch.polar(torch.ones_like(angle), angle)
+    expected = torch.cat([z.real, z.imag], dim=-1).float()
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_rope_model_uses_no_position_table():
+    model = tiny_model(pos_embedding="rope")
+    assert "wpe" not in model.transformer
+
+
+def test_rmsnorm_matches_formula():
+    model = tiny_model(norm="rmsnorm")
+    norm = model.transformer.h[0].ln_1
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    x = torch.randn(2, 5, 32)
+    expected = x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + model.config.layer_norm_eps) * norm.weight
+    torch.testing.assert_close(norm(x), expected)
+
+
+def test_swiglu_matches_formula():
+    model = tiny_model(mlp="swiglu", bias=False)
+    mlp = model.transformer.h[0].mlp
+    hidden = model.config.mlp_hidden
+    w_gate, w_up = mlp.c_fc.weight[:hidden], mlp.c_fc.weight[hidden:]
+    x = torch.randn(2, 5, 32)
+    expected = (F.silu(x @ w_gate.T) * (x @ w_up.T)) @ mlp.c_proj.weight.T
+    torch.testing.assert_close(mlp(x), expected)
+
+
+def test_gelu_mlp_matches_formula():
+    model = tiny_model()
+    mlp = model.transformer.h[0].mlp
+    x = torch.randn(2, 5, 32)
+    h = x @ mlp.c_fc.weight.T + mlp.c_fc.bias
+    gelu = 0.5 * h * (1 + torch.tanh(math.sqrt(2 / math.pi) * (h + 0.044715 * h**3)))
+    torch.testing.assert_close(mlp(x), gelu @ mlp.c_proj.weight.T + mlp.c_proj.bias)
+
+
+@pytest.mark.parametrize(
+    "idx, message",
+    [
+        (torch.zeros(1, 33, dtype=torch.long), "exceeds the context length"),
+        (torch.zeros(1, 0, dtype=torch.long), "T >= 1"),
+        (torch.zeros(1, 4), "integer tensor"),
+        (torch.full((1, 4), 97), "outside the vocabulary"),
+        (torch.full((1, 4), -1), "outside the vocabulary"),
+        (torch.zeros(4, dtype=torch.long), "shape"),
+    ],
+    ids=["too-long", "empty", "float", "too-big-id", "negative-id", "1d"],
+)
+def test_bad_input_is_a_value_error(model, idx, message):
+    with pytest.raises(ValueError, match=message):
+        model(idx)
+
+
+def test_attention_index_errors(model):
+    idx = torch.zeros(1, 4, dtype=torch.long)
+    with pytest.raises(ValueError, match="layer 5 out of range"):
+        model.attention(idx, layer=5)
+    with pytest.raises(ValueError, match="head 4 out of range"):
+        model.attention(idx, layer=0, head=4)
