@@ -3,8 +3,8 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import VARIANTS, tiny_config, tiny_model
 
+from conftest import VARIANTS, tiny_config, tiny_model
 from gptlab.config import GPTConfig
 from gptlab.model import GPT, apply_rope, rope_cos_sin
 
@@ -118,7 +118,9 @@ def test_rope_matches_complex_rotation():
     # Direct formula: pair i is (x_i, x_{i+hs/2}) as a complex number, rotated by pos * theta^(-2i/hs).
     freqs = theta ** (-torch.arange(0, hs // 2, dtype=torch.float64) * 2 / hs)
     angle = torch.arange(5, 5 + T, dtype=torch.float64)[:, None] * freqs  # (T, hs/2)
-    z = torch.complex(x[..., : hs // 2].double(), x[..., hs // 2 :].double()) * torch.polar(torch.ones_like(angle), angle)
+    z = torch.complex(x[..., : hs // 2].double(), x[..., hs // 2 :].double()) * torch.polar(
+        torch.ones_like(angle), angle
+    )
     expected = torch.cat([z.real, z.imag], dim=-1).float()
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 

@@ -73,7 +73,9 @@ def load_native(directory: str | os.PathLike, *, device=None, dtype=None) -> GPT
     directory = Path(directory)
     meta = read_meta(directory)
     if meta.get("quantization"):
-        raise ValueError(f"{directory} holds a {meta['quantization']['mode']} quantized model; load it with gptlab.quantize.load_quantized")
+        raise ValueError(
+            f"{directory} holds a {meta['quantization']['mode']} quantized model; load it with gptlab.quantize.load_quantized"
+        )
     config = GPTConfig.from_dict(meta["config"])
     with torch.device("meta"):
         model = GPT(config)
@@ -99,7 +101,9 @@ def load_state_strict(model: GPT, state: dict[str, torch.Tensor], source: str) -
         raise ValueError(f"{source}: missing tensors {missing[:5]}, unexpected tensors {unexpected[:5]}")
     for name, tensor in state.items():
         if tensor.shape != expected[name].shape:
-            raise ValueError(f"{source}: tensor {name} has shape {tuple(tensor.shape)}, the model expects {tuple(expected[name].shape)}")
+            raise ValueError(
+                f"{source}: tensor {name} has shape {tuple(tensor.shape)}, the model expects {tuple(expected[name].shape)}"
+            )
     model.load_state_dict(state, strict=True, assign=True)
 
 

@@ -41,9 +41,7 @@ class GPTConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"GPTConfig.{name} must be a positive integer, got {value!r}")
         if self.n_embd % self.n_head != 0:
-            raise ValueError(
-                f"GPTConfig.n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})"
-            )
+            raise ValueError(f"GPTConfig.n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout!r}")
         if not self.layer_norm_eps > 0:
@@ -127,7 +125,14 @@ PRESETS: dict[str, dict[str, Any]] = {
     "gpt2-small-cpu": dict(n_layer=6, n_head=6, n_embd=192, block_size=256),
     # A small Llama-style model: rotary positions, RMSNorm, SwiGLU, no biases, untied head.
     "llama-tiny": dict(
-        n_layer=2, n_head=4, n_embd=64, block_size=128, pos_embedding="rope",
-        norm="rmsnorm", mlp="swiglu", bias=False, tie_weights=False,
+        n_layer=2,
+        n_head=4,
+        n_embd=64,
+        block_size=128,
+        pos_embedding="rope",
+        norm="rmsnorm",
+        mlp="swiglu",
+        bias=False,
+        tie_weights=False,
     ),
 }

@@ -109,7 +109,11 @@ class CausalSelfAttention(nn.Module):
             probs_out.append(probs)
         else:
             y = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, is_causal=mask is None and T > 1,
+                q,
+                k,
+                v,
+                attn_mask=mask,
+                is_causal=mask is None and T > 1,
                 dropout_p=self.dropout if self.training else 0.0,
             )  # (B, nh, T, hs)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # re-assemble heads side by side
@@ -253,7 +257,9 @@ class GPT(nn.Module):
         if not torch.compiler.is_compiling():
             lo, hi = int(idx.min()), int(idx.max())
             if lo < 0 or hi >= self.config.vocab_size:
-                raise ValueError(f"token id {lo if lo < 0 else hi} outside the vocabulary [0, {self.config.vocab_size})")
+                raise ValueError(
+                    f"token id {lo if lo < 0 else hi} outside the vocabulary [0, {self.config.vocab_size})"
+                )
         if targets is not None and targets.shape != idx.shape:
             raise ValueError(f"targets shape {tuple(targets.shape)} must equal idx shape {tuple(idx.shape)}")
 
@@ -302,10 +308,13 @@ class GPT(nn.Module):
             dict(component="final norm (ln_f)", params=count([t.ln_f]), note=""),
         ]
         tied = self.lm_head.weight is t.wte.weight
-        rows.append(dict(
-            component="head (lm_head)", params=0 if tied else self.lm_head.weight.numel(),
-            note="tied to wte, counted once" if tied else "",
-        ))
+        rows.append(
+            dict(
+                component="head (lm_head)",
+                params=0 if tied else self.lm_head.weight.numel(),
+                note="tied to wte, counted once" if tied else "",
+            )
+        )
         return rows
 
 

@@ -114,7 +114,7 @@ def gpt2_files() -> dict[str, str]:
     return paths
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def get_tokenizer(name: str = "gpt2") -> Tokenizer:
     """The tokenizer called `name`: "gpt2" (BPE, tiktoken) or "byte"."""
     if name == "byte":
@@ -126,11 +126,12 @@ def get_tokenizer(name: str = "gpt2") -> Tokenizer:
     from tiktoken_ext.openai_public import r50k_pat_str  # GPT-2's split pattern
 
     files = gpt2_files()
-    ranks = data_gym_to_mergeable_bpe_ranks(
-        vocab_bpe_file=files["vocab.bpe"], encoder_json_file=files["encoder.json"]
-    )
+    ranks = data_gym_to_mergeable_bpe_ranks(vocab_bpe_file=files["vocab.bpe"], encoder_json_file=files["encoder.json"])
     encoding = tiktoken.Encoding(
-        name="gpt2", explicit_n_vocab=50257, pat_str=r50k_pat_str,
-        mergeable_ranks=ranks, special_tokens={ENDOFTEXT: 50256},
+        name="gpt2",
+        explicit_n_vocab=50257,
+        pat_str=r50k_pat_str,
+        mergeable_ranks=ranks,
+        special_tokens={ENDOFTEXT: 50256},
     )
     return TiktokenTokenizer(encoding)
