@@ -14,6 +14,7 @@ from importlib import import_module
 COMMANDS = {
     "info": "parameter breakdown of a model (preset, checkpoint or Hub id)",
     "demo": "the main job: train a small model on tiny-shakespeare, then generate",
+    "bench": "benchmarks against the peers (generate, train); results go to bench/results/",
 }
 
 

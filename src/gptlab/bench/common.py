@@ -1,0 +1,63 @@
+"""What every benchmark shares: a description of the machine, a timer, and writing results."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+from gptlab.checkpoint import atomic_write_text
+
+
+def machine() -> dict:
+    """The facts a reader needs to compare a result: CPU, cores, memory, torch build."""
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem_gib = None
+    try:
+        mem_gib = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
+    except (ValueError, OSError):
+        pass
+    info = {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "memory_gib": mem_gib,
+        "torch": torch.__version__,
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "python": platform.python_version(),
+    }
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+    return info
+
+
+def timed(fn, *, sync=None) -> tuple[object, float]:
+    """Run fn() and return (result, seconds); `sync` (e.g. torch.cuda.synchronize) runs before each clock."""
+    if sync:
+        sync()
+    t0 = time.perf_counter()
+    out = fn()
+    if sync:
+        sync()
+    return out, time.perf_counter() - t0
+
+
+def write_results(name: str, results: dict, out_dir: str | os.PathLike = "bench/results") -> Path:
+    """Write results (with the machine and a timestamp) to out_dir/NAME-YYYYmmdd-HHMMSS.json."""
+    stamp = datetime.now(timezone.utc)
+    payload = {"benchmark": name, "time": stamp.isoformat(timespec="seconds"), "machine": machine(), **results}
+    path = Path(out_dir) / f"{name}-{stamp:%Y%m%d-%H%M%S}.json"
+    atomic_write_text(path, json.dumps(payload, indent=2))
+    return path

@@ -1,0 +1,19 @@
+"""gptlab bench NAME [options]: run a benchmark module gptlab.bench.NAME (its own --help)."""
+
+import argparse
+from importlib import import_module
+
+BENCHMARKS = {
+    "generate": "decode/prefill speed vs transformers' generate (fp32, bf16, quantized)",
+    "train": "training tokens/s vs transformers' GPT2LMHeadModel",
+}
+
+
+def add_arguments(parser):
+    parser.add_argument("benchmark", choices=list(BENCHMARKS), help="; ".join(f"{k}: {v}" for k, v in BENCHMARKS.items()))
+    parser.add_argument("options", nargs=argparse.REMAINDER, help="options of that benchmark (see its --help)")
+
+
+def run(args):
+    module = import_module(f"gptlab.bench.{args.benchmark}")
+    return module.main(args.options)
