@@ -69,6 +69,12 @@ class KVCache:
         self.pos = 0
         self.max_len = max_len
 
+    def advance(self, n: int) -> None:
+        """Move the write position past n newly written slots."""
+        if self.pos + n > self.max_len:
+            raise ValueError(f"KV cache overflow: {self.pos} + {n} > {self.max_len}")
+        self.pos += n
+
     @property
     def nbytes(self) -> int:
         return sum(k.nbytes + v.nbytes for k, v in self.layers)
@@ -201,12 +207,16 @@ class GPT(nn.Module):
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 
-    def forward(self, idx, targets=None, *, positions=None, kv_cache=None, key_mask=None, attn_probs=None):
+    def forward(
+        self, idx, targets=None, *, positions=None, kv_cache=None, key_mask=None, attn_probs=None, last_only=False
+    ):
         """Next-token logits (B, T, vocab_size) and, given targets (B, T), the mean cross-entropy.
 
         Generation passes `kv_cache` (a KVCache; new keys go to slots kv_cache.pos...), per-row
         `positions` (B, T) and `key_mask` (B, S_max) bool, False at padding slots. `attn_probs`,
         a list, collects each layer's attention probabilities through the explicit path.
+        `last_only` computes logits for the last position only, (B, 1, vocab_size): the head is a
+        third of GPT-2 small's weights, so decoding should not run it for the prompt.
         """
         self._check_input(idx, targets, kv_cache)
         B, T = idx.shape
@@ -226,6 +236,8 @@ class GPT(nn.Module):
         for i, block in enumerate(self.transformer.h):
             kv = kv_cache.layers[i] if kv_cache is not None else None
             x = block(x, rope, kv, start, mask, attn_probs)
+        if last_only:
+            x = x[:, -1:]  # (B, 1, C)
         x = self.transformer.ln_f(x)
         logits = self.lm_head(x)  # (B, T, vocab_size)
         loss = None
