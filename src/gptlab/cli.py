@@ -12,7 +12,12 @@ import sys
 from importlib import import_module
 
 COMMANDS = {
-    "info": "parameter breakdown of a model (preset, checkpoint or Hub id)",
+    "info": "parameters per component, FLOPs per token, KV-cache and weight memory of a model",
+    "eval": "perplexity / bits per byte, HellaSwag or LAMBADA; a table and a JSON file",
+    "trace": "one forward pass step by step: tokens, shapes, residual stream, next tokens",
+    "attention": "heatmap (PNG) of a layer's attention probabilities, one head or all",
+    "lens": "logit lens: the top token read from each layer's residual stream",
+    "next": "the most likely next tokens after a prompt, with probabilities",
     "demo": "the main job: train a small model on tiny-shakespeare, then generate",
     "bench": "benchmarks against the peers (generate, train); results go to bench/results/",
 }

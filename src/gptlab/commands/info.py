@@ -1,4 +1,5 @@
-"""gptlab info: what a model is made of."""
+"""gptlab info: what a model is made of: parameters per component, FLOPs per token, KV-cache
+size and weight memory."""
 
 from pathlib import Path
 
@@ -6,6 +7,10 @@ from pathlib import Path
 def add_arguments(parser):
     parser.add_argument("model", nargs="?", default=None, help="preset name, gptlab/HF directory or Hub id")
     parser.add_argument("--model", dest="model_opt", default=None, help="same as the positional MODEL")
+    parser.add_argument(
+        "--context", type=int, default=None, help="context length for FLOPs and KV cache (default block_size)"
+    )
+    parser.add_argument("--json", default=None, metavar="FILE", help="also write the figures as JSON")
 
 
 def run(args):
@@ -13,17 +18,56 @@ def run(args):
 
     from gptlab.checkpoint import load_model
     from gptlab.config import PRESETS, GPTConfig
+    from gptlab.inspect import model_info
     from gptlab.model import GPT
 
     spec = args.model_opt or args.model or "gpt2"
+    if args.context is not None and args.context < 1:
+        raise ValueError(f"--context must be at least 1, got {args.context}")
     if spec in PRESETS and not Path(spec).exists():
         with torch.device("meta"):  # shapes are all a preset's breakdown needs
             model = GPT(GPTConfig.from_name(spec))
     else:
         model = load_model(spec)
-    rows = model.param_breakdown()
-    width = max(len(r["component"]) for r in rows)
-    print(f"model: {spec}")
-    for r in rows:
-        print(f"  {r['component']:<{width}}  {r['params']:>14,}  {r['note']}")
-    print(f"  {'total':<{width}}  {model.num_params():>14,}")
+    info = model_info(model, args.context)
+    print_info(spec, info)
+    if args.json:
+        from gptlab.commands._model_args import write_json
+
+        write_json(args.json, {"model": spec, **info})
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:,.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+
+
+def print_info(spec: str, info: dict) -> None:
+    c = info["config"]
+    print(
+        f"model: {spec}  ({c['n_layer']} layers, {c['n_head']} heads, n_embd {c['n_embd']}, "
+        f"context {c['block_size']}, vocab {c['vocab_size']})"
+    )
+    width = max(len(r["component"]) for r in info["components"]) + 2
+    print("parameters")
+    for r in info["components"]:
+        print(f"  {r['component']:<{width}}{r['params']:>14,}  {100 * r['share']:5.1f}%  {r['note']}")
+    print(f"  {'total':<{width}}{info['total']:>14,}")
+    print(f"  {'without wpe (nanoGPT count)':<{width}}{info['non_embedding']:>14,}")
+    f = info["flops"]
+    print(
+        f"FLOPs per token at context {f['context']} (PaLM appendix B: 2N + 4*L*T*n_embd forward, "
+        f"N = {f['matmul_params']:,} matmul weights incl. the head)"
+    )
+    print(f"  forward   {f['forward']:>16,}  ({f['forward'] / 1e9:.3f} GFLOP)")
+    print(f"  training  {f['train']:>16,}  ({f['train'] / 1e9:.3f} GFLOP, 3x forward = 6N + 12*L*T*n_embd)")
+    print("KV cache (keys + values, all layers)")
+    for name, kv in info["kv_cache"].items():
+        print(
+            f"  {name:<5} {_bytes(kv['per_token']):>12} per token   {_bytes(kv['full_context']):>12} at {kv['context']} tokens"
+        )
+    print("weight memory (int8/int4: every matrix incl. the head quantized, bf16 scales; the rest bf16)")
+    for name, n in info["weights"].items():
+        print(f"  {name:<5} {_bytes(n):>12}  ({n:,} bytes)")

@@ -1,0 +1,69 @@
+"""gptlab eval: perplexity / bits per byte, HellaSwag, LAMBADA; a table on screen and a JSON file."""
+
+import time
+
+from gptlab.commands._model_args import add_model_arguments, load, write_json
+
+TASKS = ("perplexity", "hellaswag", "lambada")
+
+
+def add_arguments(parser):
+    add_model_arguments(parser, prompt=False)
+    parser.add_argument("--task", required=True, choices=TASKS)
+    parser.add_argument(
+        "--data",
+        default=None,
+        help="perplexity: a text file, a token file (val.bin) or a directory with val.bin; hellaswag/lambada: "
+        "the official jsonl (downloaded to the cache when omitted)",
+    )
+    parser.add_argument("--stride", type=int, default=None, help="perplexity window stride (default block_size/2)")
+    parser.add_argument(
+        "--batch-size", type=int, default=None, help="windows (perplexity, default 4) or rows (default 16)"
+    )
+    parser.add_argument("--limit", type=int, default=None, help="only the first N examples (hellaswag, lambada)")
+    parser.add_argument("--out", default=None, help="JSON results file (default eval-TASK.json)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def run(args):
+    from gptlab import evaluate
+
+    if args.batch_size is not None and args.batch_size < 1:
+        raise ValueError(f"--batch-size must be at least 1, got {args.batch_size}")
+    if args.limit is not None and args.limit < 1:
+        raise ValueError(f"--limit must be at least 1, got {args.limit}")
+    model, tokenizer = load(args)
+    progress = not args.no_progress
+    start = time.perf_counter()
+    if args.task == "perplexity":
+        if not args.data:
+            raise ValueError("--task perplexity needs --data (a text file, a val.bin, or a directory holding one)")
+        data = args.data
+        tokens = evaluate.read_tokens(data, tokenizer)
+        metrics = evaluate.perplexity(
+            model, tokens, tokenizer, stride=args.stride, batch_size=args.batch_size or 4, progress=progress
+        )
+    else:
+        data = evaluate.task_data(args.task, args.data)
+        read = evaluate.hellaswag_examples if args.task == "hellaswag" else evaluate.lambada_examples
+        score = evaluate.hellaswag if args.task == "hellaswag" else evaluate.lambada
+        examples = read(data, args.limit)
+        metrics = score(model, tokenizer, examples, batch_size=args.batch_size or 16, progress=progress)
+    elapsed = time.perf_counter() - start
+    result = {"task": args.task, "model": args.model, "data": str(data), "dtype": args.dtype, **metrics}
+    result["seconds"] = round(elapsed, 2)
+    print_table(result)
+    out = args.out or f"eval-{args.task}.json"
+    write_json(out, result)
+    print(f"results written to {out}")
+
+
+def print_table(result: dict) -> None:
+    rows = [(k, v) for k, v in result.items() if k != "per_example"]
+    width = max(len(k) for k, _ in rows)
+    for key, value in rows:
+        if isinstance(value, float):
+            value = f"{value:.4f}" if abs(value) < 1000 else f"{value:,.1f}"
+        elif isinstance(value, int):
+            value = f"{value:,}"
+        print(f"{key:<{width}}  {value}")

@@ -1,0 +1,275 @@
+import json
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from conftest import VARIANTS, tiny_model
+from gptlab import inspect as gi
+from gptlab.checkpoint import save_model
+from gptlab.cli import main
+from gptlab.config import PRESETS, GPTConfig
+from gptlab.model import GPT
+from gptlab.tokenizer import get_tokenizer
+
+BYTE = get_tokenizer("byte")
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+# ----------------------------------------------------------------------------- info
+
+
+def _linear_weights(model: GPT) -> int:
+    """Weights of every nn.Linear as the forward pass uses them (a tied head counted as a matmul)."""
+    return sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_info_totals_match_every_preset(name):
+    with torch.device("meta"):
+        model = GPT(GPTConfig.from_name(name))
+    info = gi.model_info(model)
+    assert sum(r["params"] for r in info["components"]) == info["total"] == model.num_params()
+    assert sum(r["share"] for r in info["components"]) == pytest.approx(1.0)
+    assert info["flops"]["matmul_params"] == _linear_weights(model)
+    assert info["weights"]["fp32"] == 4 * model.num_params()
+    assert info["weights"]["bf16"] == 2 * model.num_params()
+    assert info["weights"]["int4"] < info["weights"]["int8"] < info["weights"]["bf16"]
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_info_totals_match_every_variant(variant):
+    model = tiny_model(**VARIANTS[variant])
+    info = gi.model_info(model)
+    assert sum(r["params"] for r in info["components"]) == info["total"] == model.num_params()
+    assert info["flops"]["matmul_params"] == _linear_weights(model)
+    head = info["components"][-1]
+    assert head["params"] == (0 if model.config.tie_weights else model.lm_head.weight.numel())
+
+
+def test_gpt2_info():
+    with torch.device("meta"):
+        model = GPT(GPTConfig.from_name("gpt2"))
+    info = gi.model_info(model)
+    assert info["total"] == 124_439_808
+    assert info["kv_cache"]["fp32"]["per_token"] == 2 * 12 * 768 * 4  # 73,728 bytes
+    assert info["kv_cache"]["bf16"]["full_context"] == 2 * 12 * 768 * 2 * 1024
+
+
+def test_flops_by_hand_for_gpt2_tiny():
+    # gpt2-tiny: L=2, n_embd C=64, vocab V=50257, context T=128.
+    # matmul weights per block: c_attn 3C*C + attn c_proj C*C + c_fc 4C*C + mlp c_proj 4C*C = 12*64*64 = 49,152
+    # N = 2 * 49,152 + head 50,257 * 64 = 98,304 + 3,216,448 = 3,314,752
+    # forward = 2N + 4*L*T*C = 6,629,504 + 4*2*128*64 (= 65,536) = 6,695,040; training = 3x = 20,085,120
+    flops = gi.flops_per_token(GPTConfig.from_name("gpt2-tiny"))
+    assert flops["matmul_params"] == 3_314_752
+    assert flops["forward"] == 6_695_040
+    assert flops["train"] == 20_085_120
+    assert gi.flops_per_token(GPTConfig.from_name("gpt2-tiny"), context=64)["forward"] == 6_629_504 + 32_768
+
+
+def test_int8_and_int4_weight_bytes_by_hand():
+    # vocab 97, C=32, L=2, tied, learned positions (block 32): matrices per block 12*32*32 = 12,288; head 97*32
+    model = tiny_model()
+    n_mat = 2 * 12_288 + 97 * 32  # 27,680
+    rows = 2 * (96 + 32 + 128 + 32) + 97  # output channels: 673
+    groups = 2 * (96 + 32 + 128 + 32 * 2) + 97  # int4 groups of 64 inputs (mlp c_proj has 128 inputs: 2 groups)
+    rest = model.num_params() - n_mat
+    weights = gi.weight_memory(model)
+    assert weights["int8"] == n_mat + 2 * rows + 2 * rest
+    assert weights["int4"] == n_mat // 2 + 4 * groups + 2 * rest
+
+
+# ----------------------------------------------------------------------------- attention
+
+
+def _attention_by_hand(model: GPT, idx: torch.Tensor, layer: int) -> torch.Tensor:
+    """softmax(q k^T / sqrt(hs)) with a causal mask, from ln_1's output captured in a normal forward."""
+    block = model.transformer.h[layer]
+    with gi.capture_outputs({"ln_1": block.ln_1}) as out, torch.no_grad():
+        model(idx)
+        q, k, _ = block.attn.c_attn(out["ln_1"]).split(model.config.n_embd, dim=2)
+    B, T, C = q.shape
+    q = q.view(B, T, model.config.n_head, -1).transpose(1, 2)  # (B, nh, T, hs)
+    k = k.view(B, T, model.config.n_head, -1).transpose(1, 2)  # (B, nh, T, hs)
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))  # (B, nh, T, T)
+    scores = scores.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+    return F.softmax(scores, dim=-1)
+
+
+def test_attention_rows_are_causal_sum_to_one_and_match_the_forward_pass():
+    model = tiny_model()
+    idx = torch.randint(0, 97, (2, 14), generator=torch.Generator().manual_seed(0))
+    att = model.attention(idx)  # (L, B, nh, T, T)
+    torch.testing.assert_close(att.sum(-1), torch.ones(2, 2, 4, 14))
+    assert att.triu(diagonal=1).abs().max() == 0
+    probs = []
+    with torch.no_grad():
+        model(idx, attn_probs=probs)
+    torch.testing.assert_close(att, torch.stack(probs), rtol=0, atol=0)
+    for layer in range(2):
+        torch.testing.assert_close(model.attention(idx, layer=layer), _attention_by_hand(model, idx, layer))
+    torch.testing.assert_close(model.attention(idx, layer=-1, head=3), att[1, :, 3])
+
+
+# ----------------------------------------------------------------------------- lens, trace, next
+
+
+def test_logit_lens_reads_each_residual_stream(variant_model):
+    idx = torch.randint(0, 97, (1, 9), generator=torch.Generator().manual_seed(0))
+    lens = gi.logit_lens(variant_model, idx, top=3)
+    L = variant_model.config.n_layer
+    assert lens["layers"] == ["embed"] + [f"block {i}" for i in range(L)]
+    assert torch.tensor(lens["top_ids"]).shape == (L + 1, 9, 3)
+    with torch.no_grad():
+        logits, _ = variant_model(idx)
+        t = variant_model.transformer
+        x = t.wte(idx) + (t.wpe(torch.arange(9)) if "wpe" in t else 0)
+        embed_logits = variant_model.lm_head(t.ln_f(x))
+    for row, reference in ((L, logits), (0, embed_logits)):
+        probs, ids = F.softmax(reference[0], -1).topk(3)
+        assert lens["top_ids"][row] == ids.tolist()
+        torch.testing.assert_close(torch.tensor(lens["top_probs"][row]), probs)
+    assert all(not b._forward_hooks for b in variant_model.transformer.h)  # hooks removed
+
+
+def test_trace_shapes_and_residual_changes(variant_model):
+    idx = torch.randint(0, 97, (1, 7), generator=torch.Generator().manual_seed(0))
+    result = gi.trace(variant_model, BYTE, idx, top=4)
+    cfg = variant_model.config
+    shapes = {s["stage"]: s["shape"] for s in result["stages"]}
+    assert shapes["token embedding wte[ids]"] == [1, 7, cfg.n_embd]
+    assert shapes["block 0: c_attn -> q, k, v fused"] == [1, 7, 3 * cfg.n_embd]
+    assert shapes["block 0: mlp c_fc"] == [1, 7, (2 if cfg.mlp == "swiglu" else 1) * cfg.mlp_hidden]
+    assert shapes[f"block {cfg.n_layer - 1} output"] == [1, 7, cfg.n_embd]
+    assert result["logits_shape"] == [1, 7, cfg.vocab_size]
+    blocks = result["blocks"]
+    assert [b["layer"] for b in blocks] == list(range(cfg.n_layer))
+    for a, b in zip(blocks, blocks[1:], strict=False):
+        assert b["resid_in"] == pytest.approx(a["resid_out"])
+    # the change a block makes is exactly its attention plus MLP contribution
+    block = variant_model.transformer.h[0]
+    with gi.capture_outputs({"attn": block.attn, "mlp": block.mlp, "in": variant_model.transformer.drop}) as out:
+        with torch.no_grad():
+            variant_model(idx)
+    assert blocks[0]["resid_in"] == pytest.approx(out["in"][0].norm(dim=-1).mean().item(), rel=1e-5)
+    assert blocks[0]["change"] == pytest.approx((out["attn"] + out["mlp"])[0].norm(dim=-1).mean().item(), rel=1e-4)
+    expected = gi.next_tokens(variant_model, BYTE, idx, top=4)
+    assert [t["id"] for t in result["next"]] == [t["id"] for t in expected]
+
+
+def test_next_tokens_are_the_top_of_the_softmax():
+    model = tiny_model()
+    idx = torch.tensor([[3, 1, 4, 1, 5]])
+    tokens = gi.next_tokens(model, BYTE, idx, top=10)
+    with torch.no_grad():
+        probs = F.softmax(model(idx)[0][0, -1], -1)
+    top = probs.topk(10)
+    assert [t["id"] for t in tokens] == top.indices.tolist()
+    assert [t["prob"] for t in tokens] == pytest.approx(top.values.tolist())
+
+
+def test_token_labels():
+    tok = get_tokenizer("gpt2")
+    assert gi.token_label(tok, tok.encode(" love")[0]) == " love"
+    assert gi.token_label(tok, tok.encode("\n")[0]) == "\\n"
+    partial = tok.encode("語")[0]  # a piece of a 3-byte character
+    assert gi.token_label(tok, partial).startswith("\\x")
+    assert gi.token_label(BYTE, 27) == "\\x1b"
+
+
+def test_bad_prompts_and_indices():
+    model = tiny_model()
+    with pytest.raises(ValueError, match="prompt is empty"):
+        gi.encode_prompt(BYTE, "", 32)
+    with pytest.raises(ValueError, match="40 tokens, longer than the model's context of 32"):
+        gi.encode_prompt(BYTE, "x" * 40, 32)
+    with pytest.raises(ValueError, match="top must be at least 1"):
+        gi.next_tokens(model, BYTE, torch.tensor([[1]]), top=0)
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=257, block_size=64, n_layer=2, n_head=4, n_embd=32))
+    path = tmp_path_factory.mktemp("m") / "byte-model"
+    save_model(model, path, tokenizer="byte")
+    return str(path)
+
+
+def _assert_png(path):
+    import matplotlib.image
+
+    data = path.read_bytes()
+    assert data.startswith(PNG_SIGNATURE)
+    image = matplotlib.image.imread(path)
+    assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100
+    return image
+
+
+def test_cli_attention_writes_png(tmp_path, model_dir, capsys):
+    grid, one = tmp_path / "grid.png", tmp_path / "one.png"
+    assert main(["attention", "--model", model_dir, "--prompt", "Hello there", "--layer", "1", "--out", str(grid)]) == 0
+    assert (
+        main(
+            ["attention", "--model", model_dir, "--prompt", "Hi you", "--layer", "0", "--head", "2", "--out", str(one)]
+        )
+        == 0
+    )
+    big, small = _assert_png(grid), _assert_png(one)
+    assert big.shape[0] > small.shape[0]  # a 2x2 grid of heads is taller than one head
+    out = capsys.readouterr().out
+    assert "layer 1, all 4 heads" in out and "layer 0, head 2" in out
+
+
+def test_cli_lens_trace_next_info_write_files(tmp_path, model_dir, capsys):
+    png, lens_json, trace_json, next_json, info_json = (
+        tmp_path / n for n in ("l.png", "l.json", "t.json", "n.json", "i.json")
+    )
+    common = ["--model", model_dir, "--prompt", "To be, or not"]
+    assert main(["lens", *common, "--out", str(png), "--json", str(lens_json)]) == 0
+    _assert_png(png)
+    assert len(json.loads(lens_json.read_text())["top_ids"]) == 3
+    assert main(["trace", *common, "--json", str(trace_json)]) == 0
+    assert json.loads(trace_json.read_text())["logits_shape"] == [1, 13, 257]
+    assert main(["next", *common, "--top", "7", "--json", str(next_json)]) == 0
+    assert len(json.loads(next_json.read_text())["next"]) == 7
+    assert main(["info", "--model", model_dir, "--json", str(info_json)]) == 0
+    assert json.loads(info_json.read_text())["total"] == 257 * 32 + 64 * 32 + 2 * (12 * 32 * 32 + 13 * 32) + 2 * 32
+    out = capsys.readouterr().out
+    assert "1. tokenize: 13 tokens" in out and "block 1" in out and "FLOPs per token" in out
+
+
+def test_info_gpt2_prints_the_total(capsys):
+    assert main(["info", "gpt2"]) == 0
+    out = capsys.readouterr().out
+    assert "124,439,808" in out and "284,812,800" in out and "72.0 MiB at 1024 tokens" in out
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["attention", "--prompt", "Hello", "--layer", "2"], "layer 2 out of range: the model has 2 layers"),
+        (
+            ["attention", "--prompt", "Hello", "--layer", "0", "--head", "4"],
+            "head 4 out of range: the model has 4 heads",
+        ),
+        (["attention", "--prompt", "", "--layer", "0"], "prompt is empty"),
+        (["trace", "--prompt", ""], "prompt is empty"),
+        (["lens", "--prompt", ""], "prompt is empty"),
+        (["next", "--prompt", ""], "prompt is empty"),
+        (["next", "--prompt", "x" * 65], "65 tokens, longer than the model's context of 64"),
+    ],
+)
+def test_cli_bad_input(tmp_path, model_dir, capsys, argv, message):
+    out = tmp_path / "never.png"
+    assert (
+        main([argv[0], "--model", model_dir, *argv[1:], *(["--out", str(out)] if argv[0] == "attention" else [])]) == 2
+    )
+    assert message in capsys.readouterr().err
+    assert not out.exists()
