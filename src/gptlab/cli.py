@@ -20,6 +20,8 @@ COMMANDS = {
     "next": "the most likely next tokens after a prompt, with probabilities",
     "demo": "the main job: train a small model on tiny-shakespeare, then generate",
     "bench": "benchmarks against the peers (generate, train); results go to bench/results/",
+    "export": "write a model in the Hugging Face GPT2LMHeadModel layout (config, safetensors, tokenizer)",
+    "serve": "OpenAI-compatible completions API with dynamic batching, and a web explorer",
 }
 
 

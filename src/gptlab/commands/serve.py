@@ -1,0 +1,35 @@
+"""gptlab serve: an OpenAI-compatible completions API and the web explorer for one model."""
+
+from pathlib import Path
+
+
+def add_arguments(parser):
+    parser.add_argument("--model", required=True, help="preset name, gptlab/HF directory or Hub id")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--name", default=None, help="model id clients ask for (default: the --model's last path part)")
+    parser.add_argument("--max-batch", type=int, default=16, help="rows decoded together (default 16)")
+    parser.add_argument("--max-queue", type=int, default=64, help="waiting requests before answering 429 (default 64)")
+    parser.add_argument("--max-body", type=int, default=1 << 20, help="largest request body in bytes (default 1 MiB)")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda, ... (default cpu)")
+    parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+
+
+def run(args):
+    import uvicorn
+
+    from gptlab.checkpoint import load_model, tokenizer_name
+    from gptlab.serve.app import create_app
+    from gptlab.tokenizer import get_tokenizer
+
+    for flag in ("max_batch", "max_queue", "max_body"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be at least 1")
+    model = load_model(args.model, device=args.device)
+    tokenizer = get_tokenizer(tokenizer_name(args.model))
+    name = args.name or Path(args.model.rstrip("/")).name
+    app = create_app(
+        model, tokenizer, name=name, max_batch=args.max_batch, max_queue=args.max_queue, max_body_bytes=args.max_body
+    )
+    print(f"gptlab serve: {name} on http://{args.host}:{args.port}/ (OpenAI API under /v1)", flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)

@@ -1,0 +1,93 @@
+"""The FastAPI application: OpenAI-compatible completions, the explorer page and its JSON API.
+
+`create_app(model, tokenizer, name=...)` builds it; the scheduler's worker thread starts and stops
+with the app's lifespan. `gptlab serve` runs it under uvicorn.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from importlib import resources
+
+from fastapi import FastAPI
+from fastapi.responses import FileResponse
+from fastapi.staticfiles import StaticFiles
+
+from gptlab.serve.completions import Completions
+from gptlab.serve.errors import APIError, BodyLimit, install_error_handlers
+from gptlab.serve.explorer import Explorer
+from gptlab.serve.scheduler import Scheduler
+
+MAX_BODY_BYTES = 1 << 20
+
+
+@dataclass
+class ServerState:
+    """What every route needs: the model, its tokenizer, its public name and the scheduler."""
+
+    model: object
+    tokenizer: object
+    name: str
+    scheduler: Scheduler
+    created: int
+
+
+def static_dir() -> str:
+    return str(resources.files("gptlab.serve") / "static")
+
+
+def create_app(
+    model,
+    tokenizer,
+    *,
+    name: str = "gptlab",
+    max_batch: int = 16,
+    max_queue: int = 64,
+    max_body_bytes: int = MAX_BODY_BYTES,
+    cache_len: int | None = None,
+) -> FastAPI:
+    """The server for one model. max_batch: rows decoded together; max_queue: requests waiting
+    beyond that before answering 429; max_body_bytes: larger request bodies get 413."""
+    if tokenizer.n_vocab > model.config.vocab_size:
+        raise ValueError(f"tokenizer {tokenizer.name} has {tokenizer.n_vocab} tokens, the model only {model.config.vocab_size}")  # fmt: skip
+    model.eval()
+    scheduler = Scheduler(model, max_batch=max_batch, max_queue=max_queue, cache_len=cache_len)
+    state = ServerState(model, tokenizer, name, scheduler, int(time.time()))
+
+    @asynccontextmanager
+    async def lifespan(app):
+        scheduler.start()
+        try:
+            yield
+        finally:
+            scheduler.close()
+
+    app = FastAPI(title="gptlab", lifespan=lifespan, docs_url="/docs", redoc_url=None)
+    app.state.gptlab = state
+    install_error_handlers(app)
+    app.include_router(Completions(state).router)
+    app.include_router(Explorer(state).router)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [dict(id=name, object="model", created=state.created, owned_by="gptlab")]}
+
+    @app.get("/v1/models/{model_id}")
+    async def model_card(model_id: str):
+        if model_id != name:
+            raise APIError(404, f"The model `{model_id}` does not exist", param="model", code="model_not_found")
+        return dict(id=name, object="model", created=state.created, owned_by="gptlab")
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "model": name, **scheduler.load()}
+
+    @app.get("/", include_in_schema=False)
+    async def index():
+        return FileResponse(f"{static_dir()}/index.html")
+
+    app.mount("/static", StaticFiles(directory=static_dir()), name="static")
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    return app

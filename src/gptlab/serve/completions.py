@@ -1,0 +1,361 @@
+"""POST /v1/completions as the official `openai` client calls it, on top of the Scheduler.
+
+Each prompt of a request becomes one scheduler request with its `n` samples, so with a `seed`
+choice i*n+j equals sample j of `gptlab.generate(model, [prompt_i], max_tokens, num_samples=n,
+generator=seed, eos_id=<|endoftext|>, ...)`. gptlab's extras, accepted as extra body fields:
+top_k, min_p, repetition_penalty, ignore_eos (do not stop at <|endoftext|>) and
+return_token_ids (each choice also carries `token_ids`, and `prompt_token_ids`).
+
+Logprobs are the model's own log-probabilities (log-softmax of its logits, before temperature,
+penalties and filters), as OpenAI reports them; `top_logprobs` holds the `logprobs` most likely
+tokens plus the chosen one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import codecs
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from gptlab.generate import _held_back, validate_sampling
+from gptlab.serve.errors import APIError
+from gptlab.serve.scheduler import GenerationRequest, QueueFull, SamplingParams
+
+MAX_LOGPROBS = 20
+MAX_STOPS = 4
+
+Prompt = str | list[str] | list[int] | list[list[int]]
+
+
+class CompletionRequest(BaseModel):
+    """The body of POST /v1/completions (OpenAI's fields, then gptlab's extras)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    prompt: Prompt = "<|endoftext|>"
+    max_tokens: int | None = Field(16, ge=0)
+    temperature: float | None = Field(1.0, ge=0, le=2)
+    top_p: float | None = Field(1.0, gt=0, le=1)
+    n: int = Field(1, ge=1)
+    stream: bool = False
+    stream_options: dict | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    best_of: int | None = None
+    presence_penalty: float | None = 0.0
+    frequency_penalty: float | None = 0.0
+    logit_bias: dict | None = None
+    suffix: str | None = None
+    user: str | None = None
+    # gptlab's extras
+    top_k: int | None = Field(None, ge=-1)  # -1 and 0 mean off, as in vLLM
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float = Field(1.0, gt=0)
+    ignore_eos: bool = False
+    return_token_ids: bool = False
+
+
+class ChoiceText:
+    """One choice's text as tokens arrive: UTF-8 split across tokens is held back, and so is any
+    tail that could begin a stop string; the first stop string found ends the choice."""
+
+    def __init__(self, tokenizer, stops: list[str], logprobs: bool, offset: int = 0):
+        self.tokenizer, self.stops, self.want_logprobs = tokenizer, stops, logprobs
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.text, self.emitted = "", 0
+        self.offset = offset  # characters before this choice's text (the echoed prompt)
+        self.entries: list[tuple] = []  # (token text, logprob, top dict, text offset) not yet emitted
+        self.token_ids: list[int] = []
+        self.finish_reason: str | None = None
+
+    def add(self, token: int, logprob=None, top=None) -> tuple[str, list]:
+        """Take one generated token; returns the (text, logprob entries) now safe to send."""
+        self.token_ids.append(token)
+        if self.want_logprobs:
+            self.entries.append(self.entry(token, logprob, top, self.offset + len(self.text)))
+        self.text += self.decoder.decode(self.tokenizer.decode_bytes([token]))
+        hits = [i for i in (self.text.find(s, self.emitted) for s in self.stops) if i >= 0]
+        if hits:
+            self.text = self.text[: min(hits)]
+            self.finish_reason = "stop"
+            return self._take(len(self.text))
+        return self._take(len(self.text) - _held_back(self.text, self.stops))
+
+    def finish(self, reason: str) -> tuple[str, list]:
+        """End the choice (if no stop string ended it first); returns what is left to send."""
+        if self.finish_reason is None:
+            self.text += self.decoder.decode(b"", final=True)
+            self.finish_reason = reason
+        return self._take(len(self.text))
+
+    def entry(self, token: int, logprob, top, offset: int) -> tuple:
+        """A logprob entry; tokens with the same text (bytes of split characters) keep the best score."""
+        alternatives = None
+        if top is not None:
+            alternatives = {}
+            for t, lp in [*top, (token, logprob)]:
+                alternatives.setdefault(self.tokenizer.decode([t]), lp)
+        return self.tokenizer.decode([token]), logprob, alternatives, offset
+
+    def _take(self, upto: int) -> tuple[str, list]:
+        text = self.text[self.emitted : max(upto, self.emitted)]
+        self.emitted = max(upto, self.emitted)
+        entries, self.entries = self.entries, []
+        return text, entries
+
+
+def logprobs_json(entries: list[tuple]) -> dict:
+    """OpenAI's completion logprobs object from (token, logprob, top, offset) entries."""
+    return {
+        "tokens": [e[0] for e in entries],
+        "token_logprobs": [e[1] for e in entries],
+        "top_logprobs": [e[2] for e in entries],
+        "text_offset": [e[3] for e in entries],
+    }
+
+
+def _stops(stop) -> list[str]:
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if len(stops) > MAX_STOPS or any(not s for s in stops):
+        raise APIError(400, f"stop must be up to {MAX_STOPS} non-empty strings", param="stop", code="invalid_value")
+    return stops
+
+
+def _check_unsupported(body: CompletionRequest) -> None:
+    if body.best_of not in (None, 1, body.n):
+        raise APIError(400, "best_of is not supported (only best_of == n)", param="best_of", code="unsupported")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(body, name):
+            raise APIError(400, f"{name} is not supported; use repetition_penalty", param=name, code="unsupported")
+    if body.logit_bias:
+        raise APIError(400, "logit_bias is not supported", param="logit_bias", code="unsupported")
+    if body.suffix:
+        raise APIError(400, "suffix is not supported", param="suffix", code="unsupported")
+
+
+class Completions:
+    """The /v1/completions endpoint for one served model."""
+
+    def __init__(self, state):
+        self.state = state  # ServerState: model, tokenizer, scheduler, name
+        self.router = APIRouter()
+        self.router.add_api_route("/v1/completions", self.create, methods=["POST"])
+
+    def prompts(self, body: CompletionRequest) -> list[list[int]]:
+        """The request's prompts as token id lists (an empty prompt is <|endoftext|>)."""
+        tok, vocab, p = self.state.tokenizer, self.state.model.config.vocab_size, body.prompt
+        if isinstance(p, str):
+            p = [p]
+        if not p:
+            raise APIError(400, "prompt must not be an empty list", param="prompt", code="invalid_value")
+        if isinstance(p[0], int):
+            p = [p]
+        ids = [tok.encode(x, allowed_special="all") if isinstance(x, str) else list(x) for x in p]
+        for row in ids:
+            if any(not 0 <= t < vocab for t in row):
+                raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt", code="invalid_value")
+        return [row or [tok.eot_token] for row in ids]
+
+    def params(self, body: CompletionRequest, prompts: list[list[int]]) -> SamplingParams:
+        """Validate the request against the model and server limits; its SamplingParams."""
+        _check_unsupported(body)
+        block, max_batch = self.state.model.config.block_size, self.state.scheduler.max_batch
+        if body.model != self.state.name:
+            raise APIError(404, f"The model `{body.model}` does not exist; this server serves `{self.state.name}`", param="model", code="model_not_found")  # fmt: skip
+        if body.n > max_batch:
+            raise APIError(400, f"n must be at most {max_batch} (the batch size)", param="n", code="invalid_value")
+        longest = max(len(p) for p in prompts)
+        if longest >= block:
+            raise APIError(400, f"This model's maximum context length is {block} tokens, however your prompt has {longest} tokens", param="prompt", code="context_length_exceeded")  # fmt: skip
+        max_tokens = 16 if body.max_tokens is None else body.max_tokens
+        if longest + max_tokens > block:
+            raise APIError(400, f"This model's maximum context length is {block} tokens, however you requested {longest + max_tokens} tokens ({longest} in your prompt; {max_tokens} for the completion). Please reduce max_tokens to at most {block - longest}.", param="max_tokens", code="context_length_exceeded")  # fmt: skip
+        if max_tokens == 0 and not body.echo:
+            raise APIError(400, "max_tokens must be at least 1 (0 only with echo)", param="max_tokens", code="invalid_value")  # fmt: skip
+        top_k = body.top_k if body.top_k and body.top_k > 0 else None
+        top_p = body.top_p if body.top_p is not None and body.top_p < 1 else None
+        temperature = 1.0 if body.temperature is None else body.temperature
+        try:
+            validate_sampling(temperature=temperature, top_k=top_k, top_p=top_p, min_p=body.min_p,
+                              repetition_penalty=body.repetition_penalty, num_samples=body.n)  # fmt: skip
+        except ValueError as e:
+            raise APIError(400, str(e), code="invalid_value") from e
+        return SamplingParams(
+            max_tokens=max_tokens, n=body.n, temperature=temperature, top_k=top_k, top_p=top_p,
+            min_p=body.min_p or None, repetition_penalty=body.repetition_penalty,
+            eos_id=None if body.ignore_eos else self.state.tokenizer.eot_token, seed=body.seed,
+            logprobs=body.logprobs, prompt_logprobs=body.echo and body.logprobs is not None,
+        )  # fmt: skip
+
+    async def create(self, body: CompletionRequest, request: Request):
+        prompts = self.prompts(body)
+        params = self.params(body, prompts)
+        stops = _stops(body.stop)
+        run = CompletionRun(self.state, body, prompts, params, stops)
+        run.submit()
+        watcher = asyncio.create_task(_cancel_on_disconnect(request, run))
+        if body.stream:
+            return StreamingResponse(run.stream(watcher), media_type="text/event-stream")
+        try:
+            return JSONResponse(await run.collect())
+        finally:
+            watcher.cancel()
+            run.cancel()
+
+
+async def _cancel_on_disconnect(request: Request, run: CompletionRun) -> None:
+    """Cancel the run's generation when the client goes away."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            run.cancel()
+            return
+
+
+class CompletionRun:
+    """One /v1/completions request in flight: its scheduler requests and its choices' text."""
+
+    def __init__(self, state, body: CompletionRequest, prompts: list[list[int]], params: SamplingParams, stops):
+        self.state, self.body, self.prompts, self.params = state, body, prompts, params
+        self.id, self.created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        self.events: asyncio.Queue = asyncio.Queue()
+        tok, want_lp = state.tokenizer, body.logprobs is not None
+        self.prompt_texts = [tok.decode(p) for p in prompts]
+        self.choices = []
+        for text in self.prompt_texts:
+            offset = len(text) if body.echo else 0
+            self.choices += [ChoiceText(tok, stops, want_lp, offset) for _ in range(params.n)]
+        loop = asyncio.get_running_loop()
+        self.requests = [GenerationRequest(p, params, loop, self.events, index=i) for i, p in enumerate(prompts)]
+        self.prompt_entries: list[list | None] = [None] * len(prompts)
+        self.done = 0
+
+    def submit(self) -> None:
+        try:
+            for r in self.requests:
+                self.state.scheduler.submit(r)
+        except QueueFull as e:
+            self.cancel()
+            raise APIError(429, f"The server is busy: {e}. Retry later.", code="rate_limit_exceeded") from e
+        except ValueError as e:
+            self.cancel()
+            raise APIError(400, str(e), code="invalid_value") from e
+
+    def cancel(self) -> None:
+        for r in self.requests:
+            r.cancel()
+
+    def _echo_piece(self, i: int) -> tuple[str, list]:
+        """The prompt's text (and its logprob entries) that an echoing choice starts with."""
+        entries = []
+        if self.params.prompt_logprobs:
+            prompt, scores, offset = self.prompts[i], self.prompt_entries[i] or [], 0
+            choice = self.choices[i * self.params.n]
+            for token, (lp, top) in zip(prompt, scores, strict=False):
+                entries.append(choice.entry(token, lp, top, offset))
+                offset += len(self.state.tokenizer.decode([token]))
+        return self.prompt_texts[i], entries
+
+    async def pieces(self) -> AsyncIterator[tuple[int, str, list, str | None]]:
+        """(choice index, text, logprob entries, finish_reason) as generation goes."""
+        n = self.params.n
+        while self.done < len(self.requests):
+            kind, i, payload = await self.events.get()
+            if kind == "prompt":
+                self.prompt_entries[i] = payload
+            elif kind == "tokens":
+                for j, row in enumerate(payload):
+                    choice = self.choices[i * n + j]
+                    if row is None or choice.finish_reason is not None:
+                        continue
+                    token, lp, top = row
+                    if token == self.params.eos_id:
+                        yield (i * n + j, *choice.finish("stop"), "stop")
+                    else:
+                        text, entries = choice.add(token, lp, top)
+                        if choice.finish_reason is not None:
+                            self.requests[i].stop_row(j)
+                        if text or entries or choice.finish_reason:
+                            yield i * n + j, text, entries, choice.finish_reason
+            else:  # done
+                self.done += 1
+                if payload.startswith("error"):
+                    raise APIError(500, f"generation failed: {payload}", code="internal_error")
+                for j in range(n):
+                    choice = self.choices[i * n + j]
+                    if choice.finish_reason is None:
+                        reason = "length" if payload in ("length", "cancelled") else "stop"
+                        yield (i * n + j, *choice.finish(reason), reason)
+
+    def usage(self) -> dict:
+        prompt_tokens = sum(len(p) for p in self.prompts)
+        completion = sum(len(c.token_ids) for c in self.choices)
+        return {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion,
+            "total_tokens": prompt_tokens + completion,
+        }
+
+    def _choice_extras(self, index: int) -> dict:
+        if not self.body.return_token_ids:
+            return {}
+        ids = [t for t in self.choices[index].token_ids if t != self.params.eos_id]
+        return {"token_ids": ids, "prompt_token_ids": self.prompts[index // self.params.n]}
+
+    async def collect(self) -> dict:
+        """The whole (non-streamed) response."""
+        texts = [[] for _ in self.choices]
+        entries = [[] for _ in self.choices]
+        async for index, text, more, _ in self.pieces():
+            texts[index].append(text)
+            entries[index] += more
+        choices = []
+        for index, choice in enumerate(self.choices):
+            text = "".join(texts[index])
+            if self.body.echo:
+                echo_text, echo_entries = self._echo_piece(index // self.params.n)
+                text, entries[index] = echo_text + text, echo_entries + entries[index]
+            lp = logprobs_json(entries[index]) if self.body.logprobs is not None else None
+            choices.append(dict(index=index, text=text, logprobs=lp, finish_reason=choice.finish_reason, **self._choice_extras(index)))  # fmt: skip
+        return dict(id=self.id, object="text_completion", created=self.created, model=self.state.name, choices=choices, usage=self.usage())  # fmt: skip
+
+    def _chunk(self, index: int, text: str, entries: list, finish: str | None, **extra) -> str:
+        lp = logprobs_json(entries) if self.body.logprobs is not None else None
+        choice = dict(index=index, text=text, logprobs=lp, finish_reason=finish)
+        if finish is not None:
+            choice.update(self._choice_extras(index))
+        data = dict(id=self.id, object="text_completion", created=self.created, model=self.state.name, choices=[choice], **extra)  # fmt: skip
+        return f"data: {json.dumps(data)}\n\n"
+
+    async def stream(self, watcher: asyncio.Task) -> AsyncIterator[str]:
+        """Server-sent events: one chunk per piece of text, usage on the last, then [DONE]."""
+        try:
+            started: set[int] = set()
+            open_choices = len(self.choices)
+            async for index, text, entries, finish in self.pieces():
+                if self.body.echo and index not in started:
+                    started.add(index)
+                    echo_text, echo_entries = self._echo_piece(index // self.params.n)
+                    text, entries = echo_text + text, echo_entries + entries
+                open_choices -= finish is not None
+                extra = {"usage": self.usage()} if open_choices == 0 else {}
+                yield self._chunk(index, text, entries, finish, **extra)
+            if (self.body.stream_options or {}).get("include_usage"):
+                data = dict(id=self.id, object="text_completion", created=self.created, model=self.state.name, choices=[], usage=self.usage())  # fmt: skip
+                yield f"data: {json.dumps(data)}\n\n"
+        except APIError as e:
+            yield f"data: {json.dumps(e.body())}\n\n"
+        finally:
+            watcher.cancel()
+            self.cancel()
+        yield "data: [DONE]\n\n"

@@ -1,0 +1,393 @@
+"""Dynamic batching: requests join and leave a shared decode batch between steps.
+
+One worker thread owns the model's decode loop. A request is a *group* of `n` rows (its `n`
+samples) that is admitted, decoded and retired as a unit, sampled by `gptlab.generate`'s own
+primitives with the request's own `torch.Generator`; so its tokens equal
+`generate(model, [prompt], max_tokens, num_samples=n, generator=seed, ...)` whatever else is in
+the batch (up to float32 noise in the logits).
+
+The KV cache (`BatchCache`) has one write position `pos` shared by all rows, as `gptlab.model.KVCache`
+wants. Every row's keys are right-aligned: row r occupies slots [pos - length_r, pos), and
+`key_mask` is True exactly there, so rows of different lengths decode together with per-row
+position ids. A joining prompt of T tokens is prefilled straight into its slots [pos - T, pos)
+(the cache is shifted right first when pos < T); when pos reaches the end, the cache is shifted
+left over the slots no row uses. Rows of active groups stay packed at the front, so a step runs
+exactly as many rows as are active.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from gptlab.generate import apply_repetition_penalty, model_device_dtype, sample_next, seen_tokens
+from gptlab.model import KVCache
+
+log = logging.getLogger(__name__)
+
+
+class QueueFull(Exception):
+    """The scheduler's waiting queue is at its bound (the server answers 429)."""
+
+
+@dataclass
+class SamplingParams:
+    """How one request is decoded; the same meaning as `gptlab.generate`'s keywords."""
+
+    max_tokens: int
+    n: int = 1
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    repetition_penalty: float = 1.0
+    eos_id: int | None = None
+    seed: int | None = None
+    logprobs: int | None = None  # also report this many top alternatives per token (0: the chosen one only)
+    prompt_logprobs: bool = False  # also score the prompt's own tokens (echo with logprobs)
+
+
+@dataclass
+class GenerationRequest:
+    """One prompt with its `n` samples, and the channel its events go back on.
+
+    Events (tuples) are put on `events` from the worker thread through `loop`:
+    ("prompt", index, [(logprob|None, top|None) per prompt token]),
+    ("tokens", index, [(token, logprob|None, top|None) or None per row]) for each step (None for
+    a row that already ended), and finally ("done", index, reason) with reason "length" (all
+    max_tokens produced), "stop" (every row ended), "cancelled" or "error: ...".
+    `top` is a list of (token, logprob).
+    """
+
+    prompt: list[int]
+    params: SamplingParams
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue
+    index: int = 0
+    cancelled: bool = False
+    stopped_rows: set = field(default_factory=set)
+
+    def cancel(self) -> None:
+        """Stop generating (client gone, or an error); safe to call from any thread, any time."""
+        self.cancelled = True
+
+    def stop_row(self, row: int) -> None:
+        """Row `row` needs no more tokens (a stop string was found); the group retires once all rows are stopped."""
+        self.stopped_rows.add(row)
+
+    def emit(self, *event) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        except RuntimeError:  # the event loop is closed: the server is shutting down
+            pass
+
+
+@dataclass
+class _Group:
+    """A request admitted to the batch: rows [start, start + n) of the cache."""
+
+    request: GenerationRequest
+    start: int
+    generator: torch.Generator
+    seen: torch.Tensor | None  # (n, V) bool, for the repetition penalty
+    finished: torch.Tensor  # (n,) bool: produced eos
+    last: torch.Tensor  # (n,) the tokens to feed next
+    produced: int = 0
+
+    @property
+    def n(self) -> int:
+        return self.request.params.n
+
+
+def cache_view(cache: KVCache, rows: slice, pos: int) -> KVCache:
+    """A KVCache over some rows of `cache`, sharing its storage, with its own write position."""
+    view = KVCache.__new__(KVCache)
+    view.layers = [(k[rows], v[rows]) for k, v in cache.layers]
+    view.max_len = cache.max_len
+    view.pos = pos
+    return view
+
+
+class BatchCache:
+    """A (max_batch, nh, cache_len, hs) KV cache whose active rows are packed at the front and
+    right-aligned at the shared write position `pos` (see the module docstring)."""
+
+    def __init__(self, model, max_batch: int, cache_len: int):
+        if cache_len < model.config.block_size:
+            raise ValueError(f"cache_len {cache_len} must be at least block_size {model.config.block_size}")
+        device, dtype = model_device_dtype(model)
+        self.model = model
+        self.cache = KVCache(model.config, max_batch, cache_len, device=device, dtype=dtype)
+        self.key_mask = torch.zeros(max_batch, cache_len, dtype=torch.bool, device=device)  # (B, L)
+        self.lengths = torch.zeros(max_batch, dtype=torch.long, device=device)  # (B,) tokens held per row
+        self.rows = 0  # active rows, packed at [0, rows)
+        self.pos = 0
+        self.max_batch, self.cache_len = max_batch, cache_len
+
+    def _longest(self) -> int:
+        return int(self.lengths[: self.rows].max()) if self.rows else 0
+
+    def _shift(self, delta: int) -> None:
+        """Move every active row's slots by delta (>0: right, <0: left); pos moves with them."""
+        lo, hi, b = self.pos - self._longest(), self.pos, self.rows
+        for k, v in self.cache.layers:
+            for t in (k, v):
+                t[:b, :, lo + delta : hi + delta] = t[:b, :, lo:hi].clone()  # (b, nh, span, hs)
+        mask = self.key_mask[:b, lo:hi].clone()  # (b, span)
+        self.key_mask[:b] = False
+        self.key_mask[:b, lo + delta : hi + delta] = mask
+        self.pos += delta
+
+    def prefill(self, prompt: list[int], n: int, all_logits: bool) -> tuple[int, torch.Tensor]:
+        """Place `prompt` in n new rows at the back of the batch; returns (first row, logits).
+
+        logits: (T, V) for every prompt position when all_logits, else (1, V) for the last one."""
+        T = len(prompt)
+        if self.rows + n > self.max_batch:
+            raise ValueError(f"no room for {n} rows: {self.rows} of {self.max_batch} in use")
+        if self.rows == 0:
+            self.pos = T
+        elif self.pos < T:
+            self._shift(T - self.pos)
+        r = self.rows
+        device = self.key_mask.device
+        self.key_mask[r : r + n] = False
+        self.key_mask[r : r + n, self.pos - T : self.pos] = True
+        idx = torch.tensor([prompt], dtype=torch.long, device=device)  # (1, T)
+        positions = torch.arange(T, device=device)[None]  # (1, T)
+        view = cache_view(self.cache, slice(r, r + 1), self.pos - T)
+        logits, _ = self.model(
+            idx, positions=positions, kv_cache=view, key_mask=self.key_mask[r : r + 1], last_only=not all_logits
+        )  # (1, T|1, V)
+        for k, v in self.cache.layers:  # the other samples share the prompt's keys and values
+            for t in (k, v):
+                t[r + 1 : r + n, :, self.pos - T : self.pos] = t[r : r + 1, :, self.pos - T : self.pos]
+        self.lengths[r : r + n] = T
+        self.rows += n
+        return r, logits[0]
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Feed one token per active row, tokens (rows,); returns the next logits (rows, V)."""
+        b = self.rows
+        if self.pos >= self.cache_len:  # full: drop the slots left of the longest row
+            self._shift(self._longest() - self.pos)
+        self.key_mask[:b, self.pos] = True
+        view = cache_view(self.cache, slice(0, b), self.pos)
+        positions = self.lengths[:b, None]  # (b, 1): each row's next position id
+        logits, _ = self.model(
+            tokens[:, None], positions=positions, kv_cache=view, key_mask=self.key_mask[:b], last_only=True
+        )  # (b, 1, V)
+        self.pos += 1
+        self.lengths[:b] += 1
+        return logits[:, -1]
+
+    def release(self, start: int, n: int) -> None:
+        """Free rows [start, start + n), moving the rows after them down to keep the batch packed."""
+        b = self.rows
+        if start + n < b:
+            lo = self.pos - int(self.lengths[start + n : b].max())
+            for k, v in self.cache.layers:
+                for t in (k, v):
+                    t[start : b - n, :, lo : self.pos] = t[start + n : b, :, lo : self.pos].clone()
+            self.key_mask[start : b - n] = self.key_mask[start + n : b].clone()
+            self.lengths[start : b - n] = self.lengths[start + n : b].clone()
+        self.key_mask[b - n : b] = False
+        self.lengths[b - n : b] = 0
+        self.rows -= n
+
+
+class Scheduler:
+    """Runs the decode loop in a worker thread; `submit` requests from the event loop.
+
+    max_batch: rows decoded together (a request with n samples takes n rows); max_queue: requests
+    waiting for rows, beyond which `submit` raises QueueFull.
+    """
+
+    def __init__(self, model, *, max_batch: int = 16, max_queue: int = 64, cache_len: int | None = None):
+        block = model.config.block_size
+        self.model = model
+        self.max_batch, self.max_queue = max_batch, max_queue
+        self.cache = BatchCache(model, max_batch, cache_len or block + max(16, block // 4))
+        self.device, _ = model_device_dtype(model)
+        self.waiting: deque[GenerationRequest] = deque()
+        self.groups: list[_Group] = []
+        self.stats = dict(completed=0, cancelled=0, steps=0, tokens=0, max_rows=0)
+        self._cond = threading.Condition()
+        self._closing = False
+        self._thread: threading.Thread | None = None
+
+    # -- the event loop's side
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="gptlab-scheduler", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closing = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    def submit(self, request: GenerationRequest) -> None:
+        """Queue a request; raises QueueFull when max_queue requests already wait."""
+        p, block = request.params, self.model.config.block_size
+        if p.n > self.max_batch:
+            raise ValueError(f"n={p.n} exceeds the batch size {self.max_batch}")
+        if not request.prompt or len(request.prompt) + p.max_tokens > block:
+            raise ValueError(f"prompt of {len(request.prompt)} tokens + {p.max_tokens} new ones must be 1..{block}")
+        with self._cond:
+            if len(self.waiting) >= self.max_queue:
+                raise QueueFull(f"{len(self.waiting)} requests are already waiting (max_queue={self.max_queue})")
+            self.waiting.append(request)
+            self._cond.notify()
+
+    def load(self) -> dict:
+        """Active and waiting request counts, and running totals."""
+        return dict(active=len(self.groups), queued=len(self.waiting), rows=self.cache.rows, **self.stats)
+
+    # -- the worker thread
+
+    def _run(self) -> None:
+        torch.set_grad_enabled(False)
+        while True:
+            with self._cond:
+                while not self._closing and not self.waiting and not self.groups:
+                    self._cond.wait()
+                if self._closing:
+                    break
+            try:
+                self._admit()
+                if self.groups:
+                    self._step()
+            except Exception as e:  # never let one bad step kill the server: fail the batch, go on
+                log.exception("decode step failed")
+                for g in self.groups:
+                    g.request.emit("done", g.request.index, f"error: {e}")
+                self.groups = []
+                self.cache = BatchCache(self.model, self.max_batch, self.cache.cache_len)
+        for g in self.groups:
+            g.request.emit("done", g.request.index, "cancelled")
+
+    def _next_waiting(self) -> GenerationRequest | None:
+        with self._cond:
+            while self.waiting and self.waiting[0].cancelled:
+                self.waiting.popleft()
+                self.stats["cancelled"] += 1
+            if self.waiting and self.cache.rows + self.waiting[0].params.n <= self.max_batch:
+                return self.waiting.popleft()
+        return None
+
+    def _admit(self) -> None:
+        """Prefill waiting requests while there are free rows (first come, first served)."""
+        while (request := self._next_waiting()) is not None:
+            try:
+                self._admit_one(request)
+            except Exception as e:
+                log.exception("prefill failed")
+                request.emit("done", request.index, f"error: {e}")
+
+    def _admit_one(self, request: GenerationRequest) -> None:
+        p = request.params
+        generator = torch.Generator(device=self.device)
+        if p.seed is not None:
+            generator.manual_seed(p.seed)
+        else:
+            generator.seed()
+        start, logits = self.cache.prefill(request.prompt, p.n, all_logits=p.prompt_logprobs)  # (T|1, V)
+        if p.prompt_logprobs:
+            request.emit("prompt", request.index, self._prompt_scores(request.prompt, logits[:-1], p.logprobs or 0))
+        vocab = self.model.config.vocab_size
+        seen = seen_tokens([request.prompt] * p.n, vocab, self.device) if p.repetition_penalty != 1.0 else None
+        finished = torch.zeros(p.n, dtype=torch.bool, device=self.device)
+        group = _Group(request, start, generator, seen, finished, last=finished.long())
+        self.groups.append(group)
+        if p.max_tokens > 0:  # 0: only the prompt's scores were asked for (echo)
+            self._sample(group, logits[-1:].expand(p.n, -1))
+        self.stats["max_rows"] = max(self.stats["max_rows"], self.cache.rows)
+        self._retire_done()
+
+    def _step(self) -> None:
+        tokens = torch.cat([g.last for g in self.groups])  # (rows,)
+        logits = self.cache.step(tokens)  # (rows, V)
+        self.stats["steps"] += 1
+        for g in self.groups:
+            self._sample(g, logits[g.start : g.start + g.n])
+        self._retire_done()
+
+    def _sample(self, g: _Group, logits: torch.Tensor) -> None:
+        """Draw the group's next tokens from logits (n, V) exactly as gptlab.generate does."""
+        p, request = g.request.params, g.request
+        if g.seen is not None:
+            logits = apply_repetition_penalty(logits, g.seen, p.repetition_penalty)
+        tokens = sample_next(
+            logits, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p, generator=g.generator
+        )  # (n,)
+        was_finished = g.finished.clone()
+        if p.eos_id is not None:
+            tokens = tokens.masked_fill(g.finished, p.eos_id)
+            g.finished |= tokens == p.eos_id
+        if g.seen is not None:
+            g.seen.scatter_(1, tokens[:, None], True)
+        g.last = tokens
+        g.produced += 1
+        self.stats["tokens"] += int((~was_finished).sum())
+        scores = self._token_scores(logits, tokens, p.logprobs) if p.logprobs is not None else None
+        rows = []
+        for i, t in enumerate(tokens.tolist()):
+            if bool(was_finished[i]) or i in request.stopped_rows:
+                rows.append(None)
+            else:
+                rows.append((t, *(scores[i] if scores else (None, None))))
+        request.emit("tokens", request.index, rows)
+
+    def _retire_done(self) -> None:
+        keep = []
+        for g in self.groups:
+            p, request = g.request.params, g.request
+            stopped = g.finished.clone()
+            for i in request.stopped_rows:
+                stopped[i] = True
+            reason = None
+            if request.cancelled:
+                reason = "cancelled"
+            elif bool(stopped.all()):
+                reason = "stop"
+            elif g.produced >= p.max_tokens:
+                reason = "length"
+            if reason is None:
+                keep.append(g)
+                continue
+            self.stats["cancelled" if reason == "cancelled" else "completed"] += 1
+            request.emit("done", request.index, reason)
+            self.cache.release(g.start, g.n)
+            for other in self.groups:
+                if other.start > g.start:
+                    other.start -= g.n
+        self.groups = keep
+
+    @staticmethod
+    def _token_scores(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> list[tuple[float, list]]:
+        """(logprob of the chosen token, top-k [(token, logprob)]) per row, from the model's raw
+        distribution (before temperature and the sampling filters, as OpenAI reports it)."""
+        logp = torch.log_softmax(logits.float(), dim=-1)  # (n, V)
+        chosen = logp.gather(1, tokens[:, None])[:, 0].tolist()
+        if k:
+            top_v, top_i = torch.topk(logp, k, dim=-1)  # (n, k)
+            tops = [list(zip(i, v, strict=True)) for i, v in zip(top_i.tolist(), top_v.tolist(), strict=True)]
+        else:
+            tops = [[] for _ in chosen]
+        return list(zip(chosen, tops, strict=True))
+
+    @staticmethod
+    def _prompt_scores(prompt: list[int], logits: torch.Tensor, k: int) -> list[tuple]:
+        """Scores of prompt tokens 1..T-1 given their prefixes, logits (T-1, V); token 0 has none."""
+        if len(prompt) < 2:
+            return [(None, None)]
+        targets = torch.tensor(prompt[1:], device=logits.device)
+        return [(None, None), *Scheduler._token_scores(logits, targets, k)]

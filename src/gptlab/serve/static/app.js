@@ -1,0 +1,215 @@
+// gptlab explorer: next-token candidates, surprisal colouring and attention heatmaps, all from
+// the server's /api endpoints. No dependencies; everything is served by the same process.
+"use strict";
+
+const $ = (id) => document.getElementById(id);
+const state = { history: [], current: -1, generation: 0, maxSurprisal: 12 };
+
+// Make whitespace visible in token labels.
+function show(text) {
+  return text.replace(/ /g, "\u2423").replace(/\n/g, "\u21b5").replace(/\t/g, "\u21e5") || "\u2205";
+}
+
+async function api(path, body) {
+  const init = body === undefined ? {} : {
+    method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body),
+  };
+  const response = await fetch(path, init);
+  const data = await response.json();
+  if (!response.ok) throw new Error(data.error ? data.error.message : response.statusText);
+  return data;
+}
+
+function renderCandidates(candidates) {
+  const list = $("candidates");
+  list.replaceChildren();
+  const top = candidates.length ? candidates[0].prob : 1;
+  for (const c of candidates) {
+    const item = document.createElement("li");
+    const button = document.createElement("button");
+    button.className = "candidate";
+    button.type = "button";
+    button.dataset.text = c.text;
+    button.title = `token ${c.id}: p = ${c.prob.toFixed(4)}`;
+    const tok = document.createElement("span");
+    tok.className = "tok";
+    tok.textContent = show(c.text);
+    const bar = document.createElement("span");
+    bar.className = "bar";
+    const fill = document.createElement("span");
+    fill.style.width = `${(100 * c.prob) / top}%`;
+    bar.append(fill);
+    const pct = document.createElement("span");
+    pct.className = "pct";
+    pct.textContent = `${(100 * c.prob).toFixed(1)}%`;
+    button.append(tok, bar, pct);
+    button.addEventListener("click", () => choose(c.text));
+    item.append(button);
+    list.append(item);
+  }
+}
+
+function surprisalColour(bits) {
+  if (bits === null) return "#eef1f7";
+  const t = Math.min(1, bits / state.maxSurprisal);
+  return `hsl(${50 - 50 * t}, ${90 - 5 * t}%, ${92 - 42 * t}%)`;
+}
+
+function renderTokens(tokens) {
+  const box = $("tokens");
+  box.replaceChildren();
+  for (const t of tokens) {
+    const span = document.createElement("span");
+    span.textContent = show(t.text);
+    span.style.background = surprisalColour(t.surprisal);
+    if (t.surprisal !== null && t.surprisal / state.maxSurprisal > 0.6) span.style.color = "#fff";
+    span.title = t.surprisal === null
+      ? "first token: nothing to predict it from"
+      : `p = ${t.prob.toFixed(4)}, surprisal = ${t.surprisal.toFixed(2)} bits`;
+    box.append(span);
+  }
+}
+
+function renderAttention(data) {
+  const canvas = $("heatmap");
+  const labels = data.tokens.map(show);
+  const n = labels.length;
+  const ctx = canvas.getContext("2d");
+  ctx.font = "12px ui-monospace, Menlo, Consolas, monospace";
+  const pad = Math.min(140, 12 + Math.max(...labels.map((l) => ctx.measureText(l).width)));
+  const cell = Math.max(8, Math.min(28, Math.floor((Math.min(1100, canvas.parentElement.clientWidth - 30) - pad) / n)));
+  canvas.width = pad + n * cell + 4;
+  canvas.height = pad + n * cell + 4;
+  ctx.font = "12px ui-monospace, Menlo, Consolas, monospace";
+  ctx.fillStyle = "#fff";
+  ctx.fillRect(0, 0, canvas.width, canvas.height);
+  for (let i = 0; i < n; i++) {
+    for (let j = 0; j < n; j++) {
+      const w = data.weights[i][j];
+      ctx.fillStyle = j > i ? "#f7f7f9" : `rgba(59, 111, 216, ${Math.sqrt(w)})`;
+      ctx.fillRect(pad + j * cell, pad + i * cell, cell - 1, cell - 1);
+    }
+  }
+  ctx.fillStyle = "#1d2330";
+  ctx.textBaseline = "middle";
+  for (let i = 0; i < n; i++) {
+    ctx.textAlign = "right";
+    ctx.fillText(labels[i], pad - 6, pad + i * cell + cell / 2, pad - 8);
+    ctx.save();
+    ctx.translate(pad + i * cell + cell / 2, pad - 6);
+    ctx.rotate(-Math.PI / 2);
+    ctx.textAlign = "left";
+    ctx.fillText(labels[i], 0, 0, pad - 8);
+    ctx.restore();
+  }
+  canvas.dataset.tokens = String(n);
+  canvas.onmousemove = (e) => {
+    const r = canvas.getBoundingClientRect();
+    const scale = canvas.width / r.width;
+    const i = Math.floor(((e.clientY - r.top) * scale - pad) / cell);
+    const j = Math.floor(((e.clientX - r.left) * scale - pad) / cell);
+    $("cell").textContent = i >= 0 && j >= 0 && i < n && j < n
+      ? `${labels[i]} \u2192 ${labels[j]}: ${data.weights[i][j].toFixed(3)}` : "";
+  };
+}
+
+async function refresh() {
+  const generation = ++state.generation;
+  const prompt = $("prompt").value;
+  $("status").textContent = "\u2026";
+  try {
+    const layer = Number($("layer").value || 0);
+    const head = Number($("head").value || 0);
+    const [next, tokens, attention] = await Promise.all([
+      api("/api/next", { prompt, top: 10 }),
+      api("/api/tokens", { prompt }),
+      api("/api/attention", { prompt, layer, head }),
+    ]);
+    if (generation !== state.generation) return; // a newer prompt is on its way
+    renderCandidates(next.candidates);
+    renderTokens(tokens.tokens);
+    renderAttention(attention);
+    $("status").textContent = `${tokens.tokens.length} tokens`;
+  } catch (err) {
+    if (generation === state.generation) $("status").textContent = `error: ${err.message}`;
+  }
+}
+
+async function refreshAttention() {
+  try {
+    renderAttention(await api("/api/attention", {
+      prompt: $("prompt").value, layer: Number($("layer").value), head: Number($("head").value),
+    }));
+  } catch (err) {
+    $("status").textContent = `error: ${err.message}`;
+  }
+}
+
+function renderHistory() {
+  const list = $("history");
+  list.replaceChildren();
+  state.history.forEach((prompt, i) => {
+    const item = document.createElement("li");
+    item.textContent = i === 0 ? "start" : show(prompt.slice(state.history[i - 1].length)) || "\u2205";
+    item.title = prompt;
+    if (i === state.current) item.className = "current";
+    item.addEventListener("click", () => goTo(i));
+    list.append(item);
+  });
+}
+
+function record(prompt) {
+  state.history = state.history.slice(0, state.current + 1);
+  state.history.push(prompt);
+  state.current = state.history.length - 1;
+  renderHistory();
+}
+
+function goTo(i) {
+  state.current = i;
+  $("prompt").value = state.history[i];
+  renderHistory();
+  refresh();
+}
+
+function choose(text) {
+  const prompt = $("prompt").value + text;
+  $("prompt").value = prompt;
+  record(prompt);
+  refresh();
+}
+
+function fillSelect(select, count) {
+  select.replaceChildren();
+  for (let i = 0; i < count; i++) {
+    const option = document.createElement("option");
+    option.value = String(i);
+    option.textContent = String(i);
+    select.append(option);
+  }
+}
+
+async function main() {
+  const info = await api("/api/info");
+  $("model-name").textContent = `${info.model}: ${info.n_layer} layers, ${info.n_head} heads, context ${info.block_size}`;
+  fillSelect($("layer"), info.n_layer);
+  fillSelect($("head"), info.n_head);
+  let timer = null;
+  $("prompt").addEventListener("input", () => {
+    clearTimeout(timer);
+    timer = setTimeout(refresh, 300);
+  });
+  $("go").addEventListener("click", () => {
+    record($("prompt").value);
+    refresh();
+  });
+  $("back").addEventListener("click", () => {
+    if (state.current > 0) goTo(state.current - 1);
+  });
+  $("layer").addEventListener("change", refreshAttention);
+  $("head").addEventListener("change", refreshAttention);
+  record($("prompt").value);
+  await refresh();
+}
+
+main();

@@ -1,0 +1,462 @@
+"""gptlab serve: the scheduler against gptlab.generate, the OpenAI API through the official
+`openai` client, every error case, queueing and cancellation, and the explorer's JSON API.
+
+Servers run on free ports on 127.0.0.1 (uvicorn in a thread); the model is a tiny byte-level GPT.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+import torch
+import uvicorn
+
+from conftest import tiny_model
+from gptlab.checkpoint import save_model
+from gptlab.generate import generate
+from gptlab.serve.app import create_app
+from gptlab.serve.scheduler import GenerationRequest, QueueFull, SamplingParams, Scheduler
+from gptlab.tokenizer import get_tokenizer
+
+NAME = "tiny-byte"
+EOS = 256
+
+
+def serve_model(seed: int = 0):
+    """A tiny byte-level model: 2 layers, 32 wide, 257 tokens, 512 positions."""
+    return tiny_model(seed, vocab_size=257, block_size=512)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def running(app):
+    """Run `app` under uvicorn in a thread on a free port; yields the base URL."""
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{server.config.port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=20)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """A tiny model gains nothing from intra-op threads, and they thrash on a busy 2-core machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return serve_model()
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return get_tokenizer("byte")
+
+
+@pytest.fixture(scope="module")
+def url(model, tok):
+    with running(create_app(model, tok, name=NAME, max_batch=16, max_queue=32, max_body_bytes=64 * 1024)) as base:
+        yield base
+
+
+@pytest.fixture(scope="module")
+def client(url):
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def reference(model, prompt_ids, max_tokens, n=1, **sampling):
+    """gptlab.generate's new tokens per sample, without the end-of-text token."""
+    rows = generate(model, [prompt_ids], max_tokens, num_samples=n, **sampling)
+    eos = sampling.get("eos_id")
+    return [[t for t in row[len(prompt_ids) :] if t != eos] for row in rows]
+
+
+def assert_ok_after(client):
+    """The server still answers a normal request."""
+    out = client.completions.create(model=NAME, prompt="ok", max_tokens=3, temperature=0)
+    assert out.usage.completion_tokens >= 1
+
+
+# ---------------------------------------------------------------------------------------------
+# The scheduler alone
+
+
+def test_scheduler_mixed_batch_equals_generate(model):
+    """Requests of different lengths, n, sampling settings and seeds, joining at different times
+    in a cache small enough to be shifted both ways, each equal gptlab.generate alone."""
+    torch.manual_seed(1)
+    cases = []
+    for i in range(12):
+        T = int(torch.randint(1, 40, ()))
+        prompt = torch.randint(0, 256, (T,)).tolist()
+        params = SamplingParams(
+            max_tokens=int(torch.randint(1, 80, ())), n=1 + i % 3, temperature=[0, 0.8, 1.0][i % 3],
+            top_k=[None, 20][i % 2], top_p=[None, 0.9][i % 4 // 2], min_p=[None, 0.05][i % 5 // 4],
+            repetition_penalty=1.3 if i % 5 == 0 else 1.0, eos_id=EOS if i % 4 == 0 else None, seed=100 + i,
+        )  # fmt: skip
+        cases.append((prompt, params))
+
+    async def main():
+        scheduler = Scheduler(model, max_batch=8, max_queue=16, cache_len=model.config.block_size)
+        scheduler.cache.cache_len = 120  # a short cache forces shifts (the buffers are larger: harmless)
+        scheduler.start()
+        loop = asyncio.get_running_loop()
+
+        async def one(i, prompt, params):
+            await asyncio.sleep(0.003 * i)
+            request = GenerationRequest(prompt, params, loop, asyncio.Queue(), index=i)
+            scheduler.submit(request)
+            rows = [[] for _ in range(params.n)]
+            while (event := await request.events.get())[0] != "done":
+                for j, row in enumerate(event[2]):
+                    if row is not None:
+                        rows[j].append(row[0])
+            return [[t for t in r if t != params.eos_id] for r in rows], event[2]
+
+        try:
+            return await asyncio.gather(*(one(i, *c) for i, c in enumerate(cases))), scheduler.load()
+        finally:
+            scheduler.close()
+
+    outs, load = asyncio.run(main())
+    assert load["max_rows"] > 3, "requests were not batched together"
+    for (prompt, p), (rows, reason) in zip(cases, outs, strict=True):
+        expected = reference(model, prompt, p.max_tokens, p.n, temperature=p.temperature, top_k=p.top_k,
+                             top_p=p.top_p, min_p=p.min_p, repetition_penalty=p.repetition_penalty,
+                             eos_id=p.eos_id, generator=p.seed)  # fmt: skip
+        assert rows == expected
+        assert reason in ("length", "stop")
+
+
+def test_scheduler_queue_bound(model):
+    scheduler = Scheduler(model, max_batch=2, max_queue=2)  # not started: nothing leaves the queue
+    loop = asyncio.new_event_loop()
+    try:
+        make = lambda: GenerationRequest([1, 2], SamplingParams(max_tokens=4), loop, asyncio.Queue())
+        scheduler.submit(make())
+        scheduler.submit(make())
+        with pytest.raises(QueueFull):
+            scheduler.submit(make())
+        with pytest.raises(ValueError, match="exceeds the batch size"):
+            scheduler.submit(GenerationRequest([1], SamplingParams(max_tokens=4, n=3), loop, asyncio.Queue()))
+    finally:
+        loop.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# The OpenAI API through the official client
+
+
+def test_models_and_health(client, url):
+    assert [m.id for m in client.models.list().data] == [NAME]
+    health = httpx.get(f"{url}/health").json()
+    assert health["status"] == "ok" and health["model"] == NAME
+
+
+def test_completion_equals_generate(client, model, tok):
+    out = client.completions.create(
+        model=NAME, prompt="Hello there", max_tokens=24, temperature=0.9, seed=3, extra_body={"return_token_ids": True}
+    )
+    ids = tok.encode("Hello there")
+    [expected] = reference(model, ids, 24, temperature=0.9, eos_id=EOS, generator=3)
+    choice = out.choices[0]
+    assert choice.token_ids == expected
+    assert choice.text == tok.decode(expected)
+    assert choice.finish_reason == ("length" if len(expected) == 24 else "stop")
+    assert out.object == "text_completion" and out.model == NAME
+    assert out.usage.prompt_tokens == len(ids)
+    assert out.usage.completion_tokens == len(expected) + (len(expected) < 24)  # the end-of-text token counts
+    assert out.usage.total_tokens == out.usage.prompt_tokens + out.usage.completion_tokens
+
+
+def test_n_samples_and_extras_equal_generate(client, model, tok):
+    extras = dict(top_k=20, min_p=0.02, repetition_penalty=1.3, ignore_eos=True, return_token_ids=True)
+    out = client.completions.create(
+        model=NAME, prompt=["To be", "or not"], max_tokens=30, n=3, temperature=1.1, top_p=0.95, seed=11,
+        extra_body=extras,
+    )  # fmt: skip
+    assert len(out.choices) == 6 and [c.index for c in out.choices] == list(range(6))
+    for i, prompt in enumerate(["To be", "or not"]):
+        expected = reference(model, tok.encode(prompt), 30, 3, temperature=1.1, top_p=0.95, top_k=20, min_p=0.02,
+                             repetition_penalty=1.3, generator=11)  # fmt: skip
+        assert [c.token_ids for c in out.choices[3 * i : 3 * i + 3]] == expected
+    assert len({tuple(c.token_ids) for c in out.choices}) > 1
+    assert out.usage.completion_tokens == 6 * 30
+
+
+def test_greedy_and_unseeded(client, model, tok):
+    a = client.completions.create(model=NAME, prompt="abc", max_tokens=20, temperature=0, extra_body={"return_token_ids": True})  # fmt: skip
+    assert a.choices[0].token_ids == reference(model, tok.encode("abc"), 20, temperature=0, eos_id=EOS)[0]
+    b = client.completions.create(model=NAME, prompt="abc", max_tokens=40, n=2, extra_body={"ignore_eos": True})
+    c = client.completions.create(model=NAME, prompt="abc", max_tokens=40, n=2, extra_body={"ignore_eos": True})
+    assert {x.text for x in b.choices} != {x.text for x in c.choices}, "unseeded requests should differ"
+
+
+def test_streaming(client, url, model, tok):
+    kwargs = dict(model=NAME, prompt="Once upon", max_tokens=40, temperature=0.8, seed=5)
+    whole = client.completions.create(**kwargs, extra_body={"ignore_eos": True})
+    chunks = list(client.completions.create(**kwargs, stream=True, extra_body={"ignore_eos": True}))
+    assert len(chunks) > 5
+    assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks][-1] == "length"
+    assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
+    assert chunks[-1].usage.completion_tokens == 40
+    # The raw stream: server-sent events ending with [DONE]; include_usage adds a usage-only chunk.
+    body = dict(kwargs, stream=True, stream_options={"include_usage": True})
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = [line[len("data: ") :] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[-2])["choices"] == [] and json.loads(events[-2])["usage"]["prompt_tokens"] == 9
+
+
+def test_logprobs_and_echo(client, model, tok):
+    prompt = "The cat"
+    out = client.completions.create(
+        model=NAME, prompt=prompt, max_tokens=12, temperature=0.7, seed=2, logprobs=5, echo=True,
+        extra_body={"return_token_ids": True, "ignore_eos": True},
+    )  # fmt: skip
+    choice = out.choices[0]
+    ids = tok.encode(prompt) + choice.token_ids
+    assert choice.text == prompt + tok.decode(choice.token_ids)
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor([ids]))[0][0], dim=-1)  # (T, V)
+    lp = choice.logprobs
+    assert lp.tokens == [tok.decode([t]) for t in ids]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    expected = [logp[i - 1, t].item() for i, t in enumerate(ids) if i > 0]
+    assert lp.token_logprobs[1:] == pytest.approx(expected, abs=1e-4)
+    for i, top in enumerate(lp.top_logprobs[1:], start=1):
+        best = logp[i - 1].topk(5)
+        expected = {}
+        for t, v in [
+            *zip(best.indices.tolist(), best.values.tolist(), strict=True),
+            (ids[i], logp[i - 1, ids[i]].item()),
+        ]:
+            expected.setdefault(tok.decode([t]), v)  # bytes of split characters share one text
+        assert top == pytest.approx(expected, abs=1e-4)
+    assert lp.text_offset[0] == 0 and lp.text_offset[len(prompt)] == len(prompt)
+    # Streaming carries the same logprobs; logprobs=20 is the most allowed.
+    chunks = list(client.completions.create(model=NAME, prompt=prompt, max_tokens=12, temperature=0.7, seed=2,
+                                            logprobs=20, stream=True, extra_body={"ignore_eos": True}))  # fmt: skip
+    streamed = [x for c in chunks if c.choices[0].logprobs for x in c.choices[0].logprobs.token_logprobs]
+    assert streamed == pytest.approx(lp.token_logprobs[len(prompt) :], abs=1e-5)
+    assert all(len(t) > 5 for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.top_logprobs)
+
+
+def test_stop_strings(client, model, tok):
+    base = client.completions.create(model=NAME, prompt="xyz", max_tokens=40, temperature=0, extra_body={"ignore_eos": True})  # fmt: skip
+    text = base.choices[0].text
+    stop = text[10:13]
+    cut = text.index(stop)
+    out = client.completions.create(model=NAME, prompt="xyz", max_tokens=40, temperature=0, stop=[stop, "\x00never"], extra_body={"ignore_eos": True})  # fmt: skip
+    assert out.choices[0].text == text[:cut] and out.choices[0].finish_reason == "stop"
+    chunks = list(client.completions.create(model=NAME, prompt="xyz", max_tokens=40, temperature=0, stop=stop, stream=True, extra_body={"ignore_eos": True}))  # fmt: skip
+    assert "".join(c.choices[0].text for c in chunks) == text[:cut]
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_concurrent_clients_batch_and_match(url, model, tok):
+    """Many concurrent clients: decoded in shared steps, each equal to its own gptlab.generate."""
+    prompts = [f"prompt {i} " * (1 + i % 5) for i in range(12)]
+
+    async def main():
+        async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as aclient:
+            calls = [
+                aclient.completions.create(
+                    model=NAME,
+                    prompt=p,
+                    max_tokens=48,
+                    temperature=[0, 0.9][i % 2],
+                    seed=i,
+                    extra_body={"return_token_ids": True},
+                )  # fmt: skip
+                for i, p in enumerate(prompts)
+            ]
+            return await asyncio.gather(*calls)
+
+    steps_before = httpx.get(f"{url}/health").json()["steps"]
+    outs = asyncio.run(main())
+    health = httpx.get(f"{url}/health").json()
+    for i, (p, out) in enumerate(zip(prompts, outs, strict=True)):
+        expected = reference(model, tok.encode(p), 48, temperature=[0, 0.9][i % 2], eos_id=EOS, generator=i)[0]
+        assert out.choices[0].token_ids == expected
+    assert health["max_rows"] >= 4
+    assert health["steps"] - steps_before < sum(len(o.choices[0].token_ids) for o in outs) / 2
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors: OpenAI's shape and status, and the server keeps serving
+
+
+def post(url, body=None, content=None, headers=None):
+    return httpx.post(f"{url}/v1/completions", json=body, content=content, headers=headers, timeout=30)
+
+
+BAD_REQUESTS = {
+    "unknown model": (dict(model="nope", prompt="hi"), 404, "model"),
+    "prompt too long": (dict(model=NAME, prompt="x" * 600), 400, "prompt"),
+    "max_tokens above limit": (dict(model=NAME, prompt="hello", max_tokens=600), 400, "max_tokens"),
+    "negative temperature": (dict(model=NAME, prompt="hi", temperature=-1), 400, "temperature"),
+    "top_p zero": (dict(model=NAME, prompt="hi", top_p=0), 400, "top_p"),
+    "n zero": (dict(model=NAME, prompt="hi", n=0), 400, "n"),
+    "n above batch": (dict(model=NAME, prompt="hi", n=64), 400, "n"),
+    "logprobs 21": (dict(model=NAME, prompt="hi", logprobs=21), 400, "logprobs"),
+    "top_k not a number": (dict(model=NAME, prompt="hi", top_k="many"), 400, "top_k"),
+    "repetition_penalty zero": (dict(model=NAME, prompt="hi", repetition_penalty=0), 400, "repetition_penalty"),
+    "token id out of vocabulary": (dict(model=NAME, prompt=[1, 2, 999]), 400, "prompt"),
+    "empty stop string": (dict(model=NAME, prompt="hi", stop=[""]), 400, "stop"),
+    "missing model": (dict(prompt="hi"), 400, "model"),
+    "unsupported penalty": (dict(model=NAME, prompt="hi", presence_penalty=1), 400, "presence_penalty"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_REQUESTS))
+def test_bad_request(url, client, case):
+    body, status, param = BAD_REQUESTS[case]
+    r = post(url, body)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert error["param"] == param
+    assert_ok_after(client)
+
+
+def test_bad_request_through_client(client):
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="hi")
+    with pytest.raises(openai.BadRequestError, match="maximum context length"):
+        client.completions.create(model=NAME, prompt="hello", max_tokens=10_000)
+
+
+def test_malformed_json_and_large_bodies(url, client):
+    r = post(url, content=b'{"model": "tiny-byte", "prompt": ', headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+    assert_ok_after(client)
+    r = post(url, {"model": NAME, "prompt": "x" * 100_000})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    assert_ok_after(client)
+
+    def chunks():  # no Content-Length: the limit is enforced as the body streams in
+        yield b'{"model": "tiny-byte", "prompt": "'
+        for _ in range(100):
+            yield b"x" * 1000
+        yield b'"}'
+
+    r = httpx.post(f"{url}/v1/completions", content=chunks(), headers={"content-type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["type"] == "invalid_request_error"
+    assert_ok_after(client)
+    r = httpx.get(f"{url}/v1/nothing-here")
+    assert r.status_code == 404 and "error" in r.json()
+
+
+def test_queue_full_and_disconnect_cancel(tok):
+    """One request decoding, one waiting: more get 429. Dropping the decoding client cancels it,
+    and the waiting one runs."""
+    big = tiny_model(3, vocab_size=257, block_size=512, n_layer=4, n_embd=256)  # ~1 s for 500 tokens
+    app = create_app(big, tok, name=NAME, max_batch=1, max_queue=1)
+    long = dict(model=NAME, prompt="a", max_tokens=500, stream=True, ignore_eos=True)
+    short = dict(model=NAME, prompt="b", max_tokens=5)
+    with running(app) as url, httpx.Client(timeout=30) as client, ThreadPoolExecutor(4) as pool:
+        health = lambda: httpx.get(f"{url}/health").json()
+        with client.stream("POST", f"{url}/v1/completions", json=long) as r1:
+            lines = r1.iter_lines()  # kept referenced: a dropped iterator closes the connection
+            next(lines)  # the long request is decoding
+            futures = [pool.submit(post, url, short) for _ in range(4)]
+            deadline = time.monotonic() + 10
+            while sum(f.done() for f in futures) < 3:
+                assert time.monotonic() < deadline
+                time.sleep(0.005)
+            rejected = [f.result() for f in futures if f.done()]
+            assert [r.status_code for r in rejected] == [429] * 3
+            assert rejected[0].json()["error"]["code"] == "rate_limit_exceeded"
+            assert (health()["active"], health()["queued"]) == (1, 1)
+        # Leaving the block closes the connection: the server cancels the long request.
+        [waiting] = [f for f in futures if f not in {g for g in futures if g.done() and g.result().status_code == 429}]
+        assert waiting.result().status_code == 200
+        h = health()
+        assert (h["cancelled"], h["completed"], h["active"], h["queued"]) == (1, 1, 0, 0), h
+        assert h["tokens"] < 500, "the cancelled request ran to the end"
+
+
+# ---------------------------------------------------------------------------------------------
+# The explorer's JSON API and page
+
+
+def test_explorer_next_tokens(url, model, tok):
+    r = httpx.post(f"{url}/api/next", json={"prompt": "Hello", "top": 10})
+    assert r.status_code == 200
+    data = r.json()
+    with torch.no_grad():
+        probs = torch.softmax(model(torch.tensor([tok.encode("Hello")]))[0][0, -1], dim=-1)
+    top = probs.topk(10)
+    assert [c["id"] for c in data["candidates"]] == top.indices.tolist()
+    assert [c["prob"] for c in data["candidates"]] == pytest.approx(top.values.tolist(), abs=1e-6)
+    assert data["prompt_tokens"] == list("Hello")
+
+
+def test_explorer_tokens_surprisal(url, model, tok):
+    data = httpx.post(f"{url}/api/tokens", json={"prompt": "abcd"}).json()["tokens"]
+    ids = tok.encode("abcd")
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor([ids]))[0][0], dim=-1)
+    assert [t["id"] for t in data] == ids and data[0]["surprisal"] is None
+    for i in range(1, 4):
+        assert data[i]["surprisal"] == pytest.approx(-logp[i - 1, ids[i]].item() / math.log(2), abs=1e-4)
+
+
+def test_explorer_attention(url, model, tok):
+    data = httpx.post(f"{url}/api/attention", json={"prompt": "hello", "layer": 1, "head": 2}).json()
+    expected = model.attention(torch.tensor([tok.encode("hello")]), 1, 2)[0]
+    assert torch.allclose(torch.tensor(data["weights"]), expected, atol=1e-6)
+    assert data["tokens"] == list("hello")
+    r = httpx.post(f"{url}/api/attention", json={"prompt": "hello", "layer": 9, "head": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "layer"
+    info = httpx.get(f"{url}/api/info").json()
+    assert (info["n_layer"], info["n_head"]) == (2, 4)
+
+
+def test_explorer_page_is_self_contained(url):
+    page = httpx.get(f"{url}/")
+    assert page.status_code == 200 and "gptlab explorer" in page.text
+    for asset in ("/static/app.js", "/static/style.css"):
+        r = httpx.get(f"{url}{asset}")
+        assert r.status_code == 200 and "http://" not in r.text and "https://" not in r.text
+    assert "https://" not in page.text and "http://" not in page.text
+
+
+def test_serve_command_loads_a_saved_model(tmp_path, model):
+    """`gptlab serve --help` and the model-name default, without binding a port."""
+    from gptlab.cli import main
+
+    save_model(model, tmp_path / "m", tokenizer="byte")
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--help"])
+    assert e.value.code == 0
+    assert main(["serve", "--model", str(tmp_path / "m"), "--max-batch", "0"]) == 2
