@@ -6,12 +6,14 @@ The pieces a serving loop needs are public and independent: `validate_sampling`,
 `new_cache`/`prefill`/`decode_step` over a `KVCache`. `generate` (token ids) and
 `generate_text`/`stream_text` (strings) are built from them.
 
-Context longer than `block_size`: once the cache is full, the last `window_keep` tokens (3/4 of
-`block_size` by default) are encoded again into a fresh cache and decoding continues; so each new
-token sees between `window_keep` and `block_size` tokens of context, at the cost of one prefill
-per `block_size - window_keep` tokens. `window_keep=block_size - 1` re-encodes at every step (an
-exact sliding window, slow). A prompt longer than `block_size` is cropped from the left, with a
-warning.
+Context longer than `block_size` (a sliding window): once the cache is full, the last
+`window_keep` tokens (3/4 of `block_size` by default) are encoded again into the cache from slot 0
+and decoding continues, so each new token sees between `window_keep` and `block_size` tokens of
+context, at the cost of one prefill per `block_size - window_keep + 1` tokens. With learned
+positions the re-encoded tokens get new positions, which is why the cache cannot simply be
+shifted. `window_keep=block_size` re-encodes the last `block_size` tokens at every step: exactly
+what cropping the context to `block_size` tokens does without a cache, and as slow. A prompt longer
+than `block_size` is cropped from the left, with a warning.
 """
 
 from __future__ import annotations
@@ -292,8 +294,8 @@ def generate_tokens(
     bos_id = eos_id if bos_id is None else bos_id
     rows, _ = _prepare_prompts(idx, num_samples, bos_id, config.vocab_size, config.block_size)
     keep = config.block_size * 3 // 4 if window_keep is None else window_keep
-    if not 1 <= keep < config.block_size:
-        raise ValueError(f"window_keep must be in [1, block_size), got {keep}")
+    if not 1 <= keep <= config.block_size:
+        raise ValueError(f"window_keep must be in [1, block_size], got {keep}")
     device, _ = model_device_dtype(model)
     if isinstance(generator, int):
         generator = torch.Generator(device=device).manual_seed(generator)

@@ -14,6 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from gptlab.config import GPTConfig
+from gptlab.fused_loss import linear_cross_entropy
 
 
 def make_norm(config: GPTConfig) -> nn.Module:
@@ -58,6 +59,10 @@ class KVCache:
     """Preallocated keys and values, one (k, v) pair of tensors per layer, (B, nh, max_len, hs).
 
     The model writes the keys of new tokens at slots pos..pos+T; the caller advances `pos`.
+    `pos` is a Python int, or a 0-dim LongTensor for compiled decoding: then writes use
+    index_copy_ and attention spans all max_len slots with the unwritten ones masked, so one
+    compiled graph serves every position (a Python int would be specialised on).
+    Separate tensors per layer, not views of one big tensor: a compiled step would copy it whole.
     """
 
     def __init__(self, config: GPTConfig, batch_size: int, max_len: int, *, device=None, dtype=None):
@@ -71,13 +76,28 @@ class KVCache:
 
     def advance(self, n: int) -> None:
         """Move the write position past n newly written slots."""
-        if self.pos + n > self.max_len:
-            raise ValueError(f"KV cache overflow: {self.pos} + {n} > {self.max_len}")
-        self.pos += n
+        if int(self.pos) + n > self.max_len:
+            raise ValueError(f"KV cache overflow: {int(self.pos)} + {n} > {self.max_len}")
+        self.pos = self.pos + n
 
     @property
     def nbytes(self) -> int:
         return sum(k.nbytes + v.nbytes for k, v in self.layers)
+
+
+def write_kv(kv, start, k, v):
+    """Write k, v (B, nh, T, hs) into one layer's cache at slots start..start+T; return the keys
+    and values to attend over: slots 0..start+T, or all max_len slots when start is a tensor."""
+    k_cache, v_cache = kv
+    T = k.size(2)
+    if isinstance(start, torch.Tensor):
+        slots = start + torch.arange(T, device=k.device)  # (T,)
+        k_cache.index_copy_(2, slots, k)
+        v_cache.index_copy_(2, slots, v)
+        return k_cache, v_cache
+    k_cache[:, :, start : start + T] = k
+    v_cache[:, :, start : start + T] = v
+    return k_cache[:, :, : start + T], v_cache[:, :, : start + T]
 
 
 class CausalSelfAttention(nn.Module):
@@ -104,10 +124,7 @@ class CausalSelfAttention(nn.Module):
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if kv is not None:
-            k_cache, v_cache = kv
-            k_cache[:, :, cache_pos : cache_pos + T] = k
-            v_cache[:, :, cache_pos : cache_pos + T] = v
-            k, v = k_cache[:, :, : cache_pos + T], v_cache[:, :, : cache_pos + T]  # (B, nh, S, hs)
+            k, v = write_kv(kv, cache_pos, k, v)  # (B, nh, S, hs)
         if probs_out is not None:
             if mask is None:
                 mask = causal_mask(T, k.size(2), x.device)
@@ -208,7 +225,16 @@ class GPT(nn.Module):
             nn.init.zeros_(module.bias)
 
     def forward(
-        self, idx, targets=None, *, positions=None, kv_cache=None, key_mask=None, attn_probs=None, last_only=False
+        self,
+        idx,
+        targets=None,
+        *,
+        positions=None,
+        kv_cache=None,
+        key_mask=None,
+        attn_probs=None,
+        last_only=False,
+        return_logits=True,
     ):
         """Next-token logits (B, T, vocab_size) and, given targets (B, T), the mean cross-entropy.
 
@@ -217,17 +243,19 @@ class GPT(nn.Module):
         a list, collects each layer's attention probabilities through the explicit path.
         `last_only` computes logits for the last position only, (B, 1, vocab_size): the head is a
         third of GPT-2 small's weights, so decoding should not run it for the prompt.
+        `return_logits=False` with targets returns (None, loss), computing the head and the loss
+        chunk by chunk (faster training, far less memory); the loss is the same.
         """
         self._check_input(idx, targets, kv_cache)
         B, T = idx.shape
-        start = kv_cache.pos if kv_cache is not None else 0
+        start = kv_cache.pos if kv_cache is not None else 0  # int, or a 0-dim tensor (compiled decoding)
         if positions is None:
-            positions = torch.arange(start, start + T, device=idx.device).expand(B, T)  # (B, T)
-        mask = self._attention_mask(T, start + T, kv_cache, key_mask, idx.device)
+            positions = (start + torch.arange(T, device=idx.device)).expand(B, T)  # (B, T)
+        mask = self._attention_mask(T, start, kv_cache, key_mask, idx.device)
         x = self.transformer.wte(idx)  # (B, T, C)
         rope = None
         if self.config.pos_embedding == "learned":
-            if int(positions.max()) >= self.config.block_size:
+            if not torch.compiler.is_compiling() and int(positions.max()) >= self.config.block_size:
                 raise ValueError(f"position {int(positions.max())} exceeds block_size {self.config.block_size}")
             x = x + self.transformer.wpe(positions)  # (B, T, C)
         else:
@@ -239,6 +267,9 @@ class GPT(nn.Module):
         if last_only:
             x = x[:, -1:]  # (B, 1, C)
         x = self.transformer.ln_f(x)
+        if targets is not None and not return_logits:
+            # Training: head and loss in row chunks, never holding all (B*T, V) logits (fused_loss.py).
+            return None, linear_cross_entropy(x, self.lm_head.weight, targets)
         logits = self.lm_head(x)  # (B, T, vocab_size)
         loss = None
         if targets is not None:
@@ -246,15 +277,19 @@ class GPT(nn.Module):
         return logits, loss
 
     @staticmethod
-    def _attention_mask(T, S, kv_cache, key_mask, device):
-        """None for plain causal attention over the input, else bool (B|1, 1, T, S)."""
-        if kv_cache is None and key_mask is None:
+    def _attention_mask(T, start, kv_cache, key_mask, device):
+        """None when plain causal attention (or, for one query, none) is right, else bool (B|1, 1, T, S)."""
+        tensor_start = isinstance(start, torch.Tensor)
+        if key_mask is None and not tensor_start and (start == 0 or T == 1):
             return None
-        mask = causal_mask(T, S, device)[None, None]  # (1, 1, T, S)
+        S = kv_cache.max_len if tensor_start else start + T
+        q_slots = start + torch.arange(T, device=device)  # (T,) the queries' own cache slots
+        k_slots = torch.arange(S, device=device)  # (S,)
+        mask = (k_slots[None, :] <= q_slots[:, None])[None, None]  # (1, 1, T, S)
         if key_mask is not None:
             mask = mask & key_mask[:, None, None, :S]  # (B, 1, T, S)
             # A padding query sees nothing else; let it see its own slot so softmax stays finite.
-            mask = mask | torch.eye(T, S, dtype=torch.bool, device=device).roll(S - T, dims=1)
+            mask = mask | (k_slots[None, :] == q_slots[:, None])
         return mask
 
     def _check_input(self, idx, targets, kv_cache) -> None:
@@ -262,18 +297,17 @@ class GPT(nn.Module):
             raise ValueError(f"idx must be an integer tensor of token ids (B, T), got {_describe(idx)}")
         if idx.dim() != 2 or idx.size(1) == 0:
             raise ValueError(f"idx must have shape (B, T) with T >= 1, got {tuple(idx.shape)}")
-        limit = kv_cache.max_len if kv_cache is not None else self.config.block_size
-        end = idx.size(1) + (kv_cache.pos if kv_cache is not None else 0)
-        if end > limit:
-            raise ValueError(f"sequence length {end} exceeds the context length {limit} (block_size)")
-        if not torch.compiler.is_compiling():
-            lo, hi = int(idx.min()), int(idx.max())
-            if lo < 0 or hi >= self.config.vocab_size:
-                raise ValueError(
-                    f"token id {lo if lo < 0 else hi} outside the vocabulary [0, {self.config.vocab_size})"
-                )
         if targets is not None and targets.shape != idx.shape:
             raise ValueError(f"targets shape {tuple(targets.shape)} must equal idx shape {tuple(idx.shape)}")
+        if torch.compiler.is_compiling():  # value checks need a sync; compiled decoding checks before
+            return
+        limit = kv_cache.max_len if kv_cache is not None else self.config.block_size
+        end = idx.size(1) + (int(kv_cache.pos) if kv_cache is not None else 0)
+        if end > limit:
+            raise ValueError(f"sequence length {end} exceeds the context length {limit} (block_size)")
+        lo, hi = int(idx.min()), int(idx.max())
+        if lo < 0 or hi >= self.config.vocab_size:
+            raise ValueError(f"token id {lo if lo < 0 else hi} outside the vocabulary [0, {self.config.vocab_size})")
 
     @torch.no_grad()
     def attention(self, idx, layer: int | None = None, head: int | None = None) -> torch.Tensor:

@@ -1,0 +1,310 @@
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import tiny_config, tiny_model
+from gptlab.generate import (
+    apply_repetition_penalty,
+    decode_step,
+    generate,
+    generate_text,
+    min_p_mask,
+    new_cache,
+    prefill,
+    sample_next,
+    seen_tokens,
+    stream_text,
+    top_k_mask,
+    top_p_mask,
+    validate_sampling,
+)
+from gptlab.model import GPT
+from gptlab.tokenizer import get_tokenizer
+
+POSITIONS = ["learned", "rope"]
+NEG = float("-inf")
+
+
+def full_last_logits(model, rows):
+    """Reference: a full forward over each row alone, no cache; last position's logits (B, V)."""
+    with torch.no_grad():
+        return torch.cat([model(torch.tensor([r]))[0][:, -1] for r in rows])
+
+
+# --- the KV cache ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("pos", POSITIONS)
+def test_cached_decoding_matches_full_forward(pos):
+    model = tiny_model(pos_embedding=pos)
+    row = torch.randint(0, 97, (7,), generator=torch.Generator().manual_seed(1)).tolist()
+    cache = new_cache(model, 1, 20)
+    logits = prefill(model, torch.tensor([row]), cache)
+    for _ in range(13):
+        torch.testing.assert_close(logits, full_last_logits(model, [row]), atol=1e-5, rtol=1e-5)
+        token = logits.argmax(-1)
+        row.append(int(token))
+        logits = decode_step(model, token, cache)
+    assert cache.pos == 20
+
+
+@pytest.mark.parametrize("pos", POSITIONS)
+@pytest.mark.parametrize("tensor_pos", [False, True], ids=["int-pos", "tensor-pos"])
+def test_left_padded_batch_matches_each_prompt_alone(pos, tensor_pos):
+    from gptlab.generate import left_pad
+
+    model = tiny_model(pos_embedding=pos)
+    g = torch.Generator().manual_seed(2)
+    rows = [torch.randint(0, 97, (n,), generator=g).tolist() for n in (3, 9, 6)]
+    idx, positions, mask = left_pad(rows)
+    cache = new_cache(model, 3, 24)
+    key_mask = torch.ones(3, 24, dtype=torch.bool)
+    key_mask[:, : idx.size(1)] = mask
+    logits = prefill(model, idx, cache, positions=positions, key_mask=key_mask)
+    if tensor_pos:  # the compiled-decoding mechanics (index_copy_, all slots masked), run eagerly
+        cache.pos = torch.tensor(cache.pos)
+    next_pos = positions[:, -1] + 1
+    for _ in range(10):
+        torch.testing.assert_close(logits, full_last_logits(model, rows), atol=1e-5, rtol=1e-5)
+        tokens = logits.argmax(-1)
+        for r, t in zip(rows, tokens.tolist(), strict=True):
+            r.append(t)
+        logits = decode_step(model, tokens, cache, positions=next_pos, key_mask=key_mask)
+        next_pos = next_pos + 1
+
+
+@pytest.mark.parametrize("pos", POSITIONS)
+def test_ragged_greedy_equals_each_prompt_alone(pos):
+    model = tiny_model(pos_embedding=pos)
+    prompts = [[5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8], [9]]
+    together = generate(model, prompts, 12, temperature=0)
+    alone = [generate(model, [p], 12, temperature=0)[0] for p in prompts]
+    assert together == alone
+    assert [len(r) for r in together] == [len(p) + 12 for p in prompts]
+
+
+def test_cache_is_sized_to_the_request():
+    from gptlab.generate import _Decoder
+
+    model = tiny_model()  # block_size 32
+    assert _Decoder(model, [[1] * 5], 7, 24).cache.max_len == 12
+    assert _Decoder(model, [[1] * 5], 100, 24).cache.max_len == 32
+
+
+@pytest.mark.parametrize("pos", POSITIONS)
+def test_exact_sliding_window_equals_cropping_without_cache(pos):
+    model = tiny_model(pos_embedding=pos)  # block_size 32
+    row = list(range(1, 21))
+    out = generate(model, torch.tensor([row]), 30, temperature=0, window_keep=32)
+    ref = torch.tensor([row])
+    with torch.no_grad():
+        for _ in range(30):
+            logits, _ = model(ref[:, -32:])
+            ref = torch.cat([ref, logits[:, -1:].argmax(-1)], dim=1)
+    assert torch.equal(out, ref)
+    # The default window re-encodes less often; output keeps the requested length.
+    assert generate(model, torch.tensor([row]), 60, temperature=0).shape == (1, 80)
+
+
+def test_long_prompt_is_cropped_with_a_warning(caplog):
+    model = tiny_model()
+    row = [i % 97 for i in range(40)]
+    with caplog.at_level(logging.WARNING, logger="gptlab.generate"):
+        out = generate(model, [row], 3, temperature=0)
+    assert "longer than block_size" in caplog.text
+    assert out[0][:40] == row
+    assert out[0][40:] == generate(model, [row[-32:]], 3, temperature=0)[0][32:]
+
+
+# --- sampling primitives -------------------------------------------------------------------------
+
+
+def test_top_k_mask_keeps_the_k_largest():
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.5, -1.0]])
+    assert top_k_mask(logits, 2).tolist() == [[NEG, 3.0, 2.0, NEG, NEG]]
+    assert top_k_mask(logits, 10).tolist() == logits.tolist()
+
+
+def test_top_p_mask_keeps_the_smallest_nucleus():
+    probs = torch.tensor([[0.05, 0.5, 0.3, 0.15]])
+    logits = probs.log()
+    kept = lambda p: (top_p_mask(logits, p) > NEG).tolist()[0]  # noqa: E731
+    assert kept(0.5) == [False, True, False, False]  # 0.5 alone reaches 0.5
+    assert kept(0.6) == [False, True, True, False]
+    assert kept(0.9) == [False, True, True, True]  # 0.5 + 0.3 + 0.15 = 0.95 >= 0.9
+    assert kept(0.96) == [True, True, True, True]
+    assert kept(0.01) == [False, True, False, False]  # the top token always stays
+
+
+def test_min_p_mask_scales_with_the_top_probability():
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
+    kept = (min_p_mask(probs.log(), 0.3) > NEG).tolist()[0]  # threshold 0.3 * 0.5 = 0.15
+    assert kept == [True, True, True, False]
+
+
+def test_masks_agree_with_transformers_warpers():
+    from transformers.generation.logits_process import MinPLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    logits = torch.randn(4, 300, generator=torch.Generator().manual_seed(0)) * 3
+    ids = torch.zeros(4, 1, dtype=torch.long)
+    for ours, theirs in [
+        (top_k_mask(logits, 17), TopKLogitsWarper(17)(ids, logits.clone())),
+        (top_p_mask(logits, 0.8), TopPLogitsWarper(0.8)(ids, logits.clone())),
+        (min_p_mask(logits, 0.05), MinPLogitsWarper(0.05)(ids, logits.clone())),
+    ]:
+        assert torch.equal(ours.isinf(), theirs.isinf())
+
+
+def test_repetition_penalty_formula_and_transformers():
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    logits = torch.tensor([[2.0, -1.0, 0.5, -3.0], [1.0, 1.0, 1.0, 1.0]])
+    context = torch.tensor([[0, 1, 1], [3, 3, -1]])  # -1: padding, ignored
+    out = apply_repetition_penalty(logits, context, 2.0)
+    assert out.tolist() == [[1.0, -2.0, 0.5, -3.0], [1.0, 1.0, 1.0, 0.5]]
+    assert torch.equal(apply_repetition_penalty(logits, seen_tokens([[0, 1], [3]], 4), 2.0), out)
+    ref = RepetitionPenaltyLogitsProcessor(1.3)(context[:1], logits[:1].clone())
+    torch.testing.assert_close(apply_repetition_penalty(logits[:1], context[:1], 1.3), ref)
+
+
+def test_temperature_zero_is_greedy():
+    model = tiny_model()
+    prompt = torch.tensor([[3, 1, 4, 1, 5]])
+    out = generate(model, prompt, 10, temperature=0, top_k=5, top_p=0.5, generator=0)
+    ref = prompt
+    with torch.no_grad():
+        for _ in range(10):
+            ref = torch.cat([ref, model(ref)[0][:, -1:].argmax(-1)], dim=1)
+    assert torch.equal(out, ref)
+    logits = torch.randn(3, 97)
+    assert torch.equal(sample_next(logits, temperature=0), logits.argmax(-1))
+
+
+def test_sampling_follows_the_masks_and_seeds():
+    logits = torch.tensor([[0.0, 1.0, 2.0, 3.0]]).repeat(500, 1)
+    drawn = sample_next(logits, top_k=2, generator=torch.Generator().manual_seed(0))
+    assert set(drawn.tolist()) == {2, 3}
+    model = tiny_model()
+    prompt = torch.tensor([[1, 2, 3]])
+    a = generate(model, prompt, 20, generator=torch.Generator().manual_seed(7))
+    b = generate(model, prompt, 20, generator=7)
+    c = generate(model, prompt, 20, generator=8)
+    assert torch.equal(a, b)
+    assert not torch.equal(a, c)
+
+
+def test_num_samples_and_unconditional_start():
+    model = tiny_model()
+    out = generate(model, torch.tensor([[1, 2], [3, 4]]), 5, num_samples=3, generator=0)
+    assert out.shape == (6, 7)
+    assert out[:3, :2].eq(torch.tensor([1, 2])).all() and out[3:, :2].eq(torch.tensor([3, 4])).all()
+    assert len({tuple(r) for r in out[:3].tolist()}) > 1  # three different continuations
+    start = generate(model, [[96]], 4, temperature=0)[0][1:]
+    assert generate(model, [[]], 4, bos_id=96, temperature=0)[0] == start
+
+
+def test_eos_stops_each_row():
+    model = tiny_model()
+    prompts = [[1, 2, 3], [4, 5]]
+    free = generate(model, prompts, 10, temperature=0)
+    eos = free[0][5]  # the third new token of row 0
+    out = generate(model, prompts, 10, temperature=0, eos_id=eos)
+    first = free[0][3:].index(eos)
+    assert out[0] == free[0][: 3 + first + 1]  # stops at eos, eos included
+    tensor_out = generate(model, torch.tensor([[1, 2, 3]]), 10, temperature=0, eos_id=eos)
+    assert tensor_out[0].tolist() == out[0]  # one row: ends as soon as it has eos
+
+
+# --- text: stop strings, EOS, streaming, UTF-8 ------------------------------------------------
+
+PATTERN = "日本語🙂 é! "
+
+
+@pytest.fixture(scope="module")
+def echo_model():
+    """A byte-level model overfitted on a repeating text with multi-byte characters, so greedy
+    decoding continues the pattern: a real model whose characters span several tokens."""
+    tok = get_tokenizer("byte")
+    ids = torch.tensor(tok.encode(PATTERN * 8))
+    torch.manual_seed(0)
+    model = GPT(tiny_config(vocab_size=257, block_size=48, n_embd=64))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matrices: threads only add synchronisation
+    for _ in range(150):
+        start = torch.randint(0, len(ids) - 49, (8,))
+        batch = torch.stack([ids[s : s + 49] for s in start.tolist()])
+        _, loss = model(batch[:, :-1], batch[:, 1:])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    torch.set_num_threads(threads)
+    return model.eval(), tok
+
+
+def test_streaming_equals_non_streaming_and_is_valid_utf8(echo_model):
+    model, tok = echo_model
+    pieces = list(stream_text(model, tok, PATTERN, 60, temperature=0))
+    text = "".join(pieces)
+    assert text == generate_text(model, tok, PATTERN, 60, temperature=0)
+    assert text.startswith(PATTERN * 2)  # the model learned the pattern
+    assert all("\ufffd" not in p and p.encode("utf-8").decode("utf-8") == p for p in pieces)
+    assert len(pieces) < 60  # the 3- and 4-byte characters came out whole, not byte by byte
+    sampled = "".join(stream_text(model, tok, "日本", 40, top_k=3, generator=5))
+    assert sampled == generate_text(model, tok, "日本", 40, top_k=3, generator=5)
+
+
+def test_stop_strings_split_across_tokens(echo_model):
+    model, tok = echo_model
+    full = generate_text(model, tok, PATTERN, 40, temperature=0)
+    assert generate_text(model, tok, PATTERN, 40, temperature=0, stop="🙂 é") == full[: full.index("🙂 é")]
+    pieces = list(stream_text(model, tok, PATTERN, 40, temperature=0, stop=["zz", "é! 日"]))
+    assert "".join(pieces) == full[: full.index("é! 日")]
+    assert generate_text(model, tok, PATTERN, 40, temperature=0, stop="not there") == full
+
+
+def test_text_stops_at_the_tokenizers_end_of_text():
+    tok = get_tokenizer("byte")
+    model = tiny_model(vocab_size=257, tie_weights=False)
+    with torch.no_grad():  # make <|endoftext|> (256) the most likely next token everywhere
+        model.transformer.ln_f.weight.zero_()
+        model.transformer.ln_f.bias.zero_()
+        model.transformer.ln_f.bias[0] = 1.0
+        model.lm_head.weight.zero_()
+        model.lm_head.weight[256, 0] = 10.0
+    assert generate_text(model, tok, "hi", 5, temperature=0) == ""
+    assert generate_text(model, tok, "hi", 2, temperature=0, stop_at_eos=False) == "<|endoftext|>" * 2
+
+
+# --- bad input -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(max_new_tokens=0), "max_new_tokens"),
+        (dict(max_new_tokens=-3), "max_new_tokens"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(top_k=0), "top_k"),
+        (dict(temperature=-0.5), "temperature"),
+        (dict(min_p=2.0), "min_p"),
+        (dict(repetition_penalty=0.0), "repetition_penalty"),
+        (dict(idx=torch.tensor([[1, 97]])), "outside the vocabulary"),
+        (dict(idx=[[1, 2], [-1]]), "outside the vocabulary"),
+        (dict(idx=[[]]), "empty prompt"),
+    ],
+)
+def test_bad_input_raises_value_error(kwargs, match):
+    model = tiny_model()
+    args = dict(idx=torch.tensor([[1, 2]]), max_new_tokens=3) | kwargs
+    with pytest.raises(ValueError, match=match):
+        generate(model, args.pop("idx"), args.pop("max_new_tokens"), **args)
+
+
+def test_validate_sampling_accepts_defaults():
+    validate_sampling()
+    validate_sampling(temperature=0, top_k=1, top_p=1.0, min_p=0.0, repetition_penalty=1.2, max_new_tokens=1)
+    assert F.softmax(top_p_mask(torch.zeros(1, 5), 1.0), -1).allclose(torch.full((1, 5), 0.2))
