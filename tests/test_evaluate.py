@@ -152,8 +152,10 @@ def test_read_tokens(tmp_path):
     wide = tmp_path / "wide"
     wide.mkdir()
     np.array([1, 2, 3], dtype=np.uint32).tofile(wide / "val.bin")
-    (wide / "meta.json").write_text(json.dumps({"dtype": "uint32"}))
+    (wide / "manifest.json").write_text(json.dumps({"tokenizer": "gpt2", "dtype": "uint32"}))
     assert evaluate.read_tokens(wide / "val.bin", tok).tolist() == [1, 2, 3]
+    with pytest.raises(ValueError, match="holds gpt2 tokens; the model uses the byte tokenizer"):
+        evaluate.read_tokens(wide / "val.bin", BYTE)
     (tmp_path / "odd.bin").write_bytes(b"abc")
     with pytest.raises(ValueError, match="multiple of 2"):
         evaluate.read_tokens(tmp_path / "odd.bin", tok)

@@ -135,8 +135,8 @@ def perplexity(
 def read_tokens(path: str | os.PathLike, tokenizer: Tokenizer) -> np.ndarray:
     """Tokens of a text file, or of a prepared token file (`val.bin`, or a directory holding one).
 
-    A token file is uint16 when the vocabulary fits, else uint32, unless a JSON manifest beside it
-    names its `dtype`.
+    A token file (as `gptlab prepare` writes) is uint16 when the vocabulary fits, else uint32, unless
+    the manifest.json beside it names another dtype or a different tokenizer.
     """
     path = Path(path)
     if path.is_dir():
@@ -145,7 +145,7 @@ def read_tokens(path: str | os.PathLike, tokenizer: Tokenizer) -> np.ndarray:
         raise ValueError(f"{path}: no such file")
     if path.suffix != ".bin":
         return np.asarray(tokenizer.encode(path.read_text(encoding="utf-8")), dtype=np.int64)
-    dtype = _token_dtype(path, tokenizer.n_vocab)
+    dtype = _token_dtype(path, tokenizer)
     if path.stat().st_size % np.dtype(dtype).itemsize:
         raise ValueError(f"{path}: size is not a multiple of {np.dtype(dtype).itemsize} bytes ({dtype} tokens)")
     tokens = np.fromfile(path, dtype=dtype).astype(np.int64)
@@ -156,15 +156,19 @@ def read_tokens(path: str | os.PathLike, tokenizer: Tokenizer) -> np.ndarray:
     return tokens
 
 
-def _token_dtype(path: Path, n_vocab: int) -> str:
-    for manifest in sorted(path.parent.glob("*.json")):
+def _token_dtype(path: Path, tokenizer: Tokenizer) -> str:
+    """The dtype `gptlab prepare` recorded in manifest.json beside the file, else the vocabulary's."""
+    manifest = path.parent / "manifest.json"
+    if manifest.is_file():
         try:
             meta = json.loads(manifest.read_text())
-        except (OSError, json.JSONDecodeError):
-            continue
-        if isinstance(meta, dict) and meta.get("dtype") in ("uint16", "uint32"):
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"{manifest}: not readable ({e})") from e
+        if meta.get("tokenizer") not in (None, tokenizer.name):
+            raise ValueError(f"{path} holds {meta['tokenizer']} tokens; the model uses the {tokenizer.name} tokenizer")
+        if meta.get("dtype") in ("uint16", "uint32"):
             return meta["dtype"]
-    return "uint16" if n_vocab <= 2**16 else "uint32"
+    return "uint16" if tokenizer.n_vocab <= 2**16 else "uint32"
 
 
 # ----------------------------------------------------------------------------- continuation scoring

@@ -53,7 +53,7 @@ def print_info(spec: str, info: dict) -> None:
     width = max(len(r["component"]) for r in info["components"]) + 2
     print("parameters")
     for r in info["components"]:
-        print(f"  {r['component']:<{width}}{r['params']:>14,}  {100 * r['share']:5.1f}%  {r['note']}")
+        print(f"  {r['component']:<{width}}{r['params']:>14,}  {100 * r['share']:5.1f}%  {r['note']}".rstrip())
     print(f"  {'total':<{width}}{info['total']:>14,}")
     print(f"  {'without wpe (nanoGPT count)':<{width}}{info['non_embedding']:>14,}")
     f = info["flops"]
