@@ -6,7 +6,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo lint bench install
+.PHONY: test demo lint bench install browser
 
 install: $(STAMP)
 
@@ -17,8 +17,15 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $@
 
-test: $(STAMP)
+test: $(STAMP) browser
 	$(PY) -m pytest -q
+
+# Headless Chromium (Debian's package) for the explorer's browser test; best effort: the test
+# skips, saying why, only when it cannot be installed (no apt-get, not root, no network).
+browser:
+	@test -x /usr/bin/chromium || { command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] && \
+		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null; } \
+		|| echo "note: could not install Chromium; the browser test will be skipped"; }
 
 demo: $(STAMP)
 	$(PY) -m gptlab demo

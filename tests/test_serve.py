@@ -179,19 +179,26 @@ def test_models_and_health(client, url):
     assert health["status"] == "ok" and health["model"] == NAME
 
 
-def test_completion_equals_generate(client, model, tok):
+@pytest.mark.parametrize("ends", ["length", "stop"])
+def test_completion_equals_generate(client, model, tok, ends):
+    """A plain completion equals gptlab.generate with the same seed, ending at max_tokens, or at
+    <|endoftext|> (a seed is picked for which generate itself stops early)."""
+    ids, max_tokens = tok.encode("Hello there"), 24 if ends == "length" else 300
+    for seed in range(200):
+        [expected] = reference(model, ids, max_tokens, temperature=0.9, eos_id=EOS, generator=seed)
+        if (len(expected) == max_tokens) == (ends == "length"):
+            break
     out = client.completions.create(
-        model=NAME, prompt="Hello there", max_tokens=24, temperature=0.9, seed=3, extra_body={"return_token_ids": True}
-    )
-    ids = tok.encode("Hello there")
-    [expected] = reference(model, ids, 24, temperature=0.9, eos_id=EOS, generator=3)
+        model=NAME, prompt="Hello there", max_tokens=max_tokens, temperature=0.9, seed=seed,
+        extra_body={"return_token_ids": True},
+    )  # fmt: skip
     choice = out.choices[0]
     assert choice.token_ids == expected
     assert choice.text == tok.decode(expected)
-    assert choice.finish_reason == ("length" if len(expected) == 24 else "stop")
+    assert choice.finish_reason == ends
     assert out.object == "text_completion" and out.model == NAME
     assert out.usage.prompt_tokens == len(ids)
-    assert out.usage.completion_tokens == len(expected) + (len(expected) < 24)  # the end-of-text token counts
+    assert out.usage.completion_tokens == len(expected) + (ends == "stop")  # the end-of-text token counts
     assert out.usage.total_tokens == out.usage.prompt_tokens + out.usage.completion_tokens
 
 

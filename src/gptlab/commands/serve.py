@@ -12,10 +12,12 @@ def add_arguments(parser):
     parser.add_argument("--max-queue", type=int, default=64, help="waiting requests before answering 429 (default 64)")
     parser.add_argument("--max-body", type=int, default=1 << 20, help="largest request body in bytes (default 1 MiB)")
     parser.add_argument("--device", default="cpu", help="cpu, cuda, ... (default cpu)")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 
 def run(args):
+    import torch
     import uvicorn
 
     from gptlab.checkpoint import load_model, tokenizer_name
@@ -25,6 +27,10 @@ def run(args):
     for flag in ("max_batch", "max_queue", "max_body"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be at least 1")
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError("--threads must be at least 1")
+        torch.set_num_threads(args.threads)
     model = load_model(args.model, device=args.device)
     tokenizer = get_tokenizer(tokenizer_name(args.model))
     name = args.name or Path(args.model.rstrip("/")).name

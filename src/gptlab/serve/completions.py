@@ -279,7 +279,8 @@ class CompletionRun:
                     if row is None or choice.finish_reason is not None:
                         continue
                     token, lp, top = row
-                    if token == self.params.eos_id:
+                    if token == self.params.eos_id:  # counted in usage, never shown as text
+                        choice.token_ids.append(token)
                         yield (i * n + j, *choice.finish("stop"), "stop")
                     else:
                         text, entries = choice.add(token, lp, top)

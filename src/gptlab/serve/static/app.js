@@ -150,7 +150,11 @@ function renderHistory() {
   list.replaceChildren();
   state.history.forEach((prompt, i) => {
     const item = document.createElement("li");
-    item.textContent = i === 0 ? "start" : show(prompt.slice(state.history[i - 1].length)) || "\u2205";
+    const previous = i > 0 ? state.history[i - 1] : null;
+    // A chosen token extends the previous prompt: show what it added; an edited prompt: its end.
+    item.textContent = previous !== null && prompt.startsWith(previous) && prompt !== previous
+      ? show(prompt.slice(previous.length))
+      : `\u270e \u2026${show(prompt.slice(-16))}`;
     item.title = prompt;
     if (i === state.current) item.className = "current";
     item.addEventListener("click", () => goTo(i));

@@ -1,0 +1,105 @@
+"""The explorer page in a real browser: headless Chromium (Debian's package) driven by Playwright.
+
+It types a prompt, clicks a suggested token, and checks that the prompt grew and that new
+suggestions, the surprisal colouring and an attention heatmap appeared; then saves a screenshot.
+`make test` installs Chromium (apt-get) when it is missing.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+
+from gptlab.serve.app import create_app
+from gptlab.tokenizer import get_tokenizer
+from test_serve import NAME, running, serve_model
+
+CHROMIUM = os.environ.get("GPTLAB_CHROMIUM", "/usr/bin/chromium")
+CHROMIUM_ARGS = [
+    "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+    "--disable-component-update", "--disable-sync", "--no-first-run",
+]  # fmt: skip
+
+
+def explore(page, url: str, prompt: str, screenshot: str | None = None) -> dict:
+    """Drive the explorer: enter `prompt`, click the top suggestion; returns what the page showed."""
+    page.goto(url)
+    page.wait_for_selector(".candidate")
+    page.fill("#prompt", prompt)
+    page.click("#go")
+    n = len(prompt.encode())  # byte-level model in the tests; the page reports the count it used
+    page.wait_for_function("n => document.querySelectorAll('#tokens span').length === n", arg=n)
+    candidates = "els => els.map(e => [e.dataset.text, e.title])"  # the title holds the probability
+    before = page.eval_on_selector_all(".candidate", candidates)
+    chosen = before[0][0]
+    page.click(".candidate >> nth=0")
+    page.wait_for_function("p => document.querySelector('#prompt').value === p", arg=prompt + chosen)
+    page.wait_for_function(
+        "n => document.querySelectorAll('#tokens span').length > n && document.querySelector('#heatmap').dataset.tokens > n",
+        arg=n,
+    )
+    page.wait_for_function("document.querySelectorAll('.candidate').length === 10")
+    shown = dict(
+        chosen=chosen,
+        prompt=page.input_value("#prompt"),
+        before=before,
+        after=page.eval_on_selector_all(".candidate", candidates),
+        tokens=page.eval_on_selector_all("#tokens span", "els => els.map(e => e.textContent)"),
+        heatmap_tokens=int(page.get_attribute("#heatmap", "data-tokens")),
+        heatmap_inked=page.evaluate(
+            """() => { const c = document.querySelector('#heatmap');
+                       const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
+                       let blue = 0; for (let i = 0; i < d.length; i += 4) if (d[i + 2] > d[i] + 40) blue++;
+                       return blue; }"""
+        ),
+        history=page.eval_on_selector_all("#history li", "els => els.length"),
+        status=page.text_content("#status"),
+    )
+    if screenshot:
+        page.screenshot(path=screenshot, full_page=True)
+    return shown
+
+
+@pytest.fixture(scope="module")
+def browser():
+    if not os.path.exists(CHROMIUM):
+        apt = shutil.which("apt-get")
+        pytest.skip(
+            f"Chromium is not installed at {CHROMIUM} and could not be installed"
+            + (
+                " (run `make browser` as root: apt-get install chromium chromium-driver)"
+                if apt
+                else " (no apt-get here)"
+            )
+        )
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+        yield b
+        b.close()
+
+
+def test_explorer_in_chromium(browser, tmp_path):
+    torch.set_num_threads(1)
+    app = create_app(serve_model(), get_tokenizer("byte"), name=NAME)
+    with running(app) as url:
+        page = browser.new_page(viewport={"width": 1100, "height": 900})
+        errors = []
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.on("requestfailed", lambda r: errors.append(f"request failed: {r.url}"))
+        outside = []
+        page.on("request", lambda r: None if r.url.startswith(url) else outside.append(r.url))
+        shot = tmp_path / "explorer.png"
+        shown = explore(page, url, "Hello wor", screenshot=str(shot))
+    assert shown["prompt"] == "Hello wor" + shown["chosen"]
+    assert len(shown["tokens"]) == len(shown["prompt"].encode())
+    assert len(shown["after"]) == 10 and shown["after"] != shown["before"]
+    assert shown["heatmap_tokens"] == len(shown["tokens"]) and shown["heatmap_inked"] > 100
+    assert shown["history"] == 3  # the page's example prompt, the typed one, the chosen token
+    assert shown["status"].endswith("tokens")
+    assert errors == [] and outside == [], (errors, outside)
+    assert shot.stat().st_size > 10_000
