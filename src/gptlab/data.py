@@ -1,0 +1,366 @@
+"""Data: turn text into token files (`prepare`) and read (x, y) batches from them (`TokenLoader`).
+
+`prepare` writes `train.bin` and `val.bin` (uint16 token ids while the vocabulary fits, uint32
+otherwise; native little-endian, no header) and `manifest.json` (tokenizer, dtype, counts,
+source hashes). Documents are separated by `<|endoftext|>`; the validation split is the last
+`val_fraction` of the token stream, so with one input file it is the end of that file. Large
+inputs are read in pieces and encoded by worker processes; the pieces are cut where GPT-2's
+pre-tokenizer would split anyway, so the ids equal those of encoding the whole text at once.
+
+`TokenLoader` memory-maps a token file and yields batches by a counter: batch k is a pure
+function of (seed, k), which makes its whole state one integer and lets every DDP rank take its
+own rows of the same global batch.
+"""
+
+from __future__ import annotations
+
+import codecs
+import glob
+import hashlib
+import json
+import logging
+import os
+import re
+import time
+from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_all_start_methods, get_context
+from pathlib import Path
+
+import numpy as np
+
+from gptlab.checkpoint import atomic_write, atomic_write_text
+from gptlab.tokenizer import ENDOFTEXT, get_tokenizer
+
+log = logging.getLogger(__name__)
+MANIFEST = "manifest.json"
+SPLITS = ("train", "val")
+PIECE_CHARS = 1 << 20  # text handed to one worker task
+PARALLEL_MIN_CHARS = 8 << 20  # below this, encoding in-process beats starting workers
+# A piece ends after a newline that sits between two non-space characters: GPT-2's pre-tokenizer
+# splits there on its own, so cutting there does not change the ids.
+_SAFE_CUT = re.compile(r"\S\n(?=\S)")
+
+
+def token_dtype(n_vocab: int) -> np.dtype:
+    """uint16 while every id fits, else uint32."""
+    return np.dtype(np.uint16) if n_vocab <= 2**16 else np.dtype(np.uint32)
+
+
+# ---------------------------------------------------------------------------------------------
+# prepare: text -> token files
+
+
+def resolve_inputs(spec: str | os.PathLike | list) -> list[Path]:
+    """Files named by a FILE, a DIR (every file below it, sorted) or a GLOB; several with a list."""
+    if isinstance(spec, (list, tuple)):
+        return [p for s in spec for p in resolve_inputs(s)]
+    path = Path(spec)
+    if path.is_file():
+        return [path]
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
+        if not files:
+            raise ValueError(f"input directory {path} holds no files")
+        return files
+    matches = sorted(Path(p) for p in glob.glob(str(spec), recursive=True) if Path(p).is_file())
+    if not matches:
+        raise ValueError(f"input {spec}: no such file, directory or glob match")
+    return matches
+
+
+def _read_pieces(path: Path, piece_chars: int, hasher) -> Iterator[str]:
+    """Stream a UTF-8 file as text pieces of about piece_chars, cut at safe places."""
+    carry = ""
+    with open(path, "rb") as raw:
+        decoder = codecs.getincrementaldecoder("utf-8")()
+        while True:
+            block = raw.read(piece_chars)
+            hasher.update(block)
+            text = carry + decoder.decode(block, final=not block)
+            if not block:
+                if text:
+                    yield text
+                return
+            cut = _last_safe_cut(text)
+            carry = text[cut:]
+            if cut:
+                yield text[:cut]
+
+
+def _last_safe_cut(text: str) -> int:
+    """The end of the last safe piece in text (0 if none)."""
+    start = max(0, len(text) - PIECE_CHARS // 4)
+    while True:
+        cuts = [m.start() + 2 for m in _SAFE_CUT.finditer(text, start)]
+        if cuts:
+            return cuts[-1]
+        if start == 0:
+            return 0
+        start = 0
+
+
+def _documents(inputs: list[Path], piece_chars: int, sources: list[dict]) -> Iterator[tuple[str, bool]]:
+    """(text piece, starts_a_new_document) for every piece of every input file."""
+    for path in inputs:
+        hasher = hashlib.sha256()
+        first = True
+        for piece in _read_pieces(path, piece_chars, hasher):
+            yield piece, first
+            first = False
+        sources.append({"path": str(path), "bytes": path.stat().st_size, "sha256": hasher.hexdigest()})
+
+
+def _hf_documents(name: str, sources: list[dict]) -> Iterator[tuple[str, bool]]:
+    """Documents of a Hugging Face `datasets` dataset (its "text" column, train split)."""
+    try:
+        import datasets
+    except ImportError as e:
+        raise ValueError(f"input {name}: not a file, and the `datasets` package is not installed") from e
+    ds = datasets.load_dataset(name, split="train")
+    if "text" not in ds.column_names:
+        raise ValueError(f"dataset {name} has no 'text' column (columns: {ds.column_names})")
+    sources.append({"dataset": name, "rows": len(ds), "fingerprint": getattr(ds, "_fingerprint", None)})
+    for row in ds:
+        yield row["text"], True
+
+
+def _could_be_dataset(spec) -> bool:
+    """A string like "user/name" that is no path or glob: try it as a `datasets` name."""
+    if not isinstance(spec, str) or any(c in spec for c in "*?[") or spec.startswith((".", "/", "~")):
+        return False
+    try:
+        import datasets  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+_WORKER_TOKENIZER = None
+
+
+def _encode_piece(args: tuple[str, str]) -> np.ndarray:
+    global _WORKER_TOKENIZER
+    tokenizer_name, text = args
+    if _WORKER_TOKENIZER is None or _WORKER_TOKENIZER.name != tokenizer_name:
+        _WORKER_TOKENIZER = get_tokenizer(tokenizer_name)
+    ids = _WORKER_TOKENIZER.encode(text)
+    return np.asarray(ids, dtype=token_dtype(_WORKER_TOKENIZER.n_vocab))
+
+
+def _encoded_pieces(pieces: Iterator[tuple[str, bool]], tokenizer_name: str, workers: int) -> Iterator:
+    """(ids, piece_chars, new_doc) in input order, encoded in `workers` processes (1: in-process)."""
+
+    def tasks():
+        for text, new_doc in pieces:
+            meta.append((len(text), new_doc))
+            yield tokenizer_name, text
+
+    meta: list[tuple[int, bool]] = []
+    if workers <= 1:
+        for i, ids in enumerate(map(_encode_piece, tasks())):
+            yield ids, *meta[i]
+        return
+    # fork: workers only run the tokenizer, and fork needs no `if __name__ == "__main__"` guard.
+    method = "fork" if "fork" in get_all_start_methods() else "spawn"
+    with ProcessPoolExecutor(workers, mp_context=get_context(method)) as pool:
+        # map() submits everything it is given; feed it in windows so memory stays bounded.
+        it = tasks()
+        done = 0
+        while True:
+            window = [t for _, t in zip(range(4 * workers), it, strict=False)]
+            if not window:
+                return
+            for ids in pool.map(_encode_piece, window):
+                yield ids, *meta[done]
+                done += 1
+
+
+def prepare(
+    inputs,
+    out_dir: str | os.PathLike,
+    *,
+    tokenizer: str = "gpt2",
+    val_fraction: float = 0.1,
+    workers: int | None = None,
+    piece_chars: int = PIECE_CHARS,
+    progress: bool = True,
+) -> dict:
+    """Tokenize `inputs` (see resolve_inputs, or a `datasets` name) into out_dir/{train,val}.bin.
+
+    Returns the manifest. The same inputs always give byte-identical files.
+    """
+    if not 0.0 < val_fraction < 1.0:
+        raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
+    tok = get_tokenizer(tokenizer)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    sources: list[dict] = []
+    try:
+        files = resolve_inputs(inputs)
+        total_chars = sum(p.stat().st_size for p in files)
+        pieces = _documents(files, piece_chars, sources)
+    except ValueError:
+        if not _could_be_dataset(inputs):
+            raise
+        total_chars, pieces = None, _hf_documents(str(inputs), sources)
+    if workers is None:
+        workers = min(os.cpu_count() or 1, 8) if (total_chars or PARALLEL_MIN_CHARS) >= PARALLEL_MIN_CHARS else 1
+    dtype = token_dtype(tok.n_vocab)
+    stream_path = out_dir / ".tokens.tmp"
+    n_tokens = _write_stream(
+        _encoded_pieces(pieces, tokenizer, workers), stream_path, tok.eot_token, dtype, total_chars, progress
+    )
+    try:
+        counts = _split(stream_path, out_dir, n_tokens, val_fraction, dtype)
+    finally:
+        stream_path.unlink(missing_ok=True)
+    manifest = {
+        "tokenizer": tokenizer,
+        "vocab_size": tok.n_vocab,
+        "dtype": dtype.name,
+        "separator": ENDOFTEXT,
+        "val_fraction": val_fraction,
+        "tokens": counts,
+        "sources": sources,
+    }
+    atomic_write_text(out_dir / MANIFEST, json.dumps(manifest, indent=2))
+    log.info(
+        "prepared %s: %s train + %s val tokens (%s)", out_dir, f"{counts['train']:,}", f"{counts['val']:,}", dtype.name
+    )
+    return manifest
+
+
+def _write_stream(encoded, path: Path, eot: int, dtype: np.dtype, total_chars, progress: bool) -> int:
+    """Append every piece's ids to `path`, an <|endoftext|> between documents; returns the count."""
+    from tqdm import tqdm
+
+    n_tokens, started, t0 = 0, False, time.perf_counter()
+    bar = tqdm(total=total_chars, unit="B", unit_scale=True, desc="tokenizing", disable=not progress)
+    with open(path, "wb") as f:
+        for ids, n_chars, new_doc in encoded:
+            if new_doc and started:
+                f.write(np.asarray([eot], dtype=dtype).tobytes())
+                n_tokens += 1
+            started = True
+            f.write(ids.tobytes())
+            n_tokens += len(ids)
+            bar.update(n_chars)
+            bar.set_postfix_str(f"{n_tokens / max(time.perf_counter() - t0, 1e-9):,.0f} tok/s")
+    bar.close()
+    if n_tokens < 2:
+        raise ValueError("the input holds no text to tokenize")
+    return n_tokens
+
+
+def _split(stream_path: Path, out_dir: Path, n_tokens: int, val_fraction: float, dtype: np.dtype) -> dict:
+    """Copy the token stream into train.bin (the start) and val.bin (the last val_fraction)."""
+    n_val = max(1, round(n_tokens * val_fraction))
+    tokens = np.memmap(stream_path, dtype=dtype, mode="r", shape=(n_tokens,))
+    bounds = {"train": (0, n_tokens - n_val), "val": (n_tokens - n_val, n_tokens)}
+    for split, (lo, hi) in bounds.items():
+
+        def write(tmp, lo=lo, hi=hi, tokens=tokens):
+            with open(tmp, "wb") as f:
+                for s in range(lo, hi, 1 << 24):
+                    f.write(tokens[s : min(hi, s + (1 << 24))].tobytes())
+
+        atomic_write(out_dir / f"{split}.bin", write)
+    del tokens
+    return {split: hi - lo for split, (lo, hi) in bounds.items()}
+
+
+def read_manifest(data_dir: str | os.PathLike) -> dict:
+    """The manifest of a prepared data directory; a clear error when it is missing or damaged."""
+    data_dir = Path(data_dir)
+    if not data_dir.is_dir():
+        raise ValueError(f"data directory {data_dir} does not exist (run `gptlab prepare` first)")
+    try:
+        return json.loads((data_dir / MANIFEST).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{data_dir}: no readable {MANIFEST} ({e}); run `gptlab prepare` first") from e
+
+
+# ---------------------------------------------------------------------------------------------
+# TokenLoader: memory-mapped (x, y) batches
+
+
+class TokenLoader:
+    """(x, y) int64 batches (B, T) from a token file, y = x shifted by one token.
+
+    mode "random": batch k takes global_batch = B * world_size windows at offsets drawn from a
+    generator seeded with (seed, k). mode "sequential": batch k takes the consecutive windows
+    k * global_batch ... (wrapping around). Rank r gets rows r*B ... (r+1)*B of the global batch,
+    so ranks read disjoint rows and together read what one process with B * world_size reads.
+    The state is the batch counter (`state_dict()` / `load_state_dict()`).
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        batch_size: int,
+        block_size: int,
+        *,
+        dtype: str | np.dtype = "uint16",
+        mode: str = "random",
+        seed: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+    ):
+        if mode not in ("random", "sequential"):
+            raise ValueError(f"loader mode must be 'random' or 'sequential', got {mode!r}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} outside world_size {world_size}")
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise ValueError(f"token file {self.path} does not exist")
+        self.tokens = np.memmap(self.path, dtype=np.dtype(dtype), mode="r")
+        self.batch_size, self.block_size = batch_size, block_size
+        if len(self.tokens) < block_size + 1:
+            raise ValueError(
+                f"{self.path} has {len(self.tokens)} tokens; block_size {block_size} needs at least {block_size + 1}"
+            )
+        self.mode, self.seed, self.rank, self.world_size = mode, seed, rank, world_size
+        self.batch_index = 0
+
+    @property
+    def global_batch(self) -> int:
+        return self.batch_size * self.world_size
+
+    def offsets(self, k: int) -> np.ndarray:
+        """Start offsets of this rank's rows in batch k, (B,)."""
+        import torch
+
+        n, T = len(self.tokens), self.block_size
+        if self.mode == "random":  # any start 0 .. n - T - 1
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + k)
+            starts = torch.randint(n - T, (self.global_batch,), generator=g).numpy()
+        else:  # back-to-back windows; (n - 1) // T of them fit
+            rows = k * self.global_batch + np.arange(self.global_batch)
+            starts = (rows % ((n - 1) // T)) * T
+        return starts[self.rank * self.batch_size : (self.rank + 1) * self.batch_size]
+
+    def batch(self, k: int):
+        """Batch k as (x, y), each an int64 tensor (B, T)."""
+        import torch
+
+        T = self.block_size
+        windows = np.stack([self.tokens[s : s + T + 1] for s in self.offsets(k)]).astype(np.int64)  # (B, T+1)
+        w = torch.from_numpy(windows)
+        return w[:, :-1], w[:, 1:]  # (B, T), (B, T)
+
+    def next_batch(self):
+        """The next batch; advances the counter."""
+        out = self.batch(self.batch_index)
+        self.batch_index += 1
+        return out
+
+    def state_dict(self) -> dict:
+        return {"batch_index": self.batch_index, "mode": self.mode, "seed": self.seed}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("mode", self.mode) != self.mode or state.get("seed", self.seed) != self.seed:
+            raise ValueError(
+                f"loader state for mode={state.get('mode')} seed={state.get('seed')} does not match this loader"
+            )
+        self.batch_index = int(state["batch_index"])

@@ -1,0 +1,145 @@
+"""gptlab.data: prepare (text -> token files) and TokenLoader (memory-mapped batches)."""
+
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from gptlab import data
+from gptlab.data import TokenLoader, prepare, token_dtype
+from gptlab.tokenizer import ENDOFTEXT, get_tokenizer
+
+
+def corpus(n_lines: int, seed: int) -> str:
+    """Seeded text with newlines, blank lines and punctuation, like a play."""
+    rng = random.Random(seed)
+    words = ["thou", "art", "the", "king", "Hark!", "my", "lord,", "O", "ROMEO:", "12", "naïve", "—", "'tis"]
+    lines = []
+    for _ in range(n_lines):
+        lines.append(" ".join(rng.choice(words) for _ in range(rng.randint(0, 9))))
+        if rng.random() < 0.2:
+            lines.append("")
+    return "\n".join(lines) + "\n"
+
+
+@pytest.fixture
+def two_docs(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.txt").write_text(corpus(300, 1))
+    (src / "b.txt").write_text(corpus(200, 2))
+    return src
+
+
+def read_tokens(out, split, dtype="uint16"):
+    return np.fromfile(out / f"{split}.bin", dtype=dtype)
+
+
+def test_prepare_round_trip_and_manifest(two_docs, tmp_path):
+    out = tmp_path / "out"
+    manifest = prepare(two_docs, out, progress=False)
+    tok = get_tokenizer("gpt2")
+    train, val = read_tokens(out, "train"), read_tokens(out, "val")
+    text = tok.decode(np.concatenate([train, val]).tolist())
+    assert text == (two_docs / "a.txt").read_text() + ENDOFTEXT + (two_docs / "b.txt").read_text()
+    assert manifest["tokens"] == {"train": len(train), "val": len(val)}
+    assert len(val) == round(0.1 * (len(train) + len(val)))
+    assert json.loads((out / "manifest.json").read_text()) == manifest
+    assert [s["sha256"] for s in manifest["sources"]] == [
+        __import__("hashlib").sha256((two_docs / n).read_bytes()).hexdigest() for n in ("a.txt", "b.txt")
+    ]
+
+
+def test_prepare_is_deterministic_and_pieces_do_not_change_ids(two_docs, tmp_path):
+    prepare(two_docs / "a.txt", tmp_path / "one", progress=False)
+    prepare(two_docs / "a.txt", tmp_path / "two", progress=False)
+    # Small pieces across two worker processes give the same bytes as one piece in-process.
+    prepare(two_docs / "a.txt", tmp_path / "par", workers=2, piece_chars=500, progress=False)
+    for name in ("train.bin", "val.bin", "manifest.json"):
+        assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "two" / name).read_bytes()
+        assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "par" / name).read_bytes()
+    whole = get_tokenizer("gpt2").encode((two_docs / "a.txt").read_text())
+    assert (
+        np.concatenate([read_tokens(tmp_path / "one", "train"), read_tokens(tmp_path / "one", "val")]).tolist() == whole
+    )
+
+
+def test_prepare_glob_and_errors(two_docs, tmp_path):
+    m = prepare(str(two_docs / "*.txt"), tmp_path / "g", progress=False, tokenizer="byte")
+    assert m["vocab_size"] == 257 and len(m["sources"]) == 2
+    with pytest.raises(ValueError, match="no such file"):
+        prepare(str(tmp_path / "missing*.txt"), tmp_path / "x", progress=False)
+    with pytest.raises(ValueError, match="val_fraction"):
+        prepare(two_docs, tmp_path / "x", val_fraction=1.5, progress=False)
+
+
+class BigVocab:
+    """A tokenizer whose ids do not fit in uint16 (byte ids + 70,000)."""
+
+    name, n_vocab, eot_token = "big", 70_257, 70_256
+
+    def encode(self, text, allowed_special=()):
+        return [b + 70_000 for b in text.encode()]
+
+
+def test_uint32_for_a_large_vocabulary(two_docs, tmp_path, monkeypatch):
+    assert token_dtype(50257) == np.uint16 and token_dtype(70_000) == np.uint32
+    monkeypatch.setattr(data, "get_tokenizer", lambda name: BigVocab())
+    m = prepare(two_docs / "b.txt", tmp_path / "big", progress=False)
+    assert m["dtype"] == "uint32"
+    ids = np.concatenate([read_tokens(tmp_path / "big", s, "uint32") for s in ("train", "val")])
+    assert bytes((ids - 70_000).astype(np.uint8).tolist()) == (two_docs / "b.txt").read_bytes()
+    x, y = TokenLoader(tmp_path / "big" / "train.bin", 2, 8, dtype="uint32").next_batch()
+    assert int(x.min()) >= 70_000
+
+
+@pytest.fixture
+def token_file(tmp_path):
+    path = tmp_path / "tokens.bin"
+    np.arange(1000, dtype=np.uint16).tofile(path)  # token i at offset i: offsets are readable
+    return path
+
+
+@pytest.mark.parametrize("mode", ["random", "sequential"])
+def test_loader_shapes_and_shift(token_file, mode):
+    loader = TokenLoader(token_file, 4, 16, mode=mode, seed=3)
+    x, y = loader.next_batch()
+    assert x.shape == y.shape == (4, 16) and x.dtype == torch.int64
+    assert torch.equal(y, x + 1)  # y is x shifted by one token
+    assert torch.equal(x[:, 1:], x[:, :-1] + 1)  # each row is a contiguous window
+
+
+def test_ranks_read_disjoint_rows_of_the_global_batch(token_file):
+    for mode in ("random", "sequential"):
+        whole = TokenLoader(token_file, 4, 16, mode=mode, seed=5)
+        ranks = [TokenLoader(token_file, 2, 16, mode=mode, seed=5, rank=r, world_size=2) for r in range(2)]
+        for k in range(3):
+            parts = [r.batch(k)[0] for r in ranks]
+            assert torch.equal(torch.cat(parts), whole.batch(k)[0])
+            if mode == "sequential":
+                assert not set(parts[0][:, 0].tolist()) & set(parts[1][:, 0].tolist())
+    seq = TokenLoader(token_file, 4, 16, mode="sequential")
+    starts = torch.cat([seq.batch(k)[0][:, 0] for k in range(3)]).tolist()
+    assert starts == [16 * i for i in range(12)]  # back-to-back windows
+
+
+def test_loader_state_round_trip(token_file):
+    a = TokenLoader(token_file, 3, 8, seed=11)
+    for _ in range(5):
+        a.next_batch()
+    state = a.state_dict()
+    expected = [a.next_batch()[0] for _ in range(3)]
+    b = TokenLoader(token_file, 3, 8, seed=11)
+    b.load_state_dict(json.loads(json.dumps(state)))  # survives JSON, as in a checkpoint
+    assert all(torch.equal(e, b.next_batch()[0]) for e in expected)
+    with pytest.raises(ValueError, match="does not match"):
+        TokenLoader(token_file, 3, 8, seed=12).load_state_dict(state)
+
+
+def test_loader_errors(token_file, tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        TokenLoader(tmp_path / "nope.bin", 2, 8)
+    with pytest.raises(ValueError, match="needs at least"):
+        TokenLoader(token_file, 2, 1000)

@@ -1,0 +1,259 @@
+"""gptlab.train: schedule, config, guards, checkpoints, exact resume (SIGKILL), DDP/FSDP, bad input."""
+
+import hashlib
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from gptlab import run_files
+from gptlab.checkpoint import load_native
+from gptlab.data import prepare
+from gptlab.train import TrainConfig, Trainer, lr_at, train
+from test_data import corpus
+
+TINY = dict(n_layer=2, n_head=2, n_embd=32, block_size=32, batch_size=4, dtype="float32", progress=False,
+            warmup_steps=2, lr=3e-3, min_lr=3e-4, eval_steps=2, sample_tokens=4, log_interval=1)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def byte_data(tmp_path_factory):
+    d = tmp_path_factory.mktemp("data")
+    (d / "corpus.txt").write_text(corpus(1500, 7))
+    prepare(d / "corpus.txt", d / "tokens", tokenizer="byte", progress=False)
+    return d / "tokens"
+
+
+def config(data_dir, out_dir, **kw) -> TrainConfig:
+    return TrainConfig(data_dir=str(data_dir), out_dir=str(out_dir), **{**TINY, **kw})
+
+
+def losses(out_dir) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in run_files.read_metrics(out_dir) if "loss" in r}
+
+
+def cli(*args) -> list[str]:
+    return [sys.executable, "-m", "gptlab", "train", *args]
+
+
+def as_flags(cfg: TrainConfig) -> list[str]:
+    """The command line for cfg: --key=value, and the CLI's own --fsdp/--compile/--resume switches."""
+    switches = ("resume", "fsdp", "compile")
+    flags = [f"--{k}={v}" for k, v in cfg.to_dict().items() if v is not None and k not in switches]
+    return flags + [f"--{k}" for k in switches if getattr(cfg, k)]
+
+
+def env() -> dict:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
+
+
+def dir_digest(path: Path) -> dict:
+    return {
+        p.relative_to(path).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(path.rglob("*"))
+        if p.is_file()
+    }
+
+
+# --------------------------------------------------------------------------------------------- config
+
+
+def test_lr_schedule():
+    cfg = TrainConfig(lr=1e-3, min_lr=1e-4, warmup_steps=10, max_steps=110)
+    assert lr_at(0, cfg) == pytest.approx(1e-4)  # warmup start: lr / warmup_steps
+    assert lr_at(9, cfg) == pytest.approx(1e-3)  # warmup end
+    assert lr_at(10, cfg) == pytest.approx(1e-3)  # cosine start
+    assert lr_at(60, cfg) == pytest.approx((1e-3 + 1e-4) / 2)  # mid-decay
+    assert lr_at(110, cfg) == pytest.approx(1e-4)  # the end
+    assert lr_at(60, TrainConfig(lr=1e-3, warmup_steps=10, max_steps=110, schedule="constant")) == 1e-3
+    wsd = TrainConfig(lr=1e-3, min_lr=0.0, warmup_steps=10, max_steps=110, schedule="wsd", decay_fraction=0.5)
+    assert lr_at(50, wsd) == 1e-3 and lr_at(82.5, wsd) == pytest.approx(5e-4) and lr_at(110, wsd) == 0.0
+
+
+def test_config_overrides_and_toml(tmp_path):
+    toml = tmp_path / "run.toml"
+    toml.write_text('[train]\nmodel = "gpt2-tiny"\nlr = 0.002\nmax_steps = 50\n')
+    cfg = TrainConfig.from_toml(toml, ["--max_steps=7", "--bias=false", "--batch_tokens=none", "--sample_prompt=Hi"])
+    assert (cfg.model, cfg.lr, cfg.max_steps, cfg.bias, cfg.batch_tokens, cfg.sample_prompt) == (
+        "gpt2-tiny",
+        0.002,
+        7,
+        False,
+        None,
+        "Hi",
+    )
+    with pytest.raises(ValueError, match="unknown TrainConfig key.*learning_rate"):
+        cfg.with_overrides(["--learning_rate=1"])
+    with pytest.raises(ValueError, match="max_steps"):
+        cfg.with_overrides(["--max_steps=ten"])
+    with pytest.raises(ValueError, match="schedule"):
+        cfg.with_overrides({"schedule": "linear"})
+
+
+# --------------------------------------------------------------------------------------------- training
+
+
+def test_training_reduces_loss_and_writes_the_run(byte_data, tmp_path):
+    out = tmp_path / "run"
+    summary = train(config(byte_data, out, max_steps=30, eval_interval=15, sample_prompt="the "))
+    first, last = losses(out)[1], losses(out)[30]
+    assert last < first - 1.0 and math.isclose(first, math.log(257), abs_tol=0.3)
+    assert summary["val_loss"] < first and summary["sample"].startswith("the ")
+    assert Path(summary["checkpoint"]) == (out / "latest").resolve() == out / "ckpt-000030"
+    assert sorted(p.name for p in out.glob("ckpt-*")) == ["ckpt-000015", "ckpt-000030"]  # keep_checkpoints=2
+    assert (out / "loss.png").read_bytes()[:4] == b"\x89PNG"
+    model = load_native(out / "latest")  # every checkpoint is a loadable native model
+    assert model.config.vocab_size == 257
+    state = json.loads((out / "latest" / "train_state.json").read_text())
+    assert state["config"]["max_steps"] == 30 and state["step"] == 30
+
+
+def test_nan_guard_skips_the_update(byte_data, tmp_path):
+    trainer = Trainer(config(byte_data, tmp_path / "run", max_steps=10))
+    trainer.step()
+    before = {k: v.clone() for k, v in trainer.raw_model.state_dict().items()}
+    opt_before = trainer.optimizer.state_dict()["state"][0]["step"].item()
+    hook = trainer.raw_model.transformer.ln_f.register_forward_hook(lambda m, i, out: out * float("nan"))
+    record = trainer.step()
+    hook.remove()
+    assert record["skipped"] and math.isnan(record["loss"])
+    after = trainer.raw_model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)  # weights unchanged
+    assert trainer.optimizer.state_dict()["state"][0]["step"].item() == opt_before
+    assert not trainer.step()["skipped"]  # and training goes on
+
+
+def test_repeated_bad_steps_stop_the_run(byte_data, tmp_path):
+    from gptlab.train import TrainingDiverged
+
+    trainer = Trainer(config(byte_data, tmp_path / "run", max_steps=10, max_bad_steps=2))
+    trainer.raw_model.transformer.ln_f.register_forward_hook(lambda m, i, out: out * float("inf"))
+    with pytest.raises(TrainingDiverged, match="3 bad steps in a row"):
+        for _ in range(5):
+            trainer.step()
+
+
+def test_gradient_spike_is_skipped(byte_data, tmp_path):
+    trainer = Trainer(config(byte_data, tmp_path / "run", max_steps=30, spike_window=10, spike_zscore=4.0))
+    for _ in range(12):
+        assert not trainer.step()["skipped"]
+    scale = trainer.raw_model.transformer.ln_f.register_forward_hook(lambda m, i, out: out * 1000.0)
+    assert trainer.step()["skipped"]
+    scale.remove()
+
+
+def test_killed_checkpoint_write_keeps_the_previous_one(byte_data, tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    train(config(byte_data, out, max_steps=4, eval_interval=2))
+    trainer = Trainer(config(byte_data, out, max_steps=8, eval_interval=2, resume=True))
+    trainer.step()
+    trainer.step()
+
+    def killed(path, obj):  # the process dies after the weights are written, before the rest
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(run_files, "save_json", killed)
+    with pytest.raises(KeyboardInterrupt):
+        trainer.save_checkpoint()
+    assert (out / "latest").resolve().name == "ckpt-000004"
+    assert load_native(out / "latest").config.n_embd == 32
+    monkeypatch.undo()
+    summary = train(config(byte_data, out, max_steps=6, eval_interval=2, resume=True))  # resumes from step 4
+    assert summary["steps_run"] == 2 and summary["step"] == 6
+
+
+def test_exact_resume_after_sigkill(byte_data, tmp_path):
+    """N steps straight == N/2-ish steps, SIGKILL, --resume: bit-identical losses and weights."""
+    steps = 120
+    cfg = config(
+        byte_data, tmp_path / "straight", max_steps=steps, dropout=0.1, eval_interval=40, checkpoint_interval=5
+    )
+    subprocess.run(cli(*as_flags(cfg)), check=True, env=env(), capture_output=True)
+    killed_dir = tmp_path / "killed"
+    flags = as_flags(cfg.with_overrides({"out_dir": str(killed_dir)}))
+    proc = subprocess.Popen(cli(*flags), env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and run_files.latest_checkpoint(killed_dir) is None:
+            time.sleep(0.005)
+        assert proc.poll() is None, "the run ended before it could be killed"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    finally:
+        proc.kill()
+    killed_at = json.loads((killed_dir / "latest" / "train_state.json").read_text())["step"]
+    assert 0 < killed_at < steps
+    subprocess.run(cli(*flags, "--resume"), check=True, env=env(), capture_output=True)
+    straight, resumed = losses(tmp_path / "straight"), losses(killed_dir)
+    assert sorted(resumed) == list(range(1, steps + 1))
+    assert resumed == straight  # exact float equality at every step
+    a = (tmp_path / "straight" / "latest" / "model.safetensors").read_bytes()
+    assert a == (killed_dir / "latest" / "model.safetensors").read_bytes()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("fsdp", [False, True], ids=["ddp", "fsdp"])
+def test_two_gloo_ranks_match_one_process(byte_data, tmp_path, fsdp):
+    one = config(byte_data, tmp_path / "one", max_steps=6, batch_size=4, eval_interval=3, sample_tokens=0)
+    train(one)
+    two = one.with_overrides({"out_dir": str(tmp_path / "two"), "batch_size": 2, "fsdp": fsdp})
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--nnodes=1",
+                "--master_addr=127.0.0.1", f"--master_port={free_port()}", "-m", "gptlab", "train"]  # fmt: skip
+    done = subprocess.run(launcher + as_flags(two), env=env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    a, b = losses(tmp_path / "one"), losses(tmp_path / "two")
+    assert sorted(a) == sorted(b) == list(range(1, 7))
+    for step in a:
+        assert abs(a[step] - b[step]) < 1e-5, (step, a[step], b[step])
+    val = [r["val_loss"] for r in run_files.read_metrics(tmp_path / "two") if "val_loss" in r]
+    assert len(val) == 2 and run_files.latest_checkpoint(tmp_path / "two").name == "ckpt-000006"
+
+
+# --------------------------------------------------------------------------------------------- bad input
+
+
+def test_missing_data_directory(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        train(config(tmp_path / "nowhere", tmp_path / "run"))
+    assert not (tmp_path / "run").exists()
+
+
+def test_token_file_outside_the_model_vocabulary(byte_data, tmp_path):
+    out = tmp_path / "byte-run"
+    train(config(byte_data, out, max_steps=2, eval_interval=2))
+    gpt2_data = tmp_path / "gpt2-data"
+    prepare(byte_data.parent / "corpus.txt", gpt2_data, progress=False)  # ids up to 50256
+    with pytest.raises(ValueError, match="257-token vocabulary"):
+        train(config(gpt2_data, tmp_path / "ft", max_steps=2, init_from=str(out)))
+    assert not (tmp_path / "ft").exists()
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for name in ("manifest.json", "val.bin"):
+        (broken / name).write_bytes((byte_data / name).read_bytes())
+    (broken / "train.bin").write_bytes((byte_data / "train.bin").read_bytes()[:-1])
+    with pytest.raises(ValueError, match="the manifest says"):
+        train(config(broken, tmp_path / "b", max_steps=2))
+
+
+def test_resume_with_another_shape_or_over_a_run_fails_and_writes_nothing(byte_data, tmp_path):
+    out = tmp_path / "run"
+    train(config(byte_data, out, max_steps=2, eval_interval=2))
+    before = dir_digest(out)
+    with pytest.raises(ValueError, match="another shape"):
+        train(config(byte_data, out, max_steps=4, n_embd=64, resume=True))
+    with pytest.raises(ValueError, match="already holds a run"):
+        train(config(byte_data, out, max_steps=4))
+    assert dir_digest(out) == before
