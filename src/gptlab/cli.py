@@ -18,6 +18,8 @@ COMMANDS = {
     "attention": "heatmap (PNG) of a layer's attention probabilities, one head or all",
     "lens": "logit lens: the top token read from each layer's residual stream",
     "next": "the most likely next tokens after a prompt, with probabilities",
+    "prepare": "tokenize text files into train.bin / val.bin token files and a manifest",
+    "train": "train or fine-tune (TOML config + --key=value; resumes exactly; DDP/FSDP under torchrun)",
     "demo": "the main job: train a small model on tiny-shakespeare, then generate",
     "bench": "benchmarks against the peers (generate, train); results go to bench/results/",
     "export": "write a model in the Hugging Face GPT2LMHeadModel layout (config, safetensors, tokenizer)",
