@@ -318,6 +318,11 @@ def _pyplot():
     return plt
 
 
+def _visible(label: str) -> str:
+    """A blank token label drawn as open boxes, so a plot shows that a space is there."""
+    return label if label.strip() else label.replace(" ", "\u2423")
+
+
 def _label_axes(ax, labels: list[str], fontsize: float, *, xlabel: bool, ylabel: bool) -> None:
     ticks = range(len(labels))
     ax.set_xticks(ticks, labels, rotation=90, fontsize=fontsize)
@@ -340,8 +345,11 @@ def plot_attention(probs: torch.Tensor, labels: list[str], path, *, title: str, 
     heads = heads if heads is not None else list(range(n))
     cols = math.ceil(math.sqrt(n))
     rows = math.ceil(n / cols)
-    side = max(3.0, 0.28 * T + 1.5)
-    fig, axes = plt.subplots(rows, cols, figsize=(cols * side, rows * side), squeeze=False)
+    side = max(3.0, 0.25 * T + 1.2)
+    fig, axes = plt.subplots(
+        rows, cols, figsize=(cols * side + 1.5, rows * side + 0.6), squeeze=False, layout="constrained"
+    )
+    labels = [_visible(label) for label in labels]
     fontsize = max(5.0, min(10.0, 200 / max(T, 1)))
     for k, ax in enumerate(axes.flat):
         if k >= n:
@@ -351,7 +359,7 @@ def plot_attention(probs: torch.Tensor, labels: list[str], path, *, title: str, 
         _label_axes(ax, labels, fontsize, xlabel=k // cols == rows - 1 or k + cols >= n, ylabel=k % cols == 0)
         if n > 1:
             ax.set_title(f"head {heads[k]}", fontsize=fontsize + 2)
-    fig.colorbar(image, ax=axes.ravel().tolist(), shrink=0.8, label="attention probability")
+    fig.colorbar(image, ax=axes.ravel().tolist(), shrink=0.6, label="attention probability")
     fig.suptitle(title)
     _save_figure(fig, path)
     plt.close(fig)
@@ -363,7 +371,7 @@ def plot_logit_lens(lens: dict, tokenizer: Tokenizer, path, *, title: str) -> No
     probs = torch.tensor(lens["top_probs"])[..., 0]  # (layers, T)
     ids = [[row[0] for row in layer] for layer in lens["top_ids"]]
     L, T = probs.shape
-    fig, ax = plt.subplots(figsize=(max(4.0, 1.1 * T + 2), max(3.0, 0.4 * L + 1.5)))
+    fig, ax = plt.subplots(figsize=(max(4.0, 0.9 * T + 2), max(3.0, 0.4 * L + 1.5)), layout="constrained")
     image = ax.imshow(probs.numpy(), cmap="Blues", vmin=0.0, vmax=1.0, aspect="auto", origin="lower")
     for layer in range(L):
         for pos in range(T):
@@ -377,7 +385,7 @@ def plot_logit_lens(lens: dict, tokenizer: Tokenizer, path, *, title: str) -> No
                 fontsize=7,
                 color=color,
             )
-    inputs = [token_label(tokenizer, i) for i in lens["input_ids"]]
+    inputs = [_visible(token_label(tokenizer, i)) for i in lens["input_ids"]]
     ax.set_xticks(range(T), inputs, rotation=90, fontsize=8)
     ax.set_yticks(range(L), lens["layers"], fontsize=8)
     ax.set_xlabel("input token (prediction is for the next position)")

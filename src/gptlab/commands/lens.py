@@ -24,12 +24,12 @@ def run(args):
     label = lambda i: token_label(tokenizer, i)
     inputs = [label(i) for i in lens["input_ids"]]
     first = max(0, len(inputs) - args.positions)
-    cell = 16
+    cell = 19
     print("top-1 next token (probability) read from each layer's residual stream; columns: input tokens")
-    print(f"{'layer':<9}" + "".join(f"{quoted(inputs[p][: cell - 3]):<{cell}}" for p in range(first, len(inputs))))
+    row = lambda name, cells: (f"{name:<9}" + "".join(f"{c:<{cell}}" for c in cells)).rstrip()
+    print(row("layer", [quoted(inputs[p][: cell - 4]) for p in range(first, len(inputs))]))
     for name, ids, probs in zip(lens["layers"], lens["top_ids"], lens["top_probs"], strict=True):
-        cells = [f"{quoted(label(ids[p][0])[:8])} {probs[p][0]:.2f}" for p in range(first, len(inputs))]
-        print(f"{name:<9}" + "".join(f"{c:<{cell}}" for c in cells))
+        print(row(name, [f"{quoted(label(ids[p][0])[:10])} {probs[p][0]:.2f}" for p in range(first, len(inputs))]))
     print(f"top {args.top} after the last token {quoted(inputs[-1])}:")
     for name, ids, probs in zip(lens["layers"], lens["top_ids"], lens["top_probs"], strict=True):
         print(

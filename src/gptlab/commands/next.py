@@ -18,6 +18,6 @@ def run(args):
     print(f"next token after {args.prompt!r} ({idx.size(1)} tokens):")
     for rank, t in enumerate(tokens, start=1):
         bar = "#" * round(40 * t["prob"])
-        print(f"{rank:>3}. {quoted(t['token']):<20} id {t['id']:>6}  {100 * t['prob']:6.2f}%  {bar}")
+        print(f"{rank:>3}. {quoted(t['token']):<20} id {t['id']:>6}  {100 * t['prob']:7.3f}%  {bar}".rstrip())
     if args.json:
         write_json(args.json, {"prompt": args.prompt, "next": tokens})
