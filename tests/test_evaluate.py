@@ -84,6 +84,7 @@ def test_perplexity_is_exp_of_the_direct_mean_loss():
     with torch.no_grad():
         _, loss = model(tokens[None, :-1], tokens[None, 1:])
     tok = get_tokenizer("byte")
+    assert len(evaluate.sliding_windows(30, 32, 8)) == 1  # the text fits one window
     result = evaluate.perplexity(model, tokens, tok, stride=8)
     assert result["tokens"] == 29
     assert result["loss"] == pytest.approx(loss.item(), rel=1e-5)
@@ -327,6 +328,20 @@ def test_cli_eval_perplexity_writes_json(tmp_path, byte_model_dir, capsys):
     assert result["perplexity"] == pytest.approx(expected["perplexity"], rel=1e-5)
     assert result["bits_per_byte"] == pytest.approx(expected["bits_per_byte"], rel=1e-5)
     assert "perplexity" in capsys.readouterr().out
+
+
+def test_cli_eval_perplexity_on_a_prepared_directory(tmp_path, byte_model_dir):
+    from gptlab.data import prepare
+
+    text = tmp_path / "corpus.txt"
+    text.write_text("To be, or not to be, that is the question. " * 20)
+    prepare(str(text), tmp_path / "data", tokenizer="byte", val_fraction=0.25, workers=1, progress=False)
+    val = np.fromfile(tmp_path / "data" / "val.bin", dtype=np.uint16)
+    assert evaluate.read_tokens(tmp_path / "data", BYTE).tolist() == val.tolist()
+    out = tmp_path / "ppl.json"
+    args = ["eval", "--model", str(byte_model_dir), "--task", "perplexity", "--data", str(tmp_path / "data")]
+    assert main([*args, "--out", str(out), "--no-progress"]) == 0
+    assert json.loads(out.read_text())["tokens"] == len(val) - 1
 
 
 def test_cli_eval_hellaswag_and_a_bad_line(tmp_path, byte_model_dir, capsys):
