@@ -8,9 +8,11 @@ Both tensor layouts are accepted: what `transformers` writes today (`transformer
 `transformer.` prefix, no `lm_head.weight`, and the causal-mask buffers `h.N.attn.bias` /
 `h.N.attn.masked_bias`, the only tensors ever ignored).
 
-The model is built on the meta device and the converted tensors are assigned one by one;
-safetensors data is read with plain file reads rather than a memory map, so peak resident memory
-while loading is the model plus one tensor (issue 3 asks for under 1.5x the model's size).
+The model is built on the meta device and the converted tensors are assigned one by one.
+safetensors data is read with plain file reads (not a memory map) straight into tensors of the
+target dtype, so peak resident memory while loading is the model plus an 8 MB buffer (issue 3
+asks for under 1.5x the model's size). A `.bin` file is unpickled whole first: loading one into a
+smaller dtype peaks at the file's size plus the model's.
 """
 
 from __future__ import annotations
@@ -69,7 +71,15 @@ REQUIRED_OPTIONS = {
     "add_cross_attention": (False, "gptlab is decoder-only, without cross-attention"),
 }
 
-HUB_PATTERNS = [CONFIG_FILE, "*.safetensors", SAFETENSORS_INDEX, "vocab.json", "merges.txt", "tokenizer*.json"]
+HUB_PATTERNS = [
+    CONFIG_FILE,
+    SAFETENSORS_FILE,
+    SAFETENSORS_INDEX,
+    "model-*-of-*.safetensors",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer*.json",
+]
 HUB_BIN_PATTERNS = [CONFIG_FILE, "pytorch_model*.bin", BIN_INDEX]
 
 SAFETENSORS_DTYPES = {
