@@ -220,6 +220,8 @@ def test_n_samples_and_extras_equal_generate(client, model, tok):
 def test_greedy_and_unseeded(client, model, tok):
     a = client.completions.create(model=NAME, prompt="abc", max_tokens=20, temperature=0, extra_body={"return_token_ids": True})  # fmt: skip
     assert a.choices[0].token_ids == reference(model, tok.encode("abc"), 20, temperature=0, eos_id=EOS)[0]
+    by_ids = client.completions.create(model=NAME, prompt=tok.encode("abc"), max_tokens=20, temperature=0)
+    assert by_ids.choices[0].text == a.choices[0].text  # token-id prompts work as text ones
     b = client.completions.create(model=NAME, prompt="abc", max_tokens=40, n=2, extra_body={"ignore_eos": True})
     c = client.completions.create(model=NAME, prompt="abc", max_tokens=40, n=2, extra_body={"ignore_eos": True})
     assert {x.text for x in b.choices} != {x.text for x in c.choices}, "unseeded requests should differ"
@@ -269,6 +271,10 @@ def test_logprobs_and_echo(client, model, tok):
             expected.setdefault(tok.decode([t]), v)  # bytes of split characters share one text
         assert top == pytest.approx(expected, abs=1e-4)
     assert lp.text_offset[0] == 0 and lp.text_offset[len(prompt)] == len(prompt)
+    # max_tokens=0 with echo scores the prompt alone.
+    scored = client.completions.create(model=NAME, prompt=prompt, max_tokens=0, echo=True, logprobs=0)
+    assert scored.choices[0].text == prompt and scored.usage.completion_tokens == 0
+    assert scored.choices[0].logprobs.token_logprobs == pytest.approx(lp.token_logprobs[: len(prompt)], abs=1e-5)
     # Streaming carries the same logprobs; logprobs=20 is the most allowed.
     chunks = list(client.completions.create(model=NAME, prompt=prompt, max_tokens=12, temperature=0.7, seed=2,
                                             logprobs=20, stream=True, extra_body={"ignore_eos": True}))  # fmt: skip
@@ -410,6 +416,14 @@ def test_queue_full_and_disconnect_cancel(tok):
         h = health()
         assert (h["cancelled"], h["completed"], h["active"], h["queued"]) == (1, 1, 0, 0), h
         assert h["tokens"] < 500, "the cancelled request ran to the end"
+        # A non-streaming client that gives up cancels its request too.
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(f"{url}/v1/completions", json=long | {"stream": False}, timeout=0.3)
+        deadline = time.monotonic() + 10
+        while (h := health())["active"]:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert (h["cancelled"], h["completed"]) == (2, 1), h
 
 
 # ---------------------------------------------------------------------------------------------

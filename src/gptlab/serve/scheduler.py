@@ -95,7 +95,7 @@ class _Group:
     start: int
     generator: torch.Generator
     seen: torch.Tensor | None  # (n, V) bool, for the repetition penalty
-    finished: torch.Tensor  # (n,) bool: produced eos
+    finished: list[bool]  # per row: produced eos
     last: torch.Tensor  # (n,) the tokens to feed next
     produced: int = 0
 
@@ -242,6 +242,10 @@ class Scheduler:
         if not request.prompt or len(request.prompt) + p.max_tokens > block:
             raise ValueError(f"prompt of {len(request.prompt)} tokens + {p.max_tokens} new ones must be 1..{block}")
         with self._cond:
+            if len(self.waiting) >= self.max_queue:  # first drop requests whose clients left
+                kept = deque(r for r in self.waiting if not r.cancelled)
+                self.stats["cancelled"] += len(self.waiting) - len(kept)
+                self.waiting = kept
             if len(self.waiting) >= self.max_queue:
                 raise QueueFull(f"{len(self.waiting)} requests are already waiting (max_queue={self.max_queue})")
             self.waiting.append(request)
@@ -271,8 +275,10 @@ class Scheduler:
                     g.request.emit("done", g.request.index, f"error: {e}")
                 self.groups = []
                 self.cache = BatchCache(self.model, self.max_batch, self.cache.cache_len)
-        for g in self.groups:
-            g.request.emit("done", g.request.index, "cancelled")
+        with self._cond:  # shutting down: release everyone still waiting for events
+            waiting, self.waiting = list(self.waiting), deque()
+        for request in [g.request for g in self.groups] + waiting:
+            request.emit("done", request.index, "cancelled")
 
     def _next_waiting(self) -> GenerationRequest | None:
         with self._cond:
@@ -304,8 +310,8 @@ class Scheduler:
             request.emit("prompt", request.index, self._prompt_scores(request.prompt, logits[:-1], p.logprobs or 0))
         vocab = self.model.config.vocab_size
         seen = seen_tokens([request.prompt] * p.n, vocab, self.device) if p.repetition_penalty != 1.0 else None
-        finished = torch.zeros(p.n, dtype=torch.bool, device=self.device)
-        group = _Group(request, start, generator, seen, finished, last=finished.long())
+        placeholder = torch.zeros(p.n, dtype=torch.long, device=self.device)
+        group = _Group(request, start, generator, seen, [False] * p.n, last=placeholder)
         self.groups.append(group)
         if p.max_tokens > 0:  # 0: only the prompt's scores were asked for (echo)
             self._sample(group, logits[-1:].expand(p.n, -1))
@@ -328,19 +334,20 @@ class Scheduler:
         tokens = sample_next(
             logits, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p, generator=g.generator
         )  # (n,)
-        was_finished = g.finished.clone()
-        if p.eos_id is not None:
-            tokens = tokens.masked_fill(g.finished, p.eos_id)
-            g.finished |= tokens == p.eos_id
+        was_finished = g.finished
+        if any(was_finished):  # as generate does: a row that produced eos keeps producing eos
+            tokens = tokens.masked_fill(torch.tensor(was_finished, device=tokens.device), p.eos_id)
+        ids = tokens.tolist()
+        g.finished = [f or t == p.eos_id for f, t in zip(was_finished, ids, strict=True)]
         if g.seen is not None:
             g.seen.scatter_(1, tokens[:, None], True)
         g.last = tokens
         g.produced += 1
-        self.stats["tokens"] += int((~was_finished).sum())
+        self.stats["tokens"] += was_finished.count(False)
         scores = self._token_scores(logits, tokens, p.logprobs) if p.logprobs is not None else None
         rows = []
-        for i, t in enumerate(tokens.tolist()):
-            if bool(was_finished[i]) or i in request.stopped_rows:
+        for i, t in enumerate(ids):
+            if was_finished[i] or i in request.stopped_rows:
                 rows.append(None)
             else:
                 rows.append((t, *(scores[i] if scores else (None, None))))
@@ -350,13 +357,11 @@ class Scheduler:
         keep = []
         for g in self.groups:
             p, request = g.request.params, g.request
-            stopped = g.finished.clone()
-            for i in request.stopped_rows:
-                stopped[i] = True
+            stopped = [f or i in request.stopped_rows for i, f in enumerate(g.finished)]
             reason = None
             if request.cancelled:
                 reason = "cancelled"
-            elif bool(stopped.all()):
+            elif all(stopped):
                 reason = "stop"
             elif g.produced >= p.max_tokens:
                 reason = "length"
