@@ -177,14 +177,43 @@ def prefill(model, idx: torch.Tensor, cache: KVCache, *, positions=None, key_mas
     return logits[:, -1]  # (B, V)
 
 
+def _next_logits(model, tokens, cache, positions, key_mask):
+    """One decode forward: tokens (B,) at slot cache.pos -> logits (B, V); does not advance the cache."""
+    pos = positions[:, None] if positions is not None else None  # (B, 1)
+    logits, _ = model(tokens[:, None], kv_cache=cache, positions=pos, key_mask=key_mask, last_only=True)
+    return logits[:, -1]  # (B, V)
+
+
 @torch.no_grad()
 def decode_step(model, tokens: torch.Tensor, cache: KVCache, *, positions=None, key_mask=None) -> torch.Tensor:
     """Feed one new token per row, tokens (B,), at slot cache.pos; returns the next logits (B, V).
     `positions` (B,) are the rows' position ids (needed with left padding)."""
-    pos = positions[:, None] if positions is not None else None  # (B, 1)
-    logits, _ = model(tokens[:, None], kv_cache=cache, positions=pos, key_mask=key_mask, last_only=True)
+    logits = _next_logits(model, tokens, cache, positions, key_mask)
     cache.advance(1)
-    return logits[:, -1]  # (B, V)
+    return logits
+
+
+def compile_decode(*, freezing: bool = True, mode: str | None = None):
+    """A drop-in `decode_step` whose forward is compiled by torch.compile (inductor), for
+    `generate(..., compiled_step=...)` or a serving loop.
+
+    The cache position becomes a 0-dim tensor, so one graph serves every position (writes go
+    through index_copy_, attention spans the whole cache with unwritten slots masked). `freezing`
+    lets inductor treat the weights as constants and prepack them for the CPU's matmul kernels
+    (oneDNN), which is what makes bf16 matrix-vector products fast. The first call per batch size
+    and cache length compiles (tens of seconds); later calls reuse the graph.
+    """
+    forward = torch.compile(_next_logits, fullgraph=True, dynamic=None, mode=mode, options={"freezing": freezing})
+
+    @torch.no_grad()
+    def step(model, tokens, cache, *, positions=None, key_mask=None):
+        if not isinstance(cache.pos, torch.Tensor):
+            cache.pos = torch.tensor(cache.pos, device=tokens.device)
+        logits = forward(model, tokens, cache, positions, key_mask)
+        cache.advance(1)
+        return logits
+
+    return step
 
 
 def left_pad(rows: Sequence[Sequence[int]], device=None, pad_id: int = 0):

@@ -1,0 +1,332 @@
+"""gptlab bench generate: decode and prefill speed of gptlab vs transformers' GPT2LMHeadModel.generate.
+
+One process, one run: both engines get the same `gpt2`-shaped model with the same random weights,
+a batch of 64-token prompts and 256 new tokens, greedy. Each row is an (engine, mode, compiled,
+batch) combination. A mode is a name that `build_mode` turns into a model: fp32 and bf16 cast
+the weights, int8 and int4 go through gptlab.quantize.quantize_model (when that module exists).
+
+Timing: each configuration runs `--repeats` times and the best run counts (the machine may be
+shared). Prefill is timed as generate(max_new_tokens=1); decode tok/s is the 255 remaining tokens
+per row divided by (time for 256 tokens - time for 1), the same formula for both engines.
+The memory-bandwidth limit of batch-1 decoding is (bandwidth measured here) / (bytes of weights
+read per token): every weight is read once per token and batch-1 decoding cannot go faster.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import tempfile
+import time
+
+import torch
+
+from gptlab.bench.common import machine, write_results
+from gptlab.config import GPTConfig
+from gptlab.model import GPT
+
+log = logging.getLogger(__name__)
+
+MODES = ("fp32", "bf16", "int8", "int4")
+
+
+# ---------------------------------------------------------------------------------------------
+# What is measured against what
+
+
+def measure_bandwidth(nbytes: int = 512 * 2**20, repeats: int = 5) -> dict:
+    """Memory bandwidth in GB/s over a buffer much larger than the caches: a full read (sum) and a
+    copy (read + write bytes). `bandwidth_gbs` is the better of the two, the stricter limit."""
+    x = torch.ones(nbytes // 4, dtype=torch.float32)
+    y = torch.empty_like(x)
+
+    def best(fn) -> float:
+        fn()
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    read = nbytes / best(lambda: x.sum()) / 1e9
+    copy = 2 * nbytes / best(lambda: y.copy_(x)) / 1e9
+    return {"read_gbs": round(read, 2), "copy_gbs": round(copy, 2), "bandwidth_gbs": round(max(read, copy), 2)}
+
+
+def weight_bytes_per_token(model: torch.nn.Module, buffers: bool = True) -> int:
+    """Bytes of weights one decode step reads: every parameter (and buffer: quantized weights)
+    once, a tied head once, except the position table, of which one row is read."""
+    seen, total = set(), 0
+    for name, t in [*model.named_parameters(), *(model.named_buffers() if buffers else [])]:
+        if t.data_ptr() in seen:
+            continue
+        seen.add(t.data_ptr())
+        total += t.element_size() * (t.size(-1) if name.endswith("wpe.weight") else t.numel())
+    return total
+
+
+def cpu_has_native_bf16() -> tuple[bool, str]:
+    """Whether bf16 matmuls have hardware support here (AVX512-BF16 or AMX), and why not if not."""
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        pass
+    capability = torch.backends.cpu.get_cpu_capability()
+    if "avx512_bf16" in flags or "amx_bf16" in flags:
+        return True, f"{capability}, avx512_bf16{' + amx_bf16' if 'amx_bf16' in flags else ''}"
+    return False, f"no native bf16 on this CPU (capability {capability}, no avx512_bf16/amx_bf16 flag)"
+
+
+# ---------------------------------------------------------------------------------------------
+# Models: a mode name -> a model; the quantization work plugs in here
+
+
+def build_mode(mode: str, state: dict, config: GPTConfig) -> GPT:
+    """A gptlab model in `mode` with the given fp32 weights."""
+    with torch.device("meta"):
+        model = GPT(config)
+    model.load_state_dict(state, assign=True)
+    model.tie_weights()
+    model.eval()
+    if mode == "fp32":
+        return model
+    if mode == "bf16":
+        return model.to(torch.bfloat16)
+    if mode in ("int8", "int4"):
+        try:
+            from gptlab.quantize import quantize_model
+        except ImportError as e:
+            raise ValueError(f"mode {mode} needs gptlab.quantize ({e})") from e
+        return quantize_model(model, mode)
+    raise ValueError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
+
+
+def build_hf(state: dict, config: GPTConfig, mode: str):
+    """transformers' GPT2LMHeadModel with the same weights (through gptlab's HF export), fp32 or bf16."""
+    from transformers import GPT2LMHeadModel
+
+    with tempfile.TemporaryDirectory() as tmp:
+        build_mode("fp32", state, config).save_pretrained(tmp)
+        hf = GPT2LMHeadModel.from_pretrained(tmp, dtype=torch.float32)
+    hf.generation_config.pad_token_id = hf.config.eos_token_id
+    return hf.to(torch.bfloat16 if mode == "bf16" else torch.float32).eval()
+
+
+# ---------------------------------------------------------------------------------------------
+# Engines: run(idx, n) -> token ids (B, T + n), greedy
+
+
+def gptlab_engine(model, compiled_step=None):
+    from gptlab.generate import generate
+
+    return lambda idx, n: generate(model, idx, n, temperature=0, compiled_step=compiled_step)
+
+
+def hf_engine(hf):
+    def run(idx, n):
+        mask = torch.ones_like(idx)
+        return hf.generate(idx, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+
+    return run
+
+
+def time_engine(run, idx, new_tokens: int, repeats: int) -> dict:
+    """Best-of-`repeats` times for prefill (1 new token) and the full generation."""
+    first_t0 = time.perf_counter()
+    out = run(idx, new_tokens)  # warm-up; with a compiled step, this call compiles
+    first = time.perf_counter() - first_t0
+    t1, tn = [], []
+    with torch.no_grad():
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            run(idx, 1)
+            t1.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            out = run(idx, new_tokens)
+            tn.append(time.perf_counter() - t0)
+    B, T = idx.shape
+    prefill, total = min(t1), min(tn)
+    decode = max(total - prefill, 1e-9)
+    return {
+        "prefill_tok_s": round(B * T / prefill, 1),
+        "decode_tok_s": round(B * (new_tokens - 1) / decode, 2),
+        "e2e_tok_s": round(B * new_tokens / total, 2),
+        "decode_ms_per_step": round(1e3 * decode / (new_tokens - 1), 2),
+        "median_e2e_tok_s": round(B * new_tokens / sorted(tn)[len(tn) // 2], 2),
+        "first_call_s": round(first, 2),
+        "tokens": out,
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# The run
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="gptlab bench generate", description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="gpt2", help="model shape (random weights, seeded)")
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--batch", default="1,8", help="comma-separated batch sizes")
+    p.add_argument("--modes", default="fp32,bf16", help=f"comma-separated, from {', '.join(MODES)}")
+    p.add_argument("--compile", action="store_true", help="also run gptlab with a torch.compile'd decode step")
+    p.add_argument("--no-eager", action="store_true", help="with --compile, skip the eager gptlab rows")
+    p.add_argument("--no-hf", action="store_true", help="skip transformers")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="bench/results", help="results directory ('' to skip writing)")
+    return p.parse_args(argv)
+
+
+def plan_rows(args) -> list[dict]:
+    """The (engine, mode, compiled, batch) rows to run, in order."""
+    rows = []
+    for mode in args.modes.split(","):
+        for batch in [int(b) for b in args.batch.split(",")]:
+            if not args.no_eager or not args.compile:
+                rows.append(dict(engine="gptlab", mode=mode, compiled=False, batch=batch))
+            if args.compile:
+                rows.append(dict(engine="gptlab", mode=mode, compiled=True, batch=batch))
+            if not args.no_hf and mode in ("fp32", "bf16"):
+                rows.append(dict(engine="transformers", mode=mode, compiled=False, batch=batch))
+    return rows
+
+
+def run_row(row, models, hf_models, idx_by_batch, args, bandwidth) -> dict:
+    from gptlab.generate import compile_decode, new_cache
+
+    mode, batch = row["mode"], row["batch"]
+    idx = idx_by_batch[batch]
+    if row["engine"] == "gptlab":
+        model = models[mode]
+        step = compile_decode() if row["compiled"] else None
+        result = time_engine(gptlab_engine(model, step), idx, args.new_tokens, args.repeats)
+        cache_len = min(model.config.block_size, args.prompt_len + args.new_tokens)
+        row["kv_cache_bytes"] = new_cache(model, batch, cache_len).nbytes
+        if row["compiled"]:
+            row["compile_s"] = round(result["first_call_s"] - (batch * args.new_tokens / result["e2e_tok_s"]), 1)
+        row["weight_bytes_per_token"] = weight_bytes_per_token(model)
+    else:
+        hf = hf_models[mode]
+        result = time_engine(hf_engine(hf), idx, args.new_tokens, args.repeats)
+        row["weight_bytes_per_token"] = weight_bytes_per_token(hf, buffers=False)  # its buffers are masks
+    row["tokens"] = result.pop("tokens")
+    row.update(result)
+    limit = bandwidth["bandwidth_gbs"] * 1e9 / row["weight_bytes_per_token"]
+    row["bandwidth_limit_tok_s"] = round(limit, 2)
+    if batch == 1:
+        row["bandwidth_share"] = round(row["decode_tok_s"] / limit, 3)
+    return row
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv or [])
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    config = GPTConfig.from_name(args.preset)
+    fp32 = GPT(config).eval()
+    state = fp32.state_dict()
+    modes, skipped = [], {}
+    for mode in args.modes.split(","):
+        native, why = cpu_has_native_bf16()
+        if mode == "bf16" and not native:
+            skipped[mode] = why
+        else:
+            modes.append(mode)
+    args.modes = ",".join(modes)
+    for mode, why in skipped.items():
+        print(f"skipping {mode}: {why}")
+    gen = torch.Generator().manual_seed(args.seed)
+    idx_by_batch = {
+        b: torch.randint(0, config.vocab_size, (b, args.prompt_len), generator=gen)
+        for b in [int(x) for x in args.batch.split(",")]
+    }
+    print(f"machine: {machine()}")
+    bandwidth = measure_bandwidth()
+    print(f"memory bandwidth: {bandwidth}")
+    models = {mode: build_mode(mode, state, config) for mode in modes}
+    hf_models = {} if args.no_hf else {m: build_hf(state, config, m) for m in modes if m in ("fp32", "bf16")}
+    rows = []
+    for row in plan_rows(args):
+        label = (
+            f"{row['engine']:<12} {row['mode']:<5} {'compiled' if row['compiled'] else 'eager':<8} batch {row['batch']}"
+        )
+        print(f"running {label} ...", flush=True)
+        rows.append(run_row(row, models, hf_models, idx_by_batch, args, bandwidth))
+        print(format_row(rows[-1]), flush=True)
+    summary = summarize(rows)
+    print_summary(rows, summary)
+    for row in rows:
+        row["same_tokens_as_transformers"] = _same_tokens(row, rows)
+    for row in rows:
+        row.pop("tokens")
+    if args.out:
+        results = {
+            "settings": dict(
+                preset=args.preset, prompt_len=args.prompt_len, new_tokens=args.new_tokens, greedy=True,
+                repeats=args.repeats, threads=torch.get_num_threads(), load_average=os.getloadavg(),
+            ),
+            "bandwidth": bandwidth, "skipped": skipped, "rows": rows, "summary": summary,
+        }  # fmt: skip
+        path = write_results("generate", results, args.out)
+        print(f"results: {path}")
+    return 0
+
+
+def _find(rows, **keys):
+    return next((r for r in rows if all(r.get(k) == v for k, v in keys.items())), None)
+
+
+def _same_tokens(row, rows):
+    ref = _find(rows, engine="transformers", mode=row["mode"], batch=row["batch"])
+    if ref is None or row["engine"] == "transformers":
+        return None
+    return bool(torch.equal(row["tokens"], ref["tokens"]))
+
+
+def summarize(rows) -> dict:
+    """The goal figures: ratios to transformers and to gptlab fp32, bandwidth shares (batch 1)."""
+    out = {}
+    for compiled in (False, True):
+        tag = "compiled" if compiled else "eager"
+        ours32 = _find(rows, engine="gptlab", mode="fp32", compiled=compiled, batch=1)
+        hf32 = _find(rows, engine="transformers", mode="fp32", batch=1)
+        ours16 = _find(rows, engine="gptlab", mode="bf16", compiled=compiled, batch=1)
+        if ours32:
+            out[f"fp32_{tag}_bandwidth_share"] = ours32["bandwidth_share"]
+        if ours32 and hf32:
+            out[f"fp32_{tag}_decode_vs_transformers"] = round(ours32["decode_tok_s"] / hf32["decode_tok_s"], 2)
+            out[f"fp32_{tag}_prefill_vs_transformers"] = round(ours32["prefill_tok_s"] / hf32["prefill_tok_s"], 2)
+        if ours16 and ours32:
+            out[f"bf16_{tag}_decode_vs_gptlab_fp32_{tag}"] = round(ours16["decode_tok_s"] / ours32["decode_tok_s"], 2)
+    best32 = [r for r in rows if r["engine"] == "gptlab" and r["mode"] == "fp32" and r["batch"] == 1]
+    best16 = [r for r in rows if r["engine"] == "gptlab" and r["mode"] == "bf16" and r["batch"] == 1]
+    if best32 and best16:
+        fastest32 = max(best32, key=lambda r: r["decode_tok_s"])
+        out["bf16_best_vs_fp32_best"] = round(max(r["decode_tok_s"] for r in best16) / fastest32["decode_tok_s"], 2)
+    return out
+
+
+def format_row(r) -> str:
+    share = f"{100 * r['bandwidth_share']:5.1f}% of limit" if "bandwidth_share" in r else ""
+    kv = f"kv {r['kv_cache_bytes'] / 2**20:6.1f} MiB" if "kv_cache_bytes" in r else ""
+    comp = f"compile {r['compile_s']:.0f}s" if "compile_s" in r else ""
+    return (
+        f"  {r['engine']:<12} {r['mode']:<5} {'compiled' if r['compiled'] else 'eager':<8} B={r['batch']:<2} "
+        f"decode {r['decode_tok_s']:8.2f} tok/s  prefill {r['prefill_tok_s']:8.1f} tok/s  "
+        f"e2e {r['e2e_tok_s']:8.2f} tok/s  {share}  {kv}  {comp}"
+    )
+
+
+def print_summary(rows, summary) -> None:
+    print("\nresults (best of repeats):")
+    for r in rows:
+        print(format_row(r))
+    for key, value in summary.items():
+        print(f"  {key}: {value}")
