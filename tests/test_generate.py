@@ -308,3 +308,54 @@ def test_validate_sampling_accepts_defaults():
     validate_sampling()
     validate_sampling(temperature=0, top_k=1, top_p=1.0, min_p=0.0, repetition_penalty=1.2, max_new_tokens=1)
     assert F.softmax(top_p_mask(torch.zeros(1, 5), 1.0), -1).allclose(torch.full((1, 5), 0.2))
+
+
+# --- command line ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def echo_dir(echo_model, tmp_path_factory):
+    from gptlab.checkpoint import save_model
+
+    directory = tmp_path_factory.mktemp("echo")
+    save_model(echo_model[0], directory, tokenizer="byte")
+    return str(directory)
+
+
+def test_cli_generate_streams_the_continuation(echo_model, echo_dir, capsys):
+    from gptlab.cli import main
+
+    model, tok = echo_model
+    args = ["generate", "--model", echo_dir, "--prompt", PATTERN, "--temperature", "0", "--max-new-tokens", "30"]
+    assert main([*args, "--stop", "é"]) == 0
+    expected = generate_text(model, tok, PATTERN, 30, temperature=0, stop="é")
+    assert capsys.readouterr().out == PATTERN + expected + "\n"
+    sampled = ["generate", "--model", echo_dir, "--prompt", "日", "--max-new-tokens", "20", "--seed", "3"]
+    outs = []
+    for _ in range(2):
+        assert main([*sampled, "--num-samples", "2"]) == 0
+        outs.append(capsys.readouterr().out)
+    assert outs[0] == outs[1] and outs[0].count("--- sample") == 2
+
+
+def test_cli_interactive_keeps_the_conversation(echo_model, echo_dir, capsys, monkeypatch):
+    import io
+
+    from gptlab.cli import main
+
+    model, tok = echo_model
+    monkeypatch.setattr("sys.stdin", io.StringIO("日本語\n🙂\n"))
+    args = ["generate", "--model", echo_dir, "-i", "--temperature", "0", "--max-new-tokens", "12"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    first = generate_text(model, tok, "日本語\n", 12, temperature=0)
+    second = generate_text(model, tok, "日本語\n" + first + "\n🙂\n", 12, temperature=0)
+    assert f"> {first}\n> {second}\n" in out
+
+
+def test_cli_bad_sampling_value_is_one_line_error(echo_dir, capsys):
+    from gptlab.cli import main
+
+    assert main(["generate", "--model", echo_dir, "--prompt", "a", "--top-p", "1.5"]) == 2
+    err = capsys.readouterr().err
+    assert "top_p" in err and err.count("\n") == 1
