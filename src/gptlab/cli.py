@@ -20,9 +20,11 @@ COMMANDS = {
     "next": "the most likely next tokens after a prompt, with probabilities",
     "prepare": "tokenize text files into train.bin / val.bin token files and a manifest",
     "train": "train or fine-tune (TOML config + --key=value; resumes exactly; DDP/FSDP under torchrun)",
+    "generate": "continue a prompt with sampling controls, streaming; -i for an interactive session",
     "demo": "the main job: train a small model on tiny-shakespeare, then generate",
     "bench": "benchmarks against the peers (generate, train); results go to bench/results/",
     "export": "write a model in the Hugging Face GPT2LMHeadModel layout (config, safetensors, tokenizer)",
+    "quantize": "write an int8 or int4 copy of a model (every linear layer incl. the head)",
     "serve": "OpenAI-compatible completions API with dynamic batching, and a web explorer",
 }
 

@@ -1,0 +1,32 @@
+"""gptlab quantize: write an int8 or int4 copy of a model (every linear layer, the head included)."""
+
+from pathlib import Path
+
+
+def add_arguments(parser):
+    parser.add_argument("--model", required=True, help="preset name, gptlab/HF directory or Hub id (a float model)")
+    parser.add_argument("--mode", required=True, choices=["int8", "int4"], help="int8 per-channel or int4 group-wise")
+    parser.add_argument("--group-size", type=int, default=64, help="int4 inputs per scale/zero: 32, 64, 128 or 256")
+    parser.add_argument(
+        "--activations",
+        default=None,
+        choices=["float", "int8"],
+        help="int8 only: multiply by bf16 activations (weight-only) or dynamically quantized int8 ones",
+    )
+    parser.add_argument("--out", required=True, help="directory to write (model.safetensors + gptlab.json)")
+
+
+def run(args):
+    from gptlab.checkpoint import load_model, tokenizer_name
+    from gptlab.quantize import DEFAULT_ACTIVATIONS, quantize_model, save_quantized, weight_bytes
+
+    if args.activations is not None and args.mode != "int8":
+        raise ValueError("--activations applies to --mode int8 only")
+    model = load_model(args.model, device="cpu")
+    if getattr(model, "quantization", None):
+        raise ValueError(f"{args.model} is already quantized ({model.quantization['mode']}); quantize a float model")
+    float_bytes = weight_bytes(model)
+    quantize_model(model, args.mode, args.group_size, activations=args.activations or DEFAULT_ACTIVATIONS)
+    save_quantized(model, args.out, tokenizer=tokenizer_name(args.model))
+    size = (Path(args.out) / "model.safetensors").stat().st_size
+    print(f"{args.mode}: wrote {args.out} ({size / 2**20:.1f} MiB, {size / float_bytes:.1%} of the fp32 weights)")

@@ -1,0 +1,437 @@
+"""Quantized inference: int8 and int4 weights for every linear layer, the output head included.
+
+Decoding one sequence reads every weight once per token, so on a CPU the speed is set by the
+bytes of weights. This module stores them in fewer bytes:
+
+- int8: symmetric, one scale per output channel; w ~= q * scale with q in [-127, 127].
+- int4: asymmetric, one (scale, zero) pair per group of `group_size` inputs of a row;
+  w ~= (q - 8) * scale + zero with q in [0, 15] (PyTorch's tinygemm convention), two values
+  packed per byte (even column in the low nibble).
+
+Scales and zeros are bfloat16 numbers, the precision PyTorch's CPU kernels read, so the stored
+checkpoint, `dequantize()` and the kernels all describe one and the same matrix.
+
+On the CPU the quantized linear layers call PyTorch's packed-weight kernels
+(`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`, both with bfloat16 activations; or, with
+`activations="int8"`, fbgemm's dynamic int8 x int8 `quantized::linear_dynamic`). Elsewhere they
+fall back to dequantizing the weight and calling `F.linear`.
+
+The head is tied to the token embedding in GPT-2; after quantization the embedding lookup reads
+its rows from the quantized head table (`QuantizedEmbedding`), so the checkpoint stores the matrix
+once, quantized. An untied model keeps its float embedding.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import warnings
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+from gptlab.checkpoint import META_FILE, WEIGHTS_FILE, atomic_write, atomic_write_text, load_state_strict, read_meta
+from gptlab.config import GPTConfig
+from gptlab.model import GPT
+
+log = logging.getLogger(__name__)
+
+MODES = ("int8", "int4")
+GROUP_SIZES = (32, 64, 128, 256)  # what _weight_int4pack_mm_for_cpu accepts
+ACTIVATIONS = ("float", "int8")  # int8 weights times float (bf16) or dynamically quantized int8 activations
+DEFAULT_ACTIVATIONS = "float"  # measured faster on the 2-core AVX-512 CPU; see README "Quantization"
+_EPS = 1e-8  # smallest scale, so all-zero rows and groups stay finite
+
+
+# ---------------------------------------------------------------- primitives
+
+
+def bf16_round_up(x: torch.Tensor) -> torch.Tensor:
+    """The smallest bfloat16 value >= x for positive finite fp32 x (so x / result never exceeds 1)."""
+    bits = x.float().contiguous().view(torch.int32)
+    return ((bits + 0xFFFF) & ~0xFFFF).view(torch.float32).to(torch.bfloat16)
+
+
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-row int8: w (N, K) -> q int8 (N, K), scales bf16 (N,) with w ~= q * scales[:, None]."""
+    w = w.detach().float()
+    scales = bf16_round_up((w.abs().amax(dim=1) / 127).clamp(min=_EPS))  # (N,)
+    q = (w / scales.float()[:, None]).round().clamp(-127, 127).to(torch.int8)  # (N, K)
+    return q, scales
+
+
+def dequantize_int8(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """q int8 (N, K), scales (N,) -> fp32 (N, K)."""
+    return q.float() * scales.float()[:, None]
+
+
+def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric group-wise int4: w (N, K) -> q uint8 (N, K) in [0, 15], scales and zeros bf16 (N, K/g).
+
+    Each group of `group_size` consecutive inputs of a row maps its [min, max] onto 16 levels;
+    w ~= (q - 8) * scale + zero.
+    """
+    N, K = w.shape
+    check_group_size(K, group_size)
+    wg = w.detach().float().reshape(N, K // group_size, group_size)  # (N, G, g)
+    lo, hi = wg.amin(dim=-1), wg.amax(dim=-1)  # (N, G)
+    scales = bf16_round_up(((hi - lo) / 15).clamp(min=_EPS))  # (N, G)
+    zeros = (lo + 8 * scales.float()).to(torch.bfloat16)  # (N, G): the value of level 8
+    q = (wg - zeros.float()[..., None]) / scales.float()[..., None] + 8  # (N, G, g)
+    return q.round().clamp(0, 15).to(torch.uint8).reshape(N, K), scales, zeros
+
+
+def dequantize_int4(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+    """q uint8 (..., K) in [0, 15], scales and zeros (..., K/g) -> fp32 (..., K)."""
+    G = scales.size(-1)
+    qg = q.float().unflatten(-1, (G, q.size(-1) // G))  # (..., G, g)
+    return ((qg - 8) * scales.float()[..., None] + zeros.float()[..., None]).flatten(-2)
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """Two 4-bit values per byte: q uint8 (N, K) in [0, 15] -> (N, K/2), even column in the low nibble."""
+    if q.size(-1) % 2:
+        raise ValueError(f"int4 packing needs an even number of columns, got {q.size(-1)}")
+    if q.numel() and int(q.max()) > 15:
+        raise ValueError(f"int4 values must lie in [0, 15], got {int(q.max())}")
+    q = q.to(torch.uint8)
+    return q[..., 0::2] | (q[..., 1::2] << 4)  # (N, K/2)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of pack_int4: (N, K/2) uint8 -> (N, K) uint8 in [0, 15]."""
+    low, high = packed & 0x0F, packed >> 4  # (N, K/2) each
+    return torch.stack([low, high], dim=-1).flatten(-2)  # (N, K)
+
+
+def check_group_size(in_features: int, group_size: int) -> None:
+    if group_size not in GROUP_SIZES:
+        raise ValueError(f"int4 group size must be one of {GROUP_SIZES}, got {group_size!r}")
+    if in_features % group_size:
+        raise ValueError(f"int4 group size {group_size} does not divide the input dimension {in_features}")
+
+
+# ---------------------------------------------------------------- modules
+
+
+class QuantizedLinear(nn.Module):
+    """A linear layer whose weight is stored quantized; subclasses define the scheme.
+
+    `prepare()` builds the CPU kernel's own weight layout from the stored buffers (it is not part
+    of the state dict) and must run after the buffers change, as quantize_model and
+    load_quantized do. Without it, or off the CPU, forward dequantizes the weight and calls F.linear.
+    """
+
+    mode = ""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, device=None):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.bias = nn.Parameter(torch.zeros(out_features, device=device)) if bias else None
+        self._kernel_weights: tuple | None = None
+        self.use_kernel = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use_kernel and self._kernel_weights is not None and x.device.type == "cpu":
+            y = self._kernel(x.reshape(-1, self.in_features)).to(x.dtype)  # (B*T, N)
+            y = y.reshape(*x.shape[:-1], self.out_features)
+            return y + self.bias.to(x.dtype) if self.bias is not None else y
+        return F.linear(x, self.dequantize().to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+
+    def dequantize(self) -> torch.Tensor:
+        """The full fp32 weight (out_features, in_features) this layer stands for."""
+        return self.dequantize_rows(slice(None))
+
+    def dequantize_rows(self, rows) -> torch.Tensor:
+        """fp32 rows of the weight: `rows` is an index tensor (any shape) or a slice."""
+        raise NotImplementedError
+
+    def prepare(self) -> None:
+        raise NotImplementedError
+
+    def _kernel(self, x2d: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+class Int8Linear(QuantizedLinear):
+    """int8 weights (N, K), one bf16 scale per output row."""
+
+    mode = "int8"
+
+    def __init__(self, in_features, out_features, bias=True, activations=DEFAULT_ACTIVATIONS, device=None):
+        super().__init__(in_features, out_features, bias, device)
+        if activations not in ACTIVATIONS:
+            raise ValueError(f"int8 activations must be one of {ACTIVATIONS}, got {activations!r}")
+        self.activations = activations
+        self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.int8, device=device))
+        self.register_buffer("scales", torch.ones(out_features, dtype=torch.bfloat16, device=device))
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, activations=DEFAULT_ACTIVATIONS) -> Int8Linear:
+        module = cls(
+            linear.in_features, linear.out_features, linear.bias is not None, activations, linear.weight.device
+        )
+        module.weight, module.scales = quantize_int8(linear.weight)
+        if linear.bias is not None:
+            module.bias.data.copy_(linear.bias.detach().float())
+        return module
+
+    def dequantize_rows(self, rows) -> torch.Tensor:
+        return self.weight[rows].float() * self.scales[rows].float()[..., None]
+
+    def prepare(self) -> None:
+        if self.weight.device.type != "cpu":
+            self._kernel_weights = None
+        elif self.activations == "int8":
+            # fbgemm quantizes each input row to uint8 on the fly and multiplies int8 x int8 (VNNI).
+            with warnings.catch_warnings():  # torch.ao's deprecation notice; the kernel itself stays
+                warnings.simplefilter("ignore")
+                qweight = torch._make_per_channel_quantized_tensor(
+                    self.weight, self.scales.double(), torch.zeros(self.out_features, dtype=torch.long), 0
+                )
+            self._kernel_weights = (torch.ops.quantized.linear_prepack(qweight, None),)
+        else:
+            self.weight, self.scales = _aligned(self.weight), _aligned(self.scales)
+            self._kernel_weights = (self.weight, self.scales)
+
+    def _kernel(self, x2d):
+        if self.activations == "int8":
+            return torch.ops.quantized.linear_dynamic(x2d.float().contiguous(), self._kernel_weights[0], False)
+        weight, scales = self._kernel_weights
+        # fp32 activations take a slow reference path in this kernel; bf16 ones hit the packed one.
+        return torch.ops.aten._weight_int8pack_mm(x2d.to(torch.bfloat16).contiguous(), weight, scales)  # (M, N)
+
+
+class Int4Linear(QuantizedLinear):
+    """int4 weights packed two per byte (N, K/2), a bf16 scale and zero per group of inputs."""
+
+    mode = "int4"
+
+    def __init__(self, in_features, out_features, bias=True, group_size=64, device=None):
+        super().__init__(in_features, out_features, bias, device)
+        check_group_size(in_features, group_size)
+        self.group_size = group_size
+        groups = (out_features, in_features // group_size)
+        self.register_buffer("weight", torch.zeros(out_features, in_features // 2, dtype=torch.uint8, device=device))
+        self.register_buffer("scales", torch.ones(groups, dtype=torch.bfloat16, device=device))
+        self.register_buffer("zeros", torch.zeros(groups, dtype=torch.bfloat16, device=device))
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group_size: int = 64) -> Int4Linear:
+        module = cls(linear.in_features, linear.out_features, linear.bias is not None, group_size, linear.weight.device)
+        q, module.scales, module.zeros = quantize_int4(linear.weight, group_size)
+        module.weight = pack_int4(q)
+        if linear.bias is not None:
+            module.bias.data.copy_(linear.bias.detach().float())
+        return module
+
+    def dequantize_rows(self, rows) -> torch.Tensor:
+        return dequantize_int4(unpack_int4(self.weight[rows]), self.scales[rows], self.zeros[rows])  # (..., K)
+
+    def prepare(self) -> None:
+        if self.weight.device.type != "cpu":
+            self._kernel_weights = None
+            return
+        # The kernel wants a multiple of 16 output rows: pad (GPT-2's head has 50257) and slice after.
+        pad = -self.out_features % 16
+        q = F.pad(unpack_int4(self.weight).to(torch.int32), (0, 0, 0, pad), value=8)  # (N_pad, K)
+        packed = _aligned(torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
+        scales = F.pad(self.scales, (0, 0, 0, pad))  # (N_pad, G)
+        zeros = F.pad(self.zeros, (0, 0, 0, pad))  # (N_pad, G)
+        scales_and_zeros = torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous()  # (G, N_pad, 2)
+        self._kernel_weights = (packed, scales_and_zeros)
+
+    def _kernel(self, x2d):
+        packed, scales_and_zeros = self._kernel_weights
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x2d.to(torch.bfloat16).contiguous(), packed, self.group_size, scales_and_zeros
+        )  # (M, N_pad)
+        return y[:, : self.out_features]
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, group_size={self.group_size}"
+
+
+class QuantizedEmbedding(nn.Module):
+    """Token embedding that reads its rows from a tied, quantized head (which owns the storage)."""
+
+    def __init__(self, head: QuantizedLinear, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.__dict__["head"] = head  # not a submodule: the table is saved once, under lm_head
+        self.dtype = dtype
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The quantized table itself (int8, or packed int4 as uint8): its device is the model's,
+        and its non-float dtype tells callers such as generate.model_device_dtype to use float32."""
+        return self.head.weight
+
+    @property
+    def num_embeddings(self) -> int:
+        return self.head.out_features
+
+    @property
+    def embedding_dim(self) -> int:
+        return self.head.in_features
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head.dequantize_rows(idx).to(self.dtype)  # (B, T, C)
+
+
+# ---------------------------------------------------------------- model-level
+
+
+def quantize_model(model: GPT, mode: str, group_size: int = 64, *, activations: str = DEFAULT_ACTIVATIONS) -> GPT:
+    """Swap every nn.Linear of `model` (the head included) for a quantized one, in place; returns it.
+
+    mode: "int8" (per-channel; `activations` "float" or "int8" picks the CPU kernel) or "int4"
+    (group-wise, `group_size` in 32/64/128/256 dividing every layer's input width).
+    """
+    _check_scheme(mode, group_size, activations)
+    if getattr(model, "quantization", None):
+        raise ValueError(f"model is already quantized ({model.quantization['mode']})")
+    linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    if mode == "int4":
+        for name, m in linears:  # validate everything before changing anything
+            try:
+                check_group_size(m.in_features, group_size)
+            except ValueError as e:
+                raise ValueError(f"{name}: {e}") from None
+    tied = model.config.tie_weights and model.lm_head.weight is model.transformer.wte.weight
+    for name, linear in linears:
+        if mode == "int8":
+            quantized = Int8Linear.from_linear(linear, activations)
+        else:
+            quantized = Int4Linear.from_linear(linear, group_size)
+        quantized.prepare()
+        _set_submodule(model, name, quantized)
+    if tied:
+        model.transformer.wte = QuantizedEmbedding(model.lm_head, model.transformer.ln_f.weight.dtype)
+    model.quantization = scheme_dict(mode, group_size, activations)
+    log.info("quantized %d linear layers to %s", len(linears), mode)
+    return model
+
+
+def scheme_dict(mode: str, group_size: int | None, activations: str) -> dict:
+    """The quantization record stored in gptlab.json."""
+    if mode == "int8":
+        return {"mode": "int8", "group_size": None, "activations": activations}
+    return {"mode": "int4", "group_size": group_size}
+
+
+def dequantize_model(model: GPT) -> GPT:
+    """A float GPT holding exactly the matrices a quantized model stands for (its reference: the
+    difference between the two is the kernels' rounding, not the quantization error)."""
+    state = {}
+    for name, tensor in model.state_dict().items():
+        state[name] = tensor.float() if tensor.is_floating_point() else tensor
+    for name, m in model.named_modules():
+        if isinstance(m, QuantizedLinear):
+            for buffer in ("weight", "scales", "zeros"):
+                state.pop(f"{name}.{buffer}", None)
+            state[f"{name}.weight"] = m.dequantize()
+    if model.config.tie_weights:
+        state["transformer.wte.weight"] = state["lm_head.weight"]
+    with torch.device("meta"):
+        reference = GPT(model.config)
+    load_state_strict(reference, state, "dequantize_model")
+    reference.tie_weights()
+    return reference.eval()
+
+
+def set_kernels(model: nn.Module, enabled: bool) -> None:
+    """Use the packed CPU kernels (True) or the plain dequantize-then-F.linear path (False)."""
+    for m in model.modules():
+        if isinstance(m, QuantizedLinear):
+            m.use_kernel = enabled
+
+
+def save_quantized(model: GPT, directory: str | os.PathLike, *, tokenizer: str = "gpt2") -> None:
+    """Write a quantized model as a native gptlab directory: safetensors plus gptlab.json with the scheme."""
+    scheme = getattr(model, "quantization", None)
+    if not scheme:
+        raise ValueError("model is not quantized; save it with gptlab.checkpoint.save_model")
+    directory = Path(directory)
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    atomic_write(directory / WEIGHTS_FILE, lambda tmp: save_file(state, tmp))
+    meta = {"format": "gptlab", "config": model.config.to_dict(), "tokenizer": tokenizer, "quantization": scheme}
+    atomic_write_text(directory / META_FILE, json.dumps(meta, indent=2))
+
+
+def load_quantized(directory: str | os.PathLike, *, device=None) -> GPT:
+    """Load a directory written by save_quantized without ever building the float model's weights."""
+    directory = Path(directory)
+    meta = read_meta(directory)
+    scheme = meta.get("quantization")
+    if not scheme:
+        raise ValueError(
+            f"{directory} holds a float model, not a quantized one; load it with gptlab.checkpoint.load_model"
+        )
+    mode, group_size = scheme.get("mode"), scheme.get("group_size")
+    activations = scheme.get("activations", DEFAULT_ACTIVATIONS)
+    _check_scheme(mode, group_size, activations)
+    config = GPTConfig.from_dict(meta["config"])
+    with torch.device("meta"):
+        model = GPT(config)
+        _swap_empty(model, mode, group_size, activations)
+    try:
+        state = load_file(directory / WEIGHTS_FILE, device=str(device or "cpu"))
+    except Exception as e:  # safetensors raises its own error types for damaged files
+        raise ValueError(f"{directory / WEIGHTS_FILE}: cannot read weights ({e})") from e
+    load_state_strict(model, state, str(directory))
+    for m in model.modules():
+        if isinstance(m, QuantizedLinear):
+            m.prepare()
+    model.quantization = scheme_dict(mode, group_size, activations)
+    return model.eval()
+
+
+def _swap_empty(model: GPT, mode: str, group_size: int | None, activations: str) -> None:
+    """Replace the (meta) linear layers by quantized ones of the same shapes, ready for assign-loading."""
+    tied = model.config.tie_weights
+    for name, linear in [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]:
+        args = (linear.in_features, linear.out_features, linear.bias is not None)
+        if mode == "int8":
+            _set_submodule(model, name, Int8Linear(*args, activations=activations))
+        else:
+            _set_submodule(model, name, Int4Linear(*args, group_size=group_size))
+    if tied:
+        model.transformer.wte = QuantizedEmbedding(model.lm_head)
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """`t`, copied if needed so it starts on a 64-byte boundary: the packed kernels use aligned
+    AVX-512 loads, and safetensors hands out tensors at arbitrary offsets (a segfault otherwise)."""
+    t = t.contiguous()
+    return t if t.data_ptr() % 64 == 0 else t.clone()
+
+
+def _check_scheme(mode, group_size, activations) -> None:
+    if mode not in MODES:
+        raise ValueError(f"unknown quantization mode {mode!r}; choose one of {MODES}")
+    if mode == "int4" and group_size not in GROUP_SIZES:
+        raise ValueError(f"int4 group size must be one of {GROUP_SIZES}, got {group_size!r}")
+    if mode == "int8" and activations not in ACTIVATIONS:
+        raise ValueError(f"int8 activations must be one of {ACTIVATIONS}, got {activations!r}")
+
+
+def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, child, module)
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of the model's state (what a checkpoint holds), tied tensors counted once."""
+    seen, total = set(), 0
+    for t in model.state_dict().values():
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+    return total

@@ -1,0 +1,260 @@
+"""int8 / int4 quantization: primitives, quantized linear layers, whole models, files, the CLI."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from conftest import tiny_model
+from gptlab.checkpoint import load_model, load_native, save_model
+from gptlab.cli import main
+from gptlab.generate import generate
+from gptlab.quantize import (
+    Int4Linear,
+    Int8Linear,
+    QuantizedEmbedding,
+    QuantizedLinear,
+    dequantize_int4,
+    dequantize_int8,
+    dequantize_model,
+    load_quantized,
+    pack_int4,
+    quantize_int4,
+    quantize_int8,
+    quantize_model,
+    save_quantized,
+    set_kernels,
+    unpack_int4,
+)
+
+SCHEMES = {"int8": dict(mode="int8"), "int8-dyn": dict(mode="int8", activations="int8"), "int4": dict(mode="int4")}
+
+
+def random_matrix(rows, cols, seed=0):
+    """Rows of very different magnitudes, an outlier, and an all-zero row (the edge cases of scales)."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(rows, cols, generator=g) * torch.logspace(-3, 1, rows)[:, None]
+    w[0, 3] = 40.0
+    w[1] = 0.0
+    return w
+
+
+def test_int8_error_is_at_most_half_a_step():
+    w = random_matrix(48, 96)
+    q, scales = quantize_int8(w)
+    assert q.dtype == torch.int8 and scales.dtype == torch.bfloat16
+    assert int(q.abs().max()) <= 127
+    err = (dequantize_int8(q, scales) - w).abs()  # (N, K)
+    assert (err <= scales.float()[:, None] / 2 * (1 + 1e-6)).all()
+    assert (scales.float() <= w.abs().amax(1) / 127 * (1 + 2**-6) + 2e-8).all()  # scales are not wasteful
+    assert (dequantize_int8(q, scales)[1] == 0).all()
+
+
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+def test_int4_error_is_at_most_half_a_step(group_size):
+    w = random_matrix(40, 256, seed=1)
+    q, scales, zeros = quantize_int4(w, group_size)
+    assert q.dtype == torch.uint8 and int(q.max()) <= 15
+    assert scales.shape == zeros.shape == (40, 256 // group_size)
+    err = (dequantize_int4(q, scales, zeros) - w).abs().view(40, -1, group_size)  # (N, G, g)
+    # Half a step, plus the bfloat16 rounding of the zero point (2^-9 relative).
+    bound = scales.float() / 2 * (1 + 1e-5) + zeros.float().abs() * 2**-8 + 1e-7  # (N, G)
+    assert (err <= bound[..., None]).all()
+    # 16 levels over each group's range: the step is 1/15 of it, so the error is far below int8's.
+    span = w.view(40, -1, group_size).amax(-1) - w.view(40, -1, group_size).amin(-1)
+    assert (scales.float() <= span / 15 * (1 + 2**-6) + 2e-8).all()
+
+
+def test_int4_packing_round_trips_exactly():
+    q = torch.randint(0, 16, (33, 64), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    packed = pack_int4(q)
+    assert packed.shape == (33, 32) and packed.dtype == torch.uint8
+    assert torch.equal(unpack_int4(packed), q)
+    every_byte = torch.arange(256, dtype=torch.uint8).view(8, 32)
+    assert torch.equal(pack_int4(unpack_int4(every_byte)), every_byte)
+    assert torch.equal(packed[0, 0], q[0, 0] | (q[0, 1] << 4))  # even column in the low nibble
+
+
+def test_packing_bad_input():
+    with pytest.raises(ValueError, match="even number of columns"):
+        pack_int4(torch.zeros(2, 3, dtype=torch.uint8))
+    with pytest.raises(ValueError, match=r"\[0, 15\]"):
+        pack_int4(torch.full((2, 2), 16, dtype=torch.uint8))
+
+
+def make_quantized(linear, name):
+    if name == "int4":
+        return Int4Linear.from_linear(linear, 32)
+    return Int8Linear.from_linear(linear, "int8" if name == "int8-dyn" else "float")
+
+
+@pytest.mark.parametrize("name", list(SCHEMES))
+@pytest.mark.parametrize("out_features", [96, 97])  # 97: not a multiple of 16, as GPT-2's 50257-row head
+def test_quantized_linear_equals_dequantized_matmul(name, out_features):
+    torch.manual_seed(0)
+    linear = nn.Linear(64, out_features)
+    x = torch.randn(3, 5, 64)  # (B, T, K)
+    qlinear = make_quantized(linear, name)
+    qlinear.prepare()
+    weight = qlinear.dequantize()  # (N, K)
+    # The plain path is dequantized_weight @ x: fp32 rounding only.
+    set_kernels(qlinear, False)
+    torch.testing.assert_close(qlinear(x), F.linear(x, weight, linear.bias), rtol=1e-5, atol=1e-6)
+    set_kernels(qlinear, True)
+    y = qlinear(x)  # (B, T, N)
+    assert y.shape == (3, 5, out_features) and y.dtype == torch.float32
+    if name == "int8-dyn":
+        # Activations quantized per row to 256 levels: each input is off by at most half a level.
+        step = (x.amax(-1, keepdim=True).clamp(min=0) - x.amin(-1, keepdim=True).clamp(max=0)) / 255  # (B, T, 1)
+        ref = F.linear(x, weight, linear.bias)
+        bound = step / 2 * weight.abs().sum(1) + 1e-4  # (B, T, N)
+        assert ((y - ref).abs() <= bound).all()
+        assert (y - ref).abs().max() > 0  # really the int8 x int8 kernel, not the float path
+    else:
+        # The packed kernels take bf16 activations and write bf16 outputs (2^-9 relative rounding).
+        ref = F.linear(x.bfloat16().float(), weight)  # (B, T, N)
+        assert ((y - linear.bias.detach() - ref).abs() <= ref.abs() * 2**-8 + 1e-5).all()
+
+
+def test_quantized_linear_works_on_the_meta_device_shapes_and_repr():
+    with torch.device("meta"):
+        m = Int4Linear(128, 48, bias=False, group_size=64)
+    assert m.weight.shape == (48, 64) and m.scales.shape == (48, 2) and m.bias is None
+    assert "group_size=64" in repr(m)
+
+
+@pytest.fixture(scope="module")
+def trained_tiny_model():
+    """A tiny model trained for a moment to follow a fixed permutation of its vocabulary
+    (token t is followed by perm[t]), so its greedy choices are confident, as a trained model's."""
+    model = tiny_model(seed=3, n_embd=64).train()
+    g = torch.Generator().manual_seed(0)
+    perm = torch.randperm(97, generator=g)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny ops: threads only add barrier waits (25x slower on a busy machine)
+    try:
+        train_steps(model, opt, perm, g, 80)
+    finally:
+        torch.set_num_threads(threads)
+    return model.eval()
+
+
+def train_steps(model, opt, perm, g, steps):
+    for _ in range(steps):
+        seq = [torch.randint(0, 97, (16,), generator=g)]
+        for _ in range(32):
+            seq.append(perm[seq[-1]])
+        seq = torch.stack(seq, dim=1)  # (16, 33)
+        _, loss = model(seq[:, :-1], targets=seq[:, 1:])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+@pytest.mark.parametrize("name", list(SCHEMES))
+def test_quantized_tiny_model_generates_like_its_dequantized_reference(name, trained_tiny_model):
+    model = trained_tiny_model
+    scheme = dict(SCHEMES[name])
+    qmodel = quantize_model(copy.deepcopy(model), scheme.pop("mode"), group_size=32, **scheme)
+    assert not any(isinstance(m, nn.Linear) for m in qmodel.modules())  # the head too
+    assert isinstance(qmodel.transformer.wte, QuantizedEmbedding)
+    reference = dequantize_model(qmodel)
+    prompt = torch.tensor([[5, 17, 42, 8], [1, 2, 3, 4]])
+    out = generate(qmodel, prompt, 12, temperature=0)
+    assert out.shape == (2, 16)
+    assert torch.equal(out, generate(reference, prompt, 12, temperature=0))
+    logits, ref_logits = qmodel(out)[0], reference(out)[0]
+    cos = F.cosine_similarity(logits.flatten(), ref_logits.flatten(), dim=0)
+    assert cos > 0.999
+    # ...and quantization changed the model only a little.
+    float_logits = model(out)[0]
+    assert F.cosine_similarity(logits.flatten(), float_logits.flatten(), dim=0) > (0.99 if name != "int4" else 0.95)
+
+
+@pytest.mark.parametrize("name", list(SCHEMES))
+def test_save_and_load_round_trip(tmp_path, name):
+    scheme = dict(SCHEMES[name])
+    qmodel = quantize_model(tiny_model(n_embd=64), scheme.pop("mode"), group_size=32, **scheme)
+    save_quantized(qmodel, tmp_path / "q")
+    loaded = load_model(str(tmp_path / "q"))  # checkpoint.load_model routes to load_quantized
+    assert loaded.quantization == qmodel.quantization
+    assert isinstance(loaded.transformer.wte, QuantizedEmbedding)
+    for name_, m in loaded.named_modules():
+        if isinstance(m, QuantizedLinear):
+            assert torch.equal(m.weight, qmodel.get_submodule(name_).weight)
+    idx = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
+    torch.testing.assert_close(loaded(idx)[0], qmodel(idx)[0], rtol=0, atol=0)
+
+
+def test_untied_model_keeps_a_float_embedding(tmp_path):
+    model = tiny_model(n_embd=64, bias=False, tie_weights=False, pos_embedding="rope", norm="rmsnorm", mlp="swiglu")
+    qmodel = quantize_model(copy.deepcopy(model), "int4", group_size=32)
+    assert isinstance(qmodel.transformer.wte, nn.Embedding) and isinstance(qmodel.lm_head, Int4Linear)
+    save_quantized(qmodel, tmp_path / "q")
+    loaded = load_quantized(tmp_path / "q")
+    idx = torch.tensor([[7, 8, 9]])
+    torch.testing.assert_close(loaded(idx)[0], qmodel(idx)[0], rtol=0, atol=0)
+
+
+def test_quantized_checkpoint_is_small(tmp_path):
+    model = tiny_model(n_embd=128, n_layer=2, vocab_size=512)
+    save_model(model, tmp_path / "fp32")
+    fp32 = (tmp_path / "fp32" / "model.safetensors").stat().st_size
+    for mode, limit in (("int8", 0.30), ("int4", 0.18)):
+        save_quantized(quantize_model(copy.deepcopy(model), mode, 64), tmp_path / mode)
+        assert (tmp_path / mode / "model.safetensors").stat().st_size < limit * fp32
+
+
+def test_bad_inputs(tmp_path):
+    model = tiny_model()  # n_embd 32
+    with pytest.raises(ValueError, match="unknown quantization mode"):
+        quantize_model(model, "int3")
+    with pytest.raises(ValueError, match="does not divide the input dimension 32"):
+        quantize_model(model, "int4", group_size=64)
+    with pytest.raises(ValueError, match="group size must be one of"):
+        quantize_model(model, "int4", group_size=48)
+    with pytest.raises(ValueError, match="activations"):
+        quantize_model(model, "int8", activations="fp8")
+    assert isinstance(model.lm_head, nn.Linear)  # a refused call changed nothing
+    with pytest.raises(ValueError, match="not quantized"):
+        save_quantized(model, tmp_path / "x")
+    save_model(model, tmp_path / "float")
+    with pytest.raises(ValueError, match="float model, not a quantized one"):
+        load_quantized(tmp_path / "float")
+    qmodel = quantize_model(model, "int8")
+    with pytest.raises(ValueError, match="already quantized"):
+        quantize_model(qmodel, "int4", group_size=32)
+    save_quantized(qmodel, tmp_path / "q")
+    with pytest.raises(ValueError, match="int8 quantized model"):
+        load_native(tmp_path / "q")
+
+
+def test_cli_quantize(tmp_path, capsys):
+    save_model(tiny_model(n_embd=64), tmp_path / "float")
+    out = tmp_path / "q4"
+    args = ["quantize", "--model", str(tmp_path / "float"), "--mode", "int4", "--group-size", "32", "--out", str(out)]
+    assert main(args) == 0
+    assert "int4: wrote" in capsys.readouterr().out
+    assert load_model(str(out)).quantization == {"mode": "int4", "group_size": 32}
+    assert (
+        main(
+            [
+                "quantize",
+                "--model",
+                str(tmp_path / "float"),
+                "--mode",
+                "int4",
+                "--group-size",
+                "128",
+                "--out",
+                str(tmp_path / "bad"),
+            ]
+        )
+        == 2
+    )
+    assert "does not divide" in capsys.readouterr().err
+    assert main(["quantize", "--model", str(out), "--mode", "int8", "--out", str(tmp_path / "again")]) == 2
+    assert "already quantized" in capsys.readouterr().err
