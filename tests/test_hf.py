@@ -118,7 +118,7 @@ def copy_dir(src: Path, dst: Path) -> Path:
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_logits_parity(zoo, name):
     theirs, directory = zoo.get(name)
-    ours = hf.load_pretrained(directory)
+    ours = GPT.from_pretrained(str(directory))
     assert ours.config.layer_norm_eps == theirs.config.layer_norm_epsilon
     assert ours.config.tie_weights == theirs.config.tie_word_embeddings
     idx = inputs(theirs.config, length=96)
