@@ -20,7 +20,7 @@ IGNORE_INDEX = -100
 CHUNK_ROWS = 512
 
 
-def _chunk_grad(x_c, w, t_c):
+def _chunk_grad(x_c, w, t_c, all_valid: bool):
     """For rows x_c (n, C): the summed loss and d(sum loss)/d(logits) (n, V) as fp32."""
     logits = (x_c @ w.t()).float()  # (n, V)
     valid = t_c != IGNORE_INDEX  # (n,)
@@ -32,7 +32,8 @@ def _chunk_grad(x_c, w, t_c):
     row_loss = (total.log() + peak).squeeze(1) - target_logit  # (n,) logsumexp - target
     probs.div_(total)
     probs.scatter_add_(1, t_safe, torch.full_like(target_logit, -1.0)[:, None])  # softmax - onehot
-    probs.mul_(valid[:, None])
+    if not all_valid:
+        probs.mul_(valid[:, None])
     return row_loss.masked_fill(~valid, 0.0).sum(), probs
 
 
@@ -41,14 +42,16 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def forward(ctx, x, weight, targets, compute_dtype, chunk_rows):
         x2 = x.reshape(-1, x.size(-1))  # (N, C)
         t = targets.reshape(-1)  # (N,)
-        n_valid = (t != IGNORE_INDEX).sum().clamp_min(1)
+        n_valid = (t != IGNORE_INDEX).sum()
+        all_valid = bool(n_valid == t.numel())  # then no row needs masking
+        n_valid = n_valid.clamp_min(1)
         xc, wc = x2.to(compute_dtype), weight.to(compute_dtype)
         need_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         grad_x = torch.empty(x2.shape, dtype=torch.float32, device=x.device) if need_grad else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=x.device) if need_grad else None
         loss = torch.zeros((), dtype=torch.float32, device=x.device)
         for s in range(0, x2.size(0), chunk_rows):
-            chunk_loss, dlogits = _chunk_grad(xc[s : s + chunk_rows], wc, t[s : s + chunk_rows])
+            chunk_loss, dlogits = _chunk_grad(xc[s : s + chunk_rows], wc, t[s : s + chunk_rows], all_valid)
             loss += chunk_loss
             if need_grad:
                 d = dlogits.to(compute_dtype)  # (n, V)

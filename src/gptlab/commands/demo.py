@@ -1,29 +1,130 @@
-"""gptlab demo: the main job. For now: build a small model, show its parameters, sample a few tokens."""
+"""gptlab demo: the main job. Prepare tiny-shakespeare, train a small GPT-2 on the CPU, generate.
+
+Where the corpus comes from: --input; else ../shared/data/tinyshakespeare.txt beside the
+repository (this workplace's offline machines); else a download from karpathy/char-rnn. Whatever
+the source, its SHA-256 must be tiny-shakespeare's.
+"""
+
+import hashlib
+import sys
+import time
+from pathlib import Path
+
+SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
+URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
+RELATIVE = Path("..") / "shared" / "data" / "tinyshakespeare.txt"
+PROMPT = "ROMEO:\n"
 
 
 def add_arguments(parser):
-    parser.add_argument("--preset", default="gpt2-mini", help="model preset (default gpt2-mini)")
-    parser.add_argument("--seed", type=int, default=1337)
+    parser.add_argument("--input", help="tiny-shakespeare text file (default: ../shared/data/..., else download)")
+    parser.add_argument("--out", default="runs/demo", help="run directory (data/, run/; default runs/demo)")
+    parser.add_argument("--config", help="TOML training config (default: the packaged configs/demo.toml)")
+    parser.add_argument("--max-new-tokens", type=int, default=200, help="length of the generated passage")
+    parser.add_argument("overrides", nargs="*", help="TrainConfig settings as key=value, e.g. max_steps=100")
+
+
+def find_corpus(explicit: str | None) -> Path:
+    """The corpus path: --input, the shared copy beside the repository, or a verified download."""
+    if explicit:
+        path = Path(explicit)
+        if not path.is_file():
+            raise ValueError(f"--input {path}: no such file")
+        return check_hash(path)
+    repo = Path(__file__).resolve().parents[3]  # src/gptlab/commands/demo.py -> repository root
+    for base in (Path.cwd(), repo):
+        candidate = base / RELATIVE
+        if candidate.is_file():
+            return check_hash(candidate)
+    return download(repo / "data" / "tinyshakespeare.txt")
+
+
+def check_hash(path: Path) -> Path:
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    if digest != SHA256:
+        raise ValueError(f"{path}: SHA-256 {digest} is not tiny-shakespeare's ({SHA256})")
+    return path
+
+
+def download(dest: Path) -> Path:
+    """Fetch tiny-shakespeare once, check its hash, keep it at dest."""
+    if dest.is_file():
+        return check_hash(dest)
+    import urllib.request
+
+    from gptlab.checkpoint import atomic_write
+
+    print(f"downloading tiny-shakespeare from {URL}")
+    try:
+        with urllib.request.urlopen(URL, timeout=60) as r:
+            data = r.read()
+    except OSError as e:
+        raise ValueError(
+            f"tiny-shakespeare is not at ../shared/data and cannot be downloaded ({e}); pass --input FILE"
+        ) from e
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != SHA256:
+        raise ValueError(f"the download from {URL} has SHA-256 {digest}, expected {SHA256}")
+    atomic_write(dest, lambda tmp: Path(tmp).write_bytes(data))
+    return dest
+
+
+def prepared(corpus: Path, data_dir: Path) -> Path:
+    """Tokenize the corpus into data_dir unless a manifest for the same file is already there."""
+    from gptlab.data import MANIFEST, prepare, read_manifest
+
+    if (data_dir / MANIFEST).is_file():
+        sources = read_manifest(data_dir).get("sources", [])
+        if [s.get("sha256") for s in sources] == [SHA256]:
+            return data_dir
+    prepare(corpus, data_dir, val_fraction=0.1, progress=False)
+    return data_dir
 
 
 def run(args):
+    import shutil
+    from importlib import resources
+
+    from gptlab.train import TrainConfig, train
+
+    t0 = time.perf_counter()
+    corpus = find_corpus(args.input)
+    out = Path(args.out)
+    data_dir = prepared(corpus, out / "data")
+    print(f"corpus: {corpus} -> {data_dir} ({time.perf_counter() - t0:.1f}s)")
+    config_path = args.config or resources.files("gptlab") / "configs" / "demo.toml"
+    overrides = [f"--{o}" if not o.startswith("--") else o for o in args.overrides]
+    cfg = TrainConfig.from_toml(config_path, overrides).with_overrides(
+        {"data_dir": str(data_dir), "out_dir": str(out / "run")}
+    )
+    if (out / "run").exists():
+        print(f"removing the previous demo run in {out / 'run'}")
+        shutil.rmtree(out / "run")
+    summary = train(cfg)
+    t_train = time.perf_counter() - t0
+    passage = generate_passage(summary["checkpoint"], args.max_new_tokens, cfg.seed)
+    print("\n" + "=" * 72 + f"\n{passage}\n" + "=" * 72)
+    print(f"validation loss: {summary['val_loss']:.4f} (last 10% of the text, never trained on)")
+    print(
+        f"time: {time.perf_counter() - t0:.0f}s total ({t_train:.0f}s preparing + training, {summary['tokens']:,} tokens)"
+    )
+    print(
+        f"checkpoint: {summary['checkpoint']}   (try: gptlab next --model {out / 'run' / 'latest'} --prompt 'ROMEO:')"
+    )
+    print(f"metrics:    {summary['metrics']}")
+    print(f"loss plot:  {summary['plot']}")
+    sys.stdout.flush()
+
+
+def generate_passage(checkpoint: str, max_new_tokens: int, seed: int) -> str:
     import torch
 
-    from gptlab.config import GPTConfig
-    from gptlab.model import GPT
+    from gptlab.checkpoint import load_native
+    from gptlab.generate import generate_text
     from gptlab.tokenizer import get_tokenizer
 
-    torch.manual_seed(args.seed)
-    model = GPT(GPTConfig.from_name(args.preset)).eval()
-    print(f"{args.preset}: {model.num_params():,} parameters")
-    for r in model.param_breakdown():
-        print(f"  {r['component']:<26} {r['params']:>12,}  {r['note']}")
+    model = load_native(checkpoint)
     tok = get_tokenizer("gpt2")
-    idx = torch.tensor([tok.encode("To be, or not to be")])
-    gen = torch.Generator().manual_seed(args.seed)
-    with torch.no_grad():
-        for _ in range(16):
-            logits, _ = model(idx)
-            probs = torch.softmax(logits[:, -1], dim=-1)
-            idx = torch.cat([idx, torch.multinomial(probs, 1, generator=gen)], dim=1)
-    print("sample (untrained):", repr(tok.decode(idx[0].tolist())))
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+        text = generate_text(model, tok, PROMPT, max_new_tokens, temperature=0.8, top_k=200, generator=seed)
+    return PROMPT + text
