@@ -29,7 +29,11 @@ from gptlab.quantize import (
     unpack_int4,
 )
 
-SCHEMES = {"int8": dict(mode="int8"), "int8-dyn": dict(mode="int8", activations="int8"), "int4": dict(mode="int4")}
+SCHEMES = {
+    "int8-wo": dict(mode="int8", activations="float"),
+    "int8-dyn": dict(mode="int8", activations="int8"),
+    "int4": dict(mode="int4"),
+}
 
 
 def random_matrix(rows, cols, seed=0):

@@ -28,7 +28,10 @@ from gptlab.model import GPT
 
 log = logging.getLogger(__name__)
 
-MODES = ("fp32", "bf16", "int8", "int4")
+# Quantized modes -> quantize_model keyword arguments: "int8" is the default int8 kernel, "int8-wo"
+# (weight-only, bf16 activations) and "int8-dyn" (dynamic int8 activations) name each one explicitly.
+QUANTIZED = {"int8": {}, "int8-wo": {"activations": "float"}, "int8-dyn": {"activations": "int8"}, "int4": {}}
+MODES = ("fp32", "bf16", *QUANTIZED)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -96,12 +99,12 @@ def build_mode(mode: str, state: dict, config: GPTConfig) -> GPT:
         return model
     if mode == "bf16":
         return model.to(torch.bfloat16)
-    if mode in ("int8", "int4"):
+    if mode in QUANTIZED:
         try:
             from gptlab.quantize import quantize_model
         except ImportError as e:
             raise ValueError(f"mode {mode} needs gptlab.quantize ({e})") from e
-        return quantize_model(model, mode)
+        return quantize_model(model, mode[:4], **QUANTIZED[mode])
     raise ValueError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
 
 
@@ -204,7 +207,10 @@ def run_row(row, models, hf_models, idx_by_batch, args, bandwidth) -> dict:
     idx = idx_by_batch[batch]
     if row["engine"] == "gptlab":
         model = models[mode]
-        step = compile_decode() if row["compiled"] else None
+        step = None
+        if row["compiled"]:
+            torch._dynamo.reset()  # each compiled row pays (and reports) its own compile
+            step = compile_decode(model)
         result = time_engine(gptlab_engine(model, step), idx, args.new_tokens, args.repeats)
         cache_len = min(model.config.block_size, args.prompt_len + args.new_tokens)
         row["kv_cache_bytes"] = new_cache(model, batch, cache_len).nbytes
@@ -290,6 +296,10 @@ def _same_tokens(row, rows):
     return bool(torch.equal(row["tokens"], ref["tokens"]))
 
 
+def _ratio(row, base) -> float:
+    return round(row["decode_tok_s"] / base["decode_tok_s"], 2)
+
+
 def summarize(rows) -> dict:
     """The goal figures: ratios to transformers and to gptlab fp32, bandwidth shares (batch 1)."""
     out = {}
@@ -305,6 +315,12 @@ def summarize(rows) -> dict:
             out[f"fp32_{tag}_prefill_vs_transformers"] = round(ours32["prefill_tok_s"] / hf32["prefill_tok_s"], 2)
         if ours16 and ours32:
             out[f"bf16_{tag}_decode_vs_gptlab_fp32_{tag}"] = round(ours16["decode_tok_s"] / ours32["decode_tok_s"], 2)
+        for q in QUANTIZED:
+            ours_q = _find(rows, engine="gptlab", mode=q, compiled=compiled, batch=1)
+            if ours_q and ours32:
+                out[f"{q}_{tag}_decode_vs_gptlab_fp32_{tag}"] = _ratio(ours_q, ours32)
+            if ours_q and hf32:
+                out[f"{q}_{tag}_decode_vs_transformers_fp32"] = _ratio(ours_q, hf32)
     best32 = [r for r in rows if r["engine"] == "gptlab" and r["mode"] == "fp32" and r["batch"] == 1]
     best16 = [r for r in rows if r["engine"] == "gptlab" and r["mode"] == "bf16" and r["batch"] == 1]
     if best32 and best16:
