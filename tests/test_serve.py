@@ -346,6 +346,8 @@ BAD_REQUESTS = {
     "token id out of vocabulary": (dict(model=NAME, prompt=[1, 2, 999]), 400, "prompt"),
     "empty stop string": (dict(model=NAME, prompt="hi", stop=[""]), 400, "stop"),
     "missing model": (dict(prompt="hi"), 400, "model"),
+    "seed too large": (dict(model=NAME, prompt="hi", seed=2**64), 400, "seed"),
+    "too many prompts": (dict(model=NAME, prompt=["a"] * 33), 400, "prompt"),
     "unsupported penalty": (dict(model=NAME, prompt="hi", presence_penalty=1), 400, "presence_penalty"),
 }
 

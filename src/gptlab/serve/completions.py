@@ -48,7 +48,7 @@ class CompletionRequest(BaseModel):
     stream: bool = False
     stream_options: dict | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), lt=2**64)  # what torch.Generator.manual_seed takes
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     best_of: int | None = None
@@ -170,8 +170,8 @@ class Completions:
         """Validate the request against the model and server limits; its SamplingParams."""
         _check_unsupported(body)
         block, max_batch = self.state.model.config.block_size, self.state.scheduler.max_batch
-        if body.model != self.state.name:
-            raise APIError(404, f"The model `{body.model}` does not exist; this server serves `{self.state.name}`", param="model", code="model_not_found")  # fmt: skip
+        if len(prompts) > self.state.scheduler.max_queue:
+            raise APIError(400, f"at most {self.state.scheduler.max_queue} prompts per request", param="prompt", code="invalid_value")  # fmt: skip
         if body.n > max_batch:
             raise APIError(400, f"n must be at most {max_batch} (the batch size)", param="n", code="invalid_value")
         longest = max(len(p) for p in prompts)
@@ -198,6 +198,8 @@ class Completions:
         )  # fmt: skip
 
     async def create(self, body: CompletionRequest, request: Request):
+        if body.model != self.state.name:
+            raise APIError(404, f"The model `{body.model}` does not exist; this server serves `{self.state.name}`", param="model", code="model_not_found")  # fmt: skip
         prompts = self.prompts(body)
         params = self.params(body, prompts)
         stops = _stops(body.stop)
