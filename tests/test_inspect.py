@@ -245,6 +245,16 @@ def test_cli_lens_trace_next_info_write_files(tmp_path, model_dir, capsys):
     assert "1. tokenize: 13 tokens" in out and "block 1" in out and "FLOPs per token" in out
 
 
+def test_info_counts_a_quantized_checkpoint_like_its_float_model(tmp_path, model_dir, capsys):
+    from gptlab.checkpoint import load_model
+    from gptlab.quantize import quantize_model, save_quantized
+
+    model = load_model(model_dir)
+    save_quantized(quantize_model(load_model(model_dir), "int8"), tmp_path / "q8", tokenizer="byte")
+    assert main(["info", str(tmp_path / "q8"), "--json", str(tmp_path / "q.json")]) == 0
+    assert json.loads((tmp_path / "q.json").read_text())["total"] == model.num_params()
+
+
 def test_info_gpt2_prints_the_total(capsys):
     assert main(["info", "gpt2"]) == 0
     out = capsys.readouterr().out

@@ -24,11 +24,9 @@ def run(args):
     spec = args.model_opt or args.model or "gpt2"
     if args.context is not None and args.context < 1:
         raise ValueError(f"--context must be at least 1, got {args.context}")
-    if spec in PRESETS and not Path(spec).exists():
-        with torch.device("meta"):  # shapes are all a preset's breakdown needs
-            model = GPT(GPTConfig.from_name(spec))
-    else:
-        model = load_model(spec)
+    config = GPTConfig.from_name(spec) if spec in PRESETS and not Path(spec).exists() else load_model(spec).config
+    with torch.device("meta"):  # shapes are all the breakdown needs; a quantized model counts its logical weights
+        model = GPT(config)
     info = model_info(model, args.context)
     print_info(spec, info)
     if args.json:
