@@ -236,6 +236,12 @@ def test_streaming(client, url, model, tok):
     assert [c.choices[0].finish_reason for c in chunks][-1] == "length"
     assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
     assert chunks[-1].usage.completion_tokens == 40
+    # n > 1 streams the samples interleaved, each chunk naming its choice.
+    both = client.completions.create(**kwargs, n=2, extra_body={"ignore_eos": True})
+    chunks = list(client.completions.create(**kwargs, n=2, stream=True, extra_body={"ignore_eos": True}))
+    for j in range(2):
+        assert "".join(c.choices[0].text for c in chunks if c.choices[0].index == j) == both.choices[j].text
+    assert {c.choices[0].index for c in chunks} == {0, 1}
     # The raw stream: server-sent events ending with [DONE]; include_usage adds a usage-only chunk.
     body = dict(kwargs, stream=True, stream_options={"include_usage": True})
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as r:
