@@ -359,3 +359,16 @@ def test_cli_bad_sampling_value_is_one_line_error(echo_dir, capsys):
     assert main(["generate", "--model", echo_dir, "--prompt", "a", "--top-p", "1.5"]) == 2
     err = capsys.readouterr().err
     assert "top_p" in err and err.count("\n") == 1
+
+
+def test_compiled_decode_step_matches_eager():
+    from gptlab.generate import compile_decode
+
+    model = tiny_model(pos_embedding="rope")
+    prompts = [[5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8]]
+    step = compile_decode(model)
+    assert generate(model, prompts, 10, temperature=0, compiled_step=step) == generate(
+        model, prompts, 10, temperature=0
+    )
+    with pytest.raises(ValueError, match="another model"):
+        generate(tiny_model(), prompts, 3, compiled_step=step)

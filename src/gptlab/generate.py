@@ -193,23 +193,31 @@ def decode_step(model, tokens: torch.Tensor, cache: KVCache, *, positions=None, 
     return logits
 
 
-def compile_decode(*, freezing: bool = True, mode: str | None = None):
-    """A drop-in `decode_step` whose forward is compiled by torch.compile (inductor), for
+def compile_decode(model, *, freezing: bool = True, mode: str | None = None):
+    """A drop-in `decode_step` for `model`, its forward compiled by torch.compile (inductor), for
     `generate(..., compiled_step=...)` or a serving loop.
 
     The cache position becomes a 0-dim tensor, so one graph serves every position (writes go
     through index_copy_, attention spans the whole cache with unwritten slots masked). `freezing`
     lets inductor treat the weights as constants and prepack them for the CPU's matmul kernels
-    (oneDNN), which is what makes bf16 matrix-vector products fast. The first call per batch size
-    and cache length compiles (tens of seconds); later calls reuse the graph.
+    (oneDNN/MKL); that needs the model bound here rather than passed per call. The first call
+    per batch size compiles (tens of seconds); later calls reuse the graph.
     """
-    forward = torch.compile(_next_logits, fullgraph=True, dynamic=None, mode=mode, options={"freezing": freezing})
+
+    def forward(tokens, cache, positions, key_mask):
+        return _next_logits(model, tokens, cache, positions, key_mask)
+
+    compiled = torch.compile(forward, fullgraph=True, dynamic=None, mode=mode)
 
     @torch.no_grad()
-    def step(model, tokens, cache, *, positions=None, key_mask=None):
+    def step(step_model, tokens, cache, *, positions=None, key_mask=None):
+        if step_model is not model:
+            raise ValueError("this compiled decode step was built for another model")
         if not isinstance(cache.pos, torch.Tensor):
             cache.pos = torch.tensor(cache.pos, device=tokens.device)
-        logits = forward(model, tokens, cache, positions, key_mask)
+        # Freezing is read when the graph compiles, which is on a call; options= does not reach it.
+        with torch._inductor.config.patch(freezing=freezing):
+            logits = compiled(tokens, cache, positions, key_mask)
         cache.advance(1)
         return logits
 

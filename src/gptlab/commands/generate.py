@@ -49,7 +49,7 @@ def run(args):
     generator.manual_seed(args.seed) if args.seed is not None else generator.seed()
     sampling.update(generator=generator, stop=args.stop or None)
     if args.compile:
-        sampling["compiled_step"] = compile_decode()
+        sampling["compiled_step"] = compile_decode(model)
 
     def continue_text(prompt: str) -> str:
         pieces = []
