@@ -20,9 +20,9 @@ IGNORE_INDEX = -100
 CHUNK_ROWS = 512
 
 
-def _chunk_grad(x_c, w, t_c, all_valid: bool):
-    """For rows x_c (n, C): the summed loss and d(sum loss)/d(logits) (n, V) as fp32."""
-    logits = (x_c @ w.t()).float()  # (n, V)
+def _chunk_grad(x_c, w_t, t_c, all_valid: bool):
+    """For rows x_c (n, C) and the head w_t (C, V): the summed loss and d(sum loss)/d(logits) (n, V), fp32."""
+    logits = (x_c @ w_t).float()  # (n, V)
     valid = t_c != IGNORE_INDEX  # (n,)
     t_safe = t_c.clamp_min(0)[:, None]  # (n, 1)
     target_logit = logits.gather(1, t_safe).squeeze(1)  # (n,)
@@ -45,28 +45,33 @@ class _LinearCrossEntropy(torch.autograd.Function):
         n_valid = (t != IGNORE_INDEX).sum()
         all_valid = bool(n_valid == t.numel())  # then no row needs masking
         n_valid = n_valid.clamp_min(1)
-        xc, wc = x2.to(compute_dtype), weight.to(compute_dtype)
+        # Every matmul below is untransposed on contiguous operands: with bf16, oneDNN would
+        # otherwise copy a transposed (V, n) or (V, C) operand on each call.
+        xc = x2.to(compute_dtype)
+        w = weight.to(compute_dtype)  # (V, C)
+        w_t = w.t().contiguous()  # (C, V)
         need_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         grad_x = torch.empty(x2.shape, dtype=torch.float32, device=x.device) if need_grad else None
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=x.device) if need_grad else None
+        grad_w_t = torch.zeros(w_t.shape, dtype=torch.float32, device=x.device) if need_grad else None  # (C, V)
         loss = torch.zeros((), dtype=torch.float32, device=x.device)
         for s in range(0, x2.size(0), chunk_rows):
-            chunk_loss, dlogits = _chunk_grad(xc[s : s + chunk_rows], wc, t[s : s + chunk_rows], all_valid)
+            x_c = xc[s : s + chunk_rows]  # (n, C)
+            chunk_loss, dlogits = _chunk_grad(x_c, w_t, t[s : s + chunk_rows], all_valid)
             loss += chunk_loss
             if need_grad:
                 d = dlogits.to(compute_dtype)  # (n, V)
-                grad_x[s : s + chunk_rows] = d @ wc  # (n, C)
-                grad_w += (d.t() @ xc[s : s + chunk_rows]).float()  # (V, C)
-        ctx.save_for_backward(grad_x, grad_w, n_valid)
+                grad_x[s : s + chunk_rows] = d @ w  # (n, C)
+                grad_w_t += x_c.t().contiguous() @ d  # (C, V)
+        ctx.save_for_backward(grad_x, grad_w_t, n_valid)
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
         return loss / n_valid
 
     @staticmethod
     def backward(ctx, grad_loss):
-        grad_x, grad_w, n_valid = ctx.saved_tensors
+        grad_x, grad_w_t, n_valid = ctx.saved_tensors
         scale = grad_loss / n_valid
         gx = (grad_x * scale).to(ctx.x_dtype).reshape(ctx.x_shape) if ctx.needs_input_grad[0] else None
-        gw = (grad_w * scale).to(ctx.w_dtype) if ctx.needs_input_grad[1] else None
+        gw = (grad_w_t.t() * scale).to(ctx.w_dtype).contiguous() if ctx.needs_input_grad[1] else None
         return gx, gw, None, None, None
 
 
