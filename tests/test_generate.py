@@ -265,6 +265,12 @@ def test_stop_strings_split_across_tokens(echo_model):
     assert generate_text(model, tok, PATTERN, 40, temperature=0, stop="not there") == full
 
 
+def test_empty_prompt_starts_from_end_of_text(echo_model):
+    model, tok = echo_model
+    ids = generate(model, [[tok.eot_token]], 20, temperature=0)[0][1:]
+    assert generate_text(model, tok, "", 20, temperature=0, stop_at_eos=False) == tok.decode(ids)
+
+
 def test_text_stops_at_the_tokenizers_end_of_text():
     tok = get_tokenizer("byte")
     model = tiny_model(vocab_size=257, tie_weights=False)
@@ -322,7 +328,9 @@ def echo_dir(echo_model, tmp_path_factory):
     return str(directory)
 
 
-def test_cli_generate_streams_the_continuation(echo_model, echo_dir, capsys):
+def test_cli_generate_streams_the_continuation(echo_model, echo_dir, capsys, monkeypatch, tmp_path):
+    import io
+
     from gptlab.cli import main
 
     model, tok = echo_model
@@ -336,6 +344,14 @@ def test_cli_generate_streams_the_continuation(echo_model, echo_dir, capsys):
         assert main([*sampled, "--num-samples", "2"]) == 0
         outs.append(capsys.readouterr().out)
     assert outs[0] == outs[1] and outs[0].count("--- sample") == 2
+    prompt_file = tmp_path / "prompt.txt"
+    prompt_file.write_text(PATTERN, encoding="utf-8")
+    greedy = ["generate", "--model", echo_dir, "--temperature", "0", "--max-new-tokens", "30"]
+    assert main([*greedy, "--prompt-file", str(prompt_file)]) == 0
+    assert capsys.readouterr().out == PATTERN + generate_text(model, tok, PATTERN, 30, temperature=0) + "\n"
+    monkeypatch.setattr("sys.stdin", io.StringIO(PATTERN))
+    assert main(greedy) == 0
+    assert capsys.readouterr().out == PATTERN + generate_text(model, tok, PATTERN, 30, temperature=0) + "\n"
 
 
 def test_cli_interactive_keeps_the_conversation(echo_model, echo_dir, capsys, monkeypatch):

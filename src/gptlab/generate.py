@@ -274,15 +274,15 @@ class _Decoder:
 
 
 def _prepare_prompts(idx, num_samples: int, bos_id: int | None, vocab_size: int, block_size: int):
-    """Validate prompts and return (rows as id lists, ragged?)."""
+    """Validate prompts; return them as id lists, each repeated num_samples times, cropped to block_size."""
     if isinstance(idx, torch.Tensor):
         if idx.dim() == 1:
             idx = idx[None]
         if idx.dim() != 2 or idx.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"idx must be a (B, T) integer tensor, got {tuple(idx.shape)} {idx.dtype}")
-        rows, ragged = idx.tolist(), False
+        rows = idx.tolist()
     elif isinstance(idx, Sequence) and all(isinstance(r, Sequence) for r in idx) and len(idx) > 0:
-        rows, ragged = [list(r) for r in idx], True
+        rows = [list(r) for r in idx]
     else:
         raise ValueError("idx must be a (B, T) LongTensor or a non-empty list of token id lists")
     if not rows:
@@ -299,8 +299,7 @@ def _prepare_prompts(idx, num_samples: int, bos_id: int | None, vocab_size: int,
         log.warning("prompt of %d tokens is longer than block_size %d: keeping its last %d tokens",
                     max(len(r) for r in rows), block_size, block_size)  # fmt: skip
         rows = [r[-block_size:] for r in rows]
-    rows = [list(r) for r in rows for _ in range(num_samples)]
-    return rows, ragged
+    return [list(r) for r in rows for _ in range(num_samples)]
 
 
 def generate_tokens(
@@ -329,7 +328,7 @@ def generate_tokens(
     )  # fmt: skip
     config = model.config
     bos_id = eos_id if bos_id is None else bos_id
-    rows, _ = _prepare_prompts(idx, num_samples, bos_id, config.vocab_size, config.block_size)
+    rows = _prepare_prompts(idx, num_samples, bos_id, config.vocab_size, config.block_size)
     keep = config.block_size * 3 // 4 if window_keep is None else window_keep
     if not 1 <= keep <= config.block_size:
         raise ValueError(f"window_keep must be in [1, block_size], got {keep}")
@@ -403,11 +402,11 @@ def generate(
         )  # fmt: skip
     finally:
         model.train(was_training)
-    new = torch.stack(steps, dim=1).cpu()  # (B * num_samples, new)
+    new = torch.stack(steps, dim=1)  # (B * num_samples, new)
     if isinstance(idx, torch.Tensor):
         prompt = idx if idx.dim() == 2 else idx[None]
-        prompt = prompt.repeat_interleave(num_samples, dim=0).cpu()
-        return torch.cat([prompt, new], dim=1).to(prompt.dtype)
+        prompt = prompt.repeat_interleave(num_samples, dim=0)
+        return torch.cat([prompt, new.to(prompt.device, prompt.dtype)], dim=1)
     out = []
     for i, row in enumerate(new.tolist()):
         if eos_id is not None and eos_id in row:
