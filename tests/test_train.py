@@ -257,3 +257,30 @@ def test_resume_with_another_shape_or_over_a_run_fails_and_writes_nothing(byte_d
     with pytest.raises(ValueError, match="already holds a run"):
         train(config(byte_data, out, max_steps=4))
     assert dir_digest(out) == before
+
+
+# --------------------------------------------------------------------------------------------- demo corpus
+
+
+def test_demo_corpus_is_hash_checked(tmp_path, monkeypatch):
+    import io
+    import urllib.request
+
+    from gptlab.commands import demo
+
+    fake = tmp_path / "fake.txt"
+    fake.write_text("not shakespeare")
+    with pytest.raises(ValueError, match="is not tiny-shakespeare's"):
+        demo.find_corpus(str(fake), tmp_path)
+    with pytest.raises(ValueError, match="no such file"):
+        demo.find_corpus(str(tmp_path / "missing.txt"), tmp_path)
+    # Not beside the repository: the download is checked against the same hash before it is kept.
+    monkeypatch.setattr(demo, "RELATIVE", Path("no") / "such" / "file.txt")
+    monkeypatch.setattr(urllib.request, "urlopen", lambda url, timeout: io.BytesIO(b"tampered"))
+    with pytest.raises(ValueError, match="SHA-256"):
+        demo.find_corpus(None, tmp_path)
+    assert not (tmp_path / "tinyshakespeare.txt").exists()
+    real = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "tinyshakespeare.txt"
+    if real.is_file():
+        monkeypatch.setattr(urllib.request, "urlopen", lambda url, timeout: io.BytesIO(real.read_bytes()))
+        assert demo.find_corpus(None, tmp_path).read_bytes() == real.read_bytes()

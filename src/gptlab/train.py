@@ -445,7 +445,7 @@ class Trainer:
             if self.scaler and math.isfinite(loss):
                 return False  # fp16 overflow: the GradScaler skips the step and lowers its scale
             reason = f"non-finite loss {loss} / grad norm {grad_norm}"
-        elif len(self.grad_history) >= min(10, cfg.spike_window):
+        elif len(self.grad_history) >= cfg.spike_window:  # a full window: early training is jumpy
             mean = sum(self.grad_history) / len(self.grad_history)
             std = math.sqrt(sum((g - mean) ** 2 for g in self.grad_history) / len(self.grad_history))
             if std > 0 and (grad_norm - mean) / std > cfg.spike_zscore:
@@ -652,7 +652,11 @@ class Trainer:
         if self.dist.is_main:
             self.best_val = result["val_loss"] if self.best_val is None else min(self.best_val, result["val_loss"])
             metrics.write(result)
-            bar.write(f"step {result['step']}: val loss {result['val_loss']:.4f} (ppl {result['val_ppl']:.1f})")
+            message = f"step {result['step']}: val loss {result['val_loss']:.4f} (ppl {result['val_ppl']:.1f})"
+            if self.cfg.progress:
+                bar.write(message)  # tqdm.write keeps the bar intact
+            else:
+                log.info(message)
             log.debug("sample: %r", result["sample"])
             run_files.plot_losses(self.out_dir)
         return result

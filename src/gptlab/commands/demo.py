@@ -24,8 +24,9 @@ def add_arguments(parser):
     parser.add_argument("overrides", nargs="*", help="TrainConfig settings as key=value, e.g. max_steps=100")
 
 
-def find_corpus(explicit: str | None) -> Path:
-    """The corpus path: --input, the shared copy beside the repository, or a verified download."""
+def find_corpus(explicit: str | None, out: Path) -> Path:
+    """The corpus path: --input, the shared copy beside the repository, or a verified download
+    (kept in `out`)."""
     if explicit:
         path = Path(explicit)
         if not path.is_file():
@@ -36,7 +37,7 @@ def find_corpus(explicit: str | None) -> Path:
         candidate = base / RELATIVE
         if candidate.is_file():
             return check_hash(candidate)
-    return download(repo / "data" / "tinyshakespeare.txt")
+    return download(out / "tinyshakespeare.txt")
 
 
 def check_hash(path: Path) -> Path:
@@ -88,8 +89,8 @@ def run(args):
     from gptlab.train import TrainConfig, train
 
     t0 = time.perf_counter()
-    corpus = find_corpus(args.input)
     out = Path(args.out)
+    corpus = find_corpus(args.input, out)
     data_dir = prepared(corpus, out / "data")
     print(f"corpus: {corpus} -> {data_dir} ({time.perf_counter() - t0:.1f}s)")
     config_path = args.config or resources.files("gptlab") / "configs" / "demo.toml"
