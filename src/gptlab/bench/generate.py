@@ -187,10 +187,11 @@ def parse_args(argv):
 
 
 def plan_rows(args) -> list[dict]:
-    """The (engine, mode, compiled, batch) rows to run, in order."""
+    """The (engine, mode, compiled, batch) rows to run, in order: every mode at the first batch
+    size (batch 1, the goal figures) before the next batch size."""
     rows = []
-    for mode in args.modes.split(","):
-        for batch in [int(b) for b in args.batch.split(",")]:
+    for batch in [int(b) for b in args.batch.split(",")]:
+        for mode in args.modes.split(","):
             if not args.no_eager or not args.compile:
                 rows.append(dict(engine="gptlab", mode=mode, compiled=False, batch=batch))
             if args.compile:
@@ -258,14 +259,15 @@ def main(argv=None) -> int:
     print(f"memory bandwidth: {bandwidth}")
     models = {mode: build_mode(mode, state, config) for mode in modes}
     hf_models = {} if args.no_hf else {m: build_hf(state, config, m) for m in modes if m in ("fp32", "bf16")}
-    rows = []
-    for row in plan_rows(args):
-        label = (
-            f"{row['engine']:<12} {row['mode']:<5} {'compiled' if row['compiled'] else 'eager':<8} batch {row['batch']}"
-        )
-        print(f"running {label} ...", flush=True)
-        rows.append(run_row(row, models, hf_models, idx_by_batch, args, bandwidth))
-        print(format_row(rows[-1]), flush=True)
+    rows, planned = [], plan_rows(args)
+    try:
+        for row in planned:
+            label = f"{row['engine']:<12} {row['mode']:<5} {'compiled' if row['compiled'] else 'eager':<8} batch {row['batch']}"
+            print(f"running {label} ...", flush=True)
+            rows.append(run_row(row, models, hf_models, idx_by_batch, args, bandwidth))
+            print(format_row(rows[-1]), flush=True)
+    except KeyboardInterrupt:  # Ctrl-C (or timeout -s INT): keep and write the rows done so far
+        print(f"interrupted: {len(rows)} of {len(planned)} rows done")
     summary = summarize(rows)
     print_summary(rows, summary)
     for row in rows:
@@ -277,6 +279,7 @@ def main(argv=None) -> int:
             "settings": dict(
                 preset=args.preset, prompt_len=args.prompt_len, new_tokens=args.new_tokens, greedy=True,
                 repeats=args.repeats, threads=torch.get_num_threads(), load_average=os.getloadavg(),
+                rows_done=f"{len(rows)} of {len(planned)}",
             ),
             "bandwidth": bandwidth, "skipped": skipped, "rows": rows, "summary": summary,
         }  # fmt: skip
