@@ -109,18 +109,22 @@ def run_dtype(args, dtype_name: str, device) -> dict:
     for step in steps.values():  # warm-up: allocator, kernels, optimizer state
         step(*batches[0])
     times: dict[str, list[float]] = {name: [] for name in steps}
+    cpu: dict[str, list[float]] = {name: [] for name in steps}  # process CPU seconds: steadier on a busy machine
     for _ in range(args.rounds):
         for name, step in steps.items():
             sync()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             for x, y in batches:
                 step(x, y)
             sync()
             times[name].append(time.perf_counter() - t0)
+            cpu[name].append(time.process_time() - c0)
     tokens = args.steps * args.batch_size * args.block_size
     tok_s = {name: tokens / statistics.median(t) for name, t in times.items()}
+    tok_per_cpu_s = {name: tokens / statistics.median(t) for name, t in cpu.items()}
     result = {"dtype": dtype_name, "tok_per_s": tok_s, "ratio": tok_s["gptlab"] / tok_s["transformers"],
-              "round_seconds": times}  # fmt: skip
+              "tok_per_cpu_s": tok_per_cpu_s, "cpu_ratio": tok_per_cpu_s["gptlab"] / tok_per_cpu_s["transformers"],
+              "round_seconds": times, "round_cpu_seconds": cpu}  # fmt: skip
     if device.type == "cuda":
         peak = next((v for k, v in PEAK_TFLOPS.items() if k in torch.cuda.get_device_name()), None)
         flops = model_flops_per_token(ours, args.n_layer, args.block_size, args.n_embd)
@@ -145,7 +149,10 @@ def main(argv=None) -> int:
             continue
         r = run_dtype(args, dtype_name, device)
         results.append(r)
-        line = f"{dtype_name:>9}: gptlab {r['tok_per_s']['gptlab']:>9,.0f} tok/s   transformers {r['tok_per_s']['transformers']:>9,.0f} tok/s   ratio {r['ratio']:.2f}x"
+        line = (
+            f"{dtype_name:>9}: gptlab {r['tok_per_s']['gptlab']:>9,.0f} tok/s   transformers {r['tok_per_s']['transformers']:>9,.0f} tok/s"
+            f"   ratio {r['ratio']:.2f}x   (per CPU-second: {r['cpu_ratio']:.2f}x)"
+        )
         if "mfu" in r:
             line += f"   MFU {r['mfu']['gptlab']:.1%} vs {r['mfu']['transformers']:.1%}"
         print(line)
