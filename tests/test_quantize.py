@@ -1,6 +1,7 @@
 """int8 / int4 quantization: primitives, quantized linear layers, whole models, files, the CLI."""
 
 import copy
+import json
 
 import pytest
 import torch
@@ -193,6 +194,24 @@ def test_save_and_load_round_trip(tmp_path, name):
     torch.testing.assert_close(loaded(idx)[0], qmodel(idx)[0], rtol=0, atol=0)
 
 
+def test_loading_never_builds_the_float_weights(tmp_path, monkeypatch):
+    import gptlab.quantize as quantize
+
+    built_on = []
+
+    class SpyGPT(quantize.GPT):
+        def __init__(self, config):
+            super().__init__(config)
+            built_on.append(self.lm_head.weight.device.type)
+
+    save_quantized(quantize_model(tiny_model(n_embd=64), "int4", group_size=32), tmp_path / "q")
+    monkeypatch.setattr(quantize, "GPT", SpyGPT)
+    loaded = load_quantized(tmp_path / "q")
+    assert built_on == ["meta"]
+    floats = [t for t in loaded.state_dict().values() if t.is_floating_point() and t.dtype != torch.bfloat16]
+    assert max(t.numel() for t in floats) < 97 * 64  # only biases, norms and the position table are float
+
+
 def test_untied_model_keeps_a_float_embedding(tmp_path):
     model = tiny_model(n_embd=64, bias=False, tie_weights=False, pos_embedding="rope", norm="rmsnorm", mlp="swiglu")
     qmodel = quantize_model(copy.deepcopy(model), "int4", group_size=32)
@@ -262,3 +281,24 @@ def test_cli_quantize(tmp_path, capsys):
     assert "does not divide" in capsys.readouterr().err
     assert main(["quantize", "--model", str(out), "--mode", "int8", "--out", str(tmp_path / "again")]) == 2
     assert "already quantized" in capsys.readouterr().err
+
+
+def test_bench_quantize_perplexity_rows(tmp_path):
+    from gptlab.bench.quantize import main as bench_main
+
+    save_model(tiny_model(n_embd=64, vocab_size=257, block_size=32), tmp_path / "byte", tokenizer="byte")
+    (tmp_path / "text.txt").write_text("To be, or not to be, that is the question. " * 20)
+    args = [
+        "--no-random",
+        "--model",
+        str(tmp_path / "byte"),
+        "--data",
+        str(tmp_path / "text.txt"),
+        "--out",
+        str(tmp_path),
+    ]
+    assert bench_main(args) == 0
+    result = json.loads(next(tmp_path.glob("quantize-*.json")).read_text())
+    rows = result["perplexity"]
+    assert set(rows) >= {"fp32", "int8", "int8-wo", "int4-g32", "int4-g64"} and "int4-g128" not in rows
+    assert abs(rows["int8"]["rise_pct"]) < 5

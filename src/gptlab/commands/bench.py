@@ -6,6 +6,7 @@ from importlib import import_module
 BENCHMARKS = {
     "generate": "decode/prefill speed vs transformers' generate (fp32, bf16, quantized)",
     "train": "training tokens/s vs transformers' GPT2LMHeadModel",
+    "quantize": "int8/int4 quality (logits cosine, perplexity rise) and checkpoint sizes",
 }
 
 

@@ -1,0 +1,129 @@
+"""gptlab bench quantize: what int8 and int4 cost in quality, and what they save in bytes.
+
+- Logits: a random `gpt2`-shaped model written by transformers (GPT2LMHeadModel's own init),
+  loaded through gptlab, quantized per scheme; cosine similarity of each position's logits to
+  fp32 over a tiny-shakespeare excerpt, and how often the top token agrees.
+- Size: model.safetensors of each scheme as a share of the fp32 file.
+- Perplexity (with --model): the validation split (the last --val-fraction of --data) under each
+  scheme, and its rise over fp32.
+Decode speed is `gptlab bench generate --modes fp32,int8,int8-wo,int4`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import logging
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from gptlab.bench.common import write_results
+
+log = logging.getLogger(__name__)
+
+SCHEMES = {
+    "int8": dict(mode="int8", activations="int8"),
+    "int8-wo": dict(mode="int8", activations="float"),
+    "int4-g32": dict(mode="int4", group_size=32),
+    "int4-g64": dict(mode="int4", group_size=64),
+    "int4-g128": dict(mode="int4", group_size=128),
+}
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="gptlab bench quantize", description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="a trained model for the perplexity rows (any --model spec)")
+    p.add_argument("--data", default="/work/shared/data/tinyshakespeare.txt", help="text file")
+    p.add_argument("--val-fraction", type=float, default=0.1, help="the last part of --data scored")
+    p.add_argument("--tokens", type=int, default=256, help="excerpt length for the logits comparison")
+    p.add_argument("--no-random", action="store_true", help="skip the random gpt2 logits/size rows")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="bench/results", help="results directory ('' to skip writing)")
+    return p.parse_args(argv)
+
+
+def file_size(model, directory: Path, quantized: bool) -> int:
+    from gptlab.checkpoint import save_model
+    from gptlab.quantize import save_quantized
+
+    (save_quantized if quantized else save_model)(model, directory)
+    return (directory / "model.safetensors").stat().st_size
+
+
+def random_gpt2_rows(args, text: str) -> dict:
+    """Cosine similarity of logits and file sizes on a transformers-initialised gpt2-shaped model."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from gptlab.model import GPT
+    from gptlab.quantize import quantize_model
+    from gptlab.tokenizer import get_tokenizer
+
+    torch.manual_seed(args.seed)
+    idx = torch.tensor([get_tokenizer("gpt2").encode(text)[: args.tokens]])  # (1, T)
+    rows = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        GPT2LMHeadModel(GPT2Config()).save_pretrained(tmp)
+        model = GPT.from_pretrained(tmp).eval()
+        fp32_bytes = file_size(model, Path(tmp) / "fp32", quantized=False)
+        rows["fp32"] = {"bytes": fp32_bytes}
+        with torch.no_grad():
+            ref = model(idx)[0][0]  # (T, V)
+        for name, scheme in SCHEMES.items():
+            qmodel = quantize_model(copy.deepcopy(model), **scheme)
+            with torch.no_grad():
+                logits = qmodel(idx)[0][0]  # (T, V)
+            cos = F.cosine_similarity(logits, ref, dim=-1)  # (T,)
+            size = file_size(qmodel, Path(tmp) / name, quantized=True)
+            rows[name] = {
+                "cosine_mean": round(cos.mean().item(), 5),
+                "cosine_min": round(cos.min().item(), 5),
+                "top1_agreement": round((logits.argmax(-1) == ref.argmax(-1)).float().mean().item(), 4),
+                "bytes": size,
+                "size_vs_fp32": round(size / fp32_bytes, 4),
+            }
+            print(f"  random gpt2 {name:<9} {rows[name]}", flush=True)
+    return rows
+
+
+def perplexity_rows(args, text: str) -> dict:
+    """Validation perplexity of --model under each scheme that fits its widths."""
+    from gptlab.checkpoint import load_model, tokenizer_name
+    from gptlab.evaluate import perplexity
+    from gptlab.quantize import quantize_model
+    from gptlab.tokenizer import get_tokenizer
+
+    model = load_model(args.model)
+    tok = get_tokenizer(tokenizer_name(args.model))
+    ids = tok.encode(text)
+    val = ids[int((1 - args.val_fraction) * len(ids)) :]
+    stride = model.config.block_size
+    base = perplexity(model, val, tok, stride=stride, batch_size=8)["perplexity"]
+    rows = {"fp32": {"perplexity": round(base, 4)}, "val_tokens": len(val), "stride": stride}
+    print(f"  {args.model} fp32 perplexity {base:.4f} ({len(val)} tokens)", flush=True)
+    for name, scheme in SCHEMES.items():
+        if model.config.n_embd % scheme.get("group_size", 1):
+            continue
+        qmodel = quantize_model(copy.deepcopy(model), **scheme)
+        ppl = perplexity(qmodel, val, tok, stride=stride, batch_size=8)["perplexity"]
+        rows[name] = {"perplexity": round(ppl, 4), "rise_pct": round(100 * (ppl / base - 1), 3)}
+        print(f"  {args.model} {name:<9} {rows[name]}", flush=True)
+    return rows
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv or [])
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    text = Path(args.data).read_text()
+    results = {"settings": vars(args)}
+    if not args.no_random:
+        results["random_gpt2"] = random_gpt2_rows(args, text)
+    if args.model:
+        results["perplexity"] = perplexity_rows(args, text)
+    if args.out:
+        print(f"results: {write_results('quantize', results, args.out)}")
+    return 0
