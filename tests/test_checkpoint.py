@@ -61,3 +61,15 @@ def test_shape_mismatch_names_the_tensor(tmp_path):
 def test_directory_without_model_files(tmp_path):
     with pytest.raises(ValueError, match="neither gptlab.json"):
         load_model(str(tmp_path))
+
+
+def test_openai_names_are_hub_ids_and_presets_need_the_prefix(monkeypatch):
+    from gptlab.model import GPT
+
+    asked = []
+    monkeypatch.setattr(GPT, "from_pretrained", classmethod(lambda cls, spec, **kw: asked.append(spec)))
+    load_model("gpt2-medium")
+    assert asked == ["gpt2-medium"]  # the released weights, not a random model
+    model = load_model("preset:gpt2-tiny")
+    assert model.config.n_layer == 2 and asked == ["gpt2-medium"]
+    assert load_model("llama-tiny").config.pos_embedding == "rope"

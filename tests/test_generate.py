@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import tiny_config, tiny_model
-from gptlab.generate import (
+from gptlab.generation import (
     apply_repetition_penalty,
     decode_step,
     generate,
@@ -53,7 +53,7 @@ def test_cached_decoding_matches_full_forward(pos):
 @pytest.mark.parametrize("pos", POSITIONS)
 @pytest.mark.parametrize("tensor_pos", [False, True], ids=["int-pos", "tensor-pos"])
 def test_left_padded_batch_matches_each_prompt_alone(pos, tensor_pos):
-    from gptlab.generate import left_pad
+    from gptlab.generation import left_pad
 
     model = tiny_model(pos_embedding=pos)
     g = torch.Generator().manual_seed(2)
@@ -86,7 +86,7 @@ def test_ragged_greedy_equals_each_prompt_alone(pos):
 
 
 def test_cache_is_sized_to_the_request():
-    from gptlab.generate import _Decoder
+    from gptlab.generation import _Decoder
 
     model = tiny_model()  # block_size 32
     assert _Decoder(model, [[1] * 5], 7, 24).cache.max_len == 12
@@ -111,7 +111,7 @@ def test_exact_sliding_window_equals_cropping_without_cache(pos):
 def test_long_prompt_is_cropped_with_a_warning(caplog):
     model = tiny_model()
     row = [i % 97 for i in range(40)]
-    with caplog.at_level(logging.WARNING, logger="gptlab.generate"):
+    with caplog.at_level(logging.WARNING, logger="gptlab.generation"):
         out = generate(model, [row], 3, temperature=0)
     assert "longer than block_size" in caplog.text
     assert out[0][:40] == row
@@ -378,7 +378,7 @@ def test_cli_bad_sampling_value_is_one_line_error(echo_dir, capsys):
 
 
 def test_compiled_decode_step_matches_eager():
-    from gptlab.generate import compile_decode
+    from gptlab.generation import compile_decode
 
     model = tiny_model(pos_embedding="rope")
     prompts = [[5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8]]

@@ -22,7 +22,7 @@ from gptlab import hf  # noqa: E402
 from gptlab.checkpoint import load_model, save_model  # noqa: E402
 from gptlab.cli import main  # noqa: E402
 from gptlab.config import GPTConfig  # noqa: E402
-from gptlab.generate import generate  # noqa: E402
+from gptlab.generation import generate  # noqa: E402
 from gptlab.model import GPT  # noqa: E402
 from gptlab.tokenizer import get_tokenizer  # noqa: E402
 

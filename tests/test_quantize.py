@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from conftest import tiny_model
 from gptlab.checkpoint import load_model, load_native, save_model
 from gptlab.cli import main
-from gptlab.generate import generate
+from gptlab.generation import generate
 from gptlab.quantize import (
     Int4Linear,
     Int8Linear,

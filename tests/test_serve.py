@@ -1,4 +1,4 @@
-"""gptlab serve: the scheduler against gptlab.generate, the OpenAI API through the official
+"""gptlab serve: the scheduler against gptlab.generation, the OpenAI API through the official
 `openai` client, every error case, queueing and cancellation, and the explorer's JSON API.
 
 Servers run on free ports on 127.0.0.1 (uvicorn in a thread); the model is a tiny byte-level GPT.
@@ -23,7 +23,7 @@ import uvicorn
 
 from conftest import tiny_model
 from gptlab.checkpoint import save_model
-from gptlab.generate import generate
+from gptlab.generation import generate
 from gptlab.serve.app import create_app
 from gptlab.serve.scheduler import GenerationRequest, QueueFull, SamplingParams, Scheduler
 from gptlab.tokenizer import get_tokenizer
@@ -91,7 +91,7 @@ def client(url):
 
 
 def reference(model, prompt_ids, max_tokens, n=1, **sampling):
-    """gptlab.generate's new tokens per sample, without the end-of-text token."""
+    """gptlab.generation's new tokens per sample, without the end-of-text token."""
     rows = generate(model, [prompt_ids], max_tokens, num_samples=n, **sampling)
     eos = sampling.get("eos_id")
     return [[t for t in row[len(prompt_ids) :] if t != eos] for row in rows]
@@ -109,7 +109,7 @@ def assert_ok_after(client):
 
 def test_scheduler_mixed_batch_equals_generate(model):
     """Requests of different lengths, n, sampling settings and seeds, joining at different times
-    in a cache small enough to be shifted both ways, each equal gptlab.generate alone."""
+    in a cache small enough to be shifted both ways, each equal gptlab.generation alone."""
     torch.manual_seed(1)
     cases = []
     for i in range(12):
@@ -181,7 +181,7 @@ def test_models_and_health(client, url):
 
 @pytest.mark.parametrize("ends", ["length", "stop"])
 def test_completion_equals_generate(client, model, tok, ends):
-    """A plain completion equals gptlab.generate with the same seed, ending at max_tokens, or at
+    """A plain completion equals gptlab.generation with the same seed, ending at max_tokens, or at
     <|endoftext|> (a seed is picked for which generate itself stops early)."""
     ids, max_tokens = tok.encode("Hello there"), 24 if ends == "length" else 300
     for seed in range(200):

@@ -12,7 +12,7 @@ _EXPORTS = {
     "GPT": "gptlab.model",
     "KVCache": "gptlab.model",
     "get_tokenizer": "gptlab.tokenizer",
-    "generate": "gptlab.generate",
+    "generate": "gptlab.generation",
     "load_model": "gptlab.checkpoint",
 }
 

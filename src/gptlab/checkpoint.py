@@ -23,6 +23,7 @@ from gptlab.model import GPT
 
 log = logging.getLogger(__name__)
 META_FILE = "gptlab.json"
+HUB_MODELS = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")  # presets that are also OpenAI's Hub ids
 WEIGHTS_FILE = "model.safetensors"
 
 
@@ -123,12 +124,18 @@ def tokenizer_name(spec: str) -> str:
 
 
 def load_model(spec: str, *, device=None, dtype=None) -> GPT:
-    """Resolve a --model spec: a preset name (fresh random weights), a native gptlab directory,
-    a quantized gptlab directory, a Hugging Face directory, or a Hub id."""
+    """Resolve a --model spec: a native gptlab directory (float or quantized), a Hugging Face
+    directory, a Hub id, or a preset with fresh random weights.
+
+    OpenAI's names (gpt2, gpt2-medium, gpt2-large, gpt2-xl) are Hub ids: they load the released
+    weights. `preset:NAME` builds any preset with random weights; the small presets (gpt2-tiny,
+    llama-tiny, ...) need no prefix since no released model has their name.
+    """
     path = Path(spec)
-    if spec in PRESETS and not path.exists():
+    preset = spec.removeprefix("preset:")
+    if (spec.startswith("preset:") or (spec in PRESETS and spec not in HUB_MODELS)) and not path.exists():
         with torch.device(device or "cpu"):
-            model = GPT(GPTConfig.from_name(spec))
+            model = GPT(GPTConfig.from_name(preset))
         return model.to(dtype=dtype).eval() if dtype is not None else model.eval()
     if (path / META_FILE).is_file():
         if read_meta(path).get("quantization"):

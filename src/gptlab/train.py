@@ -485,7 +485,7 @@ class Trainer:
 
     def sample(self) -> str:
         """A short continuation of cfg.sample_prompt (fixed seed, so samples compare across evals)."""
-        from gptlab.generate import generate_text
+        from gptlab.generation import generate_text
         from gptlab.tokenizer import get_tokenizer
 
         if self.cfg.sample_tokens <= 0:

@@ -124,7 +124,7 @@ def build_hf(state: dict, config: GPTConfig, mode: str):
 
 
 def gptlab_engine(model, compiled_step=None):
-    from gptlab.generate import generate
+    from gptlab.generation import generate
 
     return lambda idx, n: generate(model, idx, n, temperature=0, compiled_step=compiled_step)
 
@@ -202,7 +202,7 @@ def plan_rows(args) -> list[dict]:
 
 
 def run_row(row, models, hf_models, idx_by_batch, args, bandwidth) -> dict:
-    from gptlab.generate import compile_decode, new_cache
+    from gptlab.generation import compile_decode, new_cache
 
     mode, batch = row["mode"], row["batch"]
     idx = idx_by_batch[batch]

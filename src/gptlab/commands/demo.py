@@ -121,7 +121,7 @@ def generate_passage(checkpoint: str, max_new_tokens: int, seed: int) -> str:
     import torch
 
     from gptlab.checkpoint import load_native
-    from gptlab.generate import generate_text
+    from gptlab.generation import generate_text
     from gptlab.tokenizer import get_tokenizer
 
     model = load_native(checkpoint)

@@ -33,7 +33,7 @@ def add_arguments(parser):
 def run(args):
     import torch
 
-    from gptlab.generate import compile_decode, stream_text, validate_sampling
+    from gptlab.generation import compile_decode, stream_text, validate_sampling
 
     sampling = dict(
         temperature=args.temperature,

@@ -24,7 +24,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from gptlab.generate import _held_back, validate_sampling
+from gptlab.generation import _held_back, validate_sampling
 from gptlab.serve.errors import APIError
 from gptlab.serve.scheduler import GenerationRequest, QueueFull, SamplingParams
 

@@ -1,7 +1,7 @@
 """Dynamic batching: requests join and leave a shared decode batch between steps.
 
 One worker thread owns the model's decode loop. A request is a *group* of `n` rows (its `n`
-samples) that is admitted, decoded and retired as a unit, sampled by `gptlab.generate`'s own
+samples) that is admitted, decoded and retired as a unit, sampled by `gptlab.generation`'s own
 primitives with the request's own `torch.Generator`; so its tokens equal
 `generate(model, [prompt], max_tokens, num_samples=n, generator=seed, ...)` whatever else is in
 the batch (up to float32 noise in the logits).
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from gptlab.generate import apply_repetition_penalty, model_device_dtype, sample_next, seen_tokens
+from gptlab.generation import apply_repetition_penalty, model_device_dtype, sample_next, seen_tokens
 from gptlab.model import KVCache
 
 log = logging.getLogger(__name__)
@@ -37,7 +37,7 @@ class QueueFull(Exception):
 
 @dataclass
 class SamplingParams:
-    """How one request is decoded; the same meaning as `gptlab.generate`'s keywords."""
+    """How one request is decoded; the same meaning as `gptlab.generation`'s keywords."""
 
     max_tokens: int
     n: int = 1
@@ -327,7 +327,7 @@ class Scheduler:
         self._retire_done()
 
     def _sample(self, g: _Group, logits: torch.Tensor) -> None:
-        """Draw the group's next tokens from logits (n, V) exactly as gptlab.generate does."""
+        """Draw the group's next tokens from logits (n, V) exactly as gptlab.generation does."""
         p, request = g.request.params, g.request
         if g.seen is not None:
             logits = apply_repetition_penalty(logits, g.seen, p.repetition_penalty)
