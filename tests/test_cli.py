@@ -20,3 +20,11 @@ def test_python_m_gptlab_info(capsys):
 def test_bad_model_dir_is_a_clear_error(tmp_path, capsys):
     assert main(["info", "--model", str(tmp_path)]) == 2
     assert "neither gptlab.json" in capsys.readouterr().err
+
+
+def test_public_api_names_are_the_functions():
+    import gptlab
+    import gptlab.generation  # a submodule once shadowed the exported function of the same name
+
+    assert gptlab.generate is gptlab.generation.generate
+    assert callable(gptlab.GPT) and callable(gptlab.get_tokenizer) and callable(gptlab.load_model)
