@@ -14,6 +14,8 @@ _EXPORTS = {
     "get_tokenizer": "gptlab.tokenizer",
     "generate": "gptlab.generation",
     "load_model": "gptlab.checkpoint",
+    "pack_linears": "gptlab.packed",
+    "unpack_linears": "gptlab.packed",
 }
 
 __all__ = list(_EXPORTS)

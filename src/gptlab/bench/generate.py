@@ -10,6 +10,7 @@ shared). Prefill is timed as generate(max_new_tokens=1); decode tok/s is the 255
 per row divided by (time for 256 tokens - time for 1), the same formula for both engines.
 The memory-bandwidth limit of batch-1 decoding is (bandwidth measured here) / (bytes of weights
 read per token): every weight is read once per token and batch-1 decoding cannot go faster.
+Bandwidth is probed before each timed repeat and after the last (see BandwidthProbe).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 from gptlab.bench.common import machine, write_results
 from gptlab.config import GPTConfig
 from gptlab.model import GPT
+from gptlab.packed import is_packed, maybe_pack
 
 log = logging.getLogger(__name__)
 
@@ -38,36 +40,64 @@ MODES = ("fp32", "bf16", *QUANTIZED)
 # What is measured against what
 
 
-def measure_bandwidth(nbytes: int = 512 * 2**20, repeats: int = 5) -> dict:
-    """Memory bandwidth in GB/s over a buffer much larger than the caches: a full read (sum) and a
-    copy (read + write bytes). `bandwidth_gbs` is the better of the two, the stricter limit."""
-    x = torch.ones(nbytes // 4, dtype=torch.float32)
-    y = torch.empty_like(x)
+class BandwidthProbe:
+    """Memory bandwidth in GB/s, streaming a buffer much larger than the caches two ways: a full
+    read (sum) and a matrix-vector product over it as an fp32 matrix, through oneDNN's prepacked
+    kernel where available (every byte read once, all cores streaming). A measurement is the
+    best of both: the fastest rate this machine streamed the buffer, the strictest limit we know.
 
-    def best(fn) -> float:
-        fn()
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
+    This machine is a VM whose bandwidth switches for tens of seconds at a time (~45 GB/s, at
+    times ~70 GB/s), so the bench probes right before each timed repeat and after the last one,
+    and divides each row by the best its own probes saw, not by a figure from another moment.
+    """
+
+    def __init__(self, nbytes: int = 512 * 2**20):
+        self.nbytes = nbytes
+        self.flat = torch.ones(nbytes // 4, dtype=torch.float32)
+        self.vec = torch.ones(1, 1024)
+        self.packed = None
+        if torch.backends.mkldnn.is_available():
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.flat.view(-1, 1024))  # (nbytes/4096, 1024)
+
+    def _gemv(self):
+        if self.packed is None:
+            return torch.nn.functional.linear(self.vec, self.flat.view(-1, 1024))
+        return torch.ops.mkldnn._linear_pointwise(self.vec, self.packed, None, "none", [], "")
+
+    def measure(self, repeats: int = 5) -> dict:
+        """{"read_gbs", "gemv_gbs", "bandwidth_gbs"}, each the best of `repeats` passes."""
+
+        def best(fn) -> float:
             fn()
-            times.append(time.perf_counter() - t0)
-        return min(times)
+            times = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t0)
+            return round(self.nbytes / min(times) / 1e9, 2)
 
-    read = nbytes / best(lambda: x.sum()) / 1e9
-    copy = 2 * nbytes / best(lambda: y.copy_(x)) / 1e9
-    return {"read_gbs": round(read, 2), "copy_gbs": round(copy, 2), "bandwidth_gbs": round(max(read, copy), 2)}
+        out = {"read_gbs": best(self.flat.sum), "gemv_gbs": best(self._gemv)}
+        out["bandwidth_gbs"] = max(out.values())
+        return out
 
 
 def weight_bytes_per_token(model: torch.nn.Module, buffers: bool = True) -> int:
     """Bytes of weights one decode step reads: every parameter (and buffer: quantized weights)
-    once, a tied head once, except the position table, of which one row is read."""
+    and every prepacked weight once, a tied head once, except embedding tables that only serve
+    lookups (the position table; the token table when the head has its own packed copy), of
+    which one row is read."""
+    from gptlab.packed import PackedLinear
+
+    head_packed = isinstance(getattr(model, "lm_head", None), PackedLinear)
+    lookup_only = ("wpe.weight", "wte.weight") if head_packed else ("wpe.weight",)
     seen, total = set(), 0
     for name, t in [*model.named_parameters(), *(model.named_buffers() if buffers else [])]:
         if t.data_ptr() in seen:
             continue
         seen.add(t.data_ptr())
-        total += t.element_size() * (t.size(-1) if name.endswith("wpe.weight") else t.numel())
-    return total
+        total += t.element_size() * (t.size(-1) if name.endswith(lookup_only) else t.numel())
+    packed = [m.packed for m in model.modules() if isinstance(m, PackedLinear)]
+    return total + sum(t.element_size() * t.numel() for t in packed)
 
 
 def cpu_has_native_bf16() -> tuple[bool, str]:
@@ -88,17 +118,17 @@ def cpu_has_native_bf16() -> tuple[bool, str]:
 # Models: a mode name -> a model; the quantization work plugs in here
 
 
-def build_mode(mode: str, state: dict, config: GPTConfig) -> GPT:
-    """A gptlab model in `mode` with the given fp32 weights."""
+def build_mode(mode: str, state: dict, config: GPTConfig, pack: bool = False) -> GPT:
+    """A gptlab model in `mode` with the given fp32 weights; `pack` prepacks fp32/bf16 linear
+    layers for oneDNN (gptlab.packed), as `gptlab generate` does by default on CPU."""
     with torch.device("meta"):
         model = GPT(config)
     model.load_state_dict(state, assign=True)
     model.tie_weights()
     model.eval()
-    if mode == "fp32":
-        return model
-    if mode == "bf16":
-        return model.to(torch.bfloat16)
+    if mode in ("fp32", "bf16"):
+        model = model.to(torch.bfloat16 if mode == "bf16" else torch.float32)
+        return maybe_pack(model) if pack else model
     if mode in QUANTIZED:
         try:
             from gptlab.quantize import quantize_model
@@ -137,24 +167,29 @@ def hf_engine(hf):
     return run
 
 
-def time_engine(run, idx, new_tokens: int, repeats: int) -> dict:
-    """Best-of-`repeats` times for prefill (1 new token) and the full generation."""
+def time_engine(run, idx, new_tokens: int, repeats: int, probe: BandwidthProbe | None = None) -> dict:
+    """Best-of-`repeats` times for prefill (1 new token) and the full generation; with a probe,
+    the memory bandwidth measured before each repeat and after the last (`bandwidth_gbs`, best)."""
     first_t0 = time.perf_counter()
     out = run(idx, new_tokens)  # warm-up; with a compiled step, this call compiles
     first = time.perf_counter() - first_t0
-    t1, tn = [], []
+    t1, tn, bandwidths = [], [], []
     with torch.no_grad():
         for _ in range(repeats):
+            if probe is not None:
+                bandwidths.append(probe.measure()["bandwidth_gbs"])
             t0 = time.perf_counter()
             run(idx, 1)
             t1.append(time.perf_counter() - t0)
             t0 = time.perf_counter()
             out = run(idx, new_tokens)
             tn.append(time.perf_counter() - t0)
+    if probe is not None:
+        bandwidths.append(probe.measure()["bandwidth_gbs"])
     B, T = idx.shape
     prefill, total = min(t1), min(tn)
     decode = max(total - prefill, 1e-9)
-    return {
+    result = {
         "prefill_tok_s": round(B * T / prefill, 1),
         "decode_tok_s": round(B * (new_tokens - 1) / decode, 2),
         "e2e_tok_s": round(B * new_tokens / total, 2),
@@ -163,6 +198,9 @@ def time_engine(run, idx, new_tokens: int, repeats: int) -> dict:
         "first_call_s": round(first, 2),
         "tokens": out,
     }
+    if bandwidths:
+        result.update(bandwidth_gbs=max(bandwidths), bandwidth_probes_gbs=bandwidths)
+    return result
 
 
 # ---------------------------------------------------------------------------------------------
@@ -179,6 +217,7 @@ def parse_args(argv):
     p.add_argument("--compile", action="store_true", help="also run gptlab with a torch.compile'd decode step")
     p.add_argument("--no-eager", action="store_true", help="with --compile, skip the eager gptlab rows")
     p.add_argument("--no-hf", action="store_true", help="skip transformers")
+    p.add_argument("--no-pack", dest="pack", action="store_false", help="gptlab with plain nn.Linear weights")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--seed", type=int, default=0)
@@ -201,7 +240,7 @@ def plan_rows(args) -> list[dict]:
     return rows
 
 
-def run_row(row, models, hf_models, idx_by_batch, args, bandwidth) -> dict:
+def run_row(row, models, hf_models, idx_by_batch, args, probe) -> dict:
     from gptlab.generation import compile_decode, new_cache
 
     mode, batch = row["mode"], row["batch"]
@@ -212,19 +251,20 @@ def run_row(row, models, hf_models, idx_by_batch, args, bandwidth) -> dict:
         if row["compiled"]:
             torch._dynamo.reset()  # each compiled row pays (and reports) its own compile
             step = compile_decode(model)
-        result = time_engine(gptlab_engine(model, step), idx, args.new_tokens, args.repeats)
+        result = time_engine(gptlab_engine(model, step), idx, args.new_tokens, args.repeats, probe)
         cache_len = min(model.config.block_size, args.prompt_len + args.new_tokens)
         row["kv_cache_bytes"] = new_cache(model, batch, cache_len).nbytes
         if row["compiled"]:
             row["compile_s"] = round(result["first_call_s"] - (batch * args.new_tokens / result["e2e_tok_s"]), 1)
         row["weight_bytes_per_token"] = weight_bytes_per_token(model)
+        row["packed"] = is_packed(model)
     else:
         hf = hf_models[mode]
-        result = time_engine(hf_engine(hf), idx, args.new_tokens, args.repeats)
+        result = time_engine(hf_engine(hf), idx, args.new_tokens, args.repeats, probe)
         row["weight_bytes_per_token"] = weight_bytes_per_token(hf, buffers=False)  # its buffers are masks
     row["tokens"] = result.pop("tokens")
     row.update(result)
-    limit = bandwidth["bandwidth_gbs"] * 1e9 / row["weight_bytes_per_token"]
+    limit = row["bandwidth_gbs"] * 1e9 / row["weight_bytes_per_token"]
     row["bandwidth_limit_tok_s"] = round(limit, 2)
     if batch == 1:
         row["bandwidth_share"] = round(row["decode_tok_s"] / limit, 3)
@@ -255,19 +295,21 @@ def main(argv=None) -> int:
         for b in [int(x) for x in args.batch.split(",")]
     }
     print(f"machine: {machine()}")
-    bandwidth = measure_bandwidth()
-    print(f"memory bandwidth: {bandwidth}")
-    models = {mode: build_mode(mode, state, config) for mode in modes}
+    probe = BandwidthProbe()
+    bandwidth = probe.measure()
+    print(f"memory bandwidth: {bandwidth} (probed again around every repeat; each row uses its own)")
+    models = {mode: build_mode(mode, state, config, pack=args.pack) for mode in modes}
     hf_models = {} if args.no_hf else {m: build_hf(state, config, m) for m in modes if m in ("fp32", "bf16")}
     rows, planned = [], plan_rows(args)
     try:
         for row in planned:
             label = f"{row['engine']:<12} {row['mode']:<5} {'compiled' if row['compiled'] else 'eager':<8} batch {row['batch']}"
             print(f"running {label} ...", flush=True)
-            rows.append(run_row(row, models, hf_models, idx_by_batch, args, bandwidth))
+            rows.append(run_row(row, models, hf_models, idx_by_batch, args, probe))
             print(format_row(rows[-1]), flush=True)
     except KeyboardInterrupt:  # Ctrl-C (or timeout -s INT): keep and write the rows done so far
         print(f"interrupted: {len(rows)} of {len(planned)} rows done")
+    bandwidth["per_row_best_gbs"] = [r["bandwidth_gbs"] for r in rows]
     summary = summarize(rows)
     print_summary(rows, summary)
     for row in rows:
@@ -333,7 +375,9 @@ def summarize(rows) -> dict:
 
 
 def format_row(r) -> str:
-    share = f"{100 * r['bandwidth_share']:5.1f}% of limit" if "bandwidth_share" in r else ""
+    share = (
+        f"{100 * r['bandwidth_share']:5.1f}% of limit ({r['bandwidth_gbs']:.0f} GB/s)" if "bandwidth_share" in r else ""
+    )
     kv = f"kv {r['kv_cache_bytes'] / 2**20:6.1f} MiB" if "kv_cache_bytes" in r else ""
     comp = f"compile {r['compile_s']:.0f}s" if "compile_s" in r else ""
     return (

@@ -11,7 +11,9 @@ BENCHMARKS = {
 
 
 def add_arguments(parser):
-    parser.add_argument("benchmark", choices=list(BENCHMARKS), help="; ".join(f"{k}: {v}" for k, v in BENCHMARKS.items()))
+    parser.add_argument(
+        "benchmark", choices=list(BENCHMARKS), help="; ".join(f"{k}: {v}" for k, v in BENCHMARKS.items())
+    )
     parser.add_argument("options", nargs=argparse.REMAINDER, help="options of that benchmark (see its --help)")
 
 
