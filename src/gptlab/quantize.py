@@ -138,9 +138,10 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.use_kernel and self._kernel_weights is not None and x.device.type == "cpu":
-            y = self._kernel(x.reshape(-1, self.in_features)).to(x.dtype)  # (B*T, N)
-            y = y.reshape(*x.shape[:-1], self.out_features)
-            return y + self.bias.to(x.dtype) if self.bias is not None else y
+            y = self._kernel(x.reshape(-1, self.in_features))  # (B*T, N), in the kernel's dtype
+            if self.bias is not None:  # one op: the add promotes a bf16 y to the fp32 bias, exactly
+                y = y + self.bias
+            return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         return F.linear(x, self.dequantize().to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
 
     def dequantize(self) -> torch.Tensor:
