@@ -107,9 +107,15 @@ def assert_ok_after(client):
 # The scheduler alone
 
 
-def test_scheduler_mixed_batch_equals_generate(model):
+@pytest.mark.parametrize("packed", [False, True], ids=["linear", "packed"])
+def test_scheduler_mixed_batch_equals_generate(model, packed):
     """Requests of different lengths, n, sampling settings and seeds, joining at different times
-    in a cache small enough to be shifted both ways, each equal gptlab.generation alone."""
+    in a cache small enough to be shifted both ways, each equal gptlab.generation alone; also
+    with prepacked weights, as `gptlab serve` runs on CPU."""
+    if packed:
+        from gptlab.packed import pack_linears
+
+        model = pack_linears(serve_model())
     torch.manual_seed(1)
     cases = []
     for i in range(12):
