@@ -419,7 +419,7 @@ def generate(
 # Text
 
 
-def _held_back(text: str, stops: Sequence[str]) -> int:
+def held_back(text: str, stops: Sequence[str]) -> int:
     """How many trailing characters of text could be the start of a stop string."""
     best = 0
     for s in stops:
@@ -468,7 +468,7 @@ def stream_text(
             if min(hits) > emitted:
                 yield text[emitted : min(hits)]
             return
-        safe = len(text) - _held_back(text, stops)
+        safe = len(text) - held_back(text, stops)
         if safe > emitted:
             yield text[emitted:safe]
             emitted = safe

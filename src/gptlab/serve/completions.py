@@ -24,7 +24,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from gptlab.generation import _held_back, validate_sampling
+from gptlab.generation import held_back, validate_sampling
 from gptlab.serve.errors import APIError
 from gptlab.serve.scheduler import GenerationRequest, QueueFull, SamplingParams
 
@@ -89,7 +89,7 @@ class ChoiceText:
             self.text = self.text[: min(hits)]
             self.finish_reason = "stop"
             return self._take(len(self.text))
-        return self._take(len(self.text) - _held_back(self.text, self.stops))
+        return self._take(len(self.text) - held_back(self.text, self.stops))
 
     def finish(self, reason: str) -> tuple[str, list]:
         """End the choice (if no stop string ended it first); returns what is left to send."""
