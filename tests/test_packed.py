@@ -107,3 +107,13 @@ def test_compiled_decode_step_on_a_packed_model():
     step = compile_decode(model)
     compiled = generate(model, prompts, 8, temperature=0, compiled_step=step)
     assert compiled == generate(tiny_model(pos_embedding="rope"), prompts, 8, temperature=0)
+
+
+def test_packed_and_quantized_models_count_the_parameters_they_stand_for():
+    from gptlab.quantize import quantize_model
+
+    plain = tiny_model()
+    for model in (packed_copy(), quantize_model(tiny_model(), "int8"), quantize_model(tiny_model(), "int4", 32)):
+        assert model.num_params() == plain.num_params()
+        assert model.num_params(non_embedding=True) == plain.num_params(non_embedding=True)
+        assert model.param_breakdown() == plain.param_breakdown()

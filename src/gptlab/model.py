@@ -330,15 +330,28 @@ class GPT(nn.Module):
                 out = out[:, head]
         return out
 
+    def _as_built(self) -> GPT:
+        """This model, or, when packed or quantized layers stand in for nn.Linear (their weights
+        are not parameters), the same architecture built on the meta device, for counting."""
+        if not any(hasattr(m, "in_features") and not isinstance(m, nn.Linear) for m in self.modules()):
+            return self
+        with torch.device("meta"):
+            return GPT(self.config)
+
     def num_params(self, non_embedding: bool = False) -> int:
-        """Parameter count, tied weights once; non_embedding drops the position table (nanoGPT)."""
-        n = sum(p.numel() for p in self.parameters())
-        if non_embedding and "wpe" in self.transformer:
-            n -= self.transformer.wpe.weight.numel()
+        """Parameter count, tied weights once; non_embedding drops the position table (nanoGPT).
+        Packed or quantized layers count as the nn.Linear they stand for."""
+        model = self._as_built()
+        n = sum(p.numel() for p in model.parameters())
+        if non_embedding and "wpe" in model.transformer:
+            n -= model.transformer.wpe.weight.numel()
         return n
 
     def param_breakdown(self) -> list[dict]:
         """Parameters per component; a tied head counts 0 and says so. Rows sum to num_params()."""
+        model = self._as_built()
+        if model is not self:
+            return model.param_breakdown()
         t = self.transformer
 
         def count(modules):
