@@ -1,0 +1,142 @@
+"""`TrainConfig`: every training setting in one dataclass, read from TOML and key=value overrides.
+
+The training loop that uses it is gptlab.train.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+SCHEDULES = ("cosine", "constant", "wsd")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass
+class TrainConfig:
+    """Every training setting. Load from TOML with `from_toml`, override with `with_overrides`."""
+
+    data_dir: str = "data/tinyshakespeare"  # holds train.bin, val.bin, manifest.json (gptlab prepare)
+    out_dir: str = "runs/default"
+    # Model: a preset, optionally reshaped; or init_from a checkpoint / HF directory / Hub id.
+    model: str = "gpt2-mini"
+    n_layer: int | None = None
+    n_head: int | None = None
+    n_embd: int | None = None
+    dropout: float = 0.0
+    bias: bool | None = None
+    vocab_multiple: int = 1  # pad the vocabulary of a scratch model to a multiple of this (64 for GPUs)
+    init_from: str = "scratch"  # "scratch", a gptlab checkpoint/run directory, an HF directory or Hub id
+    # Batch: batch_size x block_size tokens per micro-step and rank; grad_accum micro-steps per update.
+    batch_size: int = 16
+    block_size: int = 128
+    grad_accum: int = 1
+    batch_tokens: int | None = None  # if set, grad_accum is derived to reach this many tokens per update
+    max_steps: int = 1000
+    # Optimizer and schedule.
+    lr: float = 6e-4
+    min_lr: float = 6e-5
+    warmup_steps: int = 100
+    schedule: str = "cosine"  # cosine | constant | wsd (warmup-stable-decay)
+    decay_fraction: float = 0.2  # wsd: the last fraction of steps decays linearly to min_lr
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0  # 0 disables clipping (the norm is still measured and logged)
+    # Evaluation, logging, checkpoints.
+    eval_interval: int = 250
+    eval_steps: int = 20
+    log_interval: int = 10
+    checkpoint_interval: int | None = None  # default: eval_interval
+    keep_checkpoints: int = 2
+    sample_prompt: str = "\n"
+    sample_tokens: int = 48
+    progress: bool = True
+    # Precision, device, distribution.
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    device: str = "auto"
+    compile: bool = False
+    fsdp: bool = False
+    seed: int = 1337
+    resume: bool = False
+    # Divergence guards.
+    spike_zscore: float = 6.0  # skip an update whose grad norm is this many std above the window mean
+    spike_window: int = 50
+    max_bad_steps: int = 5  # this many skipped updates in a row stop the run
+
+    def __post_init__(self) -> None:
+        for name in ("batch_size", "block_size", "grad_accum", "max_steps", "eval_interval", "eval_steps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"TrainConfig.{name} must be a positive integer, got {value!r}")
+        for name in ("warmup_steps", "log_interval"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
+                raise ValueError(f"TrainConfig.{name} must be a non-negative integer, got {getattr(self, name)!r}")
+        if not (self.lr > 0 and 0 <= self.min_lr <= self.lr):
+            raise ValueError(f"TrainConfig needs lr > 0 and 0 <= min_lr <= lr, got lr={self.lr}, min_lr={self.min_lr}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"TrainConfig.schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"TrainConfig.dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if not 0 < self.decay_fraction <= 1:
+            raise ValueError(f"TrainConfig.decay_fraction must be in (0, 1], got {self.decay_fraction}")
+
+    @property
+    def save_every(self) -> int:
+        return self.checkpoint_interval or self.eval_interval
+
+    @classmethod
+    def from_toml(cls, path: str | os.PathLike, overrides: list[str] | dict | None = None) -> TrainConfig:
+        """Settings from a TOML file (flat keys, or under a [train] table), then `overrides`."""
+        try:
+            import tomllib
+        except ImportError:  # Python 3.10
+            import tomli as tomllib
+        try:
+            data = tomllib.loads(Path(path).read_text())
+        except (OSError, tomllib.TOMLDecodeError) as e:
+            raise ValueError(f"config {path}: {e}") from e
+        data = data.get("train", data)
+        return cls().with_overrides(data).with_overrides(overrides or [])
+
+    def with_overrides(self, overrides: list[str] | dict) -> TrainConfig:
+        """A copy with fields replaced; `overrides` is a dict or ["key=value", ...] (strings parsed by field type)."""
+        if not isinstance(overrides, dict):
+            overrides = dict(_split_override(o) for o in overrides)
+        fields = {f.name: f for f in dataclasses.fields(self)}
+        unknown = sorted(set(overrides) - set(fields))
+        if unknown:
+            raise ValueError(f"unknown TrainConfig key(s): {', '.join(unknown)}; known keys: {', '.join(fields)}")
+        values = {k: _parse_value(k, v, fields[k].type) if isinstance(v, str) else v for k, v in overrides.items()}
+        return dataclasses.replace(self, **values)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _split_override(text: str) -> tuple[str, str]:
+    key, sep, value = text.lstrip("-").partition("=")
+    if not sep:
+        raise ValueError(f"override {text!r} must look like key=value")
+    return key.replace("-", "_"), value
+
+
+def _parse_value(key: str, value: str, type_name: str):
+    """Parse a command-line string by the field's annotation ("int | None", "bool", "float", "str")."""
+    kinds = [t.strip() for t in str(type_name).split("|")]
+    if "None" in kinds and value.lower() in ("none", "null", ""):
+        return None
+    try:
+        if "bool" in kinds:
+            if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                raise ValueError(value)
+            return value.lower() in ("true", "1", "yes")
+        if "int" in kinds:
+            return int(value)
+        if "float" in kinds:
+            return float(value)
+    except ValueError:
+        raise ValueError(f"TrainConfig.{key}: cannot parse {value!r} as {type_name}") from None
+    return value
