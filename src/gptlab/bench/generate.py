@@ -203,6 +203,31 @@ def time_engine(run, idx, new_tokens: int, repeats: int, probe: BandwidthProbe |
     return result
 
 
+def time_linears(model, probe: BandwidthProbe | None = None, passes: int = 10, repeats: int = 3) -> dict:
+    """The model's linear layers alone, back to back on one token, best of `repeats` runs of
+    `passes` passes: what a decode step would cost with nothing else to do (no attention, norms,
+    sampling or Python between them), the ceiling for these kernels. Returns ms per pass and the
+    bandwidth measured next to it."""
+    from gptlab.generation import model_device_dtype
+
+    device, dtype = model_device_dtype(model)
+    layers = [m for m in model.modules() if hasattr(m, "in_features") and hasattr(m, "out_features")]
+    inputs = {m.in_features: torch.randn(1, 1, m.in_features, device=device, dtype=dtype) for m in layers}
+
+    def one_run() -> float:
+        t0 = time.perf_counter()
+        for _ in range(passes):
+            for m in layers:
+                m(inputs[m.in_features])
+        return (time.perf_counter() - t0) / passes
+
+    with torch.no_grad():
+        one_run()
+        bandwidth = probe.measure()["bandwidth_gbs"] if probe is not None else None
+        best = min(one_run() for _ in range(repeats))
+    return {"linears_only_ms": round(1e3 * best, 3), "linears_only_bandwidth_gbs": bandwidth}
+
+
 # ---------------------------------------------------------------------------------------------
 # The run
 
@@ -220,6 +245,7 @@ def parse_args(argv):
     p.add_argument("--no-pack", dest="pack", action="store_false", help="gptlab with plain nn.Linear weights")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--probe-mib", type=int, default=512, help="bandwidth probe buffer (default 512 MiB, >> caches)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench/results", help="results directory ('' to skip writing)")
     return p.parse_args(argv)
@@ -258,6 +284,8 @@ def run_row(row, models, hf_models, idx_by_batch, args, probe) -> dict:
             row["compile_s"] = round(result["first_call_s"] - (batch * args.new_tokens / result["e2e_tok_s"]), 1)
         row["weight_bytes_per_token"] = weight_bytes_per_token(model)
         row["packed"] = is_packed(model)
+        if batch == 1 and not row["compiled"]:
+            row.update(time_linears(model, probe))
     else:
         hf = hf_models[mode]
         result = time_engine(hf_engine(hf), idx, args.new_tokens, args.repeats, probe)
@@ -268,6 +296,9 @@ def run_row(row, models, hf_models, idx_by_batch, args, probe) -> dict:
     row["bandwidth_limit_tok_s"] = round(limit, 2)
     if batch == 1:
         row["bandwidth_share"] = round(row["decode_tok_s"] / limit, 3)
+    if row.get("linears_only_bandwidth_gbs"):
+        streamed = row["weight_bytes_per_token"] / (row["linears_only_ms"] / 1e3) / 1e9  # GB/s
+        row["linears_only_share"] = round(streamed / row["linears_only_bandwidth_gbs"], 3)
     return row
 
 
@@ -295,7 +326,7 @@ def main(argv=None) -> int:
         for b in [int(x) for x in args.batch.split(",")]
     }
     print(f"machine: {machine()}")
-    probe = BandwidthProbe()
+    probe = BandwidthProbe(args.probe_mib * 2**20)
     bandwidth = probe.measure()
     print(f"memory bandwidth: {bandwidth} (probed again around every repeat; each row uses its own)")
     models = {mode: build_mode(mode, state, config, pack=args.pack) for mode in modes}
@@ -355,6 +386,8 @@ def summarize(rows) -> dict:
         ours16 = _find(rows, engine="gptlab", mode="bf16", compiled=compiled, batch=1)
         if ours32:
             out[f"fp32_{tag}_bandwidth_share"] = ours32["bandwidth_share"]
+            if "linears_only_share" in ours32:
+                out["fp32_linears_only_share"] = ours32["linears_only_share"]
         if ours32 and hf32:
             out[f"fp32_{tag}_decode_vs_transformers"] = round(ours32["decode_tok_s"] / hf32["decode_tok_s"], 2)
             out[f"fp32_{tag}_prefill_vs_transformers"] = round(ours32["prefill_tok_s"] / hf32["prefill_tok_s"], 2)
@@ -380,6 +413,8 @@ def format_row(r) -> str:
     )
     kv = f"kv {r['kv_cache_bytes'] / 2**20:6.1f} MiB" if "kv_cache_bytes" in r else ""
     comp = f"compile {r['compile_s']:.0f}s" if "compile_s" in r else ""
+    if "linears_only_share" in r:
+        share += f", linears alone {100 * r['linears_only_share']:.0f}%"
     return (
         f"  {r['engine']:<12} {r['mode']:<5} {'compiled' if r['compiled'] else 'eager':<8} B={r['batch']:<2} "
         f"decode {r['decode_tok_s']:8.2f} tok/s  prefill {r['prefill_tok_s']:8.1f} tok/s  "
