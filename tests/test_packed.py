@@ -117,3 +117,23 @@ def test_packed_and_quantized_models_count_the_parameters_they_stand_for():
         assert model.num_params() == plain.num_params()
         assert model.num_params(non_embedding=True) == plain.num_params(non_embedding=True)
         assert model.param_breakdown() == plain.param_breakdown()
+
+
+def test_packed_model_loads_state_dicts_copies_and_names_dtype_mistakes():
+    import copy
+
+    model, other = packed_copy(), tiny_model(seed=1)
+    model.load_state_dict(other.state_dict())
+    idx = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad():
+        torch.testing.assert_close(model(idx)[0], other(idx)[0], atol=1e-5, rtol=1e-5)
+        twin = copy.deepcopy(model)
+        assert is_packed(twin) and torch.equal(twin(idx)[0], model(idx)[0])
+    bad = {k: v[:, :-1] if k == "lm_head.weight" else v for k, v in other.state_dict().items()}
+    with pytest.raises(RuntimeError, match="size mismatch for lm_head.weight"):
+        model.load_state_dict(bad)
+    with pytest.raises(RuntimeError, match="Missing key.*c_fc.weight"):
+        model.load_state_dict({k: v for k, v in other.state_dict().items() if not k.endswith("c_fc.weight")})
+    model.to(torch.bfloat16)  # converts the dense tensors, not the packed ones
+    with torch.no_grad(), pytest.raises(ValueError, match="unpack_linears"):
+        model(idx)

@@ -16,6 +16,8 @@ kernel has no backward, so a forward that autograd would differentiate is refuse
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.nn as nn
 
@@ -55,11 +57,33 @@ class PackedLinear(nn.Module):
             raise RuntimeError(
                 "packed weights are for inference: run under torch.no_grad(), or unpack_linears() to train"
             )
+        if x.dtype != self.packed.dtype or x.device.type != "cpu":
+            raise ValueError(
+                f"weights packed as {self.packed.dtype} on cpu, input is {x.dtype} on {x.device}: "
+                "unpack_linears(model) before .to(...), then pack_linears again"
+            )
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")  # (..., out)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
         destination[prefix + "weight"] = self.weight
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
+        """load_state_dict() takes dense weights, as state_dict() gives them, and packs them."""
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing, unexpected, errors)
+        key, shape = prefix + "weight", (self.out_features, self.in_features)
+        if key in unexpected:
+            unexpected.remove(key)
+        if key not in state_dict:
+            missing.append(key)
+        elif tuple(state_dict[key].shape) != shape:
+            errors.append(f"size mismatch for {key}: {tuple(state_dict[key].shape)} given, {shape} here")
+        else:
+            weight = state_dict[key].detach().to(device="cpu", dtype=self.packed.dtype)
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight)
+
+    def __deepcopy__(self, memo):
+        return PackedLinear(copy.deepcopy(self.unpack(), memo))
 
     def unpack(self) -> nn.Linear:
         """A plain nn.Linear with the same (bit-identical) weight and bias."""
