@@ -101,6 +101,38 @@ def test_sdpa_and_explicit_paths_agree(variant_model):
     torch.testing.assert_close(probs[0].sum(-1), torch.ones(3, 4, 20))
 
 
+@pytest.mark.parametrize("padded", [False, True])
+def test_bf16_decoding_attention_matches_fp32_sdpa(padded):
+    """One bf16 query per row against a cache (single_query_attention, the CPU decoding path)
+    agrees with fp32 SDPA to bf16 precision, with and without a padding mask."""
+    from gptlab.model import single_query_attention
+
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 4, 1, 16), torch.randn(2, 4, 300, 16), torch.randn(2, 4, 300, 16)
+    mask = None
+    if padded:
+        mask = torch.ones(2, 1, 1, 300, dtype=torch.bool)
+        mask[0, ..., :120] = False  # row 0 is left-padded
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (2, 4, 1, 16)
+    got = single_query_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), mask)
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(single_query_attention(q, k, v, mask), want, atol=1e-5, rtol=1e-5)
+
+
+def test_bf16_model_decodes_like_its_full_forward():
+    from gptlab.generation import decode_step, new_cache, prefill
+
+    model = tiny_model().to(torch.bfloat16)
+    row = [5, 9, 2, 7, 1, 3]
+    cache = new_cache(model, 1, 12)
+    prefill(model, torch.tensor([row[:-1]]), cache)
+    got = decode_step(model, torch.tensor([row[-1]]), cache)  # (1, V), through single_query_attention
+    with torch.no_grad():
+        want = model(torch.tensor([row]))[0][:, -1]  # (1, V), through SDPA
+    torch.testing.assert_close(got.float(), want.float(), atol=5e-2, rtol=5e-2)
+
+
 def test_attention_probs_are_causal():
     model = tiny_model()
     att = model.attention(torch.randint(0, 97, (1, 12)), layer=1, head=2)  # (B, T, T)

