@@ -3,7 +3,7 @@
 Batch-1 decoding is a chain of matrix-vector products, so its speed is how fast the weights
 stream from memory. On CPU, nn.Linear's fp32 matrix-vector product reads an (out, in) weight at
 ~17 GB/s on our 2-core machine, single-threaded; oneDNN's inner product on a prepacked weight
-reads at 35-50 GB/s on both cores (bf16 too), and is faster for prompts and batches as well.
+reads at 40-60 GB/s on both cores (bf16 too), and is faster for prompts and batches as well.
 The arithmetic is the same up to summation order (fp32 results agree to ~1e-6 relative).
 
 `pack_linears(model)` swaps every nn.Linear, the head included, for a PackedLinear in place;
