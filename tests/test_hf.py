@@ -234,6 +234,17 @@ def test_gptlab_to_transformers_round_trip(tmp_path, caplog):
         assert torch.equal(a, b), name
 
 
+def test_exported_config_has_n_ctx(tmp_path, caplog):
+    # OpenAI's Hub configs carry n_ctx (= n_positions); llama.cpp's convert_hf_to_gguf.py reads it (KeyError without).
+    ours = gpt2_like()
+    ours.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["n_ctx"] == config["n_positions"] == ours.config.block_size == 64
+    theirs = hf_load_cleanly(tmp_path, caplog)
+    assert theirs.config.n_positions == theirs.config.n_ctx == 64
+    assert hf.load_pretrained(tmp_path).config.block_size == 64
+
+
 def test_exported_tokenizer_matches_gptlab(tmp_path):
     gpt2_like().save_pretrained(tmp_path)
     theirs = AutoTokenizer.from_pretrained(tmp_path)

@@ -158,6 +158,7 @@ def config_to_hf(config: GPTConfig, dtype: torch.dtype) -> dict:
         "model_type": "gpt2",
         "vocab_size": config.vocab_size,
         "n_positions": config.block_size,
+        "n_ctx": config.block_size,  # OpenAI's Hub configs carry it; llama.cpp's converter requires it
         "n_embd": config.n_embd,
         "n_layer": config.n_layer,
         "n_head": config.n_head,
