@@ -45,3 +45,129 @@ def test_weight_bytes_count_a_packed_head_and_skip_lookup_tables():
     packed = pack_linears(tiny_model())
     # The packed head is read whole; the dense token table now serves lookups only, one row.
     assert weight_bytes_per_token(packed) == expected + 4 * C
+
+
+# --- llama.cpp peer (gptlab.bench.llamacpp): the pure parts; building llama.cpp is not a test
+
+
+def test_llama_bench_json_gives_the_best_repetition():
+    from gptlab.bench.llamacpp import parse_bench_json
+
+    out = parse_bench_json(LLAMA_BENCH_SAMPLE)
+    assert out["best_ts"] == max(out["samples_ts"]) > out["avg_ts"]
+    assert (out["n_prompt"], out["n_gen"], out["n_threads"]) == (0, 128, 2)
+    assert out["build_commit"] == "0c1e570" and out["model_type"].startswith("gpt2")
+    with pytest.raises(RuntimeError, match="(?s)no JSON.*main: load the model"):
+        parse_bench_json("main: load the model and apply lora adapter, if any\n")
+    with pytest.raises(RuntimeError, match="expected one test"):
+        parse_bench_json("[]")
+
+
+def test_peer_rows_print_both_engines_and_the_ratio():
+    from gptlab.bench.llamacpp import ROW_HEADER, format_peer_row, peer_row
+
+    row = peer_row(
+        "int4", {"decode_tok_s": 41.234, "prefill_tok_s": 1800.0}, {"decode_tok_s": 60.0, "prefill_tok_s": 900.0}
+    )
+    assert row["gguf_type"] == "Q4_0" and row["decode_ratio"] == 0.687 and row["prefill_ratio"] == 2.0
+    line = format_peer_row(row)
+    assert line.split() == ["int4", "Q4_0", "41.23", "60.00", "0.69x", "1800.0", "900.0", "2.00x"]
+    assert len(line) == len(ROW_HEADER.splitlines()[1])  # the columns line up under the header
+    failed = peer_row(
+        "fp32", {"decode_tok_s": 10.0, "prefill_tok_s": 10.0}, {"decode_tok_s": 0.0, "prefill_tok_s": 5.0}
+    )
+    assert failed["decode_ratio"] is None and format_peer_row(failed).split()[4] == "-"
+
+
+def test_llamacpp_cache_path_names_the_cpu(monkeypatch, tmp_path):
+    from gptlab.bench import llamacpp
+
+    assert llamacpp.cpu_slug("Intel(R) Xeon(R) Processor") == "intel-r-xeon-r-processor"
+    with_flags = llamacpp.cpu_slug("Intel(R) Xeon(R) Processor", ["avx2", "avx512f"])
+    assert with_flags.startswith("intel-r-xeon-r-processor-") and len(with_flags.rsplit("-", 1)[1]) == 8
+    assert with_flags != llamacpp.cpu_slug("Intel(R) Xeon(R) Processor", ["avx2"])  # same name, other ISA
+    assert llamacpp.cpu_slug("AMD EPYC 7B13 64-Core Processor") == "amd-epyc-7b13-64-core-processor"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    root = llamacpp.build_root("0.3.36")
+    assert root.parent == tmp_path / "gptlab" / "llama.cpp"
+    assert root.name == "0.3.36-" + llamacpp.cpu_slug(llamacpp.cpu_model_name(), llamacpp.cpu_flags())
+    assert llamacpp.load_build(root) is None  # nothing cached: ensure_built would build
+
+
+def test_building_without_cmake_says_so_before_downloading(monkeypatch, tmp_path):
+    from gptlab.bench.llamacpp import ensure_built
+
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    with pytest.raises(RuntimeError, match="needs cmake"):
+        ensure_built(cache=tmp_path)
+    assert not any(tmp_path.iterdir())
+
+
+def test_failed_llamacpp_step_names_the_step_and_shows_the_output_tail():
+    import sys
+
+    from gptlab.bench.llamacpp import run_step
+
+    script = "import sys; print('\\n'.join(f'line {i}' for i in range(100))); sys.exit('boom')"
+    with pytest.raises(RuntimeError, match=r"(?s)building llama.cpp failed \(exit 1\).*line 99\nboom") as err:
+        run_step("building llama.cpp", [sys.executable, "-c", script])
+    assert "line 50" not in str(err.value)  # the tail only
+    with pytest.raises(RuntimeError, match="configuring llama.cpp.*cannot run"):
+        run_step("configuring llama.cpp (cmake)", ["/nonexistent/cmake"])
+
+
+def test_peer_llamacpp_refuses_other_modes_before_building():
+    with pytest.raises(ValueError, match="int8-dyn"):
+        main(["--peer", "llama.cpp", "--modes", "fp32,int8-dyn"])
+
+
+# llama-bench -m q4.gguf -p 0 -n 128 -t 2 -r 2 -o json, llama.cpp 0c1e570, a 3M-parameter gpt2 on a busy 2-core VM
+LLAMA_BENCH_SAMPLE = """[
+  {
+    "build_commit": "0c1e570",
+    "build_number": 0,
+    "cpu_info": "Intel(R) Xeon(R) Processor",
+    "gpu_info": "",
+    "backends": "CPU",
+    "model_filename": "q4.gguf",
+    "model_type": "gpt2 ?B Q4_0",
+    "model_size": 2133860,
+    "model_n_params": 3382080,
+    "n_batch": 2048,
+    "n_ubatch": 512,
+    "n_threads": 2,
+    "cpu_mask": "0x0",
+    "cpu_strict": false,
+    "poll": 50,
+    "type_k": "f16",
+    "type_v": "f16",
+    "n_gpu_layers": -1,
+    "n_cpu_moe": 0,
+    "split_mode": "layer",
+    "main_gpu": 0,
+    "no_kv_offload": false,
+    "flash_attn": -1,
+    "devices": "auto",
+    "tensor_split": "0.00",
+    "tensor_buft_overrides": "none",
+    "load_mode": "auto",
+    "lazy_mode": "auto",
+    "embeddings": false,
+    "no_op_offload": 0,
+    "no_host": false,
+    "repack": true,
+    "fit_target": 0,
+    "fit_min_ctx": 0,
+    "n_prompt": 0,
+    "n_gen": 128,
+    "n_depth": 0,
+    "test_time": "2026-11-30T19:35:42Z",
+    "avg_ns": 29588226148,
+    "stddev_ns": 2138651789,
+    "avg_ts": 4.337375,
+    "stddev_ts": 0.313508,
+    "samples_ns": [ 31100481322, 28075970975 ],
+    "samples_ts": [ 4.11569, 4.55906 ]
+  }
+]
+"""

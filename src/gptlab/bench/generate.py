@@ -11,6 +11,11 @@ per row divided by (time for 256 tokens - time for 1), the same formula for both
 The memory-bandwidth limit of batch-1 decoding is (bandwidth measured here) / (bytes of weights
 read per token): every weight is read once per token and batch-1 decoding cannot go faster.
 Bandwidth is probed before each timed repeat and after the last (see BandwidthProbe).
+
+`--peer llama.cpp` compares with llama.cpp instead (gptlab.bench.llamacpp builds it, cached per
+CPU): the model is exported with save_pretrained and converted to GGUF F32/BF16/Q8_0/Q4_0, and
+each precision runs through gptlab's public path (from_pretrained, quantize_model, generate) and
+llama-bench: decode tok/s (batch 1, 128 new tokens from one token) and 512-token prefill tok/s.
 """
 
 from __future__ import annotations
@@ -238,13 +243,23 @@ def parse_args(argv):
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--batch", default="1,8", help="comma-separated batch sizes")
-    p.add_argument("--modes", default="fp32,bf16", help=f"comma-separated, from {', '.join(MODES)}")
+    p.add_argument("--peer", choices=("transformers", "llama.cpp"), default="transformers", help="what to compare with")
+    p.add_argument(
+        "--modes",
+        default=None,
+        help=f"comma-separated, from {', '.join(MODES)} (default fp32,bf16; with --peer llama.cpp fp32,bf16,int8,int4)",
+    )
     p.add_argument("--compile", action="store_true", help="also run gptlab with a torch.compile'd decode step")
     p.add_argument("--no-eager", action="store_true", help="with --compile, skip the eager gptlab rows")
     p.add_argument("--no-hf", action="store_true", help="skip transformers")
     p.add_argument("--no-pack", dest="pack", action="store_false", help="gptlab with plain nn.Linear weights")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads (default: torch's choice; with --peer llama.cpp os.cpu_count(), for both engines)",
+    )
     p.add_argument("--probe-mib", type=int, default=512, help="bandwidth probe buffer (default 512 MiB, >> caches)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench/results", help="results directory ('' to skip writing)")
@@ -304,6 +319,9 @@ def run_row(row, models, hf_models, idx_by_batch, args, probe) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv or [])
+    if args.peer == "llama.cpp":
+        return run_llamacpp(args)
+    args.modes = args.modes or "fp32,bf16"
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -358,6 +376,62 @@ def main(argv=None) -> int:
         }  # fmt: skip
         path = write_results("generate", results, args.out)
         print(f"results: {path}")
+    return 0
+
+
+def run_llamacpp(args) -> int:
+    """--peer llama.cpp: one row per precision, gptlab and llama-bench timed back to back."""
+    from gptlab.bench import llamacpp
+
+    modes = (args.modes or ",".join(llamacpp.GGUF_TYPES)).split(",")
+    for mode in modes:
+        if mode not in llamacpp.GGUF_TYPES:
+            raise ValueError(f"--peer llama.cpp runs modes {', '.join(llamacpp.GGUF_TYPES)}; got {mode!r}")
+    threads = args.threads or os.cpu_count()
+    torch.set_num_threads(threads)
+    print(f"machine: {machine()}")
+    if llamacpp.load_build(llamacpp.build_root()) is None:
+        print(
+            f"building llama.cpp {llamacpp.LLAMA_CPP_PYTHON} into {llamacpp.build_root()} (~8 minutes on 2 cores) ..."
+        )
+    llama = llamacpp.ensure_built()
+    info = llama.info
+    print(f"llama.cpp {info['llama_cpp_commit'][:12]} (llama-cpp-python {info['llama_cpp_python']}): {llama.root}")
+    native, why = cpu_has_native_bf16()
+    if "bf16" in modes and not native:
+        print(f"note: bf16 rows run without hardware bf16 for both engines ({why})")
+    config = GPTConfig.from_name(args.preset)
+    gen = torch.Generator().manual_seed(args.seed)
+    prompt = torch.randint(0, config.vocab_size, (1, llamacpp.PREFILL_TOKENS), generator=gen)
+    rows, gguf_bytes = [], {}
+    with tempfile.TemporaryDirectory() as tmp:
+        torch.manual_seed(args.seed)
+        GPT(config).save_pretrained(f"{tmp}/hf")
+        print("converting to GGUF ...", flush=True)
+        files = llamacpp.convert(llama, f"{tmp}/hf", tmp, [llamacpp.GGUF_TYPES[m] for m in modes])
+        print(llamacpp.ROW_HEADER, flush=True)
+        try:
+            for mode in modes:
+                ours = llamacpp.time_gptlab(llamacpp.load_gptlab(f"{tmp}/hf", mode), prompt, args.repeats)
+                gguf = files[llamacpp.GGUF_TYPES[mode]]
+                gguf_bytes[mode] = gguf.stat().st_size
+                theirs = llamacpp.time_llamacpp(llama, gguf, threads=threads, repeats=args.repeats)
+                rows.append({**llamacpp.peer_row(mode, ours, theirs), "llamacpp_bench": theirs})
+                print(llamacpp.format_peer_row(rows[-1]), flush=True)
+        except KeyboardInterrupt:
+            print(f"interrupted: {len(rows)} of {len(modes)} rows done")
+    if args.out:
+        results = {
+            "settings": dict(
+                peer="llama.cpp", preset=args.preset, seed=args.seed, decode_tokens=llamacpp.DECODE_TOKENS,
+                decode_from=[[llamacpp.EOT]], prefill_tokens=llamacpp.PREFILL_TOKENS, greedy=True,
+                repeats=args.repeats, best_of_repeats=True, threads=threads, native_bf16=native,
+                native_bf16_why=why, load_average=os.getloadavg(), rows_done=f"{len(rows)} of {len(modes)}",
+            ),
+            "llama_cpp": {**llama.info, "q4_0": "llama-quantize --pure from the F32 file", "gguf_bytes": gguf_bytes},
+            "rows": rows,
+        }  # fmt: skip
+        print(f"results: {write_results('generate-llamacpp', results, args.out)}")
     return 0
 
 
