@@ -15,6 +15,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m gptlab.kernels  # compile the CPU kernels for this CPU (PyTorch's kernels stand in if it cannot)
 	touch $@
 
 test: $(STAMP) browser

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from gptlab.config import GPTConfig
 from gptlab.fused_loss import linear_cross_entropy
+from gptlab.kernels import Linear
 
 
 def make_norm(config: GPTConfig) -> nn.Module:
@@ -119,8 +120,8 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.n_head, self.n_embd = config.n_head, config.n_embd
-        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # fused q, k, v
-        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.c_attn = Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # fused q, k, v
+        self.c_proj = Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.dropout = config.dropout
         self.resid_dropout = nn.Dropout(config.dropout)
 
@@ -167,8 +168,8 @@ class MLP(nn.Module):
         super().__init__()
         self.swiglu = config.mlp == "swiglu"
         hidden = config.mlp_hidden
-        self.c_fc = nn.Linear(config.n_embd, (2 if self.swiglu else 1) * hidden, bias=config.bias)
-        self.c_proj = nn.Linear(hidden, config.n_embd, bias=config.bias)
+        self.c_fc = Linear(config.n_embd, (2 if self.swiglu else 1) * hidden, bias=config.bias)
+        self.c_proj = Linear(hidden, config.n_embd, bias=config.bias)
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x):
@@ -209,7 +210,7 @@ class GPT(nn.Module):
         modules["h"] = nn.ModuleList([Block(config) for _ in range(config.n_layer)])
         modules["ln_f"] = make_norm(config)
         self.transformer = nn.ModuleDict(modules)
-        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.n_embd, config.vocab_size, bias=False)
         self.tie_weights()
         self.apply(self._init_weights)
         # GPT-2 paper: scale the residual projections' init by 1/sqrt(N) for N residual additions.

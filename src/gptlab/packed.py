@@ -21,6 +21,8 @@ import copy
 import torch
 import torch.nn as nn
 
+from gptlab.kernels import Linear
+
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -88,7 +90,7 @@ class PackedLinear(nn.Module):
     def unpack(self) -> nn.Linear:
         """A plain nn.Linear with the same (bit-identical) weight and bias."""
         weight = self.weight
-        linear = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta")
+        linear = Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta")
         linear.weight = nn.Parameter(weight, requires_grad=False)
         linear.bias = self.bias
         return linear
@@ -105,7 +107,7 @@ def pack_linears(model: nn.Module) -> nn.Module:
         raise ValueError(f"cannot pack this model's weights: {why}")
     model.eval().requires_grad_(False)
     for name, module in list(model.named_modules()):
-        if type(module) is nn.Linear:
+        if isinstance(module, nn.Linear):
             model.set_submodule(name, PackedLinear(module))
     return model
 

@@ -34,6 +34,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
+from gptlab import kernels
 from gptlab.checkpoint import META_FILE, WEIGHTS_FILE, atomic_write, atomic_write_text, load_state_strict, read_meta
 from gptlab.config import GPTConfig
 from gptlab.model import GPT
@@ -138,9 +139,7 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.use_kernel and self._kernel_weights is not None and x.device.type == "cpu":
-            y = self._kernel(x.reshape(-1, self.in_features))  # (B*T, N), in the kernel's dtype
-            if self.bias is not None:  # one op: the add promotes a bf16 y to the fp32 bias, exactly
-                y = y + self.bias
+            y = self._kernel(x.reshape(-1, self.in_features))  # (B*T, N), bias included
             return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         return F.linear(x, self.dequantize().to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
 
@@ -156,7 +155,12 @@ class QuantizedLinear(nn.Module):
         raise NotImplementedError
 
     def _kernel(self, x2d: torch.Tensor) -> torch.Tensor:
+        """x2d (M, K) -> (M, N) in the kernel's dtype, bias added."""
         raise NotImplementedError
+
+    def _add_bias(self, y: torch.Tensor) -> torch.Tensor:
+        # one op: the add promotes a bf16 y to the fp32 bias, exactly
+        return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
@@ -193,8 +197,9 @@ class Int8Linear(QuantizedLinear):
             self._kernel_weights = None
             return
         self.weight, self.scales = _aligned(self.weight), _aligned(self.scales)
-        packed = None
+        packed, row_sums = None, None
         if self.activations == "int8":
+            row_sums = self.weight.sum(dim=1, dtype=torch.int32)  # (N,) for gptlab's kernel (kernels.c)
             # fbgemm quantizes each input row to uint8 on the fly and multiplies int8 x int8 (VNNI).
             with warnings.catch_warnings():  # torch.ao's deprecation notice; the kernel itself stays
                 warnings.simplefilter("ignore")
@@ -202,15 +207,19 @@ class Int8Linear(QuantizedLinear):
                     self.weight, self.scales.double(), torch.zeros(self.out_features, dtype=torch.long), 0
                 )
             packed = torch.ops.quantized.linear_prepack(qweight, None)
-        self._kernel_weights = (self.weight, self.scales, packed)
+        self._kernel_weights = (self.weight, self.scales, packed, row_sums)
 
     def _kernel(self, x2d):
-        weight, scales, packed = self._kernel_weights
+        weight, scales, packed, row_sums = self._kernel_weights
+        # Decoding (a few rows): gptlab's VNNI kernel, the same int8 x int8 product as fbgemm's.
+        if packed is not None and kernels.int_kernels_apply(x2d):
+            return kernels.int8_linear(x2d, weight, scales, row_sums, self.bias)  # (M, N)
         # torch.compile cannot trace fbgemm's packed-weight object: compiled graphs run weight-only.
         if packed is not None and not torch.compiler.is_compiling():
-            return torch.ops.quantized.linear_dynamic(x2d.float().contiguous(), packed, False)  # (M, N)
+            return self._add_bias(torch.ops.quantized.linear_dynamic(x2d.float().contiguous(), packed, False))
         # fp32 activations take a slow reference path in this kernel; bf16 ones hit the packed one.
-        return torch.ops.aten._weight_int8pack_mm(x2d.to(torch.bfloat16).contiguous(), weight, scales)  # (M, N)
+        y = torch.ops.aten._weight_int8pack_mm(x2d.to(torch.bfloat16).contiguous(), weight, scales)  # (M, N)
+        return self._add_bias(y)
 
 
 class Int4Linear(QuantizedLinear):
@@ -243,21 +252,33 @@ class Int4Linear(QuantizedLinear):
         if self.weight.device.type != "cpu":
             self._kernel_weights = None
             return
-        # The kernel wants a multiple of 16 output rows: pad (GPT-2's head has 50257) and slice after.
+        if kernels.available()[1] and kernels.int4_fits(self.in_features, self.group_size):
+            # gptlab's kernels read the stored buffers as they are: no second copy of the weights.
+            self.weight, self.scales, self.zeros = _aligned(self.weight), _aligned(self.scales), _aligned(self.zeros)
+            self._kernel_weights = ("gptlab",)
+            return
+        # PyTorch's kernel wants a multiple of 16 output rows: pad (GPT-2's head has 50257) and slice after.
         pad = -self.out_features % 16
         q = F.pad(unpack_int4(self.weight).to(torch.int32), (0, 0, 0, pad), value=8)  # (N_pad, K)
         packed = _aligned(torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
         scales = F.pad(self.scales, (0, 0, 0, pad))  # (N_pad, G)
         zeros = F.pad(self.zeros, (0, 0, 0, pad))  # (N_pad, G)
         scales_and_zeros = torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous()  # (G, N_pad, 2)
-        self._kernel_weights = (packed, scales_and_zeros)
+        self._kernel_weights = ("torch", packed, scales_and_zeros)
 
     def _kernel(self, x2d):
-        packed, scales_and_zeros = self._kernel_weights
+        if self._kernel_weights[0] == "gptlab":
+            if kernels.int_kernels_apply(x2d):  # decoding: int8 activations, VNNI dot products
+                return kernels.int4_linear(x2d, self.weight, self.scales, self.zeros, self.group_size, self.bias)
+            # A prompt or a batch: dequantize this layer and run the GEMM (compute-bound, so the
+            # matrix's bytes matter less than the GEMM's speed).
+            weight = kernels.dequantize_int4(self.weight, self.scales, self.zeros, self.group_size)  # (N, K)
+            return kernels.linear(x2d.float(), weight, self.bias)
+        _, packed, scales_and_zeros = self._kernel_weights
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(
             x2d.to(torch.bfloat16).contiguous(), packed, self.group_size, scales_and_zeros
         )  # (M, N_pad)
-        return y[:, : self.out_features]
+        return self._add_bias(y[:, : self.out_features])
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, group_size={self.group_size}"

@@ -1,0 +1,326 @@
+"""CPU kernels for decoding: matrix-vector products that stream each weight once (csrc/kernels.c).
+
+Decoding a token reads every weight once, so on a CPU its speed is the rate at which weights
+stream from memory. PyTorch's own kernels for a (1, K) x (K, N) product either read a plain fp32
+weight slowly (one thread) or want a second, repacked copy (oneDNN). The small C library here
+reads the weights in the layout the model already stores them, on all threads: fp32 and bf16
+(fp32 arithmetic, so CPUs without native bf16 gain the halved bytes too), and int8/int4 with
+8-bit activations and integer dot products (AVX-512 VNNI, as llama.cpp's Q8_0/Q4_0).
+
+The library is compiled once per CPU model with the system's C compiler (`-O3 -march=native
+-fopenmp`) into the user's cache directory, on first use or by `python -m gptlab.kernels`
+(`make install` runs it). Where that is impossible (no compiler, another CPU architecture, no
+AVX-512) `available()` says why and every caller falls back to PyTorch's kernels.
+
+`Linear` is the model's linear layer: an nn.Linear (same parameters, same state dict, training
+unchanged) whose forward takes the kernel for a few rows without autograd on the CPU, and
+F.linear everywhere else.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "kernels.c"
+MAX_ROWS = 8  # rows of x one kernel call takes (MAX_ROWS in kernels.c); more go to PyTorch's GEMM
+_ABI = 3
+_P = ctypes.c_void_p
+_I = ctypes.c_int
+_SIGNATURES = {
+    "gl_linear_f32": [_P, _P, _P, _P, _I, _I, _I, _I],
+    "gl_linear_bf16": [_P, _P, _P, _P, _P, _I, _I, _I, _I],
+    "gl_quantize_rows_u8": [_P, _P, _P, _I, _I],
+    "gl_linear_i8": [_P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I],
+    "gl_quantize_blocks_i8": [_P, _P, _P, _P, _I, _I, _I],
+    "gl_linear_i4": [_P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I],
+    "gl_dequantize_i4": [_P, _P, _P, _P, _I, _I, _I, _I],
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# Building and loading the library
+
+
+def cpu_name() -> str:
+    """The CPU model name (/proc/cpuinfo), or the platform's machine type."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.machine() or "unknown"
+
+
+def cache_dir() -> Path:
+    """Where built kernels live: $GPTLAB_CACHE, else $XDG_CACHE_HOME/gptlab, else ~/.cache/gptlab."""
+    if os.environ.get("GPTLAB_CACHE"):
+        return Path(os.environ["GPTLAB_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "gptlab"
+
+
+def library_path() -> Path:
+    """The built library's path: one per source version and CPU model (-march=native is CPU-specific)."""
+    digest = hashlib.sha256(SOURCE.read_bytes() + cpu_name().encode()).hexdigest()[:16]
+    slug = re.sub(r"[^A-Za-z0-9]+", "-", cpu_name()).strip("-")[:40]
+    return cache_dir() / "kernels" / f"gptlab-kernels-{slug}-{digest}.so"
+
+
+def build(path: Path | None = None) -> Path:
+    """Compile csrc/kernels.c into `path` (default library_path()); raises RuntimeError saying why not."""
+    path = path or library_path()
+    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if compiler is None:
+        raise RuntimeError("no C compiler found (install gcc, or set CC)")
+    if platform.machine() not in ("x86_64", "AMD64"):
+        raise RuntimeError(f"the kernels are written for x86-64 (AVX-512), this is {platform.machine()}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".so.tmp")
+    os.close(fd)
+    cmd = [compiler, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-o", tmp, str(SOURCE), "-lm"]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-2000:]}")
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+class _Library:
+    """The loaded ctypes library and what it can do, or why it is not there."""
+
+    def __init__(self):
+        self.lib, self.float_ok, self.int_ok, self.reason = None, False, False, ""
+        if os.environ.get("GPTLAB_KERNELS", "1") == "0":
+            self.reason = "switched off by GPTLAB_KERNELS=0"
+            return
+        try:
+            path = library_path()
+            if not path.is_file():
+                log.info("building gptlab's CPU kernels for %s into %s", cpu_name(), path)
+                build(path)
+            lib = ctypes.CDLL(str(path))
+            if lib.gl_abi() != _ABI:
+                raise RuntimeError(f"{path} is an old build (ABI {lib.gl_abi()}, want {_ABI}); delete it")
+        except (OSError, RuntimeError) as e:
+            self.reason = str(e)
+            log.warning("gptlab CPU kernels unavailable, using PyTorch's: %s", e)
+            return
+        for name, argtypes in _SIGNATURES.items():
+            fn = getattr(lib, name, None)
+            if fn is not None:
+                fn.argtypes, fn.restype = argtypes, None
+        self.lib = lib
+        self.float_ok, self.int_ok = bool(lib.gl_has_float_kernels()), bool(lib.gl_has_int_kernels())
+        if not self.float_ok:
+            self.reason = "this CPU has no AVX-512"
+
+
+@functools.cache
+def _library() -> _Library:
+    return _Library()
+
+
+_enabled = True
+
+
+@contextlib.contextmanager
+def use_kernels(enabled: bool):
+    """Within the block, run (enabled=True) or skip (False) gptlab's kernels, e.g. to compare
+    with PyTorch's own. A layer prepared while they were off keeps PyTorch's kernel layout."""
+    global _enabled
+    before, _enabled = _enabled, enabled
+    try:
+        yield
+    finally:
+        _enabled = before
+
+
+def available() -> tuple[bool, bool, str]:
+    """(float kernels, int8/int4 kernels, why not) for this machine; builds the library if needed."""
+    if not _enabled:
+        return False, False, "switched off by use_kernels(False)"
+    lib = _library()
+    why = lib.reason or ("" if lib.int_ok else "this CPU has no AVX-512 VNNI")
+    return lib.float_ok, lib.int_ok, why
+
+
+# ---------------------------------------------------------------------------------------------
+# Dispatch
+
+
+def _ptr(t: torch.Tensor | None):
+    return None if t is None else t.data_ptr()
+
+
+def kernel_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the float kernel takes y = x W^T: CPU, fp32 or bf16, a few rows, no autograd."""
+    if x.device.type != "cpu" or x.dtype != weight.dtype or x.dtype not in (torch.float32, torch.bfloat16):
+        return False
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return False
+    if torch.compiler.is_compiling() or x.numel() > MAX_ROWS * x.size(-1) or not weight.is_contiguous():
+        return False
+    return _enabled and _library().float_ok
+
+
+def float_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x (..., K) W (N, K)^T + b through the C kernel; the caller checked kernel_applies."""
+    lib = _library().lib
+    N, K = weight.shape
+    x2d = x.reshape(-1, K).contiguous()  # (M, K)
+    M = x2d.size(0)
+    y = torch.empty(M, N, dtype=x.dtype)
+    b = None if bias is None else bias.detach().float().contiguous()  # bf16 biases add in fp32, as torch does
+    threads = torch.get_num_threads()
+    if x.dtype == torch.float32:
+        lib.gl_linear_f32(_ptr(x2d), _ptr(weight), _ptr(b), _ptr(y), M, N, K, threads)
+    else:
+        scratch = torch.empty(M, K)
+        lib.gl_linear_bf16(_ptr(x2d), _ptr(weight), _ptr(b), _ptr(y), _ptr(scratch), M, N, K, threads)
+    return y.view(*x.shape[:-1], N)
+
+
+def int_kernels_apply(x2d: torch.Tensor) -> bool:
+    """Whether the int8/int4 kernels take these rows (CPU, a few rows, VNNI, not under torch.compile)."""
+    return (
+        x2d.device.type == "cpu"
+        and x2d.size(0) <= MAX_ROWS
+        and not torch.compiler.is_compiling()
+        and _enabled
+        and _library().int_ok
+    )
+
+
+def int8_linear(x2d, weight, scales, weight_sums, bias) -> torch.Tensor:
+    """x2d (M, K) float -> fp32 (M, N): int8 weight (N, K) with bf16 row scales (N,) and row sums
+    (N,) int32, x quantized per row to int8; bias fp32 (N,) or None."""
+    lib = _library().lib
+    N, K = weight.shape
+    M = x2d.size(0)
+    x = x2d.float().contiguous()
+    xq, xs = torch.empty(M, K, dtype=torch.uint8), torch.empty(M)
+    lib.gl_quantize_rows_u8(_ptr(x), _ptr(xq), _ptr(xs), M, K)
+    y = torch.empty(M, N)
+    lib.gl_linear_i8(_ptr(xq), _ptr(xs), _ptr(weight), _ptr(scales), _ptr(weight_sums), _ptr(bias), _ptr(y),
+                     M, N, K, torch.get_num_threads())  # fmt: skip
+    return y
+
+
+def int4_fits(in_features: int, group_size: int) -> bool:
+    """Whether gl_linear_i4 takes this shape: inputs in whole chunks of 128, groups of >= 32."""
+    return in_features % 128 == 0 and group_size % 32 == 0
+
+
+def int4_linear(x2d, weight, scales, zeros, group_size: int, bias) -> torch.Tensor:
+    """x2d (M, K) float -> fp32 (M, N): int4 weight packed (N, K/2), bf16 scales and zeros (N, K/g),
+    x quantized in blocks of 32 to int8; bias fp32 (N,) or None."""
+    lib = _library().lib
+    N, K = weight.size(0), weight.size(1) * 2
+    M = x2d.size(0)
+    x = x2d.float().contiguous()
+    xq, xd, xg = torch.empty(M, K, dtype=torch.int8), torch.empty(M, K // 32), torch.empty(M, K // group_size)
+    lib.gl_quantize_blocks_i8(_ptr(x), _ptr(xq), _ptr(xd), _ptr(xg), M, K, group_size)
+    y = torch.empty(M, N)
+    lib.gl_linear_i4(_ptr(xq), _ptr(xd), _ptr(xg), _ptr(weight), _ptr(scales), _ptr(zeros), _ptr(bias), _ptr(y),
+                     M, N, K, group_size, torch.get_num_threads())  # fmt: skip
+    return y
+
+
+def dequantize_int4(weight, scales, zeros, group_size: int) -> torch.Tensor:
+    """The fp32 (N, K) matrix of an int4 layer (as gptlab.quantize.dequantize_int4), in C."""
+    N, K = weight.size(0), weight.size(1) * 2
+    out = torch.empty(N, K)
+    _library().lib.gl_dequantize_i4(_ptr(weight), _ptr(scales), _ptr(zeros), _ptr(out), N, K, group_size,
+                                    torch.get_num_threads())  # fmt: skip
+    return out
+
+
+@functools.cache
+def bf16_matmul_is_fast() -> bool:
+    """Whether a bf16 GEMM beats converting to fp32 and running the fp32 one, measured once.
+
+    CPUs with native bf16 (AVX-512 BF16, AMX) run bf16 GEMMs 2-3x faster than fp32; without
+    them PyTorch's bf16 GEMM is emulated and ~5x slower than fp32 (e.g. 63 vs 337 GFLOP/s on
+    an Intel Xeon without AVX512_BF16), so bf16 weights are then better multiplied in fp32.
+    """
+    x = torch.randn(128, 768)
+    w = torch.randn(2304, 768)
+    xb, wb = x.bfloat16(), w.bfloat16()
+
+    def best(fn) -> float:
+        fn()
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    native = best(lambda: F.linear(xb, wb))
+    via_fp32 = best(lambda: F.linear(xb.float(), wb.float()).bfloat16())
+    fast = native <= via_fp32
+    log.info(
+        "bf16 GEMM %.2f ms vs fp32 conversion %.2f ms: multiplying bf16 weights in %s",
+        native * 1e3, via_fp32 * 1e3, "bf16" if fast else "fp32",
+    )  # fmt: skip
+    return fast
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, through the fastest kernel this CPU has for the case (see the module docstring)."""
+    if kernel_applies(x, weight):
+        return float_linear(x, weight, bias)
+    if (
+        _enabled
+        and x.dtype == torch.bfloat16
+        and x.device.type == "cpu"
+        and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+        and not torch.compiler.is_compiling()
+        and not bf16_matmul_is_fast()
+    ):
+        b = None if bias is None else bias.float()
+        return F.linear(x.float(), weight.float(), b).to(torch.bfloat16)
+    return F.linear(x, weight, bias)
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose inference forward on CPU runs gptlab's kernels (see `linear`)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
+def main() -> int:
+    """`python -m gptlab.kernels`: build the library for this CPU (if needed) and say what it can do."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    float_ok, int_ok, why = available()
+    print(f"gptlab kernels for {cpu_name()}: float {'yes' if float_ok else 'no'}, int8/int4 {'yes' if int_ok else 'no'}"
+          + (f" ({why})" if why else "") + f"\n  {library_path()}")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,191 @@
+"""gptlab's CPU kernels (csrc/kernels.c): each against a reference computed in float64 with the
+same arithmetic, and the model's default paths running them."""
+
+from collections import Counter
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from tests.conftest import VARIANTS, tiny_model
+
+from gptlab import kernels
+from gptlab.generation import generate
+from gptlab.quantize import Int4Linear, Int8Linear, quantize_model
+
+FLOAT_OK, INT_OK, WHY = kernels.available()
+needs_float = pytest.mark.skipif(not FLOAT_OK, reason=f"gptlab's float kernels are not built here: {WHY}")
+needs_int = pytest.mark.skipif(not INT_OK, reason=f"gptlab's int8/int4 kernels are not built here: {WHY}")
+
+# (N, K): a tail of output rows that is not a multiple of 4, inputs that are not a multiple of 16.
+SHAPES = [(37, 40), (64, 768), (50, 3072)]
+
+
+class CountingLibrary:
+    """Stands in for the ctypes library and counts the calls of each kernel."""
+
+    def __init__(self, lib):
+        self.lib, self.calls = lib, Counter()
+
+    def __getattr__(self, name):
+        fn = getattr(self.lib, name)
+
+        def call(*args):
+            self.calls[name] += 1
+            return fn(*args)
+
+        return call
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    if not FLOAT_OK:
+        pytest.skip(f"gptlab's kernels are not built here: {WHY}")
+    counting = CountingLibrary(kernels._library().lib)
+    monkeypatch.setattr(kernels._library(), "lib", counting)
+    return counting.calls
+
+
+@needs_float
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("M", [1, 3, 4, 8])
+def test_fp32_kernel_matches_float64(shape, M):
+    N, K = shape
+    torch.manual_seed(0)
+    x, w, b = torch.randn(M, K), torch.randn(N, K), torch.randn(N)
+    ref = F.linear(x.double(), w.double(), b.double())
+    y = kernels.float_linear(x, w, b)
+    # measured: <= 3.5e-7 of the largest output (fp32 sums in another order)
+    assert (y.double() - ref).abs().max() <= 1e-6 * ref.abs().max()
+    assert torch.allclose(kernels.float_linear(x, w, None), F.linear(x, w), rtol=0, atol=1e-5 * ref.abs().max())
+
+
+@needs_float
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("M", [1, 5])
+def test_bf16_kernel_is_the_fp32_sum_rounded_once(shape, M):
+    N, K = shape
+    torch.manual_seed(1)
+    x, w, b = torch.randn(M, K).bfloat16(), torch.randn(N, K).bfloat16(), torch.randn(N).bfloat16()
+    exact = F.linear(x.double(), w.double(), b.double())  # bf16 inputs are exact in float64
+    y = kernels.float_linear(x, w, b)
+    assert y.dtype == torch.bfloat16
+    # One rounding to bf16 (relative 2^-9) plus fp32 summation: within 1 bf16 ulp of the exact value.
+    ulp = exact.abs().clamp(min=1e-3) * 2**-7
+    assert ((y.double() - exact).abs() <= ulp).all()
+    # ...and rounded to nearest even, as torch rounds: only a sum within fp32 noise of a tie may differ.
+    rounded = exact.float().bfloat16()
+    assert (y != rounded).float().mean() <= 0.01  # measured: 0; truncating instead differs in ~half
+
+
+def reference_int8(x, layer):
+    """The int8 kernel's arithmetic in float64: x quantized per row, integer dot products."""
+    amax = x.abs().amax(dim=1, keepdim=True)
+    xq = torch.round(x * (127.0 / amax))  # (M, K) in [-127, 127]
+    dot = xq.double() @ layer.weight.double().T  # (M, N)
+    return (amax.double() / 127) * layer.scales.double() * dot + layer.bias.double()
+
+
+def reference_int4(x, layer):
+    """The int4 kernel's arithmetic in float64: x quantized in blocks of 32, the dequantized weight."""
+    M, K = x.shape
+    xb = x.view(M, K // 32, 32)
+    amax = xb.abs().amax(dim=-1, keepdim=True)
+    xq = torch.round(xb * (127.0 / amax)) * (amax.double() / 127)  # (M, K/32, 32) dequantized
+    return xq.view(M, K) @ layer.dequantize().double().T + layer.bias.double()
+
+
+@needs_int
+@pytest.mark.parametrize("shape", [(37, 40), (70, 768), (30, 3072)])
+@pytest.mark.parametrize("M", [1, 2, 4, 7])
+def test_int8_kernel_matches_its_arithmetic(shape, M, calls):
+    N, K = shape
+    torch.manual_seed(2)
+    layer = Int8Linear.from_linear(nn.Linear(K, N))
+    layer.prepare()
+    x = torch.randn(M, K)
+    y = layer(x)
+    assert calls["gl_linear_i8"] == 1
+    ref = reference_int8(x, layer)
+    assert (y.double() - ref).abs().max() <= 1e-5 * ref.abs().max()  # measured: ~2e-7
+
+
+@needs_int
+@pytest.mark.parametrize("group_size", [32, 64, 128, 256])
+@pytest.mark.parametrize("M", [1, 3, 6])
+def test_int4_kernel_matches_its_arithmetic(group_size, M, calls):
+    N, K = 45, 768
+    torch.manual_seed(3)
+    layer = Int4Linear.from_linear(nn.Linear(K, N), group_size)
+    layer.prepare()
+    x = torch.randn(M, K) * torch.linspace(0.1, 3, K)  # blocks of different scales
+    y = layer(x)
+    assert calls["gl_linear_i4"] == 1
+    ref = reference_int4(x, layer)
+    assert (y.double() - ref).abs().max() <= 1e-5 * ref.abs().max()  # measured: ~3e-7
+
+
+@needs_int
+def test_int4_prompt_path_dequantizes_exactly(calls):
+    torch.manual_seed(4)
+    layer = Int4Linear.from_linear(nn.Linear(256, 40), 64)
+    layer.prepare()
+    x = torch.randn(20, 256)  # more rows than the decoding kernel takes
+    y = layer(x)
+    assert calls["gl_dequantize_i4"] == 1 and calls["gl_linear_i4"] == 0
+    assert torch.allclose(y, F.linear(x, layer.dequantize(), layer.bias), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_greedy_generation_is_the_same_with_and_without_kernels(variant, calls):
+    model = tiny_model(**VARIANTS[variant])
+    prompts = [[5, 6, 7], [8, 9]]
+    with kernels.use_kernels(False):
+        plain = generate(model, prompts, 12, temperature=0)
+    assert not calls
+    fast = generate(model, prompts, 12, temperature=0)
+    assert calls["gl_linear_f32"] > 0
+    assert fast == plain
+
+
+def test_default_paths_run_the_kernels(tmp_path, calls):
+    model = tiny_model()
+    model.save_pretrained(tmp_path / "hf")
+    loaded = type(model).from_pretrained(str(tmp_path / "hf"))
+    assert all(isinstance(m, kernels.Linear) for m in loaded.modules() if isinstance(m, nn.Linear))
+    generate(loaded, [[1, 2, 3]], 4, temperature=0)
+    # prefill (3 rows, few enough for the kernel) and 3 decode steps: 4 linears x 2 layers + the head each
+    assert calls["gl_linear_f32"] == 4 * (4 * 2 + 1)
+    bf16 = type(model).from_pretrained(str(tmp_path / "hf"), dtype=torch.bfloat16)
+    generate(bf16, [[1, 2, 3]], 2, temperature=0)
+    assert calls["gl_linear_bf16"] > 0
+
+
+def test_training_after_generation_uses_autograd_and_matches_plain_linear(calls):
+    model = tiny_model()
+    generate(model, [[1, 2, 3]], 3, temperature=0)
+    model.train()
+    idx = torch.randint(0, 97, (2, 8), generator=torch.Generator().manual_seed(0))
+    before = dict(calls)
+    _, loss = model(idx, targets=idx)
+    loss.backward()
+    assert dict(calls) == before  # autograd forward: PyTorch's kernels
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    with torch.no_grad():  # the same numbers through F.linear
+        assert model(idx[:1, :1])[0].shape == (1, 1, 97)
+    with kernels.use_kernels(False):
+        _, loss2 = model(idx, targets=idx)
+        loss2.backward()
+    assert torch.equal(loss, loss2)
+    assert all(torch.equal(g, p.grad) for g, p in zip(grads, model.parameters(), strict=True))
+
+
+@needs_int
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_quantized_generation_runs_the_int_kernels(mode, calls):
+    model = tiny_model(n_embd=128, n_head=4)  # int4's kernel takes inputs in chunks of 128
+    quantize_model(model, mode, group_size=32)
+    out = generate(model, [[1, 2, 3]], 5, temperature=0)
+    assert len(out[0]) == 8
+    assert calls[f"gl_linear_{mode[:2].replace('in', 'i')}{mode[3:]}"] > 0
