@@ -189,3 +189,36 @@ def test_quantized_generation_runs_the_int_kernels(mode, calls):
     out = generate(model, [[1, 2, 3]], 5, temperature=0)
     assert len(out[0]) == 8
     assert calls[f"gl_linear_{mode[:2].replace('in', 'i')}{mode[3:]}"] > 0
+
+
+@needs_float
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("padded", [False, True])
+def test_decode_attention_writes_the_cache_and_matches_sdpa(dtype, padded):
+    B, nh, hs, max_len, pos = 3, 4, 24, 16, 9  # hs not a multiple of 16: masked loads
+    torch.manual_seed(5)
+    k_cache, v_cache = torch.randn(B, nh, max_len, hs).to(dtype), torch.randn(B, nh, max_len, hs).to(dtype)
+    before = k_cache.clone(), v_cache.clone()
+    qkv = torch.randn(B, 1, 3 * nh * hs).to(dtype)
+    mask = None
+    if padded:  # row 1 has its first 4 slots as padding
+        mask = torch.ones(B, 1, 1, pos + 1, dtype=torch.bool)
+        mask[1, ..., :4] = False
+    out = kernels.decode_attention(qkv, (k_cache, v_cache), pos, mask, nh)
+    q, k, v = qkv.float().view(B, 1, 3, nh, hs).unbind(2)  # each (B, 1, nh, hs)
+    assert torch.equal(k_cache[:, :, pos], k[:, 0].to(dtype)) and torch.equal(v_cache[:, :, pos], v[:, 0].to(dtype))
+    assert torch.equal(k_cache[:, :, :pos], before[0][:, :, :pos]) and torch.equal(k_cache[:, :, pos + 1 :], before[0][:, :, pos + 1 :])
+    ref = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k_cache[:, :, : pos + 1].float(), v_cache[:, :, : pos + 1].float(), attn_mask=mask
+    )  # (B, nh, 1, hs)
+    ref = ref.transpose(1, 2).reshape(B, 1, nh * hs)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2  # measured: 4e-7 (fp32); bf16: one rounding of the output
+    assert out.dtype == dtype and (out.float() - ref).abs().max() <= tol * ref.abs().max()
+
+
+@needs_float
+def test_argmax_matches_torch_including_ties():
+    torch.manual_seed(6)
+    logits = torch.randn(4, 50257)
+    logits[2, 7] = logits[2, 40000] = logits[2].max() + 1  # a tie: the first index wins, as in torch
+    assert torch.equal(kernels.argmax(logits), logits.argmax(dim=-1))

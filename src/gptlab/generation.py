@@ -25,6 +25,7 @@ from collections.abc import Iterator, Sequence
 import torch
 import torch.nn.functional as F
 
+from gptlab import kernels
 from gptlab.model import KVCache
 
 log = logging.getLogger(__name__)
@@ -135,7 +136,7 @@ def sample_next(
     """Next token ids (B,) from logits (B, V): greedy when temperature is 0, else temperature,
     then top-k, top-p and min-p (the order transformers uses), then a draw from what is left."""
     if temperature == 0:
-        return logits.argmax(dim=-1)
+        return kernels.argmax(logits)
     logits = logits.float() / temperature  # (B, V)
     if top_k is not None:
         logits = top_k_mask(logits, top_k)

@@ -42,18 +42,19 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "kernels.c"
 MAX_ROWS = 8  # rows of x one kernel call takes (MAX_ROWS in kernels.c); more go to PyTorch's GEMM
-_ABI = 3
+_ABI = 4
 _P = ctypes.c_void_p
 _I = ctypes.c_int
-_SIGNATURES = {
-    "gl_linear_f32": [_P, _P, _P, _P, _I, _I, _I, _I],
-    "gl_linear_bf16": [_P, _P, _P, _P, _P, _I, _I, _I, _I],
-    "gl_quantize_rows_u8": [_P, _P, _P, _I, _I],
-    "gl_linear_i8": [_P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I],
-    "gl_quantize_blocks_i8": [_P, _P, _P, _P, _I, _I, _I],
-    "gl_linear_i4": [_P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I],
+_SIGNATURES = {  # name: argument types; each returns 0, or -1 when out of memory
+    "gl_linear_f32": [_P, _P, _P, _P, _I, _I, _I, _I],  # x, w, bias, y, M, N, K, threads
+    "gl_linear_bf16": [_P, _P, _P, _P, _I, _I, _I, _I],
+    "gl_linear_i8": [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I],
+    "gl_linear_i4": [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I],
     "gl_dequantize_i4": [_P, _P, _P, _P, _I, _I, _I, _I],
+    "gl_attend_one": [_P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _I],
+    "gl_argmax_f32": [_P, _P, _I, _I],
 }
+_huge_paged: set[int] = set()  # weights already moved to huge pages (their data pointers)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -131,7 +132,8 @@ class _Library:
         for name, argtypes in _SIGNATURES.items():
             fn = getattr(lib, name, None)
             if fn is not None:
-                fn.argtypes, fn.restype = argtypes, None
+                fn.argtypes, fn.restype = argtypes, ctypes.c_int
+        lib.gl_huge_pages.argtypes, lib.gl_huge_pages.restype = [_P, ctypes.c_size_t], ctypes.c_int
         self.lib = lib
         self.float_ok, self.int_ok = bool(lib.gl_has_float_kernels()), bool(lib.gl_has_int_kernels())
         if not self.float_ok:
@@ -175,6 +177,17 @@ def _ptr(t: torch.Tensor | None):
     return None if t is None else t.data_ptr()
 
 
+def _stream(weight: torch.Tensor) -> int:
+    """The data pointer of a weight the kernels stream; the first time, its memory is moved to
+    2 MiB pages (see gl_huge_pages in kernels.c: fewer TLB misses, same bytes, no copy kept)."""
+    ptr = weight.data_ptr()
+    if ptr not in _huge_paged:
+        _huge_paged.add(ptr)
+        if weight.nbytes >= 4 << 20:
+            _library().lib.gl_huge_pages(ptr, weight.nbytes)
+    return ptr
+
+
 def kernel_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the float kernel takes y = x W^T: CPU, fp32 or bf16, a few rows, no autograd."""
     if x.device.type != "cpu" or x.dtype != weight.dtype or x.dtype not in (torch.float32, torch.bfloat16):
@@ -186,21 +199,32 @@ def kernel_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return _enabled and _library().float_ok
 
 
+def _check(status: int) -> None:
+    if status:
+        raise MemoryError("gptlab kernels: out of memory for the activations' scratch buffer")
+
+
+def _rows(x: torch.Tensor, K: int) -> torch.Tensor:
+    """x (..., K) as a contiguous (M, K) matrix (a view when it already is one)."""
+    x2d = x.reshape(-1, K)
+    return x2d if x2d.is_contiguous() else x2d.contiguous()
+
+
+def _f32(bias: torch.Tensor | None) -> torch.Tensor | None:
+    """The bias in fp32 (bf16 biases add in fp32, as torch's bf16 linear does); keep it alive over the call."""
+    return bias if bias is None or bias.dtype == torch.float32 else bias.float()
+
+
 def float_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x (..., K) W (N, K)^T + b through the C kernel; the caller checked kernel_applies."""
+    """x (..., K) W (N, K)^T + b through the C kernel, in x's dtype; the caller checked kernel_applies."""
     lib = _library().lib
     N, K = weight.shape
-    x2d = x.reshape(-1, K).contiguous()  # (M, K)
-    M = x2d.size(0)
-    y = torch.empty(M, N, dtype=x.dtype)
-    b = None if bias is None else bias.detach().float().contiguous()  # bf16 biases add in fp32, as torch does
-    threads = torch.get_num_threads()
-    if x.dtype == torch.float32:
-        lib.gl_linear_f32(_ptr(x2d), _ptr(weight), _ptr(b), _ptr(y), M, N, K, threads)
-    else:
-        scratch = torch.empty(M, K)
-        lib.gl_linear_bf16(_ptr(x2d), _ptr(weight), _ptr(b), _ptr(y), _ptr(scratch), M, N, K, threads)
-    return y.view(*x.shape[:-1], N)
+    x2d = _rows(x, K)
+    y = torch.empty(*x.shape[:-1], N, dtype=x.dtype)
+    fn = lib.gl_linear_f32 if x.dtype == torch.float32 else lib.gl_linear_bf16
+    b = _f32(bias)
+    _check(fn(x2d.data_ptr(), _stream(weight), _ptr(b), y.data_ptr(), x2d.size(0), N, K, torch.get_num_threads()))
+    return y
 
 
 def int_kernels_apply(x2d: torch.Tensor) -> bool:
@@ -216,16 +240,12 @@ def int_kernels_apply(x2d: torch.Tensor) -> bool:
 
 def int8_linear(x2d, weight, scales, weight_sums, bias) -> torch.Tensor:
     """x2d (M, K) float -> fp32 (M, N): int8 weight (N, K) with bf16 row scales (N,) and row sums
-    (N,) int32, x quantized per row to int8; bias fp32 (N,) or None."""
-    lib = _library().lib
+    (N,) int32, x quantized per row to int8 (in C); bias fp32 (N,) or None."""
     N, K = weight.shape
-    M = x2d.size(0)
-    x = x2d.float().contiguous()
-    xq, xs = torch.empty(M, K, dtype=torch.uint8), torch.empty(M)
-    lib.gl_quantize_rows_u8(_ptr(x), _ptr(xq), _ptr(xs), M, K)
-    y = torch.empty(M, N)
-    lib.gl_linear_i8(_ptr(xq), _ptr(xs), _ptr(weight), _ptr(scales), _ptr(weight_sums), _ptr(bias), _ptr(y),
-                     M, N, K, torch.get_num_threads())  # fmt: skip
+    x, b = _rows(x2d.float(), K), _f32(bias)
+    y = torch.empty(x.size(0), N)
+    _check(_library().lib.gl_linear_i8(x.data_ptr(), _stream(weight), scales.data_ptr(), weight_sums.data_ptr(),
+                                       _ptr(b), y.data_ptr(), x.size(0), N, K, torch.get_num_threads()))  # fmt: skip
     return y
 
 
@@ -236,25 +256,70 @@ def int4_fits(in_features: int, group_size: int) -> bool:
 
 def int4_linear(x2d, weight, scales, zeros, group_size: int, bias) -> torch.Tensor:
     """x2d (M, K) float -> fp32 (M, N): int4 weight packed (N, K/2), bf16 scales and zeros (N, K/g),
-    x quantized in blocks of 32 to int8; bias fp32 (N,) or None."""
-    lib = _library().lib
+    x quantized in blocks of 32 to int8 (in C); bias fp32 (N,) or None."""
     N, K = weight.size(0), weight.size(1) * 2
-    M = x2d.size(0)
-    x = x2d.float().contiguous()
-    xq, xd, xg = torch.empty(M, K, dtype=torch.int8), torch.empty(M, K // 32), torch.empty(M, K // group_size)
-    lib.gl_quantize_blocks_i8(_ptr(x), _ptr(xq), _ptr(xd), _ptr(xg), M, K, group_size)
-    y = torch.empty(M, N)
-    lib.gl_linear_i4(_ptr(xq), _ptr(xd), _ptr(xg), _ptr(weight), _ptr(scales), _ptr(zeros), _ptr(bias), _ptr(y),
-                     M, N, K, group_size, torch.get_num_threads())  # fmt: skip
+    x, b = _rows(x2d.float(), K), _f32(bias)
+    y = torch.empty(x.size(0), N)
+    _check(_library().lib.gl_linear_i4(x.data_ptr(), _stream(weight), scales.data_ptr(), zeros.data_ptr(),
+                                       _ptr(b), y.data_ptr(), x.size(0), N, K, group_size,
+                                       torch.get_num_threads()))  # fmt: skip
     return y
+
+
+def decode_attention_applies(qkv: torch.Tensor, kv, cache_pos) -> bool:
+    """Whether decode_attention takes this step: one new token per row, an int cache position,
+    CPU, fp32 or bf16 caches in the activations' dtype, no autograd."""
+    return (
+        _enabled
+        and qkv.size(1) == 1
+        and isinstance(cache_pos, int)
+        and qkv.device.type == "cpu"
+        and qkv.dtype in (torch.float32, torch.bfloat16)
+        and kv[0].dtype == qkv.dtype
+        and not (torch.is_grad_enabled() and qkv.requires_grad)
+        and not torch.compiler.is_compiling()
+        and _library().float_ok
+    )
+
+
+def decode_attention(qkv: torch.Tensor, kv, cache_pos: int, mask: torch.Tensor | None, n_head: int) -> torch.Tensor:
+    """One decoding step of causal self-attention for one layer, in C: writes the new key and
+    value from qkv (B, 1, 3C) into the layer's cache (k, v), each (B, nh, max_len, hs), at slot
+    cache_pos, and returns softmax(q k^T / sqrt(hs)) v over slots 0..cache_pos as (B, 1, C).
+    mask: bool (B, 1, 1, cache_pos + 1), False at keys to skip (padding), or None."""
+    k_cache, v_cache = kv
+    B, _, C3 = qkv.shape
+    hs, max_len = k_cache.size(-1), k_cache.size(2)
+    qkv = qkv.contiguous()
+    out = torch.empty(B, 1, C3 // 3, dtype=qkv.dtype)
+    m = None if mask is None else mask.reshape(B, cache_pos + 1).contiguous()
+    status = _library().lib.gl_attend_one(
+        qkv.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), cache_pos, _ptr(m), out.data_ptr(),
+        B, n_head, hs, max_len, int(qkv.dtype == torch.bfloat16), torch.get_num_threads(),
+    )  # fmt: skip
+    _check(status)
+    return out
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """logits (B, V) -> (B,) indices of the largest value per row, as torch.argmax (in C for CPU
+    fp32: torch's takes ~85 us over GPT-2's 50,257 logits, ~20x longer)."""
+    if not (_enabled and logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2):
+        return logits.argmax(dim=-1)
+    if not _library().float_ok:
+        return logits.argmax(dim=-1)
+    x = logits.contiguous()
+    out = torch.empty(x.size(0), dtype=torch.long)
+    _library().lib.gl_argmax_f32(x.data_ptr(), out.data_ptr(), x.size(0), x.size(1))
+    return out
 
 
 def dequantize_int4(weight, scales, zeros, group_size: int) -> torch.Tensor:
     """The fp32 (N, K) matrix of an int4 layer (as gptlab.quantize.dequantize_int4), in C."""
     N, K = weight.size(0), weight.size(1) * 2
     out = torch.empty(N, K)
-    _library().lib.gl_dequantize_i4(_ptr(weight), _ptr(scales), _ptr(zeros), _ptr(out), N, K, group_size,
-                                    torch.get_num_threads())  # fmt: skip
+    _library().lib.gl_dequantize_i4(weight.data_ptr(), scales.data_ptr(), zeros.data_ptr(), out.data_ptr(),
+                                    N, K, group_size, torch.get_num_threads())  # fmt: skip
     return out
 
 

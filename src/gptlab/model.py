@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from gptlab import kernels
 from gptlab.config import GPTConfig
 from gptlab.fused_loss import linear_cross_entropy
 from gptlab.kernels import Linear
@@ -133,7 +134,11 @@ class CausalSelfAttention(nn.Module):
         attention probabilities to, which selects the explicit path.
         """
         B, T, C = x.size()
-        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        qkv = self.c_attn(x)  # (B, T, 3C)
+        if rope is None and kv is not None and probs_out is None and kernels.decode_attention_applies(qkv, kv, cache_pos):
+            y = kernels.decode_attention(qkv, kv, cache_pos, mask, self.n_head)  # (B, 1, C): one step, in C
+            return self.resid_dropout(self.c_proj(y))
+        q, k, v = qkv.split(self.n_embd, dim=2)
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
