@@ -3,10 +3,8 @@
 import json
 
 import pytest
-import torch
 
 from gptlab.bench.generate import BandwidthProbe, main, weight_bytes_per_token
-from gptlab.packed import pack_linears
 
 
 def test_bench_generate_writes_both_engines_and_the_bandwidth_shares(tmp_path, capsys):
@@ -18,7 +16,6 @@ def test_bench_generate_writes_both_engines_and_the_bandwidth_shares(tmp_path, c
     ours, theirs = results["rows"]
     assert (ours["engine"], theirs["engine"]) == ("gptlab", "transformers")
     assert ours["same_tokens_as_transformers"] is True
-    assert ours["packed"] is torch.backends.mkldnn.is_available()
     for row in (ours, theirs):
         assert row["decode_tok_s"] > 0 and row["prefill_tok_s"] > 0
         assert len(row["bandwidth_probes_gbs"]) == 2 and row["bandwidth_gbs"] == max(row["bandwidth_probes_gbs"])
@@ -34,7 +31,7 @@ def test_probe_reports_its_best_reading():
     assert out["bandwidth_gbs"] == max(out["read_gbs"], out["gemv_gbs"]) > 0
 
 
-def test_weight_bytes_count_a_packed_head_and_skip_lookup_tables():
+def test_weight_bytes_count_the_tied_head_once_and_skip_the_position_table():
     from conftest import tiny_model
 
     plain = tiny_model()
@@ -42,9 +39,6 @@ def test_weight_bytes_count_a_packed_head_and_skip_lookup_tables():
     total = 4 * plain.num_params()
     expected = total - 4 * (P - 1) * C  # the position table: one row per token
     assert weight_bytes_per_token(plain) == expected
-    packed = pack_linears(tiny_model())
-    # The packed head is read whole; the dense token table now serves lookups only, one row.
-    assert weight_bytes_per_token(packed) == expected + 4 * C
 
 
 # --- llama.cpp peer (gptlab.bench.llamacpp): the pure parts; building llama.cpp is not a test

@@ -22,6 +22,7 @@ import torch
 import uvicorn
 
 from conftest import tiny_model
+from gptlab import kernels
 from gptlab.checkpoint import save_model
 from gptlab.generation import generate
 from gptlab.serve.app import create_app
@@ -107,15 +108,12 @@ def assert_ok_after(client):
 # The scheduler alone
 
 
-@pytest.mark.parametrize("packed", [False, True], ids=["linear", "packed"])
-def test_scheduler_mixed_batch_equals_generate(model, packed):
+@pytest.mark.parametrize("fast", [True, False], ids=["kernels", "torch"])
+def test_scheduler_mixed_batch_equals_generate(model, fast, monkeypatch):
     """Requests of different lengths, n, sampling settings and seeds, joining at different times
-    in a cache small enough to be shifted both ways, each equal gptlab.generation alone; also
-    with prepacked weights, as `gptlab serve` runs on CPU."""
-    if packed:
-        from gptlab.packed import pack_linears
-
-        model = pack_linears(serve_model())
+    in a cache small enough to be shifted both ways, each equal gptlab.generation alone, with
+    gptlab's CPU kernels (as `gptlab serve` runs) and with PyTorch's alone."""
+    monkeypatch.setattr(kernels, "_enabled", fast)  # what kernels.use_kernels(fast) sets
     torch.manual_seed(1)
     cases = []
     for i in range(12):

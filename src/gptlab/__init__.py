@@ -14,8 +14,7 @@ _EXPORTS = {
     "get_tokenizer": "gptlab.tokenizer",
     "generate": "gptlab.generation",
     "load_model": "gptlab.checkpoint",
-    "pack_linears": "gptlab.packed",
-    "unpack_linears": "gptlab.packed",
+    "quantize_model": "gptlab.quantize",
 }
 
 __all__ = list(_EXPORTS)

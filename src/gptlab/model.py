@@ -354,7 +354,7 @@ class GPT(nn.Module):
         return out
 
     def _as_built(self) -> GPT:
-        """This model, or, when packed or quantized layers stand in for nn.Linear (their weights
+        """This model, or, when quantized layers stand in for nn.Linear (their weights
         are not parameters), the same architecture built on the meta device, for counting."""
         if not any(hasattr(m, "in_features") and not isinstance(m, nn.Linear) for m in self.modules()):
             return self

@@ -11,10 +11,14 @@ bytes of weights. This module stores them in fewer bytes:
 Scales and zeros are bfloat16 numbers, the precision PyTorch's CPU kernels read, so the stored
 checkpoint, `dequantize()` and the kernels all describe one and the same matrix.
 
-On the CPU the quantized linear layers call PyTorch's packed-weight kernels
-(`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`, both with bfloat16 activations; or, with
-`activations="int8"`, fbgemm's dynamic int8 x int8 `quantized::linear_dynamic`). Elsewhere they
-fall back to dequantizing the weight and calling `F.linear`.
+On the CPU, decoding (a few rows) runs gptlab's own kernels (gptlab.kernels, AVX-512 VNNI) on the
+stored buffers as they are: the activations quantized to int8 (per row for int8 weights, per
+block of 32 for int4, as llama.cpp's Q8_0), integer dot products, one scale per row or group.
+Prompts and batches (many rows) take fbgemm's dynamic int8 x int8 `quantized::linear_dynamic`
+(int8) or a dequantize-then-GEMM (int4). Without gptlab's kernels (no AVX-512 VNNI, or
+`kernels.use_kernels(False)`), PyTorch's packed-weight kernels stand in (`_weight_int8pack_mm`,
+`_weight_int4pack_mm_for_cpu`); `activations="float"` (int8) always takes `_weight_int8pack_mm`
+with bf16 activations. Off the CPU, layers dequantize the weight and call `F.linear`.
 
 The head is tied to the token embedding in GPT-2; after quantization the embedding lookup reads
 its rows from the quantized head table (`QuantizedEmbedding`), so the checkpoint stores the matrix

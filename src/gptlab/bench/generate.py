@@ -28,10 +28,10 @@ import time
 
 import torch
 
+from gptlab import kernels
 from gptlab.bench.common import machine, write_results
 from gptlab.config import GPTConfig
 from gptlab.model import GPT
-from gptlab.packed import is_packed, maybe_pack
 
 log = logging.getLogger(__name__)
 
@@ -88,21 +88,15 @@ class BandwidthProbe:
 
 def weight_bytes_per_token(model: torch.nn.Module, buffers: bool = True) -> int:
     """Bytes of weights one decode step reads: every parameter (and buffer: quantized weights)
-    and every prepacked weight once, a tied head once, except embedding tables that only serve
-    lookups (the position table; the token table when the head has its own packed copy), of
-    which one row is read."""
-    from gptlab.packed import PackedLinear
-
-    head_packed = isinstance(getattr(model, "lm_head", None), PackedLinear)
-    lookup_only = ("wpe.weight", "wte.weight") if head_packed else ("wpe.weight",)
+    once, a tied head once, except the position table, which only serves lookups (one row)."""
+    lookup_only = ("wpe.weight",)
     seen, total = set(), 0
     for name, t in [*model.named_parameters(), *(model.named_buffers() if buffers else [])]:
         if t.data_ptr() in seen:
             continue
         seen.add(t.data_ptr())
         total += t.element_size() * (t.size(-1) if name.endswith(lookup_only) else t.numel())
-    packed = [m.packed for m in model.modules() if isinstance(m, PackedLinear)]
-    return total + sum(t.element_size() * t.numel() for t in packed)
+    return total
 
 
 def cpu_has_native_bf16() -> tuple[bool, str]:
@@ -123,9 +117,8 @@ def cpu_has_native_bf16() -> tuple[bool, str]:
 # Models: a mode name -> a model; the quantization work plugs in here
 
 
-def build_mode(mode: str, state: dict, config: GPTConfig, pack: bool = False) -> GPT:
-    """A gptlab model in `mode` with the given fp32 weights; `pack` prepacks fp32/bf16 linear
-    layers for oneDNN (gptlab.packed), as `gptlab generate` does by default on CPU."""
+def build_mode(mode: str, state: dict, config: GPTConfig) -> GPT:
+    """A gptlab model in `mode` with the given fp32 weights."""
     with torch.device("meta"):
         model = GPT(config)
     model.load_state_dict(state, assign=True)
@@ -133,7 +126,7 @@ def build_mode(mode: str, state: dict, config: GPTConfig, pack: bool = False) ->
     model.eval()
     if mode in ("fp32", "bf16"):
         model = model.to(torch.bfloat16 if mode == "bf16" else torch.float32)
-        return maybe_pack(model) if pack else model
+        return model
     if mode in QUANTIZED:
         try:
             from gptlab.quantize import quantize_model
@@ -252,7 +245,6 @@ def parse_args(argv):
     p.add_argument("--compile", action="store_true", help="also run gptlab with a torch.compile'd decode step")
     p.add_argument("--no-eager", action="store_true", help="with --compile, skip the eager gptlab rows")
     p.add_argument("--no-hf", action="store_true", help="skip transformers")
-    p.add_argument("--no-pack", dest="pack", action="store_false", help="gptlab with plain nn.Linear weights")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument(
         "--threads",
@@ -298,7 +290,7 @@ def run_row(row, models, hf_models, idx_by_batch, args, probe) -> dict:
         if row["compiled"]:
             row["compile_s"] = round(result["first_call_s"] - (batch * args.new_tokens / result["e2e_tok_s"]), 1)
         row["weight_bytes_per_token"] = weight_bytes_per_token(model)
-        row["packed"] = is_packed(model)
+        row["gptlab_kernels"] = kernels.available()[0]  # gptlab's C kernels built and used here
         if batch == 1 and not row["compiled"]:
             row.update(time_linears(model, probe))
     else:
@@ -347,7 +339,7 @@ def main(argv=None) -> int:
     probe = BandwidthProbe(args.probe_mib * 2**20)
     bandwidth = probe.measure()
     print(f"memory bandwidth: {bandwidth} (probed again around every repeat; each row uses its own)")
-    models = {mode: build_mode(mode, state, config, pack=args.pack) for mode in modes}
+    models = {mode: build_mode(mode, state, config) for mode in modes}
     hf_models = {} if args.no_hf else {m: build_hf(state, config, m) for m in modes if m in ("fp32", "bf16")}
     rows, planned = [], plan_rows(args)
     try:

@@ -12,16 +12,8 @@ def add_model_arguments(parser, *, prompt: bool = True) -> None:
         parser.add_argument("--prompt", required=True, help="the text to run through the model")
 
 
-def add_pack_argument(parser) -> None:
-    parser.add_argument(
-        "--no-pack", dest="pack", action="store_false",
-        help="keep nn.Linear weights as they are (default on CPU: prepack them for oneDNN, 2-3x faster)",
-    )  # fmt: skip
-
-
-def load(args, *, pack: bool = False):
-    """(model, tokenizer) for args.model on the requested device and dtype, in eval mode; `pack`
-    prepacks the linear layers for inference where that applies (gptlab.packed)."""
+def load(args):
+    """(model, tokenizer) for args.model on the requested device and dtype, in eval mode."""
     import torch
 
     from gptlab.checkpoint import load_model, tokenizer_name
@@ -36,10 +28,6 @@ def load(args, *, pack: bool = False):
         raise ValueError(
             f"{args.model}: the {tokenizer.name} tokenizer has {tokenizer.n_vocab} tokens, the model only {model.config.vocab_size}"
         )
-    if pack:
-        from gptlab.packed import maybe_pack
-
-        maybe_pack(model)
     return model.eval(), tokenizer
 
 

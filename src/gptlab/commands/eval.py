@@ -2,7 +2,7 @@
 
 import time
 
-from gptlab.commands._model_args import add_model_arguments, add_pack_argument, load, write_json
+from gptlab.commands._model_args import add_model_arguments, load, write_json
 
 TASKS = ("perplexity", "hellaswag", "lambada")
 
@@ -23,7 +23,6 @@ def add_arguments(parser):
     parser.add_argument("--limit", type=int, default=None, help="only the first N examples (hellaswag, lambada)")
     parser.add_argument("--out", default=None, help="JSON results file (default eval-TASK.json)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    add_pack_argument(parser)
 
 
 def run(args):
@@ -33,7 +32,7 @@ def run(args):
         raise ValueError(f"--batch-size must be at least 1, got {args.batch_size}")
     if args.limit is not None and args.limit < 1:
         raise ValueError(f"--limit must be at least 1, got {args.limit}")
-    model, tokenizer = load(args, pack=args.pack)
+    model, tokenizer = load(args)
     progress = not args.no_progress
     start = time.perf_counter()
     if args.task == "perplexity":

@@ -7,7 +7,7 @@ at temperature 1.
 
 import sys
 
-from gptlab.commands._model_args import add_model_arguments, add_pack_argument, load
+from gptlab.commands._model_args import add_model_arguments, load
 
 
 def add_arguments(parser):
@@ -28,7 +28,6 @@ def add_arguments(parser):
     parser.add_argument("--num-samples", type=int, default=1, help="continuations of the prompt")
     parser.add_argument("--seed", type=int, default=None, help="make sampling reproducible")
     parser.add_argument("--compile", action="store_true", help="torch.compile the decode step (slow start)")
-    add_pack_argument(parser)
 
 
 def run(args):
@@ -44,7 +43,7 @@ def run(args):
         repetition_penalty=args.repetition_penalty,
     )
     validate_sampling(**sampling, max_new_tokens=args.max_new_tokens, num_samples=args.num_samples)
-    model, tokenizer = load(args, pack=args.pack)
+    model, tokenizer = load(args)
     device = next(model.parameters()).device
     generator = torch.Generator(device=device)
     generator.manual_seed(args.seed) if args.seed is not None else generator.seed()

@@ -2,8 +2,6 @@
 
 from pathlib import Path
 
-from gptlab.commands._model_args import add_pack_argument
-
 
 def add_arguments(parser):
     parser.add_argument("--model", required=True, help="preset name, gptlab/HF directory or Hub id")
@@ -15,7 +13,6 @@ def add_arguments(parser):
     parser.add_argument("--max-body", type=int, default=1 << 20, help="largest request body in bytes (default 1 MiB)")
     parser.add_argument("--device", default="cpu", help="cpu, cuda, ... (default cpu)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    add_pack_argument(parser)
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 
@@ -35,10 +32,6 @@ def run(args):
             raise ValueError("--threads must be at least 1")
         torch.set_num_threads(args.threads)
     model = load_model(args.model, device=args.device).eval()
-    if args.pack:
-        from gptlab.packed import maybe_pack
-
-        maybe_pack(model)
     tokenizer = get_tokenizer(tokenizer_name(args.model))
     name = args.name or Path(args.model.rstrip("/")).name
     app = create_app(
