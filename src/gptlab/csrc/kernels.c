@@ -114,26 +114,53 @@ static inline __m512 load_bf16x16_masked(const uint16_t *p, __mmask16 m) {
  * constants after inlining so the R x M accumulators live in registers: out[r][m] = dot(w_r, x_m).
  * w holds fp32 or (bf16 != 0) bf16 rows of K values; bf16 converts to fp32 exactly (a shift). */
 #define ROWS 4
-/* acc[r][m] += w_r[k..k+16) * x_m[k..k+16) (masked by mk), prefetching 512 bytes ahead of each
- * weight stream: measured +3-8% over the hardware prefetcher alone (33-34 GB/s fp32, Intel Xeon). */
-static inline __attribute__((always_inline)) void dot_step(const void *w, int bf16, const float *x, const int R,
-                                                           const int M, int K, int k, __mmask16 mk, int masked,
-                                                           __m512 acc[ROWS][ROWS]) {
+/* acc[r][m] += w_r[k..k+16) * x_m[k..k+16) (masked by mk), for fp32 w, prefetching PF_FLOAT bytes
+ * ahead of each weight stream: measured +3-8% over the hardware prefetcher alone. */
+static inline __attribute__((always_inline)) void dot_step_f32(const float *w, const float *x, const int R,
+                                                               const int M, int K, int k, __mmask16 mk, int masked,
+                                                               __m512 acc[ROWS][ROWS]) {
     __m512 xv[ROWS];
     for (int m = 0; m < M; m++)
         xv[m] = masked ? _mm512_maskz_loadu_ps(mk, x + (size_t)m * K + k) : _mm512_loadu_ps(x + (size_t)m * K + k);
     for (int r = 0; r < R; r++) {
-        size_t i = (size_t)r * K + k;
-        __m512 wv;
-        if (bf16) {
-            const uint16_t *p = (const uint16_t *)w + i;
-            _mm_prefetch((const char *)p + PF_FLOAT, _MM_HINT_T0);
-            wv = masked ? load_bf16x16_masked(p, mk) : load_bf16x16(p);
-        } else {
-            const float *p = (const float *)w + i;
-            _mm_prefetch((const char *)p + PF_FLOAT, _MM_HINT_T0);
-            wv = masked ? _mm512_maskz_loadu_ps(mk, p) : _mm512_loadu_ps(p);
+        const float *p = w + (size_t)r * K + k;
+        _mm_prefetch((const char *)p + PF_FLOAT, _MM_HINT_T0);
+        __m512 wv = masked ? _mm512_maskz_loadu_ps(mk, p) : _mm512_loadu_ps(p);
+        for (int m = 0; m < M; m++) acc[r][m] = _mm512_fmadd_ps(wv, xv[m], acc[r][m]);
+    }
+}
+
+/* The same for 32 bf16 weights w_r[k..k+32): one 64-byte load gives the even-indexed weights as
+ * fp32 by a shift and the odd-indexed ones by a mask (no shuffles), against x stored with each
+ * block of 32 as its 16 even then its 16 odd values (see gl_linear_bf16). */
+static inline __attribute__((always_inline)) void dot_step_bf16x32(const uint16_t *w, const float *x, const int R,
+                                                                   const int M, int K, int k, __m512 acc[ROWS][ROWS]) {
+    const __m512i high = _mm512_set1_epi32((int)0xffff0000u);
+    __m512 xe[ROWS], xo[ROWS];
+    for (int m = 0; m < M; m++) {
+        xe[m] = _mm512_loadu_ps(x + (size_t)m * K + k);
+        xo[m] = _mm512_loadu_ps(x + (size_t)m * K + k + 16);
+    }
+    for (int r = 0; r < R; r++) {
+        const uint16_t *p = w + (size_t)r * K + k;
+        _mm_prefetch((const char *)p + PF_FLOAT, _MM_HINT_T0);
+        __m512i v = _mm512_loadu_si512((const void *)p);
+        __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)), odd = _mm512_castsi512_ps(_mm512_and_si512(v, high));
+        for (int m = 0; m < M; m++) {
+            acc[r][m] = _mm512_fmadd_ps(even, xe[m], acc[r][m]);
+            acc[r][m] = _mm512_fmadd_ps(odd, xo[m], acc[r][m]);
         }
+    }
+}
+
+/* A tail of fewer than 32 bf16 weights (x in natural order there), 16 at a time. */
+static inline __attribute__((always_inline)) void dot_step_bf16(const uint16_t *w, const float *x, const int R,
+                                                                const int M, int K, int k, __mmask16 mk,
+                                                                __m512 acc[ROWS][ROWS]) {
+    __m512 xv[ROWS];
+    for (int m = 0; m < M; m++) xv[m] = _mm512_maskz_loadu_ps(mk, x + (size_t)m * K + k);
+    for (int r = 0; r < R; r++) {
+        __m512 wv = load_bf16x16_masked(w + (size_t)r * K + k, mk);
         for (int m = 0; m < M; m++) acc[r][m] = _mm512_fmadd_ps(wv, xv[m], acc[r][m]);
     }
 }
@@ -144,8 +171,14 @@ static inline __attribute__((always_inline)) void dot_rm(const void *w, int bf16
     for (int r = 0; r < R; r++)
         for (int m = 0; m < M; m++) acc[r][m] = _mm512_setzero_ps();
     int k = 0;
-    for (; k + 16 <= K; k += 16) dot_step(w, bf16, x, R, M, K, k, 0xffff, 0, acc);
-    if (k < K) dot_step(w, bf16, x, R, M, K, k, (__mmask16)((1u << (K - k)) - 1), 1, acc);
+    if (bf16) {
+        for (; k + 32 <= K; k += 32) dot_step_bf16x32((const uint16_t *)w, x, R, M, K, k, acc);
+        for (; k < K; k += 16)
+            dot_step_bf16((const uint16_t *)w, x, R, M, K, k, K - k >= 16 ? 0xffff : (__mmask16)((1u << (K - k)) - 1), acc);
+    } else {
+        for (; k + 16 <= K; k += 16) dot_step_f32((const float *)w, x, R, M, K, k, 0xffff, 0, acc);
+        if (k < K) dot_step_f32((const float *)w, x, R, M, K, k, (__mmask16)((1u << (K - k)) - 1), 1, acc);
+    }
     for (int r = 0; r < R; r++)
         for (int m = 0; m < M; m++) out[r][m] = _mm512_reduce_add_ps(acc[r][m]);
 }
@@ -200,7 +233,17 @@ int gl_linear_bf16(const uint16_t *x, const uint16_t *w, const float *b, uint16_
                    int nthreads) {
     float *xf = scratch((size_t)M * K * sizeof(float));
     if (!xf) return -1;
-    for (size_t i = 0; i < (size_t)M * K; i++) xf[i] = bf16_to_f32(x[i]);
+    for (int m = 0; m < M; m++) { /* fp32, each whole block of 32 as its 16 even then 16 odd values */
+        const uint16_t *xr = x + (size_t)m * K;
+        float *xo = xf + (size_t)m * K;
+        int k = 0;
+        for (; k + 32 <= K; k += 32)
+            for (int i = 0; i < 16; i++) {
+                xo[k + i] = bf16_to_f32(xr[k + 2 * i]);
+                xo[k + 16 + i] = bf16_to_f32(xr[k + 2 * i + 1]);
+            }
+        for (; k < K; k++) xo[k] = bf16_to_f32(xr[k]);
+    }
     linear_rows(w, 1, xf, b, y, 1, M, N, K, nthreads);
     return 0;
 }
@@ -427,46 +470,86 @@ static void quantize_blocks_i8(const float *x, int8_t *xq, float *d, float *gsum
 
 /* y[m, n] = sum over groups of scale * (sum_k (q[n, k] - 8) x[m, k]) + zero * sum_k x[m, k] + b[n],
  * i.e. w = q * scale + (zero - 8 * scale). K must be a multiple of 128, g = 32 << gshift. */
-static inline __attribute__((always_inline)) void i4_row(const int8_t *xq, const float *xd, const float *xgsum,
-                                                         const uint8_t *wr, const uint16_t *sr, const uint16_t *zr,
-                                                         const int M, int K, int gshift, float *out) {
+static inline __attribute__((always_inline)) __m128 i4_scales(const uint16_t *sr, int c, const int gshift) {
+    __m128i s16; /* the bf16 scales of blocks 4c..4c+3 */
+    if (gshift == 0) {
+        s16 = _mm_loadl_epi64((const __m128i *)(sr + 4 * c));
+    } else {
+        uint16_t s4[4];
+        for (int t = 0; t < 4; t++) s4[t] = sr[(4 * c + t) >> gshift];
+        s16 = _mm_loadl_epi64((const __m128i *)s4);
+    }
+    return _mm_castsi128_ps(_mm_slli_epi32(_mm_cvtepu16_epi32(s16), 16));
+}
+
+/* R rows n..n+R of an int4 W times M rows of x (R, M compile-time constants); out[r][m]. Row r's
+ * weights wr + r * K/2, scales sr + r * G, zeros zr + r * G. */
+static inline __attribute__((always_inline)) void i4_rows(const int8_t *xq, const float *xd, const float *xgsum,
+                                                          const uint8_t *wr, const uint16_t *sr, const uint16_t *zr,
+                                                          const int R, const int M, int K, const int gshift,
+                                                          float out[2][ROWS]) {
     const int G = (K / 32) >> gshift, B = K / 32;
     const __m512i lanes_to_block = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
     const __m512i low4 = _mm512_set1_epi8(0x0f);
-    __m512 acc[ROWS];
-    for (int m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
+    __m512 acc[2][ROWS];
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < M; m++) acc[r][m] = _mm512_setzero_ps();
     for (int c = 0; c < K / 128; c++) {
-        _mm_prefetch((const char *)(wr + 64 * c) + PF_I4, _MM_HINT_T0);
-        __m512i packed = _mm512_loadu_si512((const void *)(wr + 64 * c));
-        __m512i lo = _mm512_and_si512(packed, low4);                        /* columns 128c + 2i */
-        __m512i hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4); /* columns 128c + 2i + 1 */
-        __m128i s16;                                                        /* the bf16 scales of blocks 4c..4c+3 */
-        if (gshift == 0) {
-            s16 = _mm_loadl_epi64((const __m128i *)(sr + 4 * c));
-        } else {
-            uint16_t s4[4];
-            for (int t = 0; t < 4; t++) s4[t] = sr[(4 * c + t) >> gshift];
-            s16 = _mm_loadl_epi64((const __m128i *)s4);
+        __m512i lo[2], hi[2];
+        __m128 wscale[2];
+        for (int r = 0; r < R; r++) {
+            const uint8_t *p = wr + (size_t)r * (K / 2) + 64 * c;
+            _mm_prefetch((const char *)p + PF_I4, _MM_HINT_T0);
+            __m512i packed = _mm512_loadu_si512((const void *)p);
+            lo[r] = _mm512_and_si512(packed, low4);                        /* columns 128c + 2i */
+            hi[r] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4); /* columns 128c + 2i + 1 */
+            wscale[r] = i4_scales(sr + (size_t)r * G, c, gshift);
         }
-        __m128 wscale = _mm_castsi128_ps(_mm_slli_epi32(_mm_cvtepu16_epi32(s16), 16));
         for (int m = 0; m < M; m++) {
             const int8_t *xr = xq + (size_t)m * K + 128 * c;
-            __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512((const void *)xr));
-            dot = _mm512_dpbusd_epi32(dot, hi, _mm512_loadu_si512((const void *)(xr + 64)));
-            /* lane l sums inputs 128c + 8l .. 8l + 7: block 4c + l / 4 */
-            __m128 s4 = _mm_mul_ps(wscale, _mm_loadu_ps(xd + (size_t)m * B + 4 * c));
-            __m512 s = _mm512_permutexvar_ps(lanes_to_block, _mm512_castps128_ps512(s4));
-            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), s, acc[m]);
+            __m512i x0 = _mm512_loadu_si512((const void *)xr), x1 = _mm512_loadu_si512((const void *)(xr + 64));
+            __m128 xs = _mm_loadu_ps(xd + (size_t)m * B + 4 * c);
+            for (int r = 0; r < R; r++) {
+                __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[r], x0);
+                dot = _mm512_dpbusd_epi32(dot, hi[r], x1);
+                /* lane l sums inputs 128c + 8l .. 8l + 7: block 4c + l / 4 */
+                __m512 s = _mm512_permutexvar_ps(lanes_to_block, _mm512_castps128_ps512(_mm_mul_ps(wscale[r], xs)));
+                acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), s, acc[r][m]);
+            }
         }
     }
-    for (int j = 0; j < G; j += 16) { /* the (zero - 8 * scale) * sum(x) term, per group */
-        __mmask16 mk = (G - j >= 16) ? 0xffff : (__mmask16)((1u << (G - j)) - 1);
-        __m512 offset = _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), load_bf16x16_masked(sr + j, mk),
-                                         load_bf16x16_masked(zr + j, mk));
-        for (int m = 0; m < M; m++)
-            acc[m] = _mm512_fmadd_ps(offset, _mm512_maskz_loadu_ps(mk, xgsum + (size_t)m * G + j), acc[m]);
+    for (int r = 0; r < R; r++) {
+        for (int j = 0; j < G; j += 16) { /* the (zero - 8 * scale) * sum(x) term, per group */
+            __mmask16 mk = (G - j >= 16) ? 0xffff : (__mmask16)((1u << (G - j)) - 1);
+            __m512 offset = _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), load_bf16x16_masked(sr + (size_t)r * G + j, mk),
+                                             load_bf16x16_masked(zr + (size_t)r * G + j, mk));
+            for (int m = 0; m < M; m++)
+                acc[r][m] = _mm512_fmadd_ps(offset, _mm512_maskz_loadu_ps(mk, xgsum + (size_t)m * G + j), acc[r][m]);
+        }
+        for (int m = 0; m < M; m++) out[r][m] = _mm512_reduce_add_ps(acc[r][m]);
     }
-    for (int m = 0; m < M; m++) out[m] = _mm512_reduce_add_ps(acc[m]);
+}
+
+static void i4_block(const int8_t *x, const float *d, const float *gs, const uint8_t *wr, const uint16_t *sr,
+                     const uint16_t *zr, int R, int M, int K, int gshift, float out[2][ROWS]) {
+#define I4(RR, MM)                                                                                                     \
+    (gshift ? i4_rows(x, d, gs, wr, sr, zr, RR, MM, K, gshift, out) : i4_rows(x, d, gs, wr, sr, zr, RR, MM, K, 0, out))
+    if (R == 2) {
+        switch (M) {
+        case 1: I4(2, 1); break;
+        case 2: I4(2, 2); break;
+        case 3: I4(2, 3); break;
+        default: I4(2, 4); break;
+        }
+    } else {
+        switch (M) {
+        case 1: I4(1, 1); break;
+        case 2: I4(1, 2); break;
+        case 3: I4(1, 3); break;
+        default: I4(1, 4); break;
+        }
+    }
+#undef I4
 }
 
 /* y (M, N) = x (M, K) W^T + b for an int4 W (see i4_row); x is quantized in blocks of 32 first. */
@@ -479,23 +562,17 @@ int gl_linear_i4(const float *x, const uint8_t *w, const uint16_t *scales, const
     quantize_blocks_i8(x, xq, xd, xgsum, M, K, g);
     int gshift = 0;
     while ((32 << gshift) < g) gshift++;
-    const int G = K / g;
+    const int G = K / g, nblocks = (N + 1) / 2;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int n = 0; n < N; n++) {
-        const uint8_t *wr = w + (size_t)n * (K / 2);
-        const uint16_t *sr = scales + (size_t)n * G, *zr = zeros + (size_t)n * G;
+    for (int blk = 0; blk < nblocks; blk++) {
+        const int n = 2 * blk, R = n + 2 <= N ? 2 : 1;
         for (int m0 = 0; m0 < M; m0 += ROWS) {
             const int mm = M - m0 < ROWS ? M - m0 : ROWS;
-            const int8_t *x = xq + (size_t)m0 * K;
-            const float *d = xd + (size_t)m0 * (K / 32), *gs = xgsum + (size_t)m0 * G;
-            float out[ROWS];
-            switch (mm) {
-            case 1: i4_row(x, d, gs, wr, sr, zr, 1, K, gshift, out); break;
-            case 2: i4_row(x, d, gs, wr, sr, zr, 2, K, gshift, out); break;
-            case 3: i4_row(x, d, gs, wr, sr, zr, 3, K, gshift, out); break;
-            default: i4_row(x, d, gs, wr, sr, zr, 4, K, gshift, out); break;
-            }
-            for (int m = 0; m < mm; m++) y[(size_t)(m0 + m) * N + n] = out[m] + (b ? b[n] : 0.0f);
+            float out[2][ROWS];
+            i4_block(xq + (size_t)m0 * K, xd + (size_t)m0 * (K / 32), xgsum + (size_t)m0 * G, w + (size_t)n * (K / 2),
+                     scales + (size_t)n * G, zeros + (size_t)n * G, R, mm, K, gshift, out);
+            for (int r = 0; r < R; r++)
+                for (int m = 0; m < mm; m++) y[(size_t)(m0 + m) * N + n + r] = out[r][m] + (b ? b[n + r] : 0.0f);
         }
     }
     return 0;
