@@ -188,26 +188,32 @@ def _stream(weight: torch.Tensor) -> int:
     return ptr
 
 
+def _inference_on_cpu(x: torch.Tensor) -> bool:
+    """The conditions every kernel shares: enabled, CPU, no autograd graph, not under torch.compile."""
+    return (
+        _enabled
+        and x.device.type == "cpu"
+        and not (torch.is_grad_enabled() and x.requires_grad)
+        and not torch.compiler.is_compiling()
+    )
+
+
 def kernel_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the float kernel takes y = x W^T: CPU, fp32 or bf16, a few rows, no autograd."""
-    if x.device.type != "cpu" or x.dtype != weight.dtype or x.dtype not in (torch.float32, torch.bfloat16):
-        return False
-    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
-        return False
-    if torch.compiler.is_compiling() or x.numel() > MAX_ROWS * x.size(-1) or not weight.is_contiguous():
-        return False
-    return _enabled and _library().float_ok
+    return (
+        x.dtype is weight.dtype
+        and x.dtype in (torch.float32, torch.bfloat16)
+        and x.numel() <= MAX_ROWS * x.size(-1)
+        and _inference_on_cpu(x)
+        and not (torch.is_grad_enabled() and weight.requires_grad)
+        and weight.is_contiguous()
+        and _library().float_ok
+    )
 
 
 def _check(status: int) -> None:
     if status:
         raise MemoryError("gptlab kernels: out of memory for the activations' scratch buffer")
-
-
-def _rows(x: torch.Tensor, K: int) -> torch.Tensor:
-    """x (..., K) as a contiguous (M, K) matrix (a view when it already is one)."""
-    x2d = x.reshape(-1, K)
-    return x2d if x2d.is_contiguous() else x2d.contiguous()
 
 
 def _f32(bias: torch.Tensor | None) -> torch.Tensor | None:
@@ -216,37 +222,48 @@ def _f32(bias: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def float_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x (..., K) W (N, K)^T + b through the C kernel, in x's dtype; the caller checked kernel_applies."""
-    lib = _library().lib
+    """x (..., K) W (N, K)^T + b through the C kernel, in x's dtype; the caller checked kernel_applies.
+    (Every microsecond here is paid ~50 times per token: no reshapes, one allocation.)"""
     N, K = weight.shape
-    x2d = _rows(x, K)
+    x = x if x.is_contiguous() else x.contiguous()
     y = torch.empty(*x.shape[:-1], N, dtype=x.dtype)
-    fn = lib.gl_linear_f32 if x.dtype == torch.float32 else lib.gl_linear_bf16
+    lib = _library().lib
+    fn = lib.gl_linear_f32 if x.dtype is torch.float32 else lib.gl_linear_bf16
     b = _f32(bias)
-    _check(fn(x2d.data_ptr(), _stream(weight), _ptr(b), y.data_ptr(), x2d.size(0), N, K, torch.get_num_threads()))
+    status = fn(x.data_ptr(), _stream(weight), None if b is None else b.data_ptr(), y.data_ptr(), x.numel() // K, N, K,
+                torch.get_num_threads())  # fmt: skip
+    _check(status)
     return y
 
 
-def int_kernels_apply(x2d: torch.Tensor) -> bool:
-    """Whether the int8/int4 kernels take these rows (CPU, a few rows, VNNI, not under torch.compile)."""
-    return (
-        x2d.device.type == "cpu"
-        and x2d.size(0) <= MAX_ROWS
-        and not torch.compiler.is_compiling()
-        and _enabled
-        and _library().int_ok
-    )
+def int_kernels_apply(x: torch.Tensor) -> bool:
+    """Whether the int8/int4 decoding kernels take x (..., K): CPU, a few rows, VNNI, no autograd."""
+    return x.numel() <= MAX_ROWS * x.size(-1) and _inference_on_cpu(x) and _library().int_ok
 
 
-def int8_linear(x2d, weight, scales, weight_sums, bias) -> torch.Tensor:
-    """x2d (M, K) float -> fp32 (M, N): int8 weight (N, K) with bf16 row scales (N,) and row sums
-    (N,) int32, x quantized per row to int8 (in C); bias fp32 (N,) or None."""
+def _decoder(name: str, weight: torch.Tensor, buffers: list[torch.Tensor], bias, N: int, K: int, extra: tuple):
+    """x (..., K) float -> fp32 (..., N) through kernel `name`, this layer's buffers bound once
+    (pointers taken now: build a new one whenever the buffers change, as prepare() does)."""
+    fn = getattr(_library().lib, name)
+    b = _f32(bias)
+    static = [ctypes.c_void_p(_stream(weight))] + [ctypes.c_void_p(t.data_ptr()) for t in buffers]
+    static.append(None if b is None else ctypes.c_void_p(b.data_ptr()))
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        x = x if x.dtype is torch.float32 and x.is_contiguous() else x.float().contiguous()
+        y = torch.empty(*x.shape[:-1], N)
+        _check(fn(x.data_ptr(), *static, y.data_ptr(), x.numel() // K, N, K, *extra, torch.get_num_threads()))
+        return y
+
+    run.keep_alive = (weight, buffers, b)
+    return run
+
+
+def int8_decoder(weight, scales, weight_sums, bias):
+    """The int8 kernel for one layer: int8 weight (N, K), bf16 row scales (N,), int32 row sums (N,),
+    fp32 bias (N,) or None; x is quantized per row to int8 in C."""
     N, K = weight.shape
-    x, b = _rows(x2d.float(), K), _f32(bias)
-    y = torch.empty(x.size(0), N)
-    _check(_library().lib.gl_linear_i8(x.data_ptr(), _stream(weight), scales.data_ptr(), weight_sums.data_ptr(),
-                                       _ptr(b), y.data_ptr(), x.size(0), N, K, torch.get_num_threads()))  # fmt: skip
-    return y
+    return _decoder("gl_linear_i8", weight, [scales, weight_sums], bias, N, K, ())
 
 
 def int4_fits(in_features: int, group_size: int) -> bool:
@@ -254,30 +271,22 @@ def int4_fits(in_features: int, group_size: int) -> bool:
     return in_features % 128 == 0 and group_size % 32 == 0
 
 
-def int4_linear(x2d, weight, scales, zeros, group_size: int, bias) -> torch.Tensor:
-    """x2d (M, K) float -> fp32 (M, N): int4 weight packed (N, K/2), bf16 scales and zeros (N, K/g),
-    x quantized in blocks of 32 to int8 (in C); bias fp32 (N,) or None."""
+def int4_decoder(weight, scales, zeros, group_size: int, bias):
+    """The int4 kernel for one layer: weight packed (N, K/2), bf16 scales and zeros (N, K/g),
+    fp32 bias (N,) or None; x is quantized in blocks of 32 to int8 in C."""
     N, K = weight.size(0), weight.size(1) * 2
-    x, b = _rows(x2d.float(), K), _f32(bias)
-    y = torch.empty(x.size(0), N)
-    _check(_library().lib.gl_linear_i4(x.data_ptr(), _stream(weight), scales.data_ptr(), zeros.data_ptr(),
-                                       _ptr(b), y.data_ptr(), x.size(0), N, K, group_size,
-                                       torch.get_num_threads()))  # fmt: skip
-    return y
+    return _decoder("gl_linear_i4", weight, [scales, zeros], bias, N, K, (group_size,))
 
 
 def decode_attention_applies(qkv: torch.Tensor, kv, cache_pos) -> bool:
     """Whether decode_attention takes this step: one new token per row, an int cache position,
     CPU, fp32 or bf16 caches in the activations' dtype, no autograd."""
     return (
-        _enabled
-        and qkv.size(1) == 1
+        qkv.size(1) == 1
         and isinstance(cache_pos, int)
-        and qkv.device.type == "cpu"
         and qkv.dtype in (torch.float32, torch.bfloat16)
-        and kv[0].dtype == qkv.dtype
-        and not (torch.is_grad_enabled() and qkv.requires_grad)
-        and not torch.compiler.is_compiling()
+        and kv[0].dtype is qkv.dtype
+        and _inference_on_cpu(qkv)
         and _library().float_ok
     )
 
@@ -359,11 +368,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if kernel_applies(x, weight):
         return float_linear(x, weight, bias)
     if (
-        _enabled
-        and x.dtype == torch.bfloat16
-        and x.device.type == "cpu"
-        and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
-        and not torch.compiler.is_compiling()
+        x.dtype is torch.bfloat16
+        and _inference_on_cpu(x)
+        and not (torch.is_grad_enabled() and weight.requires_grad)
         and not bf16_matmul_is_fast()
     ):
         b = None if bias is None else bias.float()

@@ -138,10 +138,14 @@ class QuantizedLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.bias = nn.Parameter(torch.zeros(out_features, device=device)) if bias else None
-        self._kernel_weights: tuple | None = None
+        self._kernel_weights: tuple | None = None  # PyTorch's kernel layouts (prompts, batches)
+        self._decode = None  # gptlab's decoding kernel with this layer's buffers bound (gptlab.kernels)
         self.use_kernel = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._decode is not None and self.use_kernel and kernels.int_kernels_apply(x):
+            y = self._decode(x)  # decoding: gptlab's kernel, fp32 (..., N), bias included
+            return y if x.dtype is torch.float32 else y.to(x.dtype)
         if self.use_kernel and self._kernel_weights is not None and x.device.type == "cpu":
             y = self._kernel(x.reshape(-1, self.in_features))  # (B*T, N), bias included
             return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
@@ -197,8 +201,8 @@ class Int8Linear(QuantizedLinear):
         return self.weight[rows].float() * self.scales[rows].float()[..., None]
 
     def prepare(self) -> None:
+        self._kernel_weights = self._decode = None
         if self.weight.device.type != "cpu":
-            self._kernel_weights = None
             return
         self.weight, self.scales = _aligned(self.weight), _aligned(self.scales)
         packed, row_sums = None, None
@@ -211,13 +215,13 @@ class Int8Linear(QuantizedLinear):
                     self.weight, self.scales.double(), torch.zeros(self.out_features, dtype=torch.long), 0
                 )
             packed = torch.ops.quantized.linear_prepack(qweight, None)
-        self._kernel_weights = (self.weight, self.scales, packed, row_sums)
+        self._kernel_weights = (self.weight, self.scales, packed)
+        if packed is not None and kernels.available()[1]:
+            # Decoding (a few rows): gptlab's VNNI kernel, the same int8 x int8 product as fbgemm's.
+            self._decode = kernels.int8_decoder(self.weight, self.scales, row_sums, self.bias)
 
     def _kernel(self, x2d):
-        weight, scales, packed, row_sums = self._kernel_weights
-        # Decoding (a few rows): gptlab's VNNI kernel, the same int8 x int8 product as fbgemm's.
-        if packed is not None and kernels.int_kernels_apply(x2d):
-            return kernels.int8_linear(x2d, weight, scales, row_sums, self.bias)  # (M, N)
+        weight, scales, packed = self._kernel_weights
         # torch.compile cannot trace fbgemm's packed-weight object: compiled graphs run weight-only.
         if packed is not None and not torch.compiler.is_compiling():
             return self._add_bias(torch.ops.quantized.linear_dynamic(x2d.float().contiguous(), packed, False))
@@ -253,13 +257,14 @@ class Int4Linear(QuantizedLinear):
         return dequantize_int4(unpack_int4(self.weight[rows]), self.scales[rows], self.zeros[rows])  # (..., K)
 
     def prepare(self) -> None:
+        self._kernel_weights = self._decode = None
         if self.weight.device.type != "cpu":
-            self._kernel_weights = None
             return
         if kernels.available()[1] and kernels.int4_fits(self.in_features, self.group_size):
             # gptlab's kernels read the stored buffers as they are: no second copy of the weights.
             self.weight, self.scales, self.zeros = _aligned(self.weight), _aligned(self.scales), _aligned(self.zeros)
             self._kernel_weights = ("gptlab",)
+            self._decode = kernels.int4_decoder(self.weight, self.scales, self.zeros, self.group_size, self.bias)
             return
         # PyTorch's kernel wants a multiple of 16 output rows: pad (GPT-2's head has 50257) and slice after.
         pad = -self.out_features % 16
@@ -272,8 +277,6 @@ class Int4Linear(QuantizedLinear):
 
     def _kernel(self, x2d):
         if self._kernel_weights[0] == "gptlab":
-            if kernels.int_kernels_apply(x2d):  # decoding: int8 activations, VNNI dot products
-                return kernels.int4_linear(x2d, self.weight, self.scales, self.zeros, self.group_size, self.bias)
             # A prompt or a batch: dequantize this layer and run the GEMM (compute-bound, so the
             # matrix's bytes matter less than the GEMM's speed).
             weight = kernels.dequantize_int4(self.weight, self.scales, self.zeros, self.group_size)  # (N, K)
