@@ -302,3 +302,18 @@ def test_bench_quantize_perplexity_rows(tmp_path):
     rows = result["perplexity"]
     assert set(rows) >= {"fp32", "int8", "int8-wo", "int4-g32", "int4-g64"} and "int4-g128" not in rows
     assert abs(rows["int8"]["rise_pct"]) < 5
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_quantized_model_refuses_to_train_and_its_dequantized_reference_trains(mode):
+    model = quantize_model(tiny_model(n_embd=128), mode, group_size=32)
+    idx = torch.randint(0, 97, (2, 8), generator=torch.Generator().manual_seed(0))
+    model.train()
+    with pytest.raises(RuntimeError, match="quantized layers are for inference.*dequantize_model"):
+        model(idx, targets=idx)
+    with torch.no_grad():  # evaluation in train mode, without autograd, still runs
+        assert model(idx)[0].shape == (2, 8, 97)
+    reference = dequantize_model(model).train()
+    _, loss = reference(idx, targets=idx)
+    loss.backward()
+    assert all(p.grad is not None for p in reference.parameters())

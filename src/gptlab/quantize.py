@@ -141,8 +141,14 @@ class QuantizedLinear(nn.Module):
         self._kernel_weights: tuple | None = None  # PyTorch's kernel layouts (prompts, batches)
         self._decode = None  # gptlab's decoding kernel with this layer's buffers bound (gptlab.kernels)
         self.use_kernel = True
+        self.training = False  # for inference; model.train() still reaches it (and forward then refuses)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training and torch.is_grad_enabled():
+            raise RuntimeError(
+                "quantized layers are for inference (their weights are not parameters): train the float "
+                "model, or dequantize_model(model) and train that"
+            )
         if self._decode is not None and self.use_kernel and kernels.int_kernels_apply(x):
             y = self._decode(x)  # decoding: gptlab's kernel, fp32 (..., N), bias included
             return y if x.dtype is torch.float32 else y.to(x.dtype)
@@ -343,6 +349,7 @@ def quantize_model(model: GPT, mode: str, group_size: int = 64, *, activations: 
         else:
             quantized = Int4Linear.from_linear(linear, group_size)
         quantized.prepare()
+        quantized.train(linear.training)  # the layer it replaces was in train or eval mode: keep that
         _set_submodule(model, name, quantized)
     if tied:
         model.transformer.wte = QuantizedEmbedding(model.lm_head, model.transformer.ln_f.weight.dtype)
