@@ -5,7 +5,9 @@
   fp32 over a tiny-shakespeare excerpt, and how often the top token agrees.
 - Size: model.safetensors of each scheme as a share of the fp32 file.
 - Perplexity (with --model): the validation split (the last --val-fraction of --data) under each
-  scheme, and its rise over fp32.
+  scheme, and its rise over fp32: whole windows at once (the prompt path), and the first
+  --decode-tokens scored one token at a time through the KV cache (the decoding path, which runs
+  gptlab's int8-activation kernels).
 Decode speed is `gptlab bench generate --modes fp32,int8,int8-wo,int4`.
 """
 
@@ -14,6 +16,7 @@ from __future__ import annotations
 import argparse
 import copy
 import logging
+import math
 import tempfile
 from pathlib import Path
 
@@ -39,6 +42,7 @@ def parse_args(argv):
     p.add_argument("--data", default="/work/shared/data/tinyshakespeare.txt", help="text file")
     p.add_argument("--val-fraction", type=float, default=0.1, help="the last part of --data scored")
     p.add_argument("--tokens", type=int, default=256, help="excerpt length for the logits comparison")
+    p.add_argument("--decode-tokens", type=int, default=2048, help="validation tokens scored one at a time (decoding)")
     p.add_argument("--no-random", action="store_true", help="skip the random gpt2 logits/size rows")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
@@ -89,6 +93,25 @@ def random_gpt2_rows(args, text: str) -> dict:
     return rows
 
 
+def decode_perplexity(model, ids: list[int], window: int) -> float:
+    """Perplexity of ids scored one token at a time through the KV cache, in windows of `window`
+    tokens each started afresh: the decoding path (a few rows per call, gptlab's kernels), which
+    `perplexity` (whole windows at once) does not run."""
+    from gptlab.generation import decode_step, new_cache, prefill
+
+    nll, count = 0.0, 0
+    for start in range(0, len(ids) - 1, window):
+        chunk = torch.tensor(ids[start : start + window + 1])  # (W + 1,)
+        cache = new_cache(model, 1, len(chunk) - 1)
+        logits = prefill(model, chunk[None, :1], cache)  # (1, V)
+        for t in range(1, len(chunk)):
+            nll -= F.log_softmax(logits.float(), dim=-1)[0, chunk[t]].item()
+            count += 1
+            if t < len(chunk) - 1:
+                logits = decode_step(model, chunk[t : t + 1], cache)
+    return math.exp(nll / count)
+
+
 def perplexity_rows(args, text: str) -> dict:
     """Validation perplexity of --model under each scheme that fits its widths."""
     from gptlab.checkpoint import load_model, tokenizer_name
@@ -102,14 +125,24 @@ def perplexity_rows(args, text: str) -> dict:
     val = ids[int((1 - args.val_fraction) * len(ids)) :]
     stride = model.config.block_size
     base = perplexity(model, val, tok, stride=stride, batch_size=8)["perplexity"]
-    rows = {"fp32": {"perplexity": round(base, 4)}, "val_tokens": len(val), "stride": stride}
-    print(f"  {args.model} fp32 perplexity {base:.4f} ({len(val)} tokens)", flush=True)
+    decoded = val[: args.decode_tokens]
+    base_decode = decode_perplexity(model, decoded, stride)
+    rows = {"fp32": {"perplexity": round(base, 4), "decode_perplexity": round(base_decode, 4)},
+            "val_tokens": len(val), "stride": stride, "decode_tokens": len(decoded)}  # fmt: skip
+    print(f"  {args.model} fp32 perplexity {base:.4f} ({len(val)} tokens), "
+          f"decoding {base_decode:.4f} ({len(decoded)} tokens)", flush=True)  # fmt: skip
     for name, scheme in SCHEMES.items():
         if model.config.n_embd % scheme.get("group_size", 1):
             continue
         qmodel = quantize_model(copy.deepcopy(model), **scheme)
         ppl = perplexity(qmodel, val, tok, stride=stride, batch_size=8)["perplexity"]
-        rows[name] = {"perplexity": round(ppl, 4), "rise_pct": round(100 * (ppl / base - 1), 3)}
+        ppl_decode = decode_perplexity(qmodel, decoded, stride)
+        rows[name] = {
+            "perplexity": round(ppl, 4),
+            "rise_pct": round(100 * (ppl / base - 1), 3),
+            "decode_perplexity": round(ppl_decode, 4),
+            "decode_rise_pct": round(100 * (ppl_decode / base_decode - 1), 3),
+        }
         print(f"  {args.model} {name:<9} {rows[name]}", flush=True)
     return rows
 
