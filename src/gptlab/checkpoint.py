@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from gptlab.config import PRESETS, GPTConfig
+from gptlab.formats import reader_for
 from gptlab.model import GPT
 
 log = logging.getLogger(__name__)
@@ -125,7 +126,8 @@ def tokenizer_name(spec: str) -> str:
 
 def load_model(spec: str, *, device=None, dtype=None) -> GPT:
     """Resolve a --model spec: a native gptlab directory (float or quantized), a Hugging Face
-    directory, a Hub id, or a preset with fresh random weights.
+    directory, a nanoGPT ckpt.pt (or its out_dir), an llm.c .bin, a Hub id, or a preset with fresh
+    random weights.
 
     OpenAI's names (gpt2, gpt2-medium, gpt2-large, gpt2-xl) are Hub ids: they load the released
     weights. `preset:NAME` builds any preset with random weights; the small presets (gpt2-tiny,
@@ -143,6 +145,10 @@ def load_model(spec: str, *, device=None, dtype=None) -> GPT:
 
             return load_quantized(path, device=device)
         return load_native(path, device=device, dtype=dtype)
+    if (read_foreign := reader_for(path)) is not None:  # nanoGPT's ckpt.pt, llm.c's .bin
+        return read_foreign(path, device=device, dtype=dtype)
     if path.is_dir() and not (path / "config.json").is_file():
-        raise ValueError(f"{spec}: directory holds neither {META_FILE} (gptlab) nor config.json (Hugging Face)")
+        raise ValueError(
+            f"{spec}: directory holds neither {META_FILE} (gptlab), config.json (Hugging Face) nor ckpt.pt (nanoGPT)"
+        )
     return GPT.from_pretrained(spec, device=device, dtype=dtype)

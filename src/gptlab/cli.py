@@ -23,7 +23,7 @@ COMMANDS = {
     "generate": "continue a prompt with sampling controls, streaming; -i for an interactive session",
     "demo": "the main job: train a small model on tiny-shakespeare, then generate",
     "bench": "benchmarks against the peers (generate, train); results go to bench/results/",
-    "export": "write a model in the Hugging Face GPT2LMHeadModel layout (config, safetensors, tokenizer)",
+    "export": "write a model as Hugging Face GPT2LMHeadModel, GGUF (llama.cpp) or an llm.c checkpoint",
     "quantize": "write an int8 or int4 copy of a model (every linear layer incl. the head)",
     "serve": "OpenAI-compatible completions API with dynamic batching, and a web explorer",
 }

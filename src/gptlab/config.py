@@ -12,7 +12,7 @@ from typing import Any
 
 POS_EMBEDDINGS = ("learned", "rope")
 NORMS = ("layernorm", "rmsnorm")
-MLPS = ("gelu", "swiglu")
+MLPS = ("gelu", "gelu_erf", "swiglu")
 
 
 @dataclass
@@ -32,7 +32,7 @@ class GPTConfig:
     pos_embedding: str = "learned"  # "learned" (GPT-2 wpe) or "rope" (rotary, RoFormer)
     rope_theta: float = 10000.0
     norm: str = "layernorm"  # "layernorm" or "rmsnorm"
-    mlp: str = "gelu"  # "gelu" (tanh approximation, 4x) or "swiglu" (Shazeer 2020)
+    mlp: str = "gelu"  # "gelu" (tanh approximation, 4x), "gelu_erf" (exact GELU, 4x) or "swiglu" (Shazeer 2020)
     n_inner: int | None = None  # MLP hidden width; None: 4*n_embd (gelu) or ~8/3*n_embd (swiglu)
 
     def __post_init__(self) -> None:

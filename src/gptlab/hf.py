@@ -163,7 +163,7 @@ def config_to_hf(config: GPTConfig, dtype: torch.dtype) -> dict:
         "n_layer": config.n_layer,
         "n_head": config.n_head,
         "n_inner": config.n_inner,
-        "activation_function": "gelu_new",
+        "activation_function": "gelu" if config.mlp == "gelu_erf" else "gelu_new",  # exact / tanh GELU
         "layer_norm_epsilon": config.layer_norm_eps,
         "resid_pdrop": config.dropout,
         "embd_pdrop": config.dropout,
@@ -443,16 +443,16 @@ def save_pretrained(model: GPT, directory: str | os.PathLike, *, tokenizer: str 
 
 
 def _check_exportable(config: GPTConfig) -> None:
-    if config.is_gpt2:
-        return
-    variants = {
+    variants = {  # the exact GELU (nanoGPT's) is GPT2LMHeadModel's activation_function="gelu"
         "RoPE positions": config.pos_embedding != "learned",
         "RMSNorm": config.norm != "layernorm",
-        "SwiGLU MLP": config.mlp != "gelu",
+        "SwiGLU MLP": config.mlp == "swiglu",
         "no biases": not config.bias,
         "an untied head": not config.tie_weights,
     }
     used = ", ".join(name for name, on in variants.items() if on)
+    if not used:
+        return
     raise ValueError(
         f"this model uses {used}, which GPT2LMHeadModel cannot represent; save it in gptlab's native format instead (gptlab.checkpoint.save_model)"
     )
