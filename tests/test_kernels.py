@@ -112,7 +112,7 @@ def test_int8_kernel_matches_its_arithmetic(shape, M, calls):
 
 @needs_int
 @pytest.mark.parametrize("group_size", [32, 64, 128, 256])
-@pytest.mark.parametrize("M", [1, 3, 6])
+@pytest.mark.parametrize("M", [1, 3, 6, 41])  # 41: a short prompt, still the kernel
 def test_int4_kernel_matches_its_arithmetic(group_size, M, calls):
     N, K = 45, 768
     torch.manual_seed(3)
@@ -130,7 +130,7 @@ def test_int4_prompt_path_dequantizes_exactly(calls):
     torch.manual_seed(4)
     layer = Int4Linear.from_linear(nn.Linear(256, 40), 64)
     layer.prepare()
-    x = torch.randn(20, 256)  # more rows than the decoding kernel takes
+    x = torch.randn(kernels.INT4_KERNEL_ROWS + 1, 256)  # more rows than the kernel takes
     y = layer(x)
     assert calls["gl_dequantize_i4"] == 1 and calls["gl_linear_i4"] == 0
     assert torch.allclose(y, F.linear(x, layer.dequantize(), layer.bias), rtol=1e-5, atol=1e-5)

@@ -236,9 +236,15 @@ def float_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return y
 
 
-def int_kernels_apply(x: torch.Tensor) -> bool:
-    """Whether the int8/int4 decoding kernels take x (..., K): CPU, a few rows, VNNI, no autograd."""
-    return x.numel() <= MAX_ROWS * x.size(-1) and _inference_on_cpu(x) and _library().int_ok
+# Up to this many rows, the int4 kernel (weights read once, rows reused from L1) beats
+# dequantizing the layer and running the fp32 GEMM: measured on an Intel Xeon, 3072x768 layer,
+# 0.34 vs 1.69 ms at 16 rows, 1.35 vs 2.55 at 64, 9.9 vs 6.4 at 256.
+INT4_KERNEL_ROWS = 128
+
+
+def int_kernels_apply(x: torch.Tensor, max_rows: int = MAX_ROWS) -> bool:
+    """Whether the int8/int4 kernels take x (..., K): CPU, at most max_rows rows, VNNI, no autograd."""
+    return x.numel() <= max_rows * x.size(-1) and _inference_on_cpu(x) and _library().int_ok
 
 
 def _decoder(name: str, weight: torch.Tensor, buffers: list[torch.Tensor], bias, N: int, K: int, extra: tuple):

@@ -140,6 +140,7 @@ class QuantizedLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features, device=device)) if bias else None
         self._kernel_weights: tuple | None = None  # PyTorch's kernel layouts (prompts, batches)
         self._decode = None  # gptlab's decoding kernel with this layer's buffers bound (gptlab.kernels)
+        self._decode_rows = kernels.MAX_ROWS  # up to this many rows take it
         self.use_kernel = True
         self.training = False  # for inference; model.train() still reaches it (and forward then refuses)
 
@@ -149,7 +150,7 @@ class QuantizedLinear(nn.Module):
                 "quantized layers are for inference (their weights are not parameters): train the float "
                 "model, or dequantize_model(model) and train that"
             )
-        if self._decode is not None and self.use_kernel and kernels.int_kernels_apply(x):
+        if self._decode is not None and self.use_kernel and kernels.int_kernels_apply(x, self._decode_rows):
             y = self._decode(x)  # decoding: gptlab's kernel, fp32 (..., N), bias included
             return y if x.dtype is torch.float32 else y.to(x.dtype)
         if self.use_kernel and self._kernel_weights is not None and x.device.type == "cpu":
@@ -271,6 +272,7 @@ class Int4Linear(QuantizedLinear):
             self.weight, self.scales, self.zeros = _aligned(self.weight), _aligned(self.scales), _aligned(self.zeros)
             self._kernel_weights = ("gptlab",)
             self._decode = kernels.int4_decoder(self.weight, self.scales, self.zeros, self.group_size, self.bias)
+            self._decode_rows = kernels.INT4_KERNEL_ROWS
             return
         # PyTorch's kernel wants a multiple of 16 output rows: pad (GPT-2's head has 50257) and slice after.
         pad = -self.out_features % 16
