@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from tests.conftest import VARIANTS, tiny_model
 
+from conftest import VARIANTS, tiny_model
 from gptlab import kernels
 from gptlab.generation import generate
 from gptlab.quantize import Int4Linear, Int8Linear, quantize_model

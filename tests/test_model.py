@@ -214,3 +214,20 @@ def test_attention_index_errors(model):
         model.attention(idx, layer=5)
     with pytest.raises(ValueError, match="head 4 out of range"):
         model.attention(idx, layer=0, head=4)
+
+
+def test_gelu_erf_mlp_is_the_exact_gelu_and_survives_a_native_round_trip(tmp_path):
+    from conftest import tiny_model
+    from gptlab.checkpoint import load_model, save_model
+
+    exact, approx = tiny_model(mlp="gelu_erf"), tiny_model()
+    x = torch.randn(1, 3, 32) * 3
+    mlp_exact, mlp_approx = exact.transformer.h[0].mlp, approx.transformer.h[0].mlp
+    with torch.no_grad():
+        h = mlp_exact.c_fc(x)
+        assert torch.equal(mlp_exact(x), mlp_exact.c_proj(torch.nn.functional.gelu(h)))
+        assert not torch.equal(mlp_approx(x), mlp_exact(x))  # same init seed: only the GELU differs
+    save_model(exact, tmp_path / "m")
+    idx = torch.tensor([[1, 2, 3]])
+    with torch.no_grad():
+        assert torch.equal(load_model(str(tmp_path / "m"))(idx)[0], exact(idx)[0])

@@ -167,11 +167,13 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    """GELU (tanh approximation) MLP, or SwiGLU with the gate and up projections fused in c_fc."""
+    """GELU MLP (GPT-2's tanh approximation, or the exact erf GELU for mlp="gelu_erf", as nanoGPT's
+    nn.GELU()), or SwiGLU with the gate and up projections fused in c_fc."""
 
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.swiglu = config.mlp == "swiglu"
+        self.gelu_approximate = "none" if config.mlp == "gelu_erf" else "tanh"
         hidden = config.mlp_hidden
         self.c_fc = Linear(config.n_embd, (2 if self.swiglu else 1) * hidden, bias=config.bias)
         self.c_proj = Linear(hidden, config.n_embd, bias=config.bias)
@@ -183,7 +185,7 @@ class MLP(nn.Module):
             gate, up = h.chunk(2, dim=-1)
             h = F.silu(gate) * up
         else:
-            h = F.gelu(h, approximate="tanh")
+            h = F.gelu(h, approximate=self.gelu_approximate)
         return self.dropout(self.c_proj(h))  # (B, T, C)
 
 

@@ -14,7 +14,7 @@ The file is read with `torch.load(weights_only=True)`: everything train.py saves
 which the restricted unpickler accepts, so no code from the file runs.
 
 nanoGPT's MLP uses `nn.GELU()`, the exact (erf) GELU, not GPT-2's tanh approximation: the loaded
-model's config says `mlp="gelu_erf"`; its MLPs compute the erf GELU (`ErfGELUMLP`).
+model's config says `mlp="gelu_erf"`: its MLPs compute the exact erf GELU, as nanoGPT's nn.GELU().
 """
 
 from __future__ import annotations
@@ -24,11 +24,10 @@ import re
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from gptlab.checkpoint import load_state_strict
 from gptlab.config import GPTConfig
-from gptlab.model import GPT, MLP
+from gptlab.model import GPT
 
 log = logging.getLogger(__name__)
 
@@ -38,18 +37,6 @@ MODEL_ARGS = ("n_layer", "n_head", "n_embd", "block_size", "bias", "vocab_size")
 MASK_BUFFER = re.compile(r"^transformer\.h\.\d+\.attn\.bias$")  # 4-D causal mask; c_attn.bias is another name
 HEAD = "lm_head.weight"
 WTE = "transformer.wte.weight"
-
-
-class ErfGELUMLP(MLP):
-    """The GELU MLP with the exact GELU (nn.GELU()'s default), as nanoGPT's MLP.
-
-    Stands in for gptlab.model.MLP, which computes the tanh approximation for every GELU config;
-    once MLP honours config.mlp == "gelu_erf" itself, this class can go.
-    """
-
-    def forward(self, x):
-        h = F.gelu(self.c_fc(x))  # (B, T, 4C), exact
-        return self.dropout(self.c_proj(h))  # (B, T, C)
 
 
 def checkpoint_path(path: str | Path) -> Path:
@@ -124,8 +111,6 @@ def load(path: str | Path, *, device=None, dtype=None) -> GPT:
     config = config_from_model_args(checkpoint["model_args"], tied, str(path))
     with torch.device("meta"):
         model = GPT(config)
-    for block in model.transformer.h:
-        block.mlp.__class__ = ErfGELUMLP  # same parameters, exact GELU
     dtype = dtype or (state[WTE].dtype if WTE in state else torch.float32)
     state = {k: v.to(device=device or "cpu", dtype=dtype) for k, v in state.items()}
     if tied:
