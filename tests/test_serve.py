@@ -493,3 +493,18 @@ def test_serve_command_loads_a_saved_model(tmp_path, model):
         main(["serve", "--help"])
     assert e.value.code == 0
     assert main(["serve", "--model", str(tmp_path / "m"), "--max-batch", "0"]) == 2
+
+
+def test_serve_command_serves_the_dtype_asked(tmp_path, model, monkeypatch):
+    """`gptlab serve --dtype bfloat16` loads bf16 weights (the uvicorn server itself is stubbed)."""
+    from gptlab.cli import main
+
+    save_model(model, tmp_path / "m", tokenizer="byte")
+    served = {}
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: served.update(app=app, **kw))
+    assert main(["serve", "--model", str(tmp_path / "m"), "--dtype", "bfloat16", "--port", "0"]) == 0
+    state = served["app"].state.gptlab
+    try:
+        assert next(state.model.parameters()).dtype == torch.bfloat16
+    finally:
+        state.scheduler.close()

@@ -2,6 +2,8 @@
 
 from pathlib import Path
 
+from gptlab.commands._model_args import DTYPES
+
 
 def add_arguments(parser):
     parser.add_argument("--model", required=True, help="preset name, gptlab/HF directory or Hub id")
@@ -12,6 +14,7 @@ def add_arguments(parser):
     parser.add_argument("--max-queue", type=int, default=64, help="waiting requests before answering 429 (default 64)")
     parser.add_argument("--max-body", type=int, default=1 << 20, help="largest request body in bytes (default 1 MiB)")
     parser.add_argument("--device", default="cpu", help="cpu, cuda, ... (default cpu)")
+    parser.add_argument("--dtype", default="float32", choices=DTYPES, help="weights' dtype (default float32)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
@@ -31,7 +34,7 @@ def run(args):
         if args.threads < 1:
             raise ValueError("--threads must be at least 1")
         torch.set_num_threads(args.threads)
-    model = load_model(args.model, device=args.device).eval()
+    model = load_model(args.model, device=args.device, dtype=getattr(torch, args.dtype)).eval()
     tokenizer = get_tokenizer(tokenizer_name(args.model))
     name = args.name or Path(args.model.rstrip("/")).name
     app = create_app(
