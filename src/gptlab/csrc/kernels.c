@@ -11,6 +11,11 @@
  *                   per row of x), integer dot products (AVX-512 VNNI vpdpbusd, as llama.cpp's Q8_0).
  *   gl_linear_i4    int4 W (N, K/2) (even column in the low nibble), a scale and zero per group of
  *                   g inputs; x quantized to int8 in blocks of 32 with one scale each (Q8_0), VNNI.
+ *   gl_attend_one   one decoding step's attention over a layer's KV cache (fp32 or bf16).
+ *   gl_argmax_f32   greedy sampling's argmax.
+ *
+ * Any M works (rows of x are taken four at a time, each weight row reused from L1); the Python
+ * side sends up to 8 rows (128 for int4), where these beat PyTorch's GEMMs.
  *
  * Called from Python through ctypes (gptlab/kernels.py), which builds this file with
  * -O3 -march=native -fopenmp once per CPU model. Shapes are checked on the Python side.
@@ -26,7 +31,6 @@
 #define MADV_COLLAPSE 25
 #endif
 
-#define MAX_ROWS 8 /* rows of x per call; the Python side splits larger batches */
 /* Software prefetch distances, bytes ahead of each weight stream (tuned on an Intel Xeon, 2 threads). */
 #ifndef PF_FLOAT
 #define PF_FLOAT 512
