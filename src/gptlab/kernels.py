@@ -103,6 +103,9 @@ def build(path: Path | None = None) -> Path:
         if proc.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-2000:]}")
         os.replace(tmp, path)
+        for old in path.parent.glob(path.name.rsplit("-", 1)[0] + "-*.so"):  # builds of older sources
+            if old != path:
+                old.unlink(missing_ok=True)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
