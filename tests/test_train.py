@@ -20,7 +20,7 @@ from gptlab.data import prepare
 from gptlab.train import TrainConfig, Trainer, lr_at, train
 from test_data import corpus
 
-TINY = dict(n_layer=2, n_head=2, n_embd=32, block_size=32, batch_size=4, dtype="float32", progress=False,
+TINY = dict(n_layer=2, n_head=2, n_embd=32, block_size=32, batch_size=4, precision="float32", progress=False,
             warmup_steps=2, lr=3e-3, min_lr=3e-4, eval_steps=2, sample_tokens=4, log_interval=1)  # fmt: skip
 
 
@@ -96,6 +96,19 @@ def test_config_overrides_and_toml(tmp_path):
         cfg.with_overrides(["--max_steps=ten"])
     with pytest.raises(ValueError, match="schedule"):
         cfg.with_overrides({"schedule": "linear"})
+
+
+def test_old_dtype_key_is_read_as_precision(tmp_path, caplog):
+    toml = tmp_path / "old.toml"
+    toml.write_text('[train]\ndtype = "bfloat16"\n')
+    with caplog.at_level("WARNING"):
+        assert TrainConfig.from_toml(toml).precision == "bfloat16"
+    assert "'dtype' is deprecated, use 'precision'" in caplog.text
+    assert TrainConfig().with_overrides(["--dtype=float32"]).precision == "float32"
+    with pytest.raises(ValueError, match="give only 'precision'"):
+        TrainConfig().with_overrides({"dtype": "float32", "precision": "auto"})
+    with pytest.raises(ValueError, match="precision must be one of"):
+        TrainConfig(precision="fp8")
 
 
 # --------------------------------------------------------------------------------------------- training

@@ -14,8 +14,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from gptlab import kernels
+from gptlab.chunked_loss import linear_cross_entropy
 from gptlab.config import GPTConfig
-from gptlab.fused_loss import linear_cross_entropy
 from gptlab.kernels import Linear
 
 
@@ -293,7 +293,7 @@ class GPT(nn.Module):
             x = x[:, -1:]  # (B, 1, C)
         x = self.transformer.ln_f(x)
         if targets is not None and not return_logits:
-            # Training: head and loss in row chunks, never holding all (B*T, V) logits (fused_loss.py).
+            # Training: head and loss in row chunks, never holding all (B*T, V) logits (chunked_loss.py).
             return None, linear_cross_entropy(x, self.lm_head.weight, targets)
         logits = self.lm_head(x)  # (B, T, vocab_size)
         loss = None

@@ -104,14 +104,14 @@ def resolve_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype:
     native_bf16 = (
         torch.cuda.is_bf16_supported() if device.type == "cuda" else torch.ops.mkldnn._is_mkldnn_bf16_supported()
     )
-    if cfg.dtype == "auto":
+    if cfg.precision == "auto":
         return torch.bfloat16 if native_bf16 else torch.float32
-    if cfg.dtype == "float16" and device.type != "cuda":
-        raise ValueError("dtype float16 needs CUDA (a GradScaler on CPU buys nothing); use bfloat16 or float32")
-    if cfg.dtype == "bfloat16" and not native_bf16:
+    if cfg.precision == "float16" and device.type != "cuda":
+        raise ValueError("precision float16 needs CUDA (a GradScaler on CPU buys nothing); use bfloat16 or float32")
+    if cfg.precision == "bfloat16" and not native_bf16:
         log.warning("this %s has no native bf16; training in float32", device.type)
         return torch.float32
-    return getattr(torch, cfg.dtype)
+    return getattr(torch, cfg.precision)
 
 
 def build_model(cfg: TrainConfig, vocab_size: int, device: torch.device) -> GPT:

@@ -6,12 +6,18 @@ The training loop that uses it is gptlab.train.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 SCHEDULES = ("cosine", "constant", "wsd")
-DTYPES = ("auto", "float32", "bfloat16", "float16")
+PRECISIONS = ("auto", "float32", "bfloat16", "float16")
+# Old key -> new key. `dtype` meant the autocast precision here but the weight dtype in
+# `--dtype`/`load_model` (issue 15); old configs keep working with a warning.
+RENAMED = {"dtype": "precision"}
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -55,7 +61,7 @@ class TrainConfig:
     sample_tokens: int = 48
     progress: bool = True
     # Precision, device, distribution.
-    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    precision: str = "auto"  # autocast precision: auto (measured per machine) | float32 | bfloat16 | float16
     device: str = "auto"
     compile: bool = False
     fsdp: bool = False
@@ -78,8 +84,8 @@ class TrainConfig:
             raise ValueError(f"TrainConfig needs lr > 0 and 0 <= min_lr <= lr, got lr={self.lr}, min_lr={self.min_lr}")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"TrainConfig.schedule must be one of {SCHEDULES}, got {self.schedule!r}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"TrainConfig.dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"TrainConfig.precision must be one of {PRECISIONS}, got {self.precision!r}")
         if not 0 < self.decay_fraction <= 1:
             raise ValueError(f"TrainConfig.decay_fraction must be in (0, 1], got {self.decay_fraction}")
 
@@ -105,6 +111,7 @@ class TrainConfig:
         """A copy with fields replaced; `overrides` is a dict or ["key=value", ...] (strings parsed by field type)."""
         if not isinstance(overrides, dict):
             overrides = dict(_split_override(o) for o in overrides)
+        overrides = _renamed(overrides)
         fields = {f.name: f for f in dataclasses.fields(self)}
         unknown = sorted(set(overrides) - set(fields))
         if unknown:
@@ -114,6 +121,18 @@ class TrainConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def _renamed(overrides: dict) -> dict:
+    """Map deprecated keys to their new names, with a warning; both at once is an error."""
+    out = dict(overrides)
+    for old, new in RENAMED.items():
+        if old in out:
+            if new in out:
+                raise ValueError(f"TrainConfig: {old!r} is the old name of {new!r}; give only {new!r}")
+            log.warning("TrainConfig: %r is deprecated, use %r (same values)", old, new)
+            out[new] = out.pop(old)
+    return out
 
 
 def _split_override(text: str) -> tuple[str, str]:

@@ -1,11 +1,11 @@
-"""gptlab.fused_loss: chunked head + cross-entropy equals the plain computation."""
+"""gptlab.chunked_loss: chunked head + cross-entropy equals the plain computation."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from conftest import tiny_model
-from gptlab.fused_loss import linear_cross_entropy
+from gptlab.chunked_loss import linear_cross_entropy
 
 
 @pytest.mark.parametrize("chunk_rows", [1, 5, 64])
@@ -28,14 +28,14 @@ def test_model_loss_is_the_same_with_and_without_logits():
     model = tiny_model().train()
     idx = torch.randint(0, 97, (2, 12))
     logits, loss = model(idx[:, :-1], idx[:, 1:])
-    none, fused = model(idx[:, :-1], idx[:, 1:], return_logits=False)
+    none, chunked = model(idx[:, :-1], idx[:, 1:], return_logits=False)
     assert none is None and logits.shape == (2, 11, 97)
-    torch.testing.assert_close(fused, loss, rtol=1e-6, atol=1e-6)
-    fused.backward()
-    g_fused = model.transformer.wte.weight.grad.clone()
+    torch.testing.assert_close(chunked, loss, rtol=1e-6, atol=1e-6)
+    chunked.backward()
+    g_chunked = model.transformer.wte.weight.grad.clone()
     model.zero_grad()
     loss.backward()
-    torch.testing.assert_close(g_fused, model.transformer.wte.weight.grad, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(g_chunked, model.transformer.wte.weight.grad, rtol=1e-5, atol=1e-7)
 
 
 def test_bf16_autocast_stays_close():
