@@ -1,0 +1,209 @@
+"""Sampling settings and the pure functions that turn logits (B, V) into next tokens.
+
+`SamplingParams` is the one description of how to decode, validated once when it is made; the
+Python API (`gptlab.generate`), the CLI, the server and speculative decoding all take it. Every
+filter has one value that turns it off, and that value is its default: `top_k=0`, `top_p=1.0`,
+`min_p=0.0`, `repetition_penalty=1.0`.
+
+`probabilities(logits, params, seen)` is the exact distribution `sample_next` draws from
+(repetition penalty, then temperature, then top-k, top-p and min-p, the order transformers uses);
+temperature 0 makes it one-hot on the argmax.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from gptlab import kernels
+
+SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed takes
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to decode: the sampling filters, how many tokens and continuations, the seed, stop strings.
+
+    temperature: 0 is greedy (argmax); top_k: keep the k most likely tokens (0: off); top_p: keep
+    the smallest set of most likely tokens holding probability p (1.0: off); min_p: drop tokens
+    less likely than min_p x the most likely one (0.0: off); repetition_penalty: CTRL's penalty on
+    tokens already in the context (1.0: off); seed: makes sampling reproducible (None: torch's
+    global generator); max_new_tokens: tokens to generate per row; num_samples: continuations per
+    prompt; stop: strings that end a text continuation (text APIs and the server; a str or a
+    sequence of str, kept as a tuple).
+    """
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    max_new_tokens: int = 200
+    num_samples: int = 1
+    stop: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        if not _is_number(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a number >= 0 (temperature=0 is greedy), got {self.temperature!r}")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (top_k=0 turns it off), got {self.top_k!r}")
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1] (top_p=1.0 turns it off), got {self.top_p!r}")
+        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1] (min_p=0.0 turns it off), got {self.min_p!r}")
+        if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise ValueError(
+                f"repetition_penalty must be a number > 0 (repetition_penalty=1.0 turns it off), got {self.repetition_penalty!r}"
+            )
+        if self.seed is not None and not (_is_int(self.seed) and SEED_RANGE[0] <= self.seed < SEED_RANGE[1]):
+            raise ValueError(f"seed must be None or an integer in [-2**63, 2**64), got {self.seed!r}")
+        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+        if not _is_int(self.num_samples) or self.num_samples < 1:
+            raise ValueError(f"num_samples must be an integer >= 1, got {self.num_samples!r}")
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        if not isinstance(stop, Sequence) or any(not isinstance(s, str) or not s for s in stop):
+            raise ValueError(f"stop must be a string or a sequence of non-empty strings, got {self.stop!r}")
+        object.__setattr__(self, "stop", tuple(stop))  # frozen: the one normalisation, done once
+
+    @property
+    def greedy(self) -> bool:
+        """Whether decoding is deterministic (temperature 0: the argmax)."""
+        return self.temperature == 0
+
+    def generator(self, device) -> torch.Generator | None:
+        """A torch.Generator seeded with `seed` on `device`, or None (torch's global one) without a seed."""
+        if self.seed is None:
+            return None
+        return torch.Generator(device=device).manual_seed(self.seed)
+
+
+# ---------------------------------------------------------------------------------------------
+# Filters: pure functions over logits (B, V)
+
+
+def top_k_mask(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """Keep the k largest logits of each row (ties at the k-th value are kept); the rest -> -inf."""
+    if k >= logits.size(-1):
+        return logits
+    kth = torch.topk(logits, k, dim=-1).values[..., -1:]  # (B, 1)
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def top_p_mask(logits: torch.Tensor, p: float) -> torch.Tensor:
+    """Nucleus (Holtzman et al. 2020): keep the smallest set of most likely tokens whose
+    probability sums to at least p; the rest -> -inf. The most likely token is always kept."""
+    if p >= 1.0:
+        return logits
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)  # (B, V)
+    probs = F.softmax(sorted_logits.float(), dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs  # probability of the more likely tokens
+    drop_sorted = mass_before >= p  # (B, V); position 0 has mass_before 0 < p, always kept
+    drop = drop_sorted.scatter(-1, order, drop_sorted)  # back to vocabulary order
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def min_p_mask(logits: torch.Tensor, min_p: float) -> torch.Tensor:
+    """min-p (Nguyen et al. 2024): keep tokens whose probability is at least min_p times the top one."""
+    if not min_p:
+        return logits
+    probs = F.softmax(logits.float(), dim=-1)  # (B, V)
+    threshold = min_p * probs.max(dim=-1, keepdim=True).values  # (B, 1)
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def seen_tokens(token_ids, vocab_size: int, device=None) -> torch.Tensor:
+    """(B, V) bool: which ids occur in each row of `token_ids` (a list of id lists, or (B, S)
+    LongTensor in which negative ids are padding)."""
+    if not isinstance(token_ids, torch.Tensor):
+        width = max((len(r) for r in token_ids), default=0)
+        token_ids = torch.tensor(
+            [list(r) + [-1] * (width - len(r)) for r in token_ids], dtype=torch.long, device=device
+        )
+        token_ids = token_ids.view(len(token_ids) if len(token_ids) else 0, width)
+    B = token_ids.size(0)
+    seen = torch.zeros(B, vocab_size + 1, dtype=torch.bool, device=token_ids.device)
+    ids = token_ids.masked_fill(token_ids < 0, vocab_size)  # padding -> a spare column, dropped below
+    seen.scatter_(1, ids, True)
+    return seen[:, :vocab_size]
+
+
+def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+    """CTRL's repetition penalty (Keskar et al. 2019), as transformers applies it: for tokens already
+    in the context, a positive logit is divided by `penalty`, a negative one multiplied by it.
+
+    `seen` is a (B, V) bool mask (see `seen_tokens`) or a (B, S) LongTensor of context ids
+    (negative ids are padding)."""
+    if penalty == 1.0:
+        return logits
+    if seen.dtype != torch.bool:
+        seen = seen_tokens(seen, logits.size(-1))
+    penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
+    return torch.where(seen, penalised, logits)
+
+
+# ---------------------------------------------------------------------------------------------
+# The distribution and the draw
+
+
+def _penalised(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor | None) -> torch.Tensor:
+    """logits (B, V) with the repetition penalty applied; `seen` (B, V) is needed when it is on."""
+    if params.repetition_penalty == 1.0:
+        return logits
+    if seen is None:
+        raise ValueError("repetition_penalty needs `seen`, the tokens already in each row's context")
+    return apply_repetition_penalty(logits, seen, params.repetition_penalty)
+
+
+def _warped(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """float32 logits (B, V) after temperature (> 0) and the filters: what the softmax takes."""
+    logits = logits.float() / params.temperature  # (B, V)
+    if params.top_k:
+        logits = top_k_mask(logits, params.top_k)
+    if params.top_p < 1.0:
+        logits = top_p_mask(logits, params.top_p)
+    if params.min_p:
+        logits = min_p_mask(logits, params.min_p)
+    return logits
+
+
+def probabilities(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor | None = None) -> torch.Tensor:
+    """The distribution (B, V) float32 that `sample_next` draws from for logits (B, V): repetition
+    penalty (over `seen`, (B, V) bool), temperature, top-k, top-p, min-p, softmax; one-hot on the
+    argmax at temperature 0."""
+    logits = _penalised(logits, params, seen)
+    if params.greedy:
+        return F.one_hot(kernels.argmax(logits), logits.size(-1)).float()  # (B, V)
+    return F.softmax(_warped(logits, params), dim=-1)
+
+
+def sample_next(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    *,
+    seen: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Next token ids (B,) drawn from `probabilities(logits, params, seen)` with `generator` (one
+    kept across steps, e.g. `params.generator(device)`; None: torch's global one); the argmax at
+    temperature 0, without building the one-hot."""
+    logits = _penalised(logits, params, seen)
+    if params.greedy:
+        return kernels.argmax(logits)
+    probs = F.softmax(_warped(logits, params), dim=-1)  # (B, V)
+    if generator is not None and generator.device != probs.device:
+        probs = probs.to(generator.device)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1).to(logits.device)  # (B,)
