@@ -5,14 +5,14 @@ import pytest
 import torch
 
 from conftest import VARIANTS, tiny_model
-from gptlab.checkpoint import atomic_write, atomic_write_text, load_model, load_native, save_model
+from gptlab.checkpoint import atomic_write, atomic_write_text, load_native, read_meta, save_model
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_native_round_trip(tmp_path, variant):
     model = tiny_model(**VARIANTS[variant])
     save_model(model, tmp_path / "m", tokenizer="byte")
-    loaded = load_model(str(tmp_path / "m"))
+    loaded = load_native(tmp_path / "m")
     idx = torch.randint(0, 97, (2, 8))
     with torch.no_grad():
         torch.testing.assert_close(loaded(idx)[0], model(idx)[0], rtol=0, atol=0)
@@ -58,18 +58,20 @@ def test_shape_mismatch_names_the_tensor(tmp_path):
         load_native(tmp_path / "a")
 
 
-def test_directory_without_model_files(tmp_path):
-    with pytest.raises(ValueError, match="neither gptlab.json"):
-        load_model(str(tmp_path))
+def test_metadata_names_the_tokenizer_and_extras(tmp_path):
+    save_model(tiny_model(), tmp_path, tokenizer="byte", extra={"train_step": 7})
+    meta = read_meta(tmp_path)
+    assert (meta["format"], meta["tokenizer"], meta["train_step"]) == ("gptlab", "byte", 7)
+    assert meta["config"]["n_embd"] == 32
 
 
-def test_openai_names_are_hub_ids_and_presets_need_the_prefix(monkeypatch):
-    from gptlab.model import GPT
+def test_a_quantized_directory_is_not_read_as_float(tmp_path):
+    save_model(tiny_model(), tmp_path, extra={"quantization": {"mode": "int8"}})
+    with pytest.raises(ValueError, match="int8 quantized model"):
+        load_native(tmp_path)
 
-    asked = []
-    monkeypatch.setattr(GPT, "from_pretrained", classmethod(lambda cls, spec, **kw: asked.append(spec)))
-    load_model("gpt2-medium")
-    assert asked == ["gpt2-medium"]  # the released weights, not a random model
-    model = load_model("preset:gpt2-tiny")
-    assert model.config.n_layer == 2 and asked == ["gpt2-medium"]
-    assert load_model("llama-tiny").config.pos_embedding == "rope"
+
+def test_a_foreign_directory_is_a_clear_error(tmp_path):
+    (tmp_path / "gptlab.json").write_text('{"format": "other"}')
+    with pytest.raises(ValueError, match="not a gptlab model file"):
+        load_native(tmp_path)

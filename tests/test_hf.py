@@ -19,10 +19,11 @@ from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel  # noqa: E40
 
 from conftest import VARIANTS, tiny_model  # noqa: E402
 from gptlab import hf  # noqa: E402
-from gptlab.checkpoint import load_model, save_model  # noqa: E402
+from gptlab.checkpoint import save_model  # noqa: E402
 from gptlab.cli import main  # noqa: E402
 from gptlab.config import GPTConfig  # noqa: E402
 from gptlab.generation import generate  # noqa: E402
+from gptlab.loading import load_model  # noqa: E402
 from gptlab.model import GPT  # noqa: E402
 from gptlab.tokenizer import get_tokenizer  # noqa: E402
 
@@ -380,7 +381,7 @@ def test_unsupported_config(broken, option, value):
     assert reads == []
 
 
-def test_checkpoint_load_model_routes_hf_dirs(zoo):
+def test_load_model_routes_hf_dirs(zoo):
     theirs, directory = zoo.get("n-inner")
     assert max_diff(load_model(str(directory)), theirs, inputs(theirs.config)) <= TOL
 
@@ -417,7 +418,7 @@ def run_offline(tmp_path: Path, env: dict, *args: str) -> subprocess.CompletedPr
 
 LOAD_FROM_HUB_CACHE = """
 import sys, torch
-from gptlab.checkpoint import load_model
+from gptlab.loading import load_model
 model = load_model("org/tiny-gpt2")
 torch.save(model(torch.load(sys.argv[1]))[0].detach(), sys.argv[2])
 try:

@@ -218,7 +218,8 @@ def test_attention_index_errors(model):
 
 def test_gelu_erf_mlp_is_the_exact_gelu_and_survives_a_native_round_trip(tmp_path):
     from conftest import tiny_model
-    from gptlab.checkpoint import load_model, save_model
+    from gptlab.checkpoint import save_model
+    from gptlab.loading import load_model
 
     exact, approx = tiny_model(mlp="gelu_erf"), tiny_model()
     x = torch.randn(1, 3, 32) * 3

@@ -9,9 +9,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from conftest import tiny_model
-from gptlab.checkpoint import load_model, load_native, save_model
+from gptlab.checkpoint import load_native, save_model
 from gptlab.cli import main
 from gptlab.generation import generate
+from gptlab.loading import load_model
 from gptlab.quantize import (
     Int4Linear,
     Int8Linear,

@@ -13,7 +13,7 @@ _EXPORTS = {
     "KVCache": "gptlab.model",
     "get_tokenizer": "gptlab.tokenizer",
     "generate": "gptlab.generation",
-    "load_model": "gptlab.checkpoint",
+    "load_model": "gptlab.loading",
     "quantize_model": "gptlab.quantize",
 }
 

@@ -1,9 +1,12 @@
-"""Native model files, atomic writes, and `load_model`, which resolves every --model spec.
+"""Native model files and atomic writes: the lowest layer of model I/O.
 
 A native model directory holds `model.safetensors` (weights; a tied head stored once) and
 `gptlab.json` (format, config, tokenizer name, and any extra metadata such as a quantization
 scheme). Files are written to a temporary name in the same directory and renamed into place, so
 a crash never leaves a half-written file under the real name.
+
+Turning a --model spec into a model (native, quantized, Hugging Face, other formats, presets) is
+`gptlab.loading`'s job, one layer up; this module imports none of the readers above it.
 """
 
 from __future__ import annotations
@@ -18,13 +21,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from gptlab.config import PRESETS, GPTConfig
-from gptlab.formats import reader_for
+from gptlab.config import GPTConfig
 from gptlab.model import GPT
 
 log = logging.getLogger(__name__)
 META_FILE = "gptlab.json"
-HUB_MODELS = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")  # presets that are also OpenAI's Hub ids
 WEIGHTS_FILE = "model.safetensors"
 
 
@@ -83,7 +84,7 @@ def load_native(directory: str | os.PathLike, *, device=None, dtype=None) -> GPT
     meta = read_meta(directory)
     if meta.get("quantization"):
         raise ValueError(
-            f"{directory} holds a {meta['quantization']['mode']} quantized model; load it with gptlab.quantize.load_quantized"
+            f"{directory} holds a {meta['quantization']['mode']} quantized model; load it with gptlab.load_model (or gptlab.quantize.load_quantized)"
         )
     config = GPTConfig.from_dict(meta["config"])
     with torch.device("meta"):
@@ -114,41 +115,3 @@ def load_state_strict(model: GPT, state: dict[str, torch.Tensor], source: str) -
                 f"{source}: tensor {name} has shape {tuple(tensor.shape)}, the model expects {tuple(expected[name].shape)}"
             )
     model.load_state_dict(state, strict=True, assign=True)
-
-
-def tokenizer_name(spec: str) -> str:
-    """The tokenizer a model spec uses: the name recorded with a native model, else gpt2."""
-    path = Path(spec)
-    if (path / META_FILE).is_file():
-        return read_meta(path).get("tokenizer", "gpt2")
-    return "gpt2"
-
-
-def load_model(spec: str, *, device=None, dtype=None) -> GPT:
-    """Resolve a --model spec: a native gptlab directory (float or quantized), a Hugging Face
-    directory, a nanoGPT ckpt.pt (or its out_dir), an llm.c .bin, a Hub id, or a preset with fresh
-    random weights.
-
-    OpenAI's names (gpt2, gpt2-medium, gpt2-large, gpt2-xl) are Hub ids: they load the released
-    weights. `preset:NAME` builds any preset with random weights; the small presets (gpt2-tiny,
-    llama-tiny, ...) need no prefix since no released model has their name.
-    """
-    path = Path(spec)
-    preset = spec.removeprefix("preset:")
-    if (spec.startswith("preset:") or (spec in PRESETS and spec not in HUB_MODELS)) and not path.exists():
-        with torch.device(device or "cpu"):
-            model = GPT(GPTConfig.from_name(preset))
-        return model.to(dtype=dtype).eval() if dtype is not None else model.eval()
-    if (path / META_FILE).is_file():
-        if read_meta(path).get("quantization"):
-            from gptlab.quantize import load_quantized
-
-            return load_quantized(path, device=device)
-        return load_native(path, device=device, dtype=dtype)
-    if (read_foreign := reader_for(path)) is not None:  # nanoGPT's ckpt.pt, llm.c's .bin
-        return read_foreign(path, device=device, dtype=dtype)
-    if path.is_dir() and not (path / "config.json").is_file():
-        raise ValueError(
-            f"{spec}: directory holds neither {META_FILE} (gptlab), config.json (Hugging Face) nor ckpt.pt (nanoGPT)"
-        )
-    return GPT.from_pretrained(spec, device=device, dtype=dtype)

@@ -413,7 +413,7 @@ def load_quantized(directory: str | os.PathLike, *, device=None) -> GPT:
     scheme = meta.get("quantization")
     if not scheme:
         raise ValueError(
-            f"{directory} holds a float model, not a quantized one; load it with gptlab.checkpoint.load_model"
+            f"{directory} holds a float model, not a quantized one; load it with gptlab.load_model"
         )
     mode, group_size = scheme.get("mode"), scheme.get("group_size")
     activations = scheme.get("activations", DEFAULT_ACTIVATIONS)

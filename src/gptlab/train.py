@@ -24,9 +24,10 @@ import torch
 import torch.nn as nn
 
 from gptlab import run_files
-from gptlab.checkpoint import load_model, load_state_strict, save_model
+from gptlab.checkpoint import load_state_strict, save_model
 from gptlab.config import GPTConfig
 from gptlab.data import TokenLoader, read_manifest
+from gptlab.loading import load_model
 from gptlab.model import GPT
 from gptlab.train_config import TrainConfig
 

@@ -70,7 +70,7 @@ def import_nanogpt(directory: str):
 
 def nanogpt_rows(directory: str) -> list[dict]:
     """gptlab's logits against nanoGPT's own model, per variant."""
-    from gptlab.checkpoint import load_model
+    from gptlab.loading import load_model
     from gptlab.model import MLP
 
     nanogpt = import_nanogpt(directory)
@@ -203,9 +203,9 @@ def perplexity_row(llama, spec: str, text: Path, tmp: Path, threads: int) -> dic
     context lengths as gptlab eval's.
     """
     from gptlab.bench.llamacpp import run_step
-    from gptlab.checkpoint import load_model
     from gptlab.cli import main as gptlab_main
     from gptlab.formats.gguf import export_gguf
+    from gptlab.loading import load_model
     from gptlab.tokenizer import get_tokenizer
 
     model = load_model(spec)

@@ -114,8 +114,8 @@ def decode_perplexity(model, ids: list[int], window: int) -> float:
 
 def perplexity_rows(args, text: str) -> dict:
     """Validation perplexity of --model under each scheme that fits its widths."""
-    from gptlab.checkpoint import load_model, tokenizer_name
     from gptlab.evaluate import perplexity
+    from gptlab.loading import load_model, tokenizer_name
     from gptlab.quantize import quantize_model
     from gptlab.tokenizer import get_tokenizer
 

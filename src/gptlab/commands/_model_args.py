@@ -16,7 +16,7 @@ def load(args):
     """(model, tokenizer) for args.model on the requested device and dtype, in eval mode."""
     import torch
 
-    from gptlab.checkpoint import load_model, tokenizer_name
+    from gptlab.loading import load_model, tokenizer_name
     from gptlab.tokenizer import get_tokenizer
 
     device = args.device

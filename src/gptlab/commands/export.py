@@ -32,7 +32,7 @@ def add_arguments(parser):
 def run(args):
     import torch
 
-    from gptlab.checkpoint import load_model, tokenizer_name
+    from gptlab.loading import load_model, tokenizer_name
 
     fmt = args.format or SUFFIX_FORMATS.get(Path(args.out).suffix, "hf")
     if fmt != "gguf" and args.outtype != "f32":

@@ -16,9 +16,9 @@ def add_arguments(parser):
 def run(args):
     import torch
 
-    from gptlab.checkpoint import load_model
     from gptlab.config import PRESETS, GPTConfig
     from gptlab.inspect import model_info
+    from gptlab.loading import load_model
     from gptlab.model import GPT
 
     spec = args.model_opt or args.model or "gpt2"

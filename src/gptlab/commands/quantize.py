@@ -17,7 +17,7 @@ def add_arguments(parser):
 
 
 def run(args):
-    from gptlab.checkpoint import load_model, tokenizer_name
+    from gptlab.loading import load_model, tokenizer_name
     from gptlab.quantize import DEFAULT_ACTIVATIONS, quantize_model, save_quantized, weight_bytes
 
     if args.activations is not None and args.mode != "int8":

@@ -2,19 +2,17 @@
 
 from pathlib import Path
 
-from gptlab.commands._model_args import DTYPES
+from gptlab.commands._model_args import add_model_arguments, load
 
 
 def add_arguments(parser):
-    parser.add_argument("--model", required=True, help="preset name, gptlab/HF directory or Hub id")
+    add_model_arguments(parser, prompt=False)
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--name", default=None, help="model id clients ask for (default: the --model's last path part)")
     parser.add_argument("--max-batch", type=int, default=16, help="rows decoded together (default 16)")
     parser.add_argument("--max-queue", type=int, default=64, help="waiting requests before answering 429 (default 64)")
     parser.add_argument("--max-body", type=int, default=1 << 20, help="largest request body in bytes (default 1 MiB)")
-    parser.add_argument("--device", default="cpu", help="cpu, cuda, ... (default cpu)")
-    parser.add_argument("--dtype", default="float32", choices=DTYPES, help="weights' dtype (default float32)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
@@ -23,9 +21,7 @@ def run(args):
     import torch
     import uvicorn
 
-    from gptlab.checkpoint import load_model, tokenizer_name
     from gptlab.serve.app import create_app
-    from gptlab.tokenizer import get_tokenizer
 
     for flag in ("max_batch", "max_queue", "max_body"):
         if getattr(args, flag) < 1:
@@ -34,8 +30,7 @@ def run(args):
         if args.threads < 1:
             raise ValueError("--threads must be at least 1")
         torch.set_num_threads(args.threads)
-    model = load_model(args.model, device=args.device, dtype=getattr(torch, args.dtype)).eval()
-    tokenizer = get_tokenizer(tokenizer_name(args.model))
+    model, tokenizer = load(args)
     name = args.name or Path(args.model.rstrip("/")).name
     app = create_app(
         model, tokenizer, name=name, max_batch=args.max_batch, max_queue=args.max_queue, max_body_bytes=args.max_body

@@ -4,8 +4,9 @@
 - `llmc`: reads and writes llm.c's `gpt2_124M.bin` layout (fp32 or bf16).
 - `gguf`: writes llama.cpp's GGUF (GPT-2 architecture, GPT-2 tokenizer), via the `gguf` package.
 
-Hugging Face directories (`gptlab.hf`) and gptlab's own directories (`gptlab.checkpoint`) are read
-before these. `reader_for` only looks at a path; the format's module is imported when it is used.
+`gptlab.loading` tries gptlab's own directories (`gptlab.checkpoint`) before these and Hugging
+Face ones (`gptlab.hf`) after them. `reader_for` only looks at a path; the format's module is
+imported when it is used.
 """
 
 from __future__ import annotations

@@ -1,0 +1,76 @@
+"""Any --model spec -> a ready model: the one place that knows every way gptlab reads a model.
+
+A spec is, in the order tried:
+
+1. `preset:NAME`, or a small preset's bare name (gpt2-tiny, llama-tiny, ...): fresh random weights.
+2. A native gptlab directory (`gptlab.json`): float (`gptlab.checkpoint`) or quantized
+   (`gptlab.quantize`).
+3. Another program's file: nanoGPT's ckpt.pt (or its out_dir), llm.c's .bin (`gptlab.formats`).
+4. A Hugging Face directory (`config.json`) or a Hub id (`gptlab.hf`); OpenAI's names (gpt2,
+   gpt2-medium, gpt2-large, gpt2-xl) are Hub ids and load the released weights.
+
+This module sits above the readers and none of them imports it, so a new format is a new
+reader plus one line here.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from gptlab.checkpoint import META_FILE, load_native, read_meta
+from gptlab.config import PRESETS, GPTConfig
+from gptlab.formats import reader_for
+from gptlab.hf import load_pretrained
+from gptlab.model import GPT
+from gptlab.quantize import load_quantized
+
+HUB_MODELS = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")  # presets that are also OpenAI's Hub ids
+
+
+def load_model(spec: str, *, device=None, dtype=None) -> GPT:
+    """The model a --model spec names, in eval mode on `device` (default cpu).
+
+    `dtype` converts float weights (None keeps the stored dtype; HF and fresh presets: float32);
+    a quantized model keeps its stored scheme. Raises ValueError for a spec that names no model.
+    """
+    path = Path(spec)
+    if is_preset(spec):
+        return random_model(spec.removeprefix("preset:"), device=device, dtype=dtype)
+    if (path / META_FILE).is_file():
+        if read_meta(path).get("quantization"):
+            return load_quantized(path, device=device)
+        return load_native(path, device=device, dtype=dtype)
+    if (read_foreign := reader_for(path)) is not None:  # nanoGPT's ckpt.pt, llm.c's .bin
+        return read_foreign(path, device=device, dtype=dtype)
+    if path.is_dir() and not (path / "config.json").is_file():
+        raise ValueError(
+            f"{spec}: directory holds neither {META_FILE} (gptlab), config.json (Hugging Face) nor ckpt.pt (nanoGPT)"
+        )
+    return load_pretrained(spec, device=device, dtype=dtype)
+
+
+def is_preset(spec: str) -> bool:
+    """Whether `spec` asks for a preset with random weights rather than a file or a Hub id.
+
+    A path that exists wins over a preset's name; OpenAI's names need the `preset:` prefix.
+    """
+    if Path(spec).exists():
+        return False
+    return spec.startswith("preset:") or (spec in PRESETS and spec not in HUB_MODELS)
+
+
+def random_model(name: str, *, device=None, dtype=None) -> GPT:
+    """A preset's architecture with GPT-2's random initialization, built directly on `device`."""
+    with torch.device(device or "cpu"):
+        model = GPT(GPTConfig.from_name(name))
+    return model.to(dtype=dtype).eval() if dtype is not None else model.eval()
+
+
+def tokenizer_name(spec: str) -> str:
+    """The tokenizer a model spec uses: the name recorded with a native model, else gpt2."""
+    path = Path(spec)
+    if (path / META_FILE).is_file():
+        return read_meta(path).get("tokenizer", "gpt2")
+    return "gpt2"

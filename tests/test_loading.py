@@ -1,0 +1,99 @@
+"""gptlab.loading: every kind of --model spec reaches the right reader and comes back ready."""
+
+import pytest
+import torch
+
+from conftest import VARIANTS, tiny_model
+from gptlab import loading
+from gptlab.checkpoint import save_model
+from gptlab.hf import save_pretrained
+from gptlab.loading import is_preset, load_model, tokenizer_name
+from gptlab.quantize import quantize_model, save_quantized
+
+
+def logits(model, idx):
+    with torch.no_grad():
+        return model(idx)[0]
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_native_directory(tmp_path, variant):
+    model = tiny_model(**VARIANTS[variant])
+    save_model(model, tmp_path / "m", tokenizer="byte")
+    loaded = load_model(str(tmp_path / "m"))
+    idx = torch.randint(0, 97, (2, 8))
+    torch.testing.assert_close(logits(loaded, idx), logits(model, idx), rtol=0, atol=0)
+    assert (loaded.lm_head.weight is loaded.transformer.wte.weight) == model.config.tie_weights
+    assert not loaded.training
+
+
+def test_native_directory_in_another_dtype(tmp_path):
+    save_model(tiny_model(), tmp_path)
+    loaded = load_model(str(tmp_path), dtype=torch.bfloat16)
+    assert {p.dtype for p in loaded.parameters()} == {torch.bfloat16}
+
+
+def test_quantized_directory_keeps_its_scheme(tmp_path):
+    model = quantize_model(tiny_model(), "int4", group_size=32)
+    save_quantized(model, tmp_path, tokenizer="byte")
+    loaded = load_model(str(tmp_path))
+    assert loaded.quantization == model.quantization
+    idx = torch.randint(0, 97, (1, 8))
+    torch.testing.assert_close(logits(loaded, idx), logits(model, idx), rtol=0, atol=0)
+
+
+def test_hugging_face_directory(tmp_path):
+    model = tiny_model()
+    save_pretrained(model, tmp_path, tokenizer="byte")
+    idx = torch.randint(0, 97, (2, 8))
+    torch.testing.assert_close(logits(load_model(str(tmp_path)), idx), logits(model, idx), rtol=0, atol=0)
+
+
+def test_directory_without_model_files(tmp_path):
+    with pytest.raises(ValueError, match="neither gptlab.json"):
+        load_model(str(tmp_path))
+
+
+def test_openai_names_are_hub_ids_and_presets_need_the_prefix(monkeypatch):
+    asked = []
+    monkeypatch.setattr(loading, "load_pretrained", lambda spec, **kw: asked.append(spec))
+    load_model("gpt2-medium")
+    assert asked == ["gpt2-medium"]  # the released weights, not a random model
+    model = load_model("preset:gpt2-tiny")
+    assert model.config.n_layer == 2 and asked == ["gpt2-medium"]
+    assert load_model("llama-tiny").config.pos_embedding == "rope"
+    load_model("org/some-gpt2")
+    assert asked == ["gpt2-medium", "org/some-gpt2"]
+
+
+def test_a_preset_on_a_device_and_dtype():
+    model = load_model("preset:gpt2-tiny", device="meta", dtype=torch.bfloat16)
+    assert {(p.device.type, p.dtype) for p in model.parameters()} == {("meta", torch.bfloat16)}
+    assert not model.training
+
+
+def test_an_existing_path_wins_over_a_preset_name(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert is_preset("gpt2-tiny")
+    save_model(tiny_model(), tmp_path / "gpt2-tiny")
+    assert not is_preset("gpt2-tiny")
+    assert load_model("gpt2-tiny").config.vocab_size == 97  # the directory, not the preset
+
+
+def test_unknown_preset_is_a_clear_error():
+    with pytest.raises(ValueError, match="no-such-model"):
+        load_model("preset:no-such-model")
+
+
+def test_tokenizer_name(tmp_path):
+    save_model(tiny_model(), tmp_path / "byte", tokenizer="byte")
+    save_model(tiny_model(), tmp_path / "bpe")
+    assert tokenizer_name(str(tmp_path / "byte")) == "byte"
+    assert tokenizer_name(str(tmp_path / "bpe")) == "gpt2"
+    assert tokenizer_name("gpt2") == "gpt2"
+
+
+def test_the_public_name_is_this_function():
+    import gptlab
+
+    assert gptlab.load_model is load_model
