@@ -1,0 +1,210 @@
+"""make mutants: plant realistic bugs one at a time and report which tests catch each.
+
+Each mutant names a file under src/gptlab, an exact snippet and its replacement. The source and
+tests are copied to a temporary directory once; each mutant is written into that copy, only the
+test files relevant to it run there (PYTHONPATH points at the copy), and the file is restored.
+The working tree is never touched, so this runs while others edit it.
+
+A mutant is "caught" when a test fails (the first failing test is named), "MISSED" when every
+test passes, and "stale" when its snippet is not found exactly once (the code moved: update the
+snippet). The tests are first run once unmutated; a failure there is reported as "baseline
+failing" and makes its mutants' results meaningless.
+
+    python bench/mutants.py              # all mutants
+    python bench/mutants.py -k sampling  # those whose name contains "sampling"
+    python bench/mutants.py --list
+
+Exit status 0 when every mutant is caught, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+SAMPLING_TESTS = ("tests/test_sampling_semantics.py", "tests/test_generate.py", "tests/test_sampling*.py")
+TRAIN_TESTS = ("tests/test_train*.py",)
+KV_TESTS = ("tests/test_model.py", "tests/test_generate.py")
+LOSS_TESTS = ("tests/test_model.py", "tests/test_chunked_loss.py", "tests/test_fused_loss.py", "tests/test_data.py")
+HF_TESTS = ("tests/test_hf.py", "-k", "parity or round_trip or layouts or to_gptlab")
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str  # area/what: the bug, as a reviewer would name it
+    file: str  # under src/gptlab
+    old: str  # an exact snippet, found exactly once
+    new: str
+    tests: tuple[str, ...]  # test files (globs) and pytest options
+
+
+# fmt: off
+MUTANTS = [
+    # sampling
+    Mutant("sampling/temperature-multiplies", "sampling.py",
+           "logits = logits.float() / params.temperature", "logits = logits.float() * params.temperature",
+           SAMPLING_TESTS),
+    Mutant("sampling/top-k-keeps-k-1", "sampling.py",
+           'logits.masked_fill(logits < kth, float("-inf"))', 'logits.masked_fill(logits <= kth, float("-inf"))',
+           SAMPLING_TESTS),
+    Mutant("sampling/top-p-drops-the-crossing-token", "sampling.py",
+           "mass_before = probs.cumsum(dim=-1) - probs", "mass_before = probs.cumsum(dim=-1)", SAMPLING_TESTS),
+    Mutant("sampling/min-p-absolute-threshold", "sampling.py",
+           "threshold = min_p * probs.max(dim=-1, keepdim=True).values", "threshold = min_p", SAMPLING_TESTS),
+    Mutant("sampling/repetition-penalty-inverted", "sampling.py",
+           "torch.where(logits > 0, logits / penalty, logits * penalty)",
+           "torch.where(logits > 0, logits * penalty, logits / penalty)", SAMPLING_TESTS),
+    Mutant("sampling/repetition-penalty-on-unseen-tokens", "sampling.py",
+           "return torch.where(seen, penalised, logits)", "return penalised", SAMPLING_TESTS),
+    # the trainer
+    Mutant("train/weight-decay-off", "train.py",
+           '{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay}',
+           '{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.0}', TRAIN_TESTS),
+    Mutant("train/weight-decay-on-biases-and-gains", "train.py",
+           '{"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}',
+           '{"params": [p for p in params if p.dim() < 2], "weight_decay": cfg.weight_decay}', TRAIN_TESTS),
+    Mutant("train/grad-accum-sums-micro-batches", "train.py",
+           "loss = loss / self.grad_accum", "loss = loss", TRAIN_TESTS),
+    Mutant("train/lr-warmup-starts-at-zero", "train.py",
+           "return cfg.lr * (step + 1) / cfg.warmup_steps", "return cfg.lr * step / cfg.warmup_steps", TRAIN_TESTS),
+    Mutant("train/lr-cosine-rises", "train.py",
+           "0.5 * (1.0 + math.cos(math.pi * progress))", "0.5 * (1.0 - math.cos(math.pi * progress))", TRAIN_TESTS),
+    Mutant("train/grad-clip-ignored", "train.py",
+           'max_norm = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")', 'max_norm = float("inf")',
+           TRAIN_TESTS),
+    # the KV cache
+    Mutant("kv-cache/pos-advances-by-one", "model.py", "self.pos = self.pos + n", "self.pos = self.pos + 1", KV_TESTS),
+    Mutant("kv-cache/writes-at-slot-0", "model.py",
+           "k_cache[:, :, start : start + T] = k\n    v_cache[:, :, start : start + T] = v",
+           "k_cache[:, :, 0:T] = k\n    v_cache[:, :, 0:T] = v", KV_TESTS),
+    Mutant("kv-cache/c-kernel-writes-one-slot-early", "model.py",
+           "kernels.decode_attention(qkv, kv, cache_pos, mask, self.n_head)",
+           "kernels.decode_attention(qkv, kv, max(cache_pos - 1, 0), mask, self.n_head)", KV_TESTS),
+    # the loss
+    Mutant("loss/targets-not-shifted", "data.py", "return w[:, :-1], w[:, 1:]", "return w[:, :-1], w[:, :-1]",
+           LOSS_TESTS),
+    Mutant("loss/chunked-ignore-index-not-honoured", "chunked_loss.py",
+           "valid = t_c != IGNORE_INDEX", "valid = t_c == t_c", LOSS_TESTS),
+    Mutant("loss/ignore-index-wrong", "model.py", "ignore_index=-100)", "ignore_index=-1)", LOSS_TESTS),
+    # the Hugging Face name table
+    Mutant("hf/c-proj-not-transposed", "hf.py", '"attn.c_proj.weight": True,', '"attn.c_proj.weight": False,',
+           HF_TESTS),
+    Mutant("hf/ln-1-and-ln-2-swapped", "hf.py",
+           '{f"{PREFIX}h.{i}.{name}": (f"{PREFIX}h.{i}.{name}", t)',
+           '{f"{PREFIX}h.{i}.{name}": (f"{PREFIX}h.{i}.{SWAP.get(name, name)}", t)',
+           HF_TESTS),
+]
+# fmt: on
+# The swapped-name mutant needs its table in the module: appended to hf.py with it.
+EXTRA = {
+    "hf/ln-1-and-ln-2-swapped": '\nSWAP = {"ln_1.weight": "ln_2.weight", "ln_2.weight": "ln_1.weight", "ln_1.bias": "ln_2.bias", "ln_2.bias": "ln_1.bias"}\n'
+}  # fmt: skip
+
+
+def copy_tree(dest: Path) -> None:
+    """src/ and tests/ (and pyproject.toml, for pytest's settings) into dest, without caches."""
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", ".pytest_cache")
+    for part in ("src", "tests"):
+        shutil.copytree(ROOT / part, dest / part, ignore=ignore)
+    shutil.copy2(ROOT / "pyproject.toml", dest / "pyproject.toml")
+
+
+def pytest_args(tests: tuple[str, ...], root: Path) -> list[str]:
+    """Test globs expanded in the copy (a glob matching nothing is dropped), options kept."""
+    args = []
+    for item in tests:
+        if item.startswith("tests/"):
+            args += sorted(os.path.relpath(p, root) for p in glob.glob(str(root / item)))
+        else:
+            args.append(item)
+    return args
+
+
+def run_pytest(root: Path, args: list[str], timeout: int) -> tuple[int, str]:
+    env = {**os.environ, "PYTHONPATH": str(root / "src"), "PYTHONDONTWRITEBYTECODE": "1"}
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-rf", "-p", "no:cacheprovider", *args]
+    try:
+        proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return -1, "timed out"
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def first_failure(output: str) -> str:
+    match = re.search(r"^(FAILED|ERROR) (\S+)", output, re.M)
+    return match.group(2) if match else output.strip().splitlines()[-1] if output.strip() else "?"
+
+
+def run_mutant(m: Mutant, root: Path, timeout: int) -> tuple[str, str]:
+    """(status, detail) for one mutant planted in the copy at root; the file is restored after."""
+    path = root / "src" / "gptlab" / m.file
+    if not path.is_file():
+        return "stale", f"src/gptlab/{m.file} does not exist"
+    original = path.read_text()
+    count = original.count(m.old)
+    if count != 1:
+        return "stale", f"snippet found {count} times in src/gptlab/{m.file}: {m.old!r}"
+    try:
+        path.write_text(original.replace(m.old, m.new) + EXTRA.get(m.name, ""))
+        args = pytest_args(m.tests, root)
+        rc, output = run_pytest(root, args, timeout)
+    finally:
+        path.write_text(original)
+    if rc == 0:
+        return "MISSED", "all of " + " ".join(a for a in args if a.startswith("tests/")) + " passed"
+    if rc == -1:
+        return "caught", "timed out (a hang counts as caught; check it)"
+    if rc == 1:
+        return "caught", first_failure(output)
+    return "caught", f"pytest exit {rc} (collection or import error): {first_failure(output)}"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("-k", default="", help="run only mutants whose name contains this")
+    parser.add_argument("--list", action="store_true", help="list the mutants and exit")
+    parser.add_argument("--timeout", type=int, default=600, help="seconds per pytest run (default 600)")
+    args = parser.parse_args(argv)
+    mutants = [m for m in MUTANTS if args.k in m.name]
+    if args.list:
+        for m in mutants:
+            print(f"{m.name:45s} src/gptlab/{m.file}")
+        return 0
+    with tempfile.TemporaryDirectory(prefix="gptlab-mutants-") as tmp:
+        root = Path(tmp)
+        copy_tree(root)
+        baselines: dict[tuple, bool] = {}
+        results = []
+        for m in mutants:
+            key = tuple(pytest_args(m.tests, root))
+            if key not in baselines:
+                rc, output = run_pytest(root, list(key), args.timeout)
+                baselines[key] = rc == 0
+                if rc != 0:
+                    print(f"baseline failing for {' '.join(key)}: {first_failure(output)}", flush=True)
+            t0 = time.monotonic()
+            status, detail = run_mutant(m, root, args.timeout)
+            if not baselines[key] and status != "stale":
+                status, detail = "baseline failing", detail
+            results.append((m, status, detail))
+            print(f"{status:8s} {m.name:45s} {time.monotonic() - t0:5.0f}s  {detail}", flush=True)
+    caught = sum(s == "caught" for _, s, _ in results)
+    print(f"\n{caught}/{len(results)} mutants caught", end="")
+    others = {s: sum(x == s for _, x, _ in results) for s in ("MISSED", "stale", "baseline failing")}
+    print("".join(f", {n} {s}" for s, n in others.items() if n))
+    return 0 if caught == len(results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
