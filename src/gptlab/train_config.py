@@ -1,6 +1,6 @@
 """`TrainConfig`: every training setting in one dataclass, read from TOML and key=value overrides.
 
-The training loop that uses it is gptlab.train.
+The training loop that uses it is gptlab.train (a package).
 """
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +19,7 @@ PRECISIONS = ("auto", "float32", "bfloat16", "float16")
 RENAMED = {"dtype": "precision"}
 
 log = logging.getLogger(__name__)
+_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0}
 
 
 @dataclass
@@ -41,6 +43,9 @@ class TrainConfig:
     grad_accum: int = 1
     batch_tokens: int | None = None  # if set, grad_accum is derived to reach this many tokens per update
     max_steps: int = 1000
+    # A wall-time budget ("4m", "90s", "1h", or seconds): training stops when it is spent, and the
+    # learning-rate schedule follows the elapsed fraction of it instead of steps/max_steps.
+    max_time: str | None = None
     # Optimizer and schedule.
     lr: float = 6e-4
     min_lr: float = 6e-5
@@ -86,6 +91,7 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"TrainConfig.precision must be one of {PRECISIONS}, got {self.precision!r}")
+        parse_duration(self.max_time)
         if not 0 < self.decay_fraction <= 1:
             raise ValueError(f"TrainConfig.decay_fraction must be in (0, 1], got {self.decay_fraction}")
 
@@ -121,6 +127,22 @@ class TrainConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def parse_duration(value: str | float | int | None) -> float | None:
+    """Seconds from 90, 90.0, "90", "90s", "4m", "1.5h" (None stays None)."""
+    if value is None:
+        return None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        seconds = float(value)
+    else:
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([smh]?)\s*", str(value))
+        if not match:
+            raise ValueError(f"max_time {value!r}: expected seconds or a number with s, m or h (e.g. 90s, 4m, 1h)")
+        seconds = float(match.group(1)) * _UNITS[match.group(2) or "s"]
+    if seconds <= 0:
+        raise ValueError(f"max_time must be positive, got {value!r}")
+    return seconds
 
 
 def _renamed(overrides: dict) -> dict:

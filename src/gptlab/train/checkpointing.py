@@ -1,0 +1,141 @@
+"""Checkpoint I/O for a Trainer: write one (atomically, rank 0) and resume from the latest, exactly.
+
+A checkpoint directory holds the native model (model.safetensors + gptlab.json), optimizer.pt
+(optimizer and GradScaler), rng.pt (every rank's RNG states) and train_state.json (step, data
+cursor, guard window, time spent, configs). See gptlab.run_files for the atomic write.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from gptlab import run_files
+from gptlab.checkpoint import load_state_strict, save_model
+from gptlab.model import GPT
+
+log = logging.getLogger(__name__)
+
+
+def full_state_dicts(trainer) -> tuple[dict, dict]:
+    """Full (unsharded) model and optimizer state dicts; every rank must call this under FSDP."""
+    if trainer.sharded:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        return get_state_dict(
+            trainer.raw_model, trainer.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
+    return trainer.raw_model.state_dict(), trainer.optimizer.state_dict()
+
+
+def save_checkpoint(trainer) -> None:
+    """Write a checkpoint of the trainer's current step (rank 0 writes; every rank takes part)."""
+    model_state, optim_state = full_state_dicts(trainer)
+    rng = _gather_rng(trainer.dist)
+    elapsed = trainer.budget.elapsed()
+    if trainer.dist.is_main:
+        write = lambda d: _write(trainer, d, model_state, optim_state, rng, elapsed)  # noqa: E731
+        trainer.last_checkpoint = run_files.write_checkpoint(
+            trainer.out_dir, trainer.step_num, write, keep=trainer.cfg.keep_checkpoints
+        )
+        log.info("step %d: checkpoint %s", trainer.step_num, trainer.last_checkpoint)
+    _barrier(trainer.dist)
+
+
+def _write(trainer, directory: Path, model_state: dict, optim_state: dict, rng: dict, elapsed: float) -> None:
+    model = trainer.raw_model
+    if trainer.sharded:  # a plain module around the gathered tensors, for save_model
+        with torch.device("meta"):
+            model = GPT(trainer.raw_model.config)
+        load_state_strict(model, model_state, "gathered state")
+        model.tie_weights()
+    save_model(model, directory, tokenizer=trainer.tokenizer_name, extra={"train_step": trainer.step_num})
+    scaler = trainer.scaler.state_dict() if trainer.scaler else None
+    run_files.save_torch(directory / run_files.OPTIMIZER_FILE, {"optimizer": optim_state, "scaler": scaler})
+    run_files.save_torch(directory / run_files.RNG_FILE, rng)
+    state = dict(step=trainer.step_num, tokens_seen=trainer.tokens_seen, loader=trainer.train_loader.state_dict(),
+                 **trainer.guard.state_dict(), best_val=trainer.best_val, elapsed_s=elapsed,
+                 precision=str(trainer.precision).removeprefix("torch."),
+                 world_size=trainer.dist.world_size, grad_accum=trainer.grad_accum,
+                 model_config=trainer.raw_model.config.to_dict(), config=trainer.cfg.to_dict())  # fmt: skip
+    run_files.save_json(directory / run_files.STATE_FILE, state)
+
+
+def _gather_rng(dist_info) -> dict:
+    mine = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        mine["cuda"] = torch.cuda.get_rng_state_all()
+    if not dist_info.enabled:
+        return {"ranks": [mine]}
+    import torch.distributed as dist
+
+    everyone: list = [None] * dist_info.world_size
+    dist.all_gather_object(everyone, mine)
+    return {"ranks": everyone}
+
+
+def _barrier(dist_info) -> None:
+    if dist_info.enabled:
+        import torch.distributed as dist
+
+        dist.barrier()
+
+
+def resume(trainer) -> float:
+    """Load the latest checkpoint of trainer.out_dir into the trainer; returns the seconds it had spent."""
+    ckpt = run_files.latest_checkpoint(trainer.out_dir)
+    state = run_files.load_json(ckpt / run_files.STATE_FILE)
+    now = trainer.raw_model.config.to_dict()
+    if state["model_config"] != now:
+        diff = {k: (v, now.get(k)) for k, v in state["model_config"].items() if now.get(k) != v}
+        raise ValueError(f"{ckpt} holds a model of another shape (checkpoint vs now: {diff})")
+    if state["world_size"] * state["grad_accum"] != trainer.dist.world_size * trainer.grad_accum:
+        log.warning("resuming with a different global batch (world_size x grad_accum changed)")
+    _load_weights(trainer, ckpt)
+    _load_optimizer(trainer, run_files.load_torch(ckpt / run_files.OPTIMIZER_FILE))
+    rng = run_files.load_torch(ckpt / run_files.RNG_FILE)["ranks"]
+    mine = rng[trainer.dist.rank] if trainer.dist.rank < len(rng) else rng[0]
+    torch.set_rng_state(mine["cpu"])
+    if "cuda" in mine and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(mine["cuda"])
+    trainer.train_loader.load_state_dict(state["loader"])
+    trainer.step_num, trainer.tokens_seen = state["step"], state["tokens_seen"]
+    trainer.guard.load_state_dict(state)
+    trainer.best_val, trainer.last_checkpoint = state.get("best_val"), ckpt
+    log.info("resumed from %s at step %d", ckpt, trainer.step_num)
+    return state.get("elapsed_s", 0.0)
+
+
+def _load_optimizer(trainer, optim: dict) -> None:
+    if trainer.sharded:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        set_optimizer_state_dict(trainer.raw_model, trainer.optimizer, optim["optimizer"],
+                                 options=StateDictOptions(full_state_dict=True))  # fmt: skip
+    else:
+        trainer.optimizer.load_state_dict(optim["optimizer"])
+    if trainer.scaler and optim.get("scaler"):
+        trainer.scaler.load_state_dict(optim["scaler"])
+
+
+def _load_weights(trainer, ckpt: Path) -> None:
+    from safetensors.torch import load_file
+
+    weights = load_file(ckpt / "model.safetensors", device=str(trainer.device))
+    if trainer.raw_model.config.tie_weights:
+        weights["lm_head.weight"] = weights["transformer.wte.weight"]
+    if trainer.sharded:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        set_model_state_dict(trainer.raw_model, weights, options=StateDictOptions(full_state_dict=True))
+        return
+    with torch.no_grad():
+        own = trainer.raw_model.state_dict()
+        for name, tensor in weights.items():
+            if own[name].shape != tensor.shape:
+                raise ValueError(
+                    f"{ckpt}: tensor {name} has shape {tuple(tensor.shape)}, the model expects {tuple(own[name].shape)}"
+                )
+            own[name].copy_(tensor)

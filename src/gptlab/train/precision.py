@@ -1,0 +1,119 @@
+"""Training precision: which autocast dtype a run uses, and `auto`'s measured choice.
+
+`precision="auto"` on a CPU does not trust the CPU's flags: bf16 autocast pays only where the
+matmuls run natively in bf16 (AMX, AVX512-BF16); elsewhere oneDNN emulates them and a bf16 step
+is slower than fp32 (issue 13: 0.85-0.95 s against 0.66 s per demo step on an Intel Xeon without
+native bf16). So auto times one forward + backward of the model being trained, on its own shapes,
+in fp32 and under bf16 autocast, takes the faster, and caches the answer per machine (CPU model,
+torch version, model shape) in gptlab's cache directory. On CUDA auto is bf16 where supported.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+CACHE_FILE = "precision.json"
+PROBE_TOKENS = 1024  # at most this many tokens per timed forward + backward
+PROBE_REPEATS = 3  # timed runs per precision; the fastest counts
+
+
+def autocast(device: torch.device, dtype: torch.dtype):
+    """The autocast context for a training precision (none for float32)."""
+    if dtype == torch.float32:
+        return nullcontext()
+    return torch.autocast(device.type, dtype=dtype)
+
+
+def resolve_precision(name: str, device: torch.device, model=None, rows: tuple[int, int] = (1, 1)):
+    """(autocast dtype, why): the precision to train in for `name` (auto|float32|bfloat16|float16).
+
+    `auto` on CPU measures `model` on a (batch, block) of `rows` (see the module docstring).
+    """
+    if name == "float16" and device.type != "cuda":
+        raise ValueError("precision float16 needs CUDA (a GradScaler on CPU buys nothing); use bfloat16 or float32")
+    if name != "auto":
+        if name == "bfloat16" and device.type == "cpu" and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+            log.warning("precision bfloat16: this CPU has no native bf16, its matmuls are emulated and usually slower "
+                        "than float32 (precision=auto measures)")  # fmt: skip
+        return getattr(torch, name), "as configured"
+    if device.type == "cuda":
+        if torch.cuda.is_bf16_supported():
+            return torch.bfloat16, "auto: this GPU supports bf16"
+        return torch.float32, "auto: this GPU has no bf16"
+    if model is None:
+        return torch.float32, "auto: no model to measure"
+    timings, source = cached_probe(model, device, rows)
+    choice = torch.bfloat16 if timings["bfloat16"] < timings["float32"] else torch.float32
+    why = (f"auto: one forward + backward of this model took {timings['float32'] * 1e3:.0f} ms in float32 and "
+           f"{timings['bfloat16'] * 1e3:.0f} ms in bfloat16 autocast ({source})")  # fmt: skip
+    return choice, why
+
+
+def cached_probe(model, device: torch.device, rows: tuple[int, int]) -> tuple[dict, str]:
+    """Seconds per forward + backward in each precision, from the cache or measured now."""
+    from gptlab import kernels
+
+    batch, block = _probe_shape(*rows)
+    cfg = model.config
+    key = (f"{kernels.cpu_name()} | torch {torch.__version__} | {torch.get_num_threads()} threads | "
+           f"L{cfg.n_layer} C{cfg.n_embd} H{cfg.n_head} V{cfg.vocab_size} | {batch}x{block}")  # fmt: skip
+    path = kernels.cache_dir() / CACHE_FILE
+    cache = _read_cache(path)
+    if key in cache:
+        return cache[key], f"measured earlier on this machine, cached in {path}"
+    timings = probe(model, device, batch, block)
+    cache[key] = timings
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(cache, indent=1))
+        tmp.replace(path)
+    except OSError as e:
+        log.warning("could not cache the precision probe in %s: %s", path, e)
+    return timings, f"measured now, cached in {path}"
+
+
+def _probe_shape(batch: int, block: int) -> tuple[int, int]:
+    return max(1, min(batch, PROBE_TOKENS // block)), block
+
+
+def _read_cache(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def probe(model, device: torch.device, batch: int, block: int) -> dict[str, float]:
+    """Fastest of PROBE_REPEATS timed forward + backward passes per precision, alternating.
+
+    The model is run in eval mode (no dropout, so the global RNG is untouched) and its
+    gradients are cleared afterwards: the weights and the run's randomness are as before.
+    """
+    g = torch.Generator().manual_seed(0)
+    idx = torch.randint(0, model.config.vocab_size, (batch, block + 1), generator=g).to(device)
+    x, y = idx[:, :-1], idx[:, 1:]  # (B, T) each
+    was_training = model.training
+    model.eval()
+    best = {"float32": float("inf"), "bfloat16": float("inf")}
+    try:
+        for repeat in range(PROBE_REPEATS + 1):  # the first round warms up
+            for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+                t0 = time.perf_counter()
+                with autocast(device, dtype):
+                    _, loss = model(x, y, return_logits=False)
+                loss.backward()
+                if repeat:
+                    best[name] = min(best[name], time.perf_counter() - t0)
+    finally:
+        model.zero_grad(set_to_none=True)
+        model.train(was_training)
+    return best

@@ -1,0 +1,164 @@
+"""Set-up of a run: processes (DDP/FSDP), device, model, optimizer, and checks on the token files."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from gptlab import run_files
+from gptlab.config import GPTConfig
+from gptlab.loading import load_model
+from gptlab.model import GPT
+from gptlab.train_config import TrainConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Dist:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed(device_type: str) -> Dist:
+    """Join the process group torchrun describes in the environment (RANK, WORLD_SIZE, ...)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return Dist()
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo")
+    return Dist(
+        rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=int(os.environ.get("LOCAL_RANK", "0"))
+    )
+
+
+def resolve_device(cfg: TrainConfig, dist: Dist) -> torch.device:
+    if cfg.device != "auto":
+        return torch.device(cfg.device)
+    if torch.cuda.is_available():
+        return torch.device("cuda", dist.local_rank)
+    return torch.device("cpu")
+
+
+def build_model(cfg: TrainConfig, vocab_size: int, device: torch.device) -> GPT:
+    """A fresh model from the preset and overrides, or the weights named by init_from."""
+    if cfg.init_from == "scratch":
+        shape = {k: getattr(cfg, k) for k in ("n_layer", "n_head", "n_embd", "bias") if getattr(cfg, k) is not None}
+        padded = -(-vocab_size // cfg.vocab_multiple) * cfg.vocab_multiple
+        config = GPTConfig.from_name(
+            cfg.model, **shape, block_size=cfg.block_size, vocab_size=padded, dropout=cfg.dropout
+        )
+        with torch.device(device):
+            return GPT(config)
+    spec = cfg.init_from
+    latest = run_files.latest_checkpoint(spec) if Path(spec).is_dir() else None
+    model = load_model(str(latest or spec), device=device).train()
+    _set_dropout(model, cfg.dropout)
+    if model.config.block_size < cfg.block_size:
+        raise ValueError(f"block_size {cfg.block_size} exceeds the model's context length {model.config.block_size}")
+    if model.config.vocab_size < vocab_size:
+        raise ValueError(f"{spec} has a {model.config.vocab_size}-token vocabulary; the data uses {vocab_size} tokens")
+    return model
+
+
+def _set_dropout(model: GPT, p: float) -> None:
+    model.config.dropout = p
+    for m in model.modules():
+        if isinstance(m, nn.Dropout):
+            m.p = p
+        elif hasattr(m, "dropout") and isinstance(m.dropout, float):
+            m.dropout = p
+
+
+def build_optimizer(model: GPT, cfg: TrainConfig, device: torch.device, fused_ok: bool = True):
+    """AdamW; weight decay on matrices only. fused where the device supports it, else foreach."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    kwargs = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
+    if fused_ok:
+        try:
+            return torch.optim.AdamW(groups, fused=True, **kwargs)
+        except (RuntimeError, ValueError):
+            log.debug("fused AdamW unavailable on %s; using foreach", device)
+    return torch.optim.AdamW(groups, foreach=True, **kwargs)
+
+
+def grad_accum_steps(cfg: TrainConfig, world_size: int) -> int:
+    """Micro-steps per update: cfg.grad_accum, or enough to reach cfg.batch_tokens."""
+    if cfg.batch_tokens is None:
+        return cfg.grad_accum
+    per_micro = cfg.batch_size * cfg.block_size * world_size
+    return max(1, math.ceil(cfg.batch_tokens / per_micro))
+
+
+def wrap_model(model: GPT, cfg: TrainConfig, dist: Dist, device: torch.device) -> nn.Module:
+    """The module the loop calls: FSDP-sharded, or DDP, then compiled, as configured."""
+    if cfg.fsdp:
+        if not dist.enabled:
+            log.warning("fsdp=True in a single process: nothing to shard, training unsharded")
+        else:
+            from torch.distributed.fsdp import fully_shard
+
+            for block in model.transformer.h:
+                fully_shard(block)
+            fully_shard(model)
+    elif dist.enabled:
+        from torch.nn.parallel import DistributedDataParallel
+
+        ids = [device.index] if device.type == "cuda" else None
+        model = DistributedDataParallel(model, device_ids=ids)
+    if cfg.compile:
+        model = torch.compile(model)
+    return model
+
+
+def check_out_dir(out_dir: Path, resume: bool) -> None:
+    has_run = (out_dir / run_files.LATEST).is_symlink()
+    if has_run and not resume:
+        raise ValueError(f"{out_dir} already holds a run; pass --resume to continue it or pick another out_dir")
+    if resume and not has_run:
+        raise ValueError(f"--resume: {out_dir} holds no checkpoint to resume from")
+
+
+def check_tokens(data_dir, manifest: dict, model_vocab: int) -> None:
+    """The token files must have the manifest's size and only ids the model can embed."""
+    import numpy as np
+
+    dtype = np.dtype(manifest["dtype"])
+    for split in ("train", "val"):
+        path = Path(data_dir) / f"{split}.bin"
+        if not path.is_file():
+            raise ValueError(f"{path} is missing (run `gptlab prepare`)")
+        expected = manifest["tokens"][split] * dtype.itemsize
+        if path.stat().st_size != expected:
+            raise ValueError(
+                f"{path} has {path.stat().st_size} bytes; the manifest says {expected} ({manifest['tokens'][split]} {dtype.name} tokens)"
+            )
+        tokens = np.memmap(path, dtype=dtype, mode="r")
+        top = max(int(tokens[s : s + (1 << 24)].max()) for s in range(0, len(tokens), 1 << 24))
+        if top >= model_vocab:
+            raise ValueError(
+                f"{path} holds token id {top}, outside the model's {model_vocab}-token vocabulary (tokenizer {manifest['tokenizer']!r})"
+            )
+    if manifest["vocab_size"] > model_vocab:
+        raise ValueError(f"the data's tokenizer has {manifest['vocab_size']} tokens; the model only {model_vocab}")

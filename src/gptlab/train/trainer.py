@@ -1,0 +1,207 @@
+"""The Trainer: a run's state, one optimizer update (`step`), and the loop (`run`)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+
+from gptlab import run_files
+from gptlab.data import TokenLoader, read_manifest
+from gptlab.train import checkpointing, evaluation, setup
+from gptlab.train.guards import SpikeGuard
+from gptlab.train.precision import autocast, resolve_precision
+from gptlab.train.schedule import TimeBudget, lr_at, parse_duration
+from gptlab.train_config import TrainConfig
+
+log = logging.getLogger(__name__)
+
+
+class Trainer:
+    """Holds the state of one run; `step()` does one optimizer update, `run()` the whole loop.
+
+    `clock` (seconds, monotonic) measures the `max_time` budget; tests pass a fake one.
+    """
+
+    def __init__(self, cfg: TrainConfig, clock: Callable[[], float] = time.perf_counter):
+        self.cfg, self.out_dir = cfg, Path(cfg.out_dir)
+        max_time = parse_duration(cfg.max_time)
+        manifest = read_manifest(cfg.data_dir)  # a missing data directory fails before anything is written
+        self.tokenizer_name = manifest["tokenizer"]
+        on_cuda = cfg.device.startswith("cuda") or (cfg.device == "auto" and torch.cuda.is_available())
+        self.dist = setup.init_distributed("cuda" if on_cuda else "cpu")
+        self.device = setup.resolve_device(cfg, self.dist)
+        setup.check_out_dir(self.out_dir, cfg.resume)
+        torch.manual_seed(cfg.seed)  # the same initial weights on every rank
+        self.raw_model = setup.build_model(cfg, manifest["vocab_size"], self.device).train()
+        setup.check_tokens(cfg.data_dir, manifest, self.raw_model.config.vocab_size)
+        self.precision, why = resolve_precision(cfg.precision, self.device, self.raw_model,
+                                                (cfg.batch_size, cfg.block_size))  # fmt: skip
+        log.info("precision: %s (%s)", str(self.precision).removeprefix("torch."), why)
+        self.grad_accum = setup.grad_accum_steps(cfg, self.dist.world_size)
+        self.train_loader, self.val_loader = self._loaders(manifest)
+        self.model = setup.wrap_model(self.raw_model, cfg, self.dist, self.device)
+        self.optimizer = setup.build_optimizer(self.raw_model, cfg, self.device, fused_ok=not cfg.fsdp)
+        self.scaler = torch.amp.GradScaler("cuda") if self.precision == torch.float16 else None
+        self.guard = SpikeGuard(cfg.spike_zscore, cfg.spike_window, cfg.max_bad_steps)
+        torch.manual_seed(cfg.seed + self.dist.rank)  # dropout streams differ per rank
+        self.step_num, self.tokens_seen = 0, 0
+        self.best_val: float | None = None
+        self.last_checkpoint: Path | None = None
+        spent = checkpointing.resume(self) if cfg.resume else 0.0
+        self.budget = TimeBudget(max_time, clock, spent)
+
+    def _loaders(self, manifest: dict) -> tuple[TokenLoader, TokenLoader]:
+        cfg, d = self.cfg, self.dist
+        common = dict(dtype=manifest["dtype"], rank=d.rank, world_size=d.world_size, seed=cfg.seed)
+        train = TokenLoader(Path(cfg.data_dir) / "train.bin", cfg.batch_size, cfg.block_size, mode="random", **common)
+        val = TokenLoader(Path(cfg.data_dir) / "val.bin", cfg.batch_size, cfg.block_size, mode="sequential", **common)
+        return train, val
+
+    @property
+    def sharded(self) -> bool:
+        return self.cfg.fsdp and self.dist.enabled
+
+    # -- one update
+
+    def step(self) -> dict:
+        """One optimizer update over grad_accum micro-batches; returns its log record."""
+        cfg, t0 = self.cfg, time.perf_counter()
+        lr = lr_at(self.step_num, cfg, self.budget.fraction())
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        loss_sum = torch.zeros((), device=self.device)
+        for micro in range(self.grad_accum):
+            x, y = (t.to(self.device, non_blocking=True) for t in self.train_loader.next_batch())
+            sync = self._no_sync() if micro < self.grad_accum - 1 else nullcontext()
+            with sync:
+                with autocast(self.device, self.precision):
+                    _, loss = self.model(x, y, return_logits=False)
+                loss = loss / self.grad_accum
+                (self.scaler.scale(loss) if self.scaler else loss).backward()
+            loss_sum += loss.detach().float()
+        loss_value = self.mean_over_ranks(loss_sum)
+        grad_norm = self._clip_gradients()
+        skipped = self.guard.check(loss_value, grad_norm, self.step_num + 1, fp16_scaler=self.scaler is not None,
+                                   last_checkpoint=self.last_checkpoint)  # fmt: skip
+        if not skipped and self.scaler:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        elif not skipped:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step_num += 1
+        tokens = cfg.batch_size * cfg.block_size * self.grad_accum * self.dist.world_size
+        self.tokens_seen += tokens
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        return dict(step=self.step_num, tokens=self.tokens_seen, loss=loss_value, lr=lr, grad_norm=grad_norm,
+                    skipped=skipped, tok_per_s=tokens / dt, step_s=dt)  # fmt: skip
+
+    def _no_sync(self):
+        return self.model.no_sync() if hasattr(self.model, "no_sync") else nullcontext()
+
+    def mean_over_ranks(self, value: torch.Tensor) -> float:
+        if self.dist.enabled:
+            import torch.distributed as dist
+
+            value = value.clone()
+            dist.all_reduce(value)
+            value /= self.dist.world_size
+        return float(value)
+
+    def _clip_gradients(self) -> float:
+        if self.scaler:
+            self.scaler.unscale_(self.optimizer)
+        max_norm = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(), max_norm)
+        if hasattr(norm, "full_tensor"):  # a DTensor under FSDP
+            norm = norm.full_tensor()
+        return float(norm)
+
+    # -- evaluation and checkpoints (gptlab.train.evaluation, .checkpointing)
+
+    def evaluate(self) -> dict:
+        return evaluation.evaluate(self)
+
+    def sample(self) -> str:
+        return evaluation.sample(self)
+
+    def save_checkpoint(self) -> None:
+        checkpointing.save_checkpoint(self)
+
+    # -- the loop
+
+    def finished(self) -> bool:
+        """max_steps done, or the max_time budget spent."""
+        return self.step_num >= self.cfg.max_steps or self.budget.exhausted()
+
+    def run(self) -> dict:
+        """Train to max_steps or max_time; evaluate, checkpoint and log on the way. Returns a summary."""
+        cfg, main = self.cfg, self.dist.is_main
+        from tqdm import tqdm
+
+        metrics = (
+            run_files.MetricsLog(self.out_dir, resume_step=self.step_num if cfg.resume else None) if main else None
+        )
+        bar = tqdm(total=cfg.max_steps, initial=self.step_num, disable=not (main and cfg.progress), desc="train",
+                   unit="step")  # fmt: skip
+        start_step, t0, record, last_eval = self.step_num, time.perf_counter(), {}, None
+        try:
+            while not self.finished():
+                record = self.step()
+                if main and (self.step_num % max(cfg.log_interval, 1) == 0 or record["skipped"]):
+                    metrics.write(record)
+                bar.update(1)
+                bar.set_postfix(loss=f"{record['loss']:.3f}", lr=f"{record['lr']:.2e}",
+                                tok_s=f"{record['tok_per_s']:,.0f}")  # fmt: skip
+                at_end = self.finished()
+                if main and at_end and self.step_num % max(cfg.log_interval, 1) and not record["skipped"]:
+                    metrics.write(record)  # the last step is always logged
+                if self.step_num % cfg.eval_interval == 0 or at_end:
+                    last_eval = self._eval_and_log(metrics, bar)
+                if self.step_num % cfg.save_every == 0 or at_end:
+                    self.save_checkpoint()
+        finally:
+            bar.close()
+            if metrics:
+                metrics.close()
+        plot = run_files.plot_losses(self.out_dir) if main else None
+        last_eval = last_eval or {}
+        return dict(step=self.step_num, tokens=self.tokens_seen, train_loss=record.get("loss"),
+                    val_loss=last_eval.get("val_loss"), sample=last_eval.get("sample"),
+                    precision=str(self.precision).removeprefix("torch."),
+                    checkpoint=str(self.last_checkpoint) if self.last_checkpoint else None,
+                    metrics=str(self.out_dir / run_files.METRICS), plot=str(plot) if plot else None,
+                    seconds=time.perf_counter() - t0, steps_run=self.step_num - start_step)  # fmt: skip
+
+    def _eval_and_log(self, metrics, bar) -> dict:
+        result = self.evaluate()
+        if self.dist.is_main:
+            self.best_val = result["val_loss"] if self.best_val is None else min(self.best_val, result["val_loss"])
+            metrics.write({**result, "elapsed_s": self.budget.elapsed()})
+            message = f"step {result['step']}: val loss {result['val_loss']:.4f} (ppl {result['val_ppl']:.1f})"
+            if self.cfg.progress:
+                bar.write(message)  # tqdm.write keeps the bar intact
+            else:
+                log.info(message)
+            log.debug("sample: %r", result["sample"])
+            run_files.plot_losses(self.out_dir)
+        return result
+
+
+def train(cfg: TrainConfig, clock: Callable[[], float] = time.perf_counter) -> dict:
+    """Run training as `cfg` says (one process, or one rank under torchrun); returns a summary."""
+    trainer = Trainer(cfg, clock)
+    try:
+        return trainer.run()
+    finally:
+        if trainer.dist.enabled:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
