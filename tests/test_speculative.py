@@ -303,3 +303,25 @@ def test_bad_settings_raise_value_error(kwargs, match):
         kwargs["draft_model"] = tiny_model(0, vocab_size=50)
     with pytest.raises(ValueError, match=match):
         next(spec.decode(model, [[1, 2]], SamplingParams(max_new_tokens=3), **kwargs))
+
+
+# --- the benchmark -----------------------------------------------------------------------------------
+
+
+def test_bench_speculative_runs_every_part_and_keeps_plain_tokens(tmp_path, capsys):
+    import json
+
+    from gptlab.bench.speculative import main
+
+    args = ["--model", "gpt2-tiny", "--prompt-len", "16", "--new-tokens", "10", "--repeats", "1",
+            "--rates", "0", "1", "--draft-layers", "1", "--out", str(tmp_path)]  # fmt: skip
+    assert main(args) == 0
+    (path,) = tmp_path.glob("speculative-*.json")
+    results = json.loads(path.read_text())
+    rows = results["lookup"] + results["draft"] + results["sweep"]
+    assert len(rows) == 4 + 2 + 4 and all(r["same_tokens_as_plain"] for r in rows)
+    sweep = {(r["rate"], r["adaptive"]): r for r in results["sweep"]}
+    assert sweep[(1.0, False)]["acceptance"] == 1.0 and sweep[(0.0, False)]["acceptance"] == 0.0
+    assert sweep[(1.0, False)]["tokens_per_forward"] > 3  # k=4: up to 5 tokens per verification
+    assert sweep[(0.0, True)]["proposed"] < sweep[(0.0, False)]["proposed"] / 2  # adaptive k stops proposing
+    assert "speedup" in capsys.readouterr().out

@@ -7,6 +7,7 @@ BENCHMARKS = {
     "generate": "decode/prefill speed vs transformers' generate (fp32, bf16, quantized)",
     "train": "training tokens/s vs transformers' GPT2LMHeadModel",
     "quantize": "int8/int4 quality (logits cosine, perplexity rise) and checkpoint sizes",
+    "speculative": "speculative decoding (prompt lookup, a draft model) vs plain decoding: speedup and acceptance",
     "formats": "nanoGPT/GGUF readers and writers against nanoGPT's model.py, llama.cpp's converter and llama-perplexity",
 }
 
