@@ -2,8 +2,8 @@
 
 Decoding a token reads every weight once, so on a CPU its speed is the rate at which weights
 stream from memory. PyTorch's own kernels for a (1, K) x (K, N) product either read a plain fp32
-weight slowly (one thread) or want a second, repacked copy (oneDNN). The small C library here
-reads the weights in the layout the model already stores them, on all threads: fp32 and bf16
+weight slowly (one thread) or want a second copy in oneDNN's blocked layout. The small C library
+here reads the weights in the layout the model already stores them, on all threads: fp32 and bf16
 (fp32 arithmetic, so CPUs without native bf16 gain the halved bytes too), and int8/int4 with
 8-bit activations and integer dot products (AVX-512 VNNI, as llama.cpp's Q8_0/Q4_0).
 
@@ -154,7 +154,7 @@ _enabled = True
 @contextlib.contextmanager
 def use_kernels(enabled: bool):
     """Within the block, run (enabled=True) or skip (False) gptlab's kernels, e.g. to compare
-    with PyTorch's own. A layer prepared while they were off keeps PyTorch's kernel layout."""
+    with PyTorch's own. A layer prepared while they were off keeps PyTorch's kernel (and its weight layout)."""
     global _enabled
     before, _enabled = _enabled, enabled
     try:
@@ -281,7 +281,7 @@ def int4_fits(in_features: int, group_size: int) -> bool:
 
 
 def int4_decoder(weight, scales, zeros, group_size: int, bias):
-    """The int4 kernel for one layer: weight packed (N, K/2), bf16 scales and zeros (N, K/g),
+    """The int4 kernel for one layer: weight as nibbles (N, K/2), bf16 scales and zeros (N, K/g),
     fp32 bias (N,) or None; x is quantized in blocks of 32 to int8 in C."""
     N, K = weight.size(0), weight.size(1) * 2
     return _decoder("gl_linear_i4", weight, [scales, zeros], bias, N, K, (group_size,))

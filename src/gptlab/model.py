@@ -365,7 +365,7 @@ class GPT(nn.Module):
 
     def num_params(self, non_embedding: bool = False) -> int:
         """Parameter count, tied weights once; non_embedding drops the position table (nanoGPT).
-        Packed or quantized layers count as the nn.Linear they stand for."""
+        Quantized layers count as the nn.Linear they stand for."""
         model = self._as_built()
         n = sum(p.numel() for p in model.parameters())
         if non_embedding and "wpe" in model.transformer:

@@ -5,8 +5,11 @@ bytes of weights. This module stores them in fewer bytes:
 
 - int8: symmetric, one scale per output channel; w ~= q * scale with q in [-127, 127].
 - int4: asymmetric, one (scale, zero) pair per group of `group_size` inputs of a row;
-  w ~= (q - 8) * scale + zero with q in [0, 15] (PyTorch's tinygemm convention), two values
-  packed per byte (even column in the low nibble).
+  w ~= (q - 8) * scale + zero with q in [0, 15] (PyTorch's tinygemm convention), stored as
+  nibbles, two per byte (even column in the low nibble): `pack_int4`/`unpack_int4`.
+
+"Pack" means only that nibble packing here. The layouts PyTorch's own kernels want (fbgemm's
+weight object for int8, tinygemm's for int4) are each named after their library.
 
 Scales and zeros are bfloat16 numbers, the precision PyTorch's CPU kernels read, so the stored
 checkpoint, `dequantize()` and the kernels all describe one and the same matrix.
@@ -16,7 +19,7 @@ stored buffers as they are: the activations quantized to int8 (per row for int8 
 block of 32 for int4, as llama.cpp's Q8_0), integer dot products, one scale per row or group.
 Prompts and batches (many rows) take fbgemm's dynamic int8 x int8 `quantized::linear_dynamic`
 (int8) or a dequantize-then-GEMM (int4). Without gptlab's kernels (no AVX-512 VNNI, or
-`kernels.use_kernels(False)`), PyTorch's packed-weight kernels stand in (`_weight_int8pack_mm`,
+`kernels.use_kernels(False)`), PyTorch's int kernels stand in (`_weight_int8pack_mm`,
 `_weight_int4pack_mm_for_cpu`); `activations="float"` (int8) always takes `_weight_int8pack_mm`
 with bf16 activations. Off the CPU, layers dequantize the weight and call `F.linear`.
 
@@ -99,7 +102,7 @@ def dequantize_int4(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) 
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
-    """Two 4-bit values per byte: q uint8 (N, K) in [0, 15] -> (N, K/2), even column in the low nibble."""
+    """Two 4-bit values (nibbles) per byte: q uint8 (N, K) in [0, 15] -> (N, K/2), even column in the low nibble."""
     if q.size(-1) % 2:
         raise ValueError(f"int4 packing needs an even number of columns, got {q.size(-1)}")
     if q.numel() and int(q.max()) > 15:
@@ -108,9 +111,9 @@ def pack_int4(q: torch.Tensor) -> torch.Tensor:
     return q[..., 0::2] | (q[..., 1::2] << 4)  # (N, K/2)
 
 
-def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+def unpack_int4(nibbles: torch.Tensor) -> torch.Tensor:
     """Inverse of pack_int4: (N, K/2) uint8 -> (N, K) uint8 in [0, 15]."""
-    low, high = packed & 0x0F, packed >> 4  # (N, K/2) each
+    low, high = nibbles & 0x0F, nibbles >> 4  # (N, K/2) each
     return torch.stack([low, high], dim=-1).flatten(-2)  # (N, K)
 
 
@@ -212,7 +215,7 @@ class Int8Linear(QuantizedLinear):
         if self.weight.device.type != "cpu":
             return
         self.weight, self.scales = _aligned(self.weight), _aligned(self.scales)
-        packed, row_sums = None, None
+        fbgemm_weight, row_sums = None, None
         if self.activations == "int8":
             row_sums = self.weight.sum(dim=1, dtype=torch.int32)  # (N,) for gptlab's kernel (kernels.c)
             # fbgemm quantizes each input row to uint8 on the fly and multiplies int8 x int8 (VNNI).
@@ -221,24 +224,24 @@ class Int8Linear(QuantizedLinear):
                 qweight = torch._make_per_channel_quantized_tensor(
                     self.weight, self.scales.double(), torch.zeros(self.out_features, dtype=torch.long), 0
                 )
-            packed = torch.ops.quantized.linear_prepack(qweight, None)
-        self._kernel_weights = (self.weight, self.scales, packed)
-        if packed is not None and kernels.available()[1]:
+            fbgemm_weight = torch.ops.quantized.linear_prepack(qweight, None)  # fbgemm's own layout
+        self._kernel_weights = (self.weight, self.scales, fbgemm_weight)
+        if fbgemm_weight is not None and kernels.available()[1]:
             # Decoding (a few rows): gptlab's VNNI kernel, the same int8 x int8 product as fbgemm's.
             self._decode = kernels.int8_decoder(self.weight, self.scales, row_sums, self.bias)
 
     def _kernel(self, x2d):
-        weight, scales, packed = self._kernel_weights
-        # torch.compile cannot trace fbgemm's packed-weight object: compiled graphs run weight-only.
-        if packed is not None and not torch.compiler.is_compiling():
-            return self._add_bias(torch.ops.quantized.linear_dynamic(x2d.float().contiguous(), packed, False))
-        # fp32 activations take a slow reference path in this kernel; bf16 ones hit the packed one.
+        weight, scales, fbgemm_weight = self._kernel_weights
+        # torch.compile cannot trace fbgemm's weight object: compiled graphs run weight-only.
+        if fbgemm_weight is not None and not torch.compiler.is_compiling():
+            return self._add_bias(torch.ops.quantized.linear_dynamic(x2d.float().contiguous(), fbgemm_weight, False))
+        # fp32 activations take a slow reference path in this kernel; bf16 ones hit the fast one.
         y = torch.ops.aten._weight_int8pack_mm(x2d.to(torch.bfloat16).contiguous(), weight, scales)  # (M, N)
         return self._add_bias(y)
 
 
 class Int4Linear(QuantizedLinear):
-    """int4 weights packed two per byte (N, K/2), a bf16 scale and zero per group of inputs."""
+    """int4 weights as nibbles, two per byte (N, K/2), a bf16 scale and zero per group of inputs."""
 
     mode = "int4"
 
@@ -277,11 +280,11 @@ class Int4Linear(QuantizedLinear):
         # PyTorch's kernel wants a multiple of 16 output rows: pad (GPT-2's head has 50257) and slice after.
         pad = -self.out_features % 16
         q = F.pad(unpack_int4(self.weight).to(torch.int32), (0, 0, 0, pad), value=8)  # (N_pad, K)
-        packed = _aligned(torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
+        tinygemm_weight = _aligned(torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))  # tinygemm's layout
         scales = F.pad(self.scales, (0, 0, 0, pad))  # (N_pad, G)
         zeros = F.pad(self.zeros, (0, 0, 0, pad))  # (N_pad, G)
         scales_and_zeros = torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous()  # (G, N_pad, 2)
-        self._kernel_weights = ("torch", packed, scales_and_zeros)
+        self._kernel_weights = ("torch", tinygemm_weight, scales_and_zeros)
 
     def _kernel(self, x2d):
         if self._kernel_weights[0] == "gptlab":
@@ -289,9 +292,9 @@ class Int4Linear(QuantizedLinear):
             # matrix's bytes matter less than the GEMM's speed).
             weight = kernels.dequantize_int4(self.weight, self.scales, self.zeros, self.group_size)  # (N, K)
             return kernels.linear(x2d.float(), weight, self.bias)
-        _, packed, scales_and_zeros = self._kernel_weights
+        _, tinygemm_weight, scales_and_zeros = self._kernel_weights
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x2d.to(torch.bfloat16).contiguous(), packed, self.group_size, scales_and_zeros
+            x2d.to(torch.bfloat16).contiguous(), tinygemm_weight, self.group_size, scales_and_zeros
         )  # (M, N_pad)
         return self._add_bias(y[:, : self.out_features])
 
@@ -309,7 +312,7 @@ class QuantizedEmbedding(nn.Module):
 
     @property
     def weight(self) -> torch.Tensor:
-        """The quantized table itself (int8, or packed int4 as uint8): its device is the model's,
+        """The quantized table itself (int8, or int4 nibbles as uint8): its device is the model's,
         and its non-float dtype tells callers such as generate.model_device_dtype to use float32."""
         return self.head.weight
 
@@ -388,7 +391,7 @@ def dequantize_model(model: GPT) -> GPT:
 
 
 def set_kernels(model: nn.Module, enabled: bool) -> None:
-    """Use the packed CPU kernels (True) or the plain dequantize-then-F.linear path (False)."""
+    """Use the CPU kernels (gptlab's, else PyTorch's; True) or the plain dequantize-then-F.linear path (False)."""
     for m in model.modules():
         if isinstance(m, QuantizedLinear):
             m.use_kernel = enabled
@@ -412,9 +415,7 @@ def load_quantized(directory: str | os.PathLike, *, device=None) -> GPT:
     meta = read_meta(directory)
     scheme = meta.get("quantization")
     if not scheme:
-        raise ValueError(
-            f"{directory} holds a float model, not a quantized one; load it with gptlab.load_model"
-        )
+        raise ValueError(f"{directory} holds a float model, not a quantized one; load it with gptlab.load_model")
     mode, group_size = scheme.get("mode"), scheme.get("group_size")
     activations = scheme.get("activations", DEFAULT_ACTIVATIONS)
     _check_scheme(mode, group_size, activations)
@@ -448,7 +449,7 @@ def _swap_empty(model: GPT, mode: str, group_size: int | None, activations: str)
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:
-    """`t`, copied if needed so it starts on a 64-byte boundary: the packed kernels use aligned
+    """`t`, copied if needed so it starts on a 64-byte boundary: the CPU kernels use aligned
     AVX-512 loads, and safetensors hands out tensors at arbitrary offsets (a segfault otherwise)."""
     t = t.contiguous()
     return t if t.data_ptr() % 64 == 0 else t.clone()
