@@ -1,7 +1,15 @@
+import argparse
+import logging
+import os
 import subprocess
 import sys
+from importlib import import_module
+from pathlib import Path
 
-from gptlab.cli import COMMANDS, main
+import pytest
+
+from gptlab import cli
+from gptlab.cli import COMMANDS, command_parser, main
 
 
 def test_help_lists_commands_without_importing_torch():
@@ -28,3 +36,147 @@ def test_public_api_names_are_the_functions():
 
     assert gptlab.generate is gptlab.generation.generate
     assert callable(gptlab.GPT) and callable(gptlab.get_tokenizer) and callable(gptlab.load_model)
+
+
+# --------------------------------------------------------------------------- the CLI conventions
+# README "CLI conventions": --model/--device auto/--dtype wherever a model is loaded, --json FILE
+# for machine output, dashes in flag names, global flags after the subcommand too, and every user
+# error one line on stderr with exit code 2.
+
+LOADS_A_MODEL = ("eval", "trace", "attention", "lens", "next", "generate", "serve", "export", "quantize")
+WRITES_JSON = ("info", "eval", "trace", "lens", "next")
+
+
+def parser_of(name):
+    return command_parser(name, import_module(f"gptlab.commands.{name}"))
+
+
+def options(parser) -> dict[str, argparse.Action]:
+    return {s: a for a in parser._actions for s in a.option_strings}
+
+
+@pytest.mark.parametrize("name", LOADS_A_MODEL)
+def test_model_loading_commands_share_model_device_dtype(name):
+    found = options(parser_of(name))
+    assert found["--model"].required
+    assert found["--device"].default == "auto"  # serve, export and quantize included
+    assert set(found["--dtype"].choices) == {"float32", "bfloat16", "float16"}
+
+
+@pytest.mark.parametrize("name", WRITES_JSON)
+def test_machine_output_is_json_file(name):
+    found = options(parser_of(name))
+    assert found["--json"].metavar == "FILE"
+
+
+@pytest.mark.parametrize("name", list(COMMANDS))
+def test_flag_names_use_dashes(name):
+    assert [s for s in options(parser_of(name)) if "_" in s] == []
+
+
+def test_serve_parses_to_the_shared_defaults():
+    args = parser_of("serve").parse_args(["--model", "m"])
+    assert (args.device, args.dtype) == ("auto", "float32")
+
+
+@pytest.mark.parametrize(
+    "argv", [["-v", "info", "gpt2-tiny"], ["info", "gpt2-tiny", "-v"], ["info", "--verbose", "gpt2-tiny"]]
+)
+def test_global_flags_before_or_after_the_subcommand(monkeypatch, capsys, argv):
+    levels = []
+    monkeypatch.setattr(cli.logging, "basicConfig", lambda **kw: levels.append(kw["level"]))
+    assert main(argv) == 0
+    assert main(["info", "gpt2-tiny"]) == 0
+    assert levels == [logging.DEBUG, logging.INFO]
+
+
+def one_line_error(capsys, prefix: str) -> str:
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(prefix), err
+    assert "Traceback" not in err
+    return err
+
+
+def test_unwritable_json_path_is_a_one_line_error(tmp_path, capsys):
+    (tmp_path / "file").write_text("")
+    assert main(["info", "gpt2-tiny", "--json", str(tmp_path / "file" / "x.json")]) == 2
+    assert str(tmp_path / "file") in one_line_error(capsys, "gptlab info: error: ")
+
+
+def test_missing_file_is_a_one_line_error(tmp_path, capsys):
+    argv = ["eval", "--model", "gpt2-tiny", "--device", "cpu", "--task", "perplexity", "--data", str(tmp_path / "no")]
+    assert main(argv) == 2
+    assert "no" in one_line_error(capsys, "gptlab eval: error: ")
+
+
+def test_unknown_device_is_a_one_line_error(capsys):
+    assert main(["next", "--model", "gpt2-tiny", "--prompt", "x", "--device", "warp9"]) == 2
+    assert "--device warp9" in one_line_error(capsys, "gptlab next: error: ")
+
+
+def test_bad_flag_is_a_one_line_usage_error(capsys):
+    with pytest.raises(SystemExit) as exit:
+        main(["eval", "--model", "m", "--task", "perplexity", "--out", "x.json"])  # --out is --json now
+    assert exit.value.code == 2
+    assert "--out" in one_line_error(capsys, "gptlab eval: error: unrecognized arguments")
+
+
+def failing(monkeypatch, error: BaseException):
+    """`gptlab info` with its run() raising `error`."""
+    from gptlab.commands import info
+
+    def run(args):
+        raise error
+
+    monkeypatch.setattr(info, "run", run)
+
+
+def test_missing_optional_package_names_the_extra(monkeypatch, capsys):
+    failing(monkeypatch, ModuleNotFoundError("No module named 'transformers'", name="transformers"))
+    assert main(["info", "gpt2"]) == 2
+    assert "pip install 'gptlab[dev]'" in one_line_error(capsys, "gptlab info: error: ")
+    failing(monkeypatch, ModuleNotFoundError("No module named 'datasets'", name="datasets"))
+    assert main(["info", "gpt2"]) == 2
+    assert "pip install datasets" in one_line_error(capsys, "gptlab info: error: ")
+
+
+def test_gptlabs_own_import_error_keeps_its_traceback(monkeypatch):
+    failing(monkeypatch, ImportError("cannot import name 'x' from 'gptlab.model'", name="gptlab.model"))
+    with pytest.raises(ImportError):
+        main(["info", "gpt2"])
+
+
+def test_multi_line_value_error_is_one_line(monkeypatch, capsys):
+    failing(monkeypatch, ValueError("first\nsecond"))
+    assert main(["info", "gpt2"]) == 2
+    assert one_line_error(capsys, "gptlab info: error: ") == "gptlab info: error: first second\n"
+
+
+def test_ctrl_c_exits_130_without_a_traceback(monkeypatch, capsys):
+    failing(monkeypatch, KeyboardInterrupt())
+    assert main(["info", "gpt2"]) == 130
+    one_line_error(capsys, "gptlab info: interrupted")
+
+
+def test_other_exceptions_are_bugs_with_a_traceback(monkeypatch):
+    failing(monkeypatch, RuntimeError("an internal invariant"))
+    with pytest.raises(RuntimeError):
+        main(["info", "gpt2"])
+
+
+def test_a_real_missing_package_through_the_command_line(tmp_path):
+    """`transformers` shadowed by a package that fails as a missing one does: the benchmark that
+    needs it ends with the pip command, exit code 2, no traceback."""
+    (tmp_path / "transformers").mkdir()
+    (tmp_path / "transformers" / "__init__.py").write_text(
+        "raise ModuleNotFoundError(\"No module named 'transformers'\", name='transformers')\n"
+    )
+    (tmp_path / "text.txt").write_text("hello world " * 20)
+    src = Path(__file__).resolve().parents[1] / "src"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(src)])}
+    argv = ["bench", "quantize", "--data", str(tmp_path / "text.txt"), "--out", "", "--tokens", "8"]
+    done = subprocess.run([sys.executable, "-m", "gptlab", *argv], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr == (
+        "gptlab bench: error: this needs the package 'transformers', which is not installed: pip install 'gptlab[dev]'\n"
+    )

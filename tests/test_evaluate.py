@@ -321,7 +321,7 @@ def test_cli_eval_perplexity_writes_json(tmp_path, byte_model_dir, capsys):
     text = tmp_path / "text.txt"
     text.write_text("a banana and a bandana, " * 10)
     out = tmp_path / "ppl.json"
-    args = ["eval", "--model", str(byte_model_dir), "--task", "perplexity", "--data", str(text), "--out", str(out)]
+    args = ["eval", "--model", str(byte_model_dir), "--task", "perplexity", "--data", str(text), "--json", str(out)]
     assert main([*args, "--stride", "16", "--no-progress"]) == 0
     result = json.loads(out.read_text())
     expected = evaluate.perplexity(table_model(unigram_table(PREFS)), BYTE.encode(text.read_text()), BYTE, stride=16)
@@ -340,7 +340,7 @@ def test_cli_eval_perplexity_on_a_prepared_directory(tmp_path, byte_model_dir):
     assert evaluate.read_tokens(tmp_path / "data", BYTE).tolist() == val.tolist()
     out = tmp_path / "ppl.json"
     args = ["eval", "--model", str(byte_model_dir), "--task", "perplexity", "--data", str(tmp_path / "data")]
-    assert main([*args, "--out", str(out), "--no-progress"]) == 0
+    assert main([*args, "--json", str(out), "--no-progress"]) == 0
     assert json.loads(out.read_text())["tokens"] == len(val) - 1
 
 
@@ -348,13 +348,13 @@ def test_cli_eval_hellaswag_and_a_bad_line(tmp_path, byte_model_dir, capsys):
     data, out = tmp_path / "h.jsonl", tmp_path / "h.json"
     write_hellaswag(data, ITEMS)
     args = ["eval", "--model", str(byte_model_dir), "--task", "hellaswag", "--data", str(data), "--no-progress"]
-    assert main([*args, "--out", str(out)]) == 0
+    assert main([*args, "--json", str(out)]) == 0
     result = json.loads(out.read_text())
     assert (result["acc"], result["acc_norm"], result["examples"]) == (0.5, 0.5, 4)
-    assert main([*args, "--out", str(out), "--limit", "1"]) == 0
+    assert main([*args, "--json", str(out), "--limit", "1"]) == 0
     assert json.loads(out.read_text())["examples"] == 1
     with open(data, "a") as f:
         f.write("{broken\n")
-    assert main([*args, "--out", str(tmp_path / "x.json")]) == 2
+    assert main([*args, "--json", str(tmp_path / "x.json")]) == 2
     assert "h.jsonl:5: not valid JSON" in capsys.readouterr().err
     assert not (tmp_path / "x.json").exists()

@@ -1,34 +1,70 @@
-"""What the model-reading commands (eval, trace, attention, lens, next) share: the --model,
---device, --dtype and --prompt options, and turning them into a model, tokenizer and token ids."""
+"""What the subcommands that load a model share (the CLI conventions in the README): the --model,
+--device, --dtype (and --prompt) options, turning them into a model and tokenizer, and --json."""
 
 DTYPES = ("float32", "bfloat16", "float16")
 
 
-def add_model_arguments(parser, *, prompt: bool = True) -> None:
-    parser.add_argument("--model", required=True, help="preset name (random weights), gptlab/HF directory or Hub id")
-    parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: cuda when available)")
-    parser.add_argument("--dtype", default="float32", choices=DTYPES, help="weights' dtype (default float32)")
+def add_model_arguments(parser, *, prompt: bool = True, dtype_default: str | None = "float32") -> None:
+    """--model, --device (default auto), --dtype and, when `prompt`, a required --prompt.
+
+    dtype_default None keeps the dtype the model is stored in (export, quantize).
+    """
+    parser.add_argument(
+        "--model", required=True, help="gptlab/HF directory, nanoGPT ckpt.pt, llm.c .bin, Hub id or preset name"
+    )
+    parser.add_argument(
+        "--device", default="auto", help="auto (default: cuda when available, else cpu), cpu, cuda:1, ..."
+    )
+    default = f"default {dtype_default}" if dtype_default else "default: as stored"
+    parser.add_argument("--dtype", default=dtype_default, choices=DTYPES, help=f"weights' dtype ({default})")
     if prompt:
         parser.add_argument("--prompt", required=True, help="the text to run through the model")
 
 
-def load(args):
-    """(model, tokenizer) for args.model on the requested device and dtype, in eval mode."""
+def resolve_device(name: str) -> str:
+    """--device as a torch device string; `auto` is cuda when available, else cpu.
+
+    A device this machine does not have is a user error (ValueError), not torch's traceback.
+    """
     import torch
 
-    from gptlab.loading import load_model, tokenizer_name
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(name)
+    except RuntimeError as e:
+        raise ValueError(f"--device {name}: not a device name (cpu, cuda, cuda:1, mps, ...)") from e
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {name}: no CUDA device is available (torch {torch.__version__})")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ValueError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"--device {name}: MPS is not available on this machine")
+    return name
+
+
+def model_from_args(args):
+    """The model args.model names, on args.device in args.dtype (None: as stored), in eval mode."""
+    import torch
+
+    from gptlab.loading import load_model
+
+    dtype = getattr(torch, args.dtype) if args.dtype else None
+    return load_model(args.model, device=resolve_device(args.device), dtype=dtype).eval()
+
+
+def load(args):
+    """(model, tokenizer) for args.model on the requested device and dtype, in eval mode."""
+    from gptlab.loading import tokenizer_name
     from gptlab.tokenizer import get_tokenizer
 
-    device = args.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = load_model(args.model, device=device, dtype=getattr(torch, args.dtype))
+    model = model_from_args(args)
     tokenizer = get_tokenizer(tokenizer_name(args.model))
     if tokenizer.n_vocab > model.config.vocab_size:
         raise ValueError(
             f"{args.model}: the {tokenizer.name} tokenizer has {tokenizer.n_vocab} tokens, the model only {model.config.vocab_size}"
         )
-    return model.eval(), tokenizer
+    return model, tokenizer
 
 
 def prompt_ids(args, model, tokenizer):
@@ -41,7 +77,13 @@ def prompt_ids(args, model, tokenizer):
     return torch.tensor([ids], device=next(model.parameters()).device)
 
 
+def add_json_argument(parser, help: str = "also write the results as JSON") -> None:
+    """--json FILE: the command's results as JSON, for programs (every command spells it so)."""
+    parser.add_argument("--json", default=None, metavar="FILE", help=help)
+
+
 def write_json(path, data) -> None:
+    """Write `data` as indented JSON, atomically (an unwritable path raises OSError: exit code 2)."""
     import json
 
     from gptlab.checkpoint import atomic_write_text

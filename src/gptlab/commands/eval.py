@@ -2,7 +2,7 @@
 
 import time
 
-from gptlab.commands._model_args import add_model_arguments, load, write_json
+from gptlab.commands._model_args import add_json_argument, add_model_arguments, load, write_json
 
 TASKS = ("perplexity", "hellaswag", "lambada")
 
@@ -21,7 +21,7 @@ def add_arguments(parser):
         "--batch-size", type=int, default=None, help="windows (perplexity, default 4) or rows (default 16)"
     )
     parser.add_argument("--limit", type=int, default=None, help="only the first N examples (hellaswag, lambada)")
-    parser.add_argument("--out", default=None, help="JSON results file (default eval-TASK.json)")
+    add_json_argument(parser, help="the results as JSON (default eval-TASK.json)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -53,7 +53,7 @@ def run(args):
     result = {"task": args.task, "model": args.model, "data": str(data), "dtype": args.dtype, **metrics}
     result["seconds"] = round(elapsed, 2)
     print_table(result)
-    out = args.out or f"eval-{args.task}.json"
+    out = args.json or f"eval-{args.task}.json"
     write_json(out, result)
     print(f"results written to {out}")
 

@@ -3,6 +3,8 @@ size and weight memory."""
 
 from pathlib import Path
 
+from gptlab.commands._model_args import add_json_argument, write_json
+
 
 def add_arguments(parser):
     parser.add_argument("model", nargs="?", default=None, help="preset name, gptlab/HF directory or Hub id")
@@ -10,7 +12,7 @@ def add_arguments(parser):
     parser.add_argument(
         "--context", type=int, default=None, help="context length for FLOPs and KV cache (default block_size)"
     )
-    parser.add_argument("--json", default=None, metavar="FILE", help="also write the figures as JSON")
+    add_json_argument(parser, help="also write the figures as JSON")
 
 
 def run(args):
@@ -30,8 +32,6 @@ def run(args):
     info = model_info(model, args.context)
     print_info(spec, info)
     if args.json:
-        from gptlab.commands._model_args import write_json
-
         write_json(args.json, {"model": spec, **info})
 
 

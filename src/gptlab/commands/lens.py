@@ -1,6 +1,6 @@
 """gptlab lens: the logit lens, the top token each layer's residual stream would predict."""
 
-from gptlab.commands._model_args import add_model_arguments, load, prompt_ids, quoted, write_json
+from gptlab.commands._model_args import add_json_argument, add_model_arguments, load, prompt_ids, quoted, write_json
 
 
 def add_arguments(parser):
@@ -10,7 +10,7 @@ def add_arguments(parser):
     )
     parser.add_argument("--positions", type=int, default=8, help="show the last N positions in the table (default 8)")
     parser.add_argument("--out", default=None, help="also draw the lens as a PNG")
-    parser.add_argument("--json", default=None, metavar="FILE", help="also write the lens as JSON")
+    add_json_argument(parser, help="also write the lens as JSON")
 
 
 def run(args):

@@ -1,12 +1,12 @@
 """gptlab next: the most likely next tokens after a prompt, with their probabilities."""
 
-from gptlab.commands._model_args import add_model_arguments, load, prompt_ids, quoted, write_json
+from gptlab.commands._model_args import add_json_argument, add_model_arguments, load, prompt_ids, quoted, write_json
 
 
 def add_arguments(parser):
     add_model_arguments(parser)
     parser.add_argument("--top", type=int, default=10, help="how many tokens to show (default 10)")
-    parser.add_argument("--json", default=None, metavar="FILE", help="also write the tokens as JSON")
+    add_json_argument(parser, help="also write the tokens as JSON")
 
 
 def run(args):

@@ -2,9 +2,11 @@
 
 from pathlib import Path
 
+from gptlab.commands._model_args import add_model_arguments, model_from_args
+
 
 def add_arguments(parser):
-    parser.add_argument("--model", required=True, help="preset name, gptlab/HF directory or Hub id (a float model)")
+    add_model_arguments(parser, prompt=False, dtype_default=None)  # a float model; --dtype: of the unquantized rest
     parser.add_argument("--mode", required=True, choices=["int8", "int4"], help="int8 per-channel or int4 group-wise")
     parser.add_argument("--group-size", type=int, default=64, help="int4 inputs per scale/zero: 32, 64, 128 or 256")
     parser.add_argument(
@@ -17,12 +19,12 @@ def add_arguments(parser):
 
 
 def run(args):
-    from gptlab.loading import load_model, tokenizer_name
+    from gptlab.loading import tokenizer_name
     from gptlab.quantize import DEFAULT_ACTIVATIONS, quantize_model, save_quantized, weight_bytes
 
     if args.activations is not None and args.mode != "int8":
         raise ValueError("--activations applies to --mode int8 only")
-    model = load_model(args.model, device="cpu")
+    model = model_from_args(args)
     if getattr(model, "quantization", None):
         raise ValueError(f"{args.model} is already quantized ({model.quantization['mode']}); quantize a float model")
     float_bytes = weight_bytes(model)

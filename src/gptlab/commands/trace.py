@@ -1,12 +1,12 @@
 """gptlab trace: one forward pass step by step, as GPT-2 is taught: tokens, shapes, residual stream, next tokens."""
 
-from gptlab.commands._model_args import add_model_arguments, load, prompt_ids, quoted, write_json
+from gptlab.commands._model_args import add_json_argument, add_model_arguments, load, prompt_ids, quoted, write_json
 
 
 def add_arguments(parser):
     add_model_arguments(parser)
     parser.add_argument("--top", type=int, default=5, help="how many next tokens to show (default 5)")
-    parser.add_argument("--json", default=None, metavar="FILE", help="also write the trace as JSON")
+    add_json_argument(parser, help="also write the trace as JSON")
 
 
 def run(args):
