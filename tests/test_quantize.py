@@ -185,7 +185,7 @@ def test_save_and_load_round_trip(tmp_path, name):
     scheme = dict(SCHEMES[name])
     qmodel = quantize_model(tiny_model(n_embd=64), scheme.pop("mode"), group_size=32, **scheme)
     save_quantized(qmodel, tmp_path / "q")
-    loaded = load_model(str(tmp_path / "q"))  # checkpoint.load_model routes to load_quantized
+    loaded = load_model(str(tmp_path / "q"))  # gptlab.load_model routes to load_quantized
     assert loaded.quantization == qmodel.quantization
     assert isinstance(loaded.transformer.wte, QuantizedEmbedding)
     for name_, m in loaded.named_modules():
