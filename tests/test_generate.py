@@ -2,25 +2,11 @@ import logging
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from conftest import tiny_config, tiny_model
-from gptlab.generation import (
-    apply_repetition_penalty,
-    decode_step,
-    generate,
-    generate_text,
-    min_p_mask,
-    new_cache,
-    prefill,
-    sample_next,
-    seen_tokens,
-    stream_text,
-    top_k_mask,
-    top_p_mask,
-    validate_sampling,
-)
+from gptlab.generation import TextDecoder, decode_step, generate, generate_text, new_cache, prefill, stream_text
 from gptlab.model import GPT
+from gptlab.sampling import SamplingParams
 from gptlab.tokenizer import get_tokenizer
 
 POSITIONS = ["learned", "rope"]
@@ -118,55 +104,7 @@ def test_long_prompt_is_cropped_with_a_warning(caplog):
     assert out[0][40:] == generate(model, [row[-32:]], 3, temperature=0)[0][32:]
 
 
-# --- sampling primitives -------------------------------------------------------------------------
-
-
-def test_top_k_mask_keeps_the_k_largest():
-    logits = torch.tensor([[1.0, 3.0, 2.0, 0.5, -1.0]])
-    assert top_k_mask(logits, 2).tolist() == [[NEG, 3.0, 2.0, NEG, NEG]]
-    assert top_k_mask(logits, 10).tolist() == logits.tolist()
-
-
-def test_top_p_mask_keeps_the_smallest_nucleus():
-    probs = torch.tensor([[0.05, 0.5, 0.3, 0.15]])
-    logits = probs.log()
-    kept = lambda p: (top_p_mask(logits, p) > NEG).tolist()[0]  # noqa: E731
-    assert kept(0.5) == [False, True, False, False]  # 0.5 alone reaches 0.5
-    assert kept(0.6) == [False, True, True, False]
-    assert kept(0.9) == [False, True, True, True]  # 0.5 + 0.3 + 0.15 = 0.95 >= 0.9
-    assert kept(0.96) == [True, True, True, True]
-    assert kept(0.01) == [False, True, False, False]  # the top token always stays
-
-
-def test_min_p_mask_scales_with_the_top_probability():
-    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
-    kept = (min_p_mask(probs.log(), 0.3) > NEG).tolist()[0]  # threshold 0.3 * 0.5 = 0.15
-    assert kept == [True, True, True, False]
-
-
-def test_masks_agree_with_transformers_warpers():
-    from transformers.generation.logits_process import MinPLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
-
-    logits = torch.randn(4, 300, generator=torch.Generator().manual_seed(0)) * 3
-    ids = torch.zeros(4, 1, dtype=torch.long)
-    for ours, theirs in [
-        (top_k_mask(logits, 17), TopKLogitsWarper(17)(ids, logits.clone())),
-        (top_p_mask(logits, 0.8), TopPLogitsWarper(0.8)(ids, logits.clone())),
-        (min_p_mask(logits, 0.05), MinPLogitsWarper(0.05)(ids, logits.clone())),
-    ]:
-        assert torch.equal(ours.isinf(), theirs.isinf())
-
-
-def test_repetition_penalty_formula_and_transformers():
-    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
-
-    logits = torch.tensor([[2.0, -1.0, 0.5, -3.0], [1.0, 1.0, 1.0, 1.0]])
-    context = torch.tensor([[0, 1, 1], [3, 3, -1]])  # -1: padding, ignored
-    out = apply_repetition_penalty(logits, context, 2.0)
-    assert out.tolist() == [[1.0, -2.0, 0.5, -3.0], [1.0, 1.0, 1.0, 0.5]]
-    assert torch.equal(apply_repetition_penalty(logits, seen_tokens([[0, 1], [3]], 4), 2.0), out)
-    ref = RepetitionPenaltyLogitsProcessor(1.3)(context[:1], logits[:1].clone())
-    torch.testing.assert_close(apply_repetition_penalty(logits[:1], context[:1], 1.3), ref)
+# --- sampling through generate (the pure functions: test_sampling.py) ------------------------------
 
 
 def test_temperature_zero_is_greedy():
@@ -178,21 +116,42 @@ def test_temperature_zero_is_greedy():
         for _ in range(10):
             ref = torch.cat([ref, model(ref)[0][:, -1:].argmax(-1)], dim=1)
     assert torch.equal(out, ref)
-    logits = torch.randn(3, 97)
-    assert torch.equal(sample_next(logits, temperature=0), logits.argmax(-1))
 
 
-def test_sampling_follows_the_masks_and_seeds():
-    logits = torch.tensor([[0.0, 1.0, 2.0, 3.0]]).repeat(500, 1)
-    drawn = sample_next(logits, top_k=2, generator=torch.Generator().manual_seed(0))
-    assert set(drawn.tolist()) == {2, 3}
+def test_seeds_and_the_sampling_object():
     model = tiny_model()
     prompt = torch.tensor([[1, 2, 3]])
     a = generate(model, prompt, 20, generator=torch.Generator().manual_seed(7))
-    b = generate(model, prompt, 20, generator=7)
-    c = generate(model, prompt, 20, generator=8)
-    assert torch.equal(a, b)
-    assert not torch.equal(a, c)
+    assert torch.equal(a, generate(model, prompt, 20, seed=7))
+    assert torch.equal(a, generate(model, prompt, 20, generator=7))  # the older spelling of seed
+    assert not torch.equal(a, generate(model, prompt, 20, seed=8))
+    # sampling= and keywords are one thing; keywords not at their default override its fields.
+    params = SamplingParams(temperature=0.8, top_k=5, seed=3, max_new_tokens=20)
+    b = generate(model, prompt, sampling=params)
+    assert torch.equal(b, generate(model, prompt, 20, temperature=0.8, top_k=5, seed=3))
+    reseeded = SamplingParams(temperature=0.8, top_k=5, seed=4, max_new_tokens=20)
+    assert torch.equal(generate(model, prompt, sampling=params, seed=4), generate(model, prompt, sampling=reseeded))
+    assert generate(model, prompt, 6, sampling=params).shape == (1, 9)  # max_new_tokens given: it wins
+    assert generate(model, prompt, temperature=0).shape == (1, 3 + SamplingParams.max_new_tokens)
+    with pytest.raises(ValueError, match="seed once"):
+        generate(model, prompt, 3, seed=1, generator=2)
+    with pytest.raises(ValueError, match="stop strings need text"):
+        generate(model, prompt, 3, sampling=SamplingParams(stop="x"))
+
+
+def test_repetition_penalty_in_generate_follows_the_context():
+    """Greedy with a huge penalty never repeats a token of the prompt or of its own output
+    (while the vocabulary lasts), and each row is penalised for its own context only."""
+    model = tiny_model()
+    prompts = [[1, 2, 3], [4, 5]]
+    out = generate(model, prompts, 20, temperature=0, repetition_penalty=1e6)
+    plain = generate(model, prompts, 20, temperature=0)
+    for row in out:
+        assert len(set(row)) == len(row)
+    assert any(len(set(r)) < len(r) for r in plain), "the unpenalised model repeats itself (tune the test)"
+    # The first new token of row 0 may be a token of row 1's prompt: rows do not share `seen`.
+    alone = [generate(model, [p], 20, temperature=0, repetition_penalty=1e6)[0] for p in prompts]
+    assert out == alone
 
 
 def test_num_samples_and_unconditional_start():
@@ -215,6 +174,12 @@ def test_eos_stops_each_row():
     assert out[0] == free[0][: 3 + first + 1]  # stops at eos, eos included
     tensor_out = generate(model, torch.tensor([[1, 2, 3]]), 10, temperature=0, eos_id=eos)
     assert tensor_out[0].tolist() == out[0]  # one row: ends as soon as it has eos
+    # In a batch, a row that has ended keeps producing eos while the others go on.
+    batch = generate(model, torch.tensor([[1, 2, 3], [4, 5, 6]]), 10, temperature=0, eos_id=eos)
+    other = generate(model, [[4, 5, 6]], 10, temperature=0, eos_id=eos)[0]
+    assert eos not in other[3:], "row 1 should outlive row 0 (tune the prompts)"
+    assert batch[0].tolist() == out[0] + [eos] * (len(other) - len(out[0]))
+    assert batch[1].tolist() == other
 
 
 # --- text: stop strings, EOS, streaming, UTF-8 ------------------------------------------------
@@ -265,6 +230,20 @@ def test_stop_strings_split_across_tokens(echo_model):
     assert generate_text(model, tok, PATTERN, 40, temperature=0, stop="not there") == full
 
 
+def test_text_decoder_holds_back_split_characters_and_stop_prefixes():
+    tok = get_tokenizer("byte")
+    text = TextDecoder(tok)
+    pieces = [text.add(b) for b in "日x".encode()]  # 3 bytes of one character, then one more
+    assert pieces == ["", "", "日", "x"]
+    cut = TextDecoder(tok)
+    assert [cut.add(b) for b in "é".encode()[:1]] == [""] and cut.finish() == "\ufffd"  # cut off: U+FFFD
+    stop = TextDecoder(tok, ["ab", "xyz"])
+    assert [stop.add(b) for b in b"1xa"] == ["1", "", "x"]  # "x", then "a", could begin a stop string
+    assert stop.add(ord("q")) == "aq" and not stop.stopped
+    assert [stop.add(b) for b in b"xyzw"] == ["", "", "", ""] and stop.stopped  # w: ignored after the stop
+    assert stop.text == "1xaq" and stop.finish() == ""
+
+
 def test_empty_prompt_starts_from_end_of_text(echo_model):
     model, tok = echo_model
     ids = generate(model, [[tok.eot_token]], 20, temperature=0)[0][1:]
@@ -294,7 +273,10 @@ def test_text_stops_at_the_tokenizers_end_of_text():
         (dict(max_new_tokens=-3), "max_new_tokens"),
         (dict(top_p=0.0), "top_p"),
         (dict(top_p=1.5), "top_p"),
-        (dict(top_k=0), "top_k"),
+        (dict(top_k=-1), "top_k"),
+        (dict(top_k=None), "top_k=0 turns it off"),
+        (dict(top_p=None), "top_p=1.0 turns it off"),
+        (dict(sampling=dict(top_k=3)), "SamplingParams"),
         (dict(temperature=-0.5), "temperature"),
         (dict(min_p=2.0), "min_p"),
         (dict(repetition_penalty=0.0), "repetition_penalty"),
@@ -308,12 +290,6 @@ def test_bad_input_raises_value_error(kwargs, match):
     args = dict(idx=torch.tensor([[1, 2]]), max_new_tokens=3) | kwargs
     with pytest.raises(ValueError, match=match):
         generate(model, args.pop("idx"), args.pop("max_new_tokens"), **args)
-
-
-def test_validate_sampling_accepts_defaults():
-    validate_sampling()
-    validate_sampling(temperature=0, top_k=1, top_p=1.0, min_p=0.0, repetition_penalty=1.2, max_new_tokens=1)
-    assert F.softmax(top_p_mask(torch.zeros(1, 5), 1.0), -1).allclose(torch.full((1, 5), 0.2))
 
 
 # --- command line ----------------------------------------------------------------------------------
@@ -375,6 +351,22 @@ def test_cli_bad_sampling_value_is_one_line_error(echo_dir, capsys):
     assert main(["generate", "--model", echo_dir, "--prompt", "a", "--top-p", "1.5"]) == 2
     err = capsys.readouterr().err
     assert "top_p" in err and err.count("\n") == 1
+    assert main(["generate", "--model", echo_dir, "--prompt", "a", "--top-k", "-1"]) == 2
+    assert "top_k=0 turns it off" in capsys.readouterr().err
+
+
+def test_cli_sampling_flags_are_the_sampling_params_fields():
+    import argparse
+
+    from gptlab.commands.generate import add_arguments, sampling_from_args
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert sampling_from_args(parser.parse_args(["--model", "m"])) == SamplingParams()  # the same defaults
+    flags = "--temperature 0.5 --top-k 7 --top-p 0.9 --min-p 0.1 --repetition-penalty 1.2 --seed 3 --max-new-tokens 9 --num-samples 2 --stop ab --stop c"  # fmt: skip
+    params = sampling_from_args(parser.parse_args(["--model", "m", *flags.split()]))
+    assert params == SamplingParams(temperature=0.5, top_k=7, top_p=0.9, min_p=0.1, repetition_penalty=1.2, seed=3,
+                                    max_new_tokens=9, num_samples=2, stop=("ab", "c"))  # fmt: skip
 
 
 def test_compiled_decode_step_matches_eager():

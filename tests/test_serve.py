@@ -25,8 +25,9 @@ from conftest import tiny_model
 from gptlab import kernels
 from gptlab.checkpoint import save_model
 from gptlab.generation import generate
+from gptlab.sampling import SamplingParams
 from gptlab.serve.app import create_app
-from gptlab.serve.scheduler import GenerationRequest, QueueFull, SamplingParams, Scheduler
+from gptlab.serve.scheduler import GenerationRequest, QueueFull, Scheduler
 from gptlab.tokenizer import get_tokenizer
 
 NAME = "tiny-byte"
@@ -120,11 +121,17 @@ def test_scheduler_mixed_batch_equals_generate(model, fast, monkeypatch):
         T = int(torch.randint(1, 40, ()))
         prompt = torch.randint(0, 256, (T,)).tolist()
         params = SamplingParams(
-            max_tokens=int(torch.randint(1, 80, ())), n=1 + i % 3, temperature=[0, 0.8, 1.0][i % 3],
-            top_k=[None, 20][i % 2], top_p=[None, 0.9][i % 4 // 2], min_p=[None, 0.05][i % 5 // 4],
-            repetition_penalty=1.3 if i % 5 == 0 else 1.0, eos_id=EOS if i % 4 == 0 else None, seed=100 + i,
+            max_new_tokens=int(torch.randint(1, 80, ())), num_samples=1 + i % 3, temperature=[0, 0.8, 1.0][i % 3],
+            top_k=[0, 20][i % 2], top_p=[1.0, 0.9][i % 4 // 2], min_p=[0.0, 0.05][i % 5 // 4],
+            repetition_penalty=1.3 if i % 5 == 0 else 1.0, seed=100 + i,
         )  # fmt: skip
-        cases.append((prompt, params))
+        eos_id = None
+        if (
+            i % 4 == 0
+        ):  # a token sample 0 produces early, so rows end at different steps (the random model's 256 is rare)
+            free = reference(model, prompt, params.max_new_tokens, params.num_samples, sampling=params)[0]
+            eos_id = free[min(2, len(free) - 1)]
+        cases.append((prompt, params, eos_id))
 
     async def main():
         scheduler = Scheduler(model, max_batch=8, max_queue=16, cache_len=model.config.block_size)
@@ -132,16 +139,16 @@ def test_scheduler_mixed_batch_equals_generate(model, fast, monkeypatch):
         scheduler.start()
         loop = asyncio.get_running_loop()
 
-        async def one(i, prompt, params):
+        async def one(i, prompt, params, eos_id):
             await asyncio.sleep(0.003 * i)
-            request = GenerationRequest(prompt, params, loop, asyncio.Queue(), index=i)
+            request = GenerationRequest(prompt, params, loop, asyncio.Queue(), index=i, eos_id=eos_id)
             scheduler.submit(request)
-            rows = [[] for _ in range(params.n)]
+            rows = [[] for _ in range(params.num_samples)]
             while (event := await request.events.get())[0] != "done":
                 for j, row in enumerate(event[2]):
                     if row is not None:
                         rows[j].append(row[0])
-            return [[t for t in r if t != params.eos_id] for r in rows], event[2]
+            return [[t for t in r if t != eos_id] for r in rows], event[2]
 
         try:
             return await asyncio.gather(*(one(i, *c) for i, c in enumerate(cases))), scheduler.load()
@@ -150,25 +157,29 @@ def test_scheduler_mixed_batch_equals_generate(model, fast, monkeypatch):
 
     outs, load = asyncio.run(main())
     assert load["max_rows"] > 3, "requests were not batched together"
-    for (prompt, p), (rows, reason) in zip(cases, outs, strict=True):
-        expected = reference(model, prompt, p.max_tokens, p.n, temperature=p.temperature, top_k=p.top_k,
-                             top_p=p.top_p, min_p=p.min_p, repetition_penalty=p.repetition_penalty,
-                             eos_id=p.eos_id, generator=p.seed)  # fmt: skip
+    reasons = set()
+    for (prompt, p, eos_id), (rows, reason) in zip(cases, outs, strict=True):
+        expected = reference(model, prompt, p.max_new_tokens, p.num_samples, sampling=p, eos_id=eos_id)
         assert rows == expected
-        assert reason in ("length", "stop")
+        reasons.add(reason)
+        want_stop = eos_id is not None and all(len(r) < p.max_new_tokens for r in expected)
+        assert reason == ("stop" if want_stop else "length")
+    assert reasons == {"stop", "length"}, "some rows should end at eos before max_new_tokens (tune the cases)"
 
 
 def test_scheduler_queue_bound(model):
     scheduler = Scheduler(model, max_batch=2, max_queue=2)  # not started: nothing leaves the queue
     loop = asyncio.new_event_loop()
     try:
-        make = lambda: GenerationRequest([1, 2], SamplingParams(max_tokens=4), loop, asyncio.Queue())
+        make = lambda: GenerationRequest([1, 2], SamplingParams(max_new_tokens=4), loop, asyncio.Queue())
         scheduler.submit(make())
         scheduler.submit(make())
         with pytest.raises(QueueFull):
             scheduler.submit(make())
         with pytest.raises(ValueError, match="exceeds the batch size"):
-            scheduler.submit(GenerationRequest([1], SamplingParams(max_tokens=4, n=3), loop, asyncio.Queue()))
+            scheduler.submit(
+                GenerationRequest([1], SamplingParams(max_new_tokens=4, num_samples=3), loop, asyncio.Queue())
+            )
     finally:
         loop.close()
 
@@ -189,7 +200,7 @@ def test_completion_equals_generate(client, model, tok, ends):
     <|endoftext|> (a seed is picked for which generate itself stops early)."""
     ids, max_tokens = tok.encode("Hello there"), 24 if ends == "length" else 300
     for seed in range(200):
-        [expected] = reference(model, ids, max_tokens, temperature=0.9, eos_id=EOS, generator=seed)
+        [expected] = reference(model, ids, max_tokens, temperature=0.9, eos_id=EOS, seed=seed)
         if (len(expected) == max_tokens) == (ends == "length"):
             break
     out = client.completions.create(
@@ -352,6 +363,8 @@ BAD_REQUESTS = {
     "n above batch": (dict(model=NAME, prompt="hi", n=64), 400, "n"),
     "logprobs 21": (dict(model=NAME, prompt="hi", logprobs=21), 400, "logprobs"),
     "top_k not a number": (dict(model=NAME, prompt="hi", top_k="many"), 400, "top_k"),
+    "top_k negative (0 is off)": (dict(model=NAME, prompt="hi", top_k=-1), 400, "top_k"),
+    "min_p above 1": (dict(model=NAME, prompt="hi", min_p=1.5), 400, "min_p"),
     "repetition_penalty zero": (dict(model=NAME, prompt="hi", repetition_penalty=0), 400, "repetition_penalty"),
     "token id out of vocabulary": (dict(model=NAME, prompt=[1, 2, 999]), 400, "prompt"),
     "empty stop string": (dict(model=NAME, prompt="hi", stop=[""]), 400, "stop"),

@@ -1,10 +1,12 @@
-"""Text generation: a KV cache filled by one prefill, one-token decode steps, sampling as pure
-functions over logits, and streaming text that never splits a UTF-8 character.
+"""Text generation: a KV cache filled by one prefill, one-token decode steps, the decode engine's
+sampling step, and streaming text that never splits a UTF-8 character.
 
-The pieces a serving loop needs are public and independent: `validate_sampling`, the masks
-(`top_k_mask`, `top_p_mask`, `min_p_mask`), `apply_repetition_penalty`, `sample_next`, and
-`new_cache`/`prefill`/`decode_step` over a `KVCache`. `generate` (token ids) and
-`generate_text`/`stream_text` (strings) are built from them.
+The pieces a serving loop needs are public and independent: `new_cache`/`prefill`/`decode_step`
+over a `KVCache`, `TokenSampler` (one decode step's sampling for rows that share a
+`SamplingParams`: repetition penalty, the draw, end-of-text) and `TextDecoder` (token ids to
+text: UTF-8 hold-back and stop strings). `generate` (token ids) and `generate_text`/`stream_text`
+(strings) run them over one batch to completion; the server's scheduler
+(`gptlab.serve.scheduler`) runs the same two over a batch that requests join and leave.
 
 Context longer than `block_size` (a sliding window): once the cache is full, the last
 `window_keep` tokens (3/4 of `block_size` by default) are encoded again into the cache from slot 0
@@ -19,135 +21,16 @@ than `block_size` is cropped from the left, with a warning.
 from __future__ import annotations
 
 import codecs
+import dataclasses
 import logging
 from collections.abc import Iterator, Sequence
 
 import torch
-import torch.nn.functional as F
 
-from gptlab import kernels
 from gptlab.model import KVCache
+from gptlab.sampling import SamplingParams, sample_next, seen_tokens
 
 log = logging.getLogger(__name__)
-
-
-# ---------------------------------------------------------------------------------------------
-# Sampling: pure functions over logits (B, V)
-
-
-def validate_sampling(
-    *,
-    temperature: float = 1.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    min_p: float | None = None,
-    repetition_penalty: float = 1.0,
-    max_new_tokens: int | None = None,
-    num_samples: int = 1,
-) -> None:
-    """Raise ValueError naming the first sampling setting that is out of range."""
-    if max_new_tokens is not None and (isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int)):
-        raise ValueError(f"max_new_tokens must be an integer, got {max_new_tokens!r}")
-    if max_new_tokens is not None and max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
-    if not isinstance(temperature, (int, float)) or not temperature >= 0:
-        raise ValueError(f"temperature must be a number >= 0 (0 means greedy), got {temperature!r}")
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
-        raise ValueError(f"top_k must be an integer >= 1 or None, got {top_k!r}")
-    if top_p is not None and not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
-        raise ValueError(f"top_p must be in (0, 1] or None, got {top_p!r}")
-    if min_p is not None and not (isinstance(min_p, (int, float)) and 0 <= min_p <= 1):
-        raise ValueError(f"min_p must be in [0, 1] or None, got {min_p!r}")
-    if not isinstance(repetition_penalty, (int, float)) or not repetition_penalty > 0:
-        raise ValueError(f"repetition_penalty must be > 0 (1 means off), got {repetition_penalty!r}")
-    if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
-        raise ValueError(f"num_samples must be an integer >= 1, got {num_samples!r}")
-
-
-def top_k_mask(logits: torch.Tensor, k: int) -> torch.Tensor:
-    """Keep the k largest logits of each row (ties at the k-th value are kept); the rest -> -inf."""
-    if k >= logits.size(-1):
-        return logits
-    kth = torch.topk(logits, k, dim=-1).values[..., -1:]  # (B, 1)
-    return logits.masked_fill(logits < kth, float("-inf"))
-
-
-def top_p_mask(logits: torch.Tensor, p: float) -> torch.Tensor:
-    """Nucleus (Holtzman et al. 2020): keep the smallest set of most likely tokens whose
-    probability sums to at least p; the rest -> -inf. The most likely token is always kept."""
-    if p >= 1.0:
-        return logits
-    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)  # (B, V)
-    probs = F.softmax(sorted_logits.float(), dim=-1)
-    mass_before = probs.cumsum(dim=-1) - probs  # probability of the more likely tokens
-    drop_sorted = mass_before >= p  # (B, V); position 0 has mass_before 0 < p, always kept
-    drop = drop_sorted.scatter(-1, order, drop_sorted)  # back to vocabulary order
-    return logits.masked_fill(drop, float("-inf"))
-
-
-def min_p_mask(logits: torch.Tensor, min_p: float) -> torch.Tensor:
-    """min-p (Nguyen et al. 2024): keep tokens whose probability is at least min_p times the top one."""
-    if not min_p:
-        return logits
-    probs = F.softmax(logits.float(), dim=-1)  # (B, V)
-    threshold = min_p * probs.max(dim=-1, keepdim=True).values  # (B, 1)
-    return logits.masked_fill(probs < threshold, float("-inf"))
-
-
-def seen_tokens(token_ids, vocab_size: int, device=None) -> torch.Tensor:
-    """(B, V) bool: which ids occur in each row of `token_ids` (a list of id lists, or (B, S)
-    LongTensor in which negative ids are padding)."""
-    if not isinstance(token_ids, torch.Tensor):
-        width = max((len(r) for r in token_ids), default=0)
-        token_ids = torch.tensor(
-            [list(r) + [-1] * (width - len(r)) for r in token_ids], dtype=torch.long, device=device
-        )
-        token_ids = token_ids.view(len(token_ids) if len(token_ids) else 0, width)
-    B = token_ids.size(0)
-    seen = torch.zeros(B, vocab_size + 1, dtype=torch.bool, device=token_ids.device)
-    ids = token_ids.masked_fill(token_ids < 0, vocab_size)  # padding -> a spare column, dropped below
-    seen.scatter_(1, ids, True)
-    return seen[:, :vocab_size]
-
-
-def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
-    """CTRL's repetition penalty (Keskar et al. 2019), as transformers applies it: for tokens already
-    in the context, a positive logit is divided by `penalty`, a negative one multiplied by it.
-
-    `seen` is a (B, V) bool mask (see `seen_tokens`) or a (B, S) LongTensor of context ids
-    (negative ids are padding)."""
-    if penalty == 1.0:
-        return logits
-    if seen.dtype != torch.bool:
-        seen = seen_tokens(seen, logits.size(-1))
-    penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
-    return torch.where(seen, penalised, logits)
-
-
-def sample_next(
-    logits: torch.Tensor,
-    *,
-    temperature: float = 1.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    min_p: float | None = None,
-    generator: torch.Generator | None = None,
-) -> torch.Tensor:
-    """Next token ids (B,) from logits (B, V): greedy when temperature is 0, else temperature,
-    then top-k, top-p and min-p (the order transformers uses), then a draw from what is left."""
-    if temperature == 0:
-        return kernels.argmax(logits)
-    logits = logits.float() / temperature  # (B, V)
-    if top_k is not None:
-        logits = top_k_mask(logits, top_k)
-    if top_p is not None:
-        logits = top_p_mask(logits, top_p)
-    if min_p:
-        logits = min_p_mask(logits, min_p)
-    probs = F.softmax(logits, dim=-1)  # (B, V)
-    if generator is not None and generator.device != probs.device:
-        probs = probs.to(generator.device)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1).to(logits.device)  # (B,)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -240,7 +123,78 @@ def left_pad(rows: Sequence[Sequence[int]], device=None, pad_id: int = 0):
 
 
 # ---------------------------------------------------------------------------------------------
-# The decoding loop
+# The decode engine: sampling settings, the sampling step, the loop
+
+
+def sampling_params(
+    sampling: SamplingParams | None = None, max_new_tokens: int | None = None, **fields
+) -> SamplingParams:
+    """The SamplingParams of a call: `sampling` (default: SamplingParams()) with every keyword
+    field that is not at its default (and max_new_tokens unless None) put in its place."""
+    names = {f.name for f in dataclasses.fields(SamplingParams)}
+    unknown = sorted(set(fields) - names)
+    if unknown:
+        raise TypeError(
+            f"unknown sampling setting(s) {', '.join(unknown)}; SamplingParams has {', '.join(sorted(names))}"
+        )
+    changed = {k: v for k, v in fields.items() if not _is_default(k, v)}
+    if max_new_tokens is not None:
+        changed["max_new_tokens"] = max_new_tokens
+    if sampling is None:
+        return SamplingParams(**changed)
+    if not isinstance(sampling, SamplingParams):
+        raise ValueError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+    return dataclasses.replace(sampling, **changed) if changed else sampling
+
+
+def _is_default(name: str, value) -> bool:
+    default = getattr(SamplingParams, name)
+    return value is default or (type(value) is type(default) and value == default)
+
+
+class TokenSampler:
+    """The sampling half of a decode step, for rows that share one SamplingParams.
+
+    Each step draws the rows' next tokens from their logits (repetition penalty over the tokens
+    each row has seen, temperature, filters), keeps a row that produced `eos_id` on `eos_id`, and
+    counts steps. `generate` runs one over its whole batch; the server's scheduler one per request,
+    so a request's tokens are the same whatever else is in the batch.
+    """
+
+    def __init__(
+        self,
+        params: SamplingParams,
+        prompts: list[list[int]],
+        vocab_size: int,
+        device,
+        *,
+        eos_id: int | None = None,
+        generator: torch.Generator | None = None,
+    ):
+        self.params, self.eos_id = params, eos_id
+        self.generator = generator if generator is not None else params.generator(device)
+        penalised = params.repetition_penalty != 1.0
+        self.seen = seen_tokens(prompts, vocab_size, device) if penalised else None  # (n, V)
+        self.finished = torch.zeros(len(prompts), dtype=torch.bool, device=device)  # (n,) produced eos_id
+        self.steps = 0
+
+    def next_tokens(self, logits: torch.Tensor) -> torch.Tensor:
+        """The rows' next tokens (n,) from their logits (n, V)."""
+        tokens = sample_next(logits, self.params, seen=self.seen, generator=self.generator)  # (n,)
+        if self.eos_id is not None:
+            tokens = tokens.masked_fill(self.finished, self.eos_id)
+            self.finished |= tokens == self.eos_id
+        if self.seen is not None:
+            self.seen.scatter_(1, tokens[:, None], True)
+        self.steps += 1
+        return tokens
+
+    @property
+    def done(self) -> bool:
+        """max_new_tokens steps taken, or every row has produced eos_id."""
+        if self.steps >= self.params.max_new_tokens:
+            return True
+        return self.eos_id is not None and bool(self.finished.all())
 
 
 class _Decoder:
@@ -306,74 +260,65 @@ def _prepare_prompts(idx, num_samples: int, bos_id: int | None, vocab_size: int,
 def generate_tokens(
     model,
     idx,
-    max_new_tokens: int,
+    params: SamplingParams,
     *,
-    temperature: float = 1.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    min_p: float | None = None,
-    repetition_penalty: float = 1.0,
     eos_id: int | None = None,
     bos_id: int | None = None,
-    generator: torch.Generator | int | None = None,
-    num_samples: int = 1,
+    generator: torch.Generator | None = None,
     window_keep: int | None = None,
     compiled_step=None,
 ) -> Iterator[torch.Tensor]:
     """Yield the new token of every row, (B * num_samples,), one step at a time; rows that have
-    produced `eos_id` keep yielding `eos_id`, and the iterator ends once all have (or at max_new_tokens).
-    Arguments as in `generate`."""
-    validate_sampling(
-        temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-        repetition_penalty=repetition_penalty, max_new_tokens=max_new_tokens, num_samples=num_samples,
-    )  # fmt: skip
+    produced `eos_id` keep yielding `eos_id`, and the iterator ends once all have (or after
+    params.max_new_tokens steps). Arguments as in `generate`."""
     config = model.config
     bos_id = eos_id if bos_id is None else bos_id
-    rows = _prepare_prompts(idx, num_samples, bos_id, config.vocab_size, config.block_size)
+    rows = _prepare_prompts(idx, params.num_samples, bos_id, config.vocab_size, config.block_size)
     keep = config.block_size * 3 // 4 if window_keep is None else window_keep
     if not 1 <= keep <= config.block_size:
         raise ValueError(f"window_keep must be in [1, block_size], got {keep}")
     device, _ = model_device_dtype(model)
-    if isinstance(generator, int):
-        generator = torch.Generator(device=device).manual_seed(generator)
-    decoder = _Decoder(model, rows, max_new_tokens, keep, compiled_step)
-    seen = seen_tokens(rows, config.vocab_size, device) if repetition_penalty != 1.0 else None
-    finished = torch.zeros(len(rows), dtype=torch.bool, device=device)
+    decoder = _Decoder(model, rows, params.max_new_tokens, keep, compiled_step)
+    sampler = TokenSampler(params, rows, config.vocab_size, device, eos_id=eos_id, generator=generator)
     logits = decoder.start(rows)
-    for step in range(max_new_tokens):
-        if seen is not None:
-            logits = apply_repetition_penalty(logits, seen, repetition_penalty)
-        tokens = sample_next(
-            logits, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, generator=generator
-        )
-        if eos_id is not None:
-            tokens = tokens.masked_fill(finished, eos_id)
-            finished |= tokens == eos_id
+    while True:
+        tokens = sampler.next_tokens(logits)
         yield tokens
-        if step == max_new_tokens - 1 or (eos_id is not None and bool(finished.all())):
+        if sampler.done:
             return
-        if seen is not None:
-            seen.scatter_(1, tokens[:, None], True)
         for r, t in zip(rows, tokens.tolist(), strict=True):
             r.append(t)
         logits = decoder.step(tokens)
+
+
+def _generator_and_seed(generator, seed):
+    """generate's `generator` may be an int seed (the older spelling of `seed`)."""
+    if isinstance(generator, int) and not isinstance(generator, bool):
+        if seed is not None:
+            raise ValueError("give the seed once: seed=... (generator= takes a torch.Generator)")
+        return None, generator
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise ValueError(f"generator must be a torch.Generator, got {type(generator).__name__}")
+    return generator, seed
 
 
 @torch.no_grad()
 def generate(
     model,
     idx,
-    max_new_tokens: int,
+    max_new_tokens: int | None = None,
     *,
-    temperature: float = 1.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    min_p: float | None = None,
-    repetition_penalty: float = 1.0,
+    sampling: SamplingParams | None = None,
+    temperature: float = SamplingParams.temperature,
+    top_k: int = SamplingParams.top_k,
+    top_p: float = SamplingParams.top_p,
+    min_p: float = SamplingParams.min_p,
+    repetition_penalty: float = SamplingParams.repetition_penalty,
+    seed: int | None = SamplingParams.seed,
+    num_samples: int = SamplingParams.num_samples,
     eos_id: int | None = None,
     bos_id: int | None = None,
-    generator: torch.Generator | int | None = None,
-    num_samples: int = 1,
+    generator: torch.Generator | None = None,
     window_keep: int | None = None,
     compiled_step=None,
 ):
@@ -381,38 +326,44 @@ def generate(
 
     idx: a (B, T) LongTensor, or a list of id lists of different lengths (left-padded inside,
     with per-row position ids and padding masked out of attention). An empty prompt starts from
-    `bos_id` (default: eos_id), e.g. <|endoftext|>. `temperature=0` is greedy; top_k, top_p
-    (nucleus), min_p and repetition_penalty are off by default. `generator` (a torch.Generator
-    or an int seed) makes sampling reproducible. Each prompt gets `num_samples` continuations
-    (rows prompt-major). Stops early only when every row has produced `eos_id`.
+    `bos_id` (default: eos_id), e.g. <|endoftext|>. Stops early only when every row has produced
+    `eos_id`.
+
+    How to sample is a `SamplingParams`: pass `sampling=`, or its fields as keywords
+    (max_new_tokens, temperature, top_k, top_p, min_p, repetition_penalty, seed, num_samples:
+    their defaults are SamplingParams' own, all filters off); keywords not at their default
+    override sampling's fields. `temperature=0` is greedy; `seed` makes sampling reproducible, as
+    does `generator`, a torch.Generator to draw with (it replaces the seed's). Each prompt gets
+    `num_samples` continuations (rows prompt-major). Stop strings need text: see `stream_text`.
 
     Returns the prompts plus the new tokens: a (B * num_samples, T + new) LongTensor for tensor
     input (rows that ended early are filled with eos_id), a list of id lists for list input
     (each ending at its eos_id, included). See the module docstring for contexts longer than
     block_size and `compiled_step` (a compiled `decode_step`).
     """
+    generator, seed = _generator_and_seed(generator, seed)
+    params = sampling_params(sampling, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                             min_p=min_p, repetition_penalty=repetition_penalty, seed=seed, num_samples=num_samples)  # fmt: skip
+    if params.stop:
+        raise ValueError("stop strings need text: use generate_text or stream_text with a tokenizer")
     was_training = model.training
     model.eval()
     try:
-        steps = list(
-            generate_tokens(
-                model, idx, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                repetition_penalty=repetition_penalty, eos_id=eos_id, bos_id=bos_id, generator=generator,
-                num_samples=num_samples, window_keep=window_keep, compiled_step=compiled_step,
-            )
-        )  # fmt: skip
+        steps = list(generate_tokens(model, idx, params, eos_id=eos_id, bos_id=bos_id, generator=generator,
+                                     window_keep=window_keep, compiled_step=compiled_step))  # fmt: skip
     finally:
         model.train(was_training)
     new = torch.stack(steps, dim=1)  # (B * num_samples, new)
+    n = params.num_samples
     if isinstance(idx, torch.Tensor):
         prompt = idx if idx.dim() == 2 else idx[None]
-        prompt = prompt.repeat_interleave(num_samples, dim=0)
+        prompt = prompt.repeat_interleave(n, dim=0)
         return torch.cat([prompt, new.to(prompt.device, prompt.dtype)], dim=1)
     out = []
     for i, row in enumerate(new.tolist()):
         if eos_id is not None and eos_id in row:
             row = row[: row.index(eos_id) + 1]
-        out.append(list(idx[i // num_samples]) + row)
+        out.append(list(idx[i // n]) + row)
     return out
 
 
@@ -431,53 +382,90 @@ def held_back(text: str, stops: Sequence[str]) -> int:
     return best
 
 
+class TextDecoder:
+    """Token ids in, text out, piece by piece, for one continuation.
+
+    Bytes of a UTF-8 character split across tokens are held until the character is complete, and
+    so is any tail that could begin a stop string; the first stop string found ends the text
+    (`stopped`), without it. `stream_text` and the server's completions both decode with it.
+    """
+
+    def __init__(self, tokenizer, stop: Sequence[str] = ()):
+        self.tokenizer, self.stops = tokenizer, tuple(stop)
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.text = ""  # decoded so far; cut before the stop string once one is found
+        self.emitted = 0  # characters of text already returned
+        self.stopped = False
+
+    def add(self, token: int) -> str:
+        """Take one generated token; returns the text now safe to show (often '')."""
+        if self.stopped:
+            return ""
+        self.text += self._utf8.decode(self.tokenizer.decode_bytes([token]))
+        hits = [i for i in (self.text.find(s, self.emitted) for s in self.stops) if i >= 0]
+        if hits:
+            self.text = self.text[: min(hits)]
+            self.stopped = True
+            return self._take(len(self.text))
+        return self._take(len(self.text) - held_back(self.text, self.stops))
+
+    def finish(self) -> str:
+        """Generation ended (no stop string found): the rest, a cut-off character as U+FFFD."""
+        if not self.stopped:
+            self.text += self._utf8.decode(b"", final=True)
+        return self._take(len(self.text))
+
+    def _take(self, upto: int) -> str:
+        piece = self.text[self.emitted : max(upto, self.emitted)]
+        self.emitted = max(upto, self.emitted)
+        return piece
+
+
 def stream_text(
     model,
     tokenizer,
     prompt: str,
-    max_new_tokens: int,
+    max_new_tokens: int | None = None,
     *,
-    stop: str | Sequence[str] | None = None,
+    sampling: SamplingParams | None = None,
     stop_at_eos: bool = True,
-    **sampling,
+    generator: torch.Generator | None = None,
+    window_keep: int | None = None,
+    compiled_step=None,
+    **fields,
 ) -> Iterator[str]:
     """Yield the continuation of `prompt` piece by piece as it is generated.
 
     Every piece is valid UTF-8 text: bytes of a character split across tokens are held until the
     character is complete. Generation ends at the tokenizer's end-of-text token (unless
-    stop_at_eos=False), at the first of the `stop` strings (not included in the output), or at
-    max_new_tokens. `sampling` takes generate's keywords (temperature, top_k, top_p, min_p,
-    repetition_penalty, generator, window_keep, compiled_step).
+    stop_at_eos=False), at the first of the stop strings (not included in the output), or at
+    max_new_tokens. `sampling` and the keyword `fields` (temperature, top_k, top_p, min_p,
+    repetition_penalty, seed, stop) are as in `generate`, and so are `generator`, `window_keep`
+    and `compiled_step`; one continuation (num_samples 1).
     """
-    stops = [stop] if isinstance(stop, str) else list(stop or [])
-    if any(not s for s in stops):
-        raise ValueError("stop strings must not be empty")
-    if "num_samples" in sampling or "eos_id" in sampling:
-        raise ValueError("stream_text makes one continuation and takes the end-of-text token from the tokenizer")
+    generator, seed = _generator_and_seed(generator, fields.pop("seed", None))
+    params = sampling_params(sampling, max_new_tokens, seed=seed, **fields)
+    if params.num_samples != 1:
+        raise ValueError("stream_text makes one continuation (num_samples=1); call it again for more")
     ids = tokenizer.encode(prompt)
     eos_id = tokenizer.eot_token if stop_at_eos else None
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    text, emitted = "", 0
-    tokens = generate_tokens(model, [ids], max_new_tokens, eos_id=eos_id, bos_id=tokenizer.eot_token, **sampling)
-    for step in tokens:
+    text = TextDecoder(tokenizer, params.stop)
+    steps = generate_tokens(model, [ids], params, eos_id=eos_id, bos_id=tokenizer.eot_token, generator=generator,
+                            window_keep=window_keep, compiled_step=compiled_step)  # fmt: skip
+    for step in steps:
         token = int(step[0])
         if token == eos_id:
             break
-        text += decoder.decode(tokenizer.decode_bytes([token]))
-        hits = [i for i in (text.find(s, emitted) for s in stops) if i >= 0]
-        if hits:
-            if min(hits) > emitted:
-                yield text[emitted : min(hits)]
+        piece = text.add(token)
+        if piece:
+            yield piece
+        if text.stopped:
             return
-        safe = len(text) - held_back(text, stops)
-        if safe > emitted:
-            yield text[emitted:safe]
-            emitted = safe
-    text += decoder.decode(b"", final=True)
-    if len(text) > emitted:
-        yield text[emitted:]
+    piece = text.finish()
+    if piece:
+        yield piece
 
 
-def generate_text(model, tokenizer, prompt: str, max_new_tokens: int, *, stop=None, **kwargs) -> str:
+def generate_text(model, tokenizer, prompt: str, max_new_tokens: int | None = None, **kwargs) -> str:
     """The continuation of `prompt` as one string (see `stream_text` for the arguments)."""
-    return "".join(stream_text(model, tokenizer, prompt, max_new_tokens, stop=stop, **kwargs))
+    return "".join(stream_text(model, tokenizer, prompt, max_new_tokens, **kwargs))

@@ -84,11 +84,17 @@ class SamplingParams:
         """Whether decoding is deterministic (temperature 0: the argmax)."""
         return self.temperature == 0
 
-    def generator(self, device) -> torch.Generator | None:
-        """A torch.Generator seeded with `seed` on `device`, or None (torch's global one) without a seed."""
-        if self.seed is None:
-            return None
-        return torch.Generator(device=device).manual_seed(self.seed)
+    def generator(self, device=None, *, fresh: bool = False) -> torch.Generator | None:
+        """A torch.Generator on `device` seeded with `seed`. Without a seed: None (torch's global
+        generator), or with fresh=True one seeded from the OS's entropy, for a server or a command
+        whose global generator would start from the same seed on every run."""
+        if self.seed is not None:
+            return torch.Generator(device=device).manual_seed(self.seed)
+        if fresh:
+            generator = torch.Generator(device=device)
+            generator.seed()
+            return generator
+        return None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,8 +1,9 @@
 """gptlab generate: continue a prompt, streaming to the terminal; -i for an interactive session.
 
 The prompt comes from --prompt, --prompt-file, or standard input (when it is not a terminal);
-with none, generation starts from <|endoftext|>. Defaults follow GPT-2's own samples: top-k 40
-at temperature 1.
+with none, generation starts from <|endoftext|>. The sampling flags are the fields of
+`gptlab.sampling.SamplingParams` with its defaults: temperature 1, every filter off
+(--top-k 0, --top-p 1.0, --min-p 0.0, --repetition-penalty 1.0).
 """
 
 import sys
@@ -18,42 +19,51 @@ def add_arguments(parser):
     parser.add_argument(
         "-i", "--interactive", action="store_true", help="a session that keeps the conversation as context"
     )
-    parser.add_argument("--max-new-tokens", type=int, default=200)
-    parser.add_argument("--temperature", type=float, default=1.0, help="0 means greedy (default 1.0)")
-    parser.add_argument("--top-k", type=int, default=40, help="keep the k most likely tokens (default 40; 0: off)")
-    parser.add_argument("--top-p", type=float, default=None, help="nucleus sampling, e.g. 0.9 (default off)")
-    parser.add_argument("--min-p", type=float, default=None, help="drop tokens below min_p x the top probability")
-    parser.add_argument("--repetition-penalty", type=float, default=1.0, help="CTRL's penalty, e.g. 1.2 (1: off)")
-    parser.add_argument("--stop", action="append", default=[], help="stop at this string (repeatable)")
-    parser.add_argument("--num-samples", type=int, default=1, help="continuations of the prompt")
-    parser.add_argument("--seed", type=int, default=None, help="make sampling reproducible")
+    add_sampling_arguments(parser)
     parser.add_argument("--compile", action="store_true", help="torch.compile the decode step (slow start)")
 
 
+def add_sampling_arguments(parser) -> None:
+    """One flag per SamplingParams field (dashes for underscores), with its default."""
+    from gptlab.sampling import SamplingParams as P
+
+    parser.add_argument("--max-new-tokens", type=int, default=P.max_new_tokens, help=f"tokens to generate (default {P.max_new_tokens})")  # fmt: skip
+    parser.add_argument("--temperature", type=float, default=P.temperature, help=f"0 means greedy (default {P.temperature})")  # fmt: skip
+    parser.add_argument("--top-k", type=int, default=P.top_k, help=f"keep the k most likely tokens (default {P.top_k}: off)")  # fmt: skip
+    parser.add_argument("--top-p", type=float, default=P.top_p, help=f"nucleus sampling, e.g. 0.9 (default {P.top_p}: off)")  # fmt: skip
+    parser.add_argument("--min-p", type=float, default=P.min_p, help=f"drop tokens below min_p x the top probability (default {P.min_p}: off)")  # fmt: skip
+    parser.add_argument("--repetition-penalty", type=float, default=P.repetition_penalty, help=f"CTRL's penalty, e.g. 1.2 (default {P.repetition_penalty}: off)")  # fmt: skip
+    parser.add_argument("--seed", type=int, default=P.seed, help="make sampling reproducible")
+    parser.add_argument("--num-samples", type=int, default=P.num_samples, help=f"continuations of the prompt (default {P.num_samples})")  # fmt: skip
+    parser.add_argument("--stop", action="append", default=list(P.stop), help="stop at this string (repeatable)")
+
+
+def sampling_from_args(args):
+    """The SamplingParams the sampling flags describe (ValueError naming a bad one)."""
+    import dataclasses
+
+    from gptlab.sampling import SamplingParams
+
+    return SamplingParams(**{f.name: getattr(args, f.name) for f in dataclasses.fields(SamplingParams)})
+
+
 def run(args):
-    import torch
+    import dataclasses
 
-    from gptlab.generation import compile_decode, stream_text, validate_sampling
+    from gptlab.generation import compile_decode, model_device_dtype, stream_text
 
-    sampling = dict(
-        temperature=args.temperature,
-        top_k=args.top_k or None,
-        top_p=args.top_p,
-        min_p=args.min_p,
-        repetition_penalty=args.repetition_penalty,
-    )
-    validate_sampling(**sampling, max_new_tokens=args.max_new_tokens, num_samples=args.num_samples)
+    params = sampling_from_args(args)
+    one = dataclasses.replace(params, num_samples=1)  # each stream_text call makes one sample
     model, tokenizer = load(args)
-    device = next(model.parameters()).device
-    generator = torch.Generator(device=device)
-    generator.manual_seed(args.seed) if args.seed is not None else generator.seed()
-    sampling.update(generator=generator, stop=args.stop or None)
-    if args.compile:
-        sampling["compiled_step"] = compile_decode(model)
+    device, _ = model_device_dtype(model)
+    # One generator for the whole session, so the samples (and interactive turns) differ.
+    generator = params.generator(device, fresh=True)
+    compiled_step = compile_decode(model) if args.compile else None
 
     def continue_text(prompt: str) -> str:
         pieces = []
-        for piece in stream_text(model, tokenizer, prompt, args.max_new_tokens, **sampling):
+        for piece in stream_text(model, tokenizer, prompt, sampling=one, generator=generator,
+                                 compiled_step=compiled_step):  # fmt: skip
             print(piece, end="", flush=True)
             pieces.append(piece)
         print(flush=True)
@@ -62,8 +72,8 @@ def run(args):
     if args.interactive:
         return interactive(continue_text)
     prompt = read_prompt(args)
-    for i in range(args.num_samples):
-        if args.num_samples > 1:
+    for i in range(params.num_samples):
+        if params.num_samples > 1:
             print(f"--- sample {i + 1} ---")
         print(prompt, end="", flush=True)
         continue_text(prompt)

@@ -1,10 +1,13 @@
 """POST /v1/completions as the official `openai` client calls it, on top of the Scheduler.
 
-Each prompt of a request becomes one scheduler request with its `n` samples, so with a `seed`
-choice i*n+j equals sample j of `gptlab.generate(model, [prompt_i], max_tokens, num_samples=n,
-generator=seed, eos_id=<|endoftext|>, ...)`. gptlab's extras, accepted as extra body fields:
-top_k, min_p, repetition_penalty, ignore_eos (do not stop at <|endoftext|>) and
-return_token_ids (each choice also carries `token_ids`, and `prompt_token_ids`).
+The request is mapped to a `gptlab.sampling.SamplingParams` here and nowhere else (OpenAI's
+`max_tokens` is max_new_tokens, `n` is num_samples). Each prompt of a request becomes one
+scheduler request with its `n` samples, so with a `seed` choice i*n+j equals sample j of
+`gptlab.generate(model, [prompt_i], max_tokens, num_samples=n, seed=seed, eos_id=<|endoftext|>, ...)`.
+gptlab's extras, accepted as extra body fields, with SamplingParams' off values as defaults:
+top_k (0: off), min_p (0.0: off), repetition_penalty (1.0: off), ignore_eos (do not stop at
+<|endoftext|>) and return_token_ids (each choice also carries `token_ids`, and `prompt_token_ids`).
+Each choice's text comes out of a `gptlab.generation.TextDecoder`, as `stream_text`'s does.
 
 Logprobs are the model's own log-probabilities (log-softmax of its logits, before temperature,
 penalties and filters), as OpenAI reports them; `top_logprobs` holds the `logprobs` most likely
@@ -14,7 +17,6 @@ tokens plus the chosen one.
 from __future__ import annotations
 
 import asyncio
-import codecs
 import json
 import time
 import uuid
@@ -24,9 +26,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from gptlab.generation import held_back, validate_sampling
+from gptlab.generation import TextDecoder
+from gptlab.sampling import SamplingParams
 from gptlab.serve.errors import APIError
-from gptlab.serve.scheduler import GenerationRequest, QueueFull, SamplingParams
+from gptlab.serve.scheduler import GenerationRequest, QueueFull
 
 MAX_LOGPROBS = 20
 MAX_STOPS = 4
@@ -58,21 +61,20 @@ class CompletionRequest(BaseModel):
     suffix: str | None = None
     user: str | None = None
     # gptlab's extras
-    top_k: int | None = Field(None, ge=-1)  # -1 and 0 mean off, as in vLLM
-    min_p: float | None = Field(None, ge=0, le=1)
-    repetition_penalty: float = Field(1.0, gt=0)
+    top_k: int | None = Field(SamplingParams.top_k, ge=0)  # 0 (or null): off
+    min_p: float | None = Field(SamplingParams.min_p, ge=0, le=1)  # 0.0 (or null): off
+    repetition_penalty: float | None = Field(SamplingParams.repetition_penalty, gt=0)  # 1.0 (or null): off
     ignore_eos: bool = False
     return_token_ids: bool = False
 
 
 class ChoiceText:
-    """One choice's text as tokens arrive: UTF-8 split across tokens is held back, and so is any
-    tail that could begin a stop string; the first stop string found ends the choice."""
+    """One choice as tokens arrive: its text from a TextDecoder (UTF-8 hold-back, stop strings:
+    the first one found ends the choice), its token ids and its logprob entries."""
 
     def __init__(self, tokenizer, stops: list[str], logprobs: bool, offset: int = 0):
-        self.tokenizer, self.stops, self.want_logprobs = tokenizer, stops, logprobs
-        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self.text, self.emitted = "", 0
+        self.tokenizer, self.want_logprobs = tokenizer, logprobs
+        self.text = TextDecoder(tokenizer, stops)
         self.offset = offset  # characters before this choice's text (the echoed prompt)
         self.entries: list[tuple] = []  # (token text, logprob, top dict, text offset) not yet emitted
         self.token_ids: list[int] = []
@@ -82,21 +84,18 @@ class ChoiceText:
         """Take one generated token; returns the (text, logprob entries) now safe to send."""
         self.token_ids.append(token)
         if self.want_logprobs:
-            self.entries.append(self.entry(token, logprob, top, self.offset + len(self.text)))
-        self.text += self.decoder.decode(self.tokenizer.decode_bytes([token]))
-        hits = [i for i in (self.text.find(s, self.emitted) for s in self.stops) if i >= 0]
-        if hits:
-            self.text = self.text[: min(hits)]
+            self.entries.append(self.entry(token, logprob, top, self.offset + len(self.text.text)))
+        piece = self.text.add(token)
+        if self.text.stopped:
             self.finish_reason = "stop"
-            return self._take(len(self.text))
-        return self._take(len(self.text) - held_back(self.text, self.stops))
+        return self._take(piece)
 
     def finish(self, reason: str) -> tuple[str, list]:
         """End the choice (if no stop string ended it first); returns what is left to send."""
-        if self.finish_reason is None:
-            self.text += self.decoder.decode(b"", final=True)
-            self.finish_reason = reason
-        return self._take(len(self.text))
+        if self.finish_reason is not None:
+            return self._take("")
+        self.finish_reason = reason
+        return self._take(self.text.finish())
 
     def entry(self, token: int, logprob, top, offset: int) -> tuple:
         """A logprob entry; tokens with the same text (bytes of split characters) keep the best score."""
@@ -107,11 +106,9 @@ class ChoiceText:
                 alternatives.setdefault(self.tokenizer.decode([t]), lp)
         return self.tokenizer.decode([token]), logprob, alternatives, offset
 
-    def _take(self, upto: int) -> tuple[str, list]:
-        text = self.text[self.emitted : max(upto, self.emitted)]
-        self.emitted = max(upto, self.emitted)
+    def _take(self, piece: str) -> tuple[str, list]:
         entries, self.entries = self.entries, []
-        return text, entries
+        return piece, entries
 
 
 def logprobs_json(entries: list[tuple]) -> dict:
@@ -167,7 +164,8 @@ class Completions:
         return [row or [tok.eot_token] for row in ids]
 
     def params(self, body: CompletionRequest, prompts: list[list[int]]) -> SamplingParams:
-        """Validate the request against the model and server limits; its SamplingParams."""
+        """Validate the request against the model and server limits; its SamplingParams (the one
+        place OpenAI's names and defaults meet gptlab's: max_tokens, n, null for "not set")."""
         _check_unsupported(body)
         block, max_batch = self.state.model.config.block_size, self.state.scheduler.max_batch
         if len(prompts) > self.state.scheduler.max_queue:
@@ -182,28 +180,21 @@ class Completions:
             raise APIError(400, f"This model's maximum context length is {block} tokens, however you requested {longest + max_tokens} tokens ({longest} in your prompt; {max_tokens} for the completion). Please reduce max_tokens to at most {block - longest}.", param="max_tokens", code="context_length_exceeded")  # fmt: skip
         if max_tokens == 0 and not body.echo:
             raise APIError(400, "max_tokens must be at least 1 (0 only with echo)", param="max_tokens", code="invalid_value")  # fmt: skip
-        top_k = body.top_k if body.top_k and body.top_k > 0 else None
-        top_p = body.top_p if body.top_p is not None and body.top_p < 1 else None
-        temperature = 1.0 if body.temperature is None else body.temperature
-        try:
-            validate_sampling(temperature=temperature, top_k=top_k, top_p=top_p, min_p=body.min_p,
-                              repetition_penalty=body.repetition_penalty, num_samples=body.n)  # fmt: skip
+        names = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed")
+        given = {name: getattr(body, name) for name in names if getattr(body, name) is not None}
+        try:  # max_tokens 0 (echo: score the prompt only) is the scheduler request's prompt_only
+            return SamplingParams(
+                max_new_tokens=max(max_tokens, 1), num_samples=body.n, stop=_stops(body.stop), **given
+            )
         except ValueError as e:
-            raise APIError(400, str(e), code="invalid_value") from e
-        return SamplingParams(
-            max_tokens=max_tokens, n=body.n, temperature=temperature, top_k=top_k, top_p=top_p,
-            min_p=body.min_p or None, repetition_penalty=body.repetition_penalty,
-            eos_id=None if body.ignore_eos else self.state.tokenizer.eot_token, seed=body.seed,
-            logprobs=body.logprobs, prompt_logprobs=body.echo and body.logprobs is not None,
-        )  # fmt: skip
+            raise APIError(400, str(e), param=str(e).split()[0], code="invalid_value") from e
 
     async def create(self, body: CompletionRequest, request: Request):
         if body.model != self.state.name:
             raise APIError(404, f"The model `{body.model}` does not exist; this server serves `{self.state.name}`", param="model", code="model_not_found")  # fmt: skip
         prompts = self.prompts(body)
         params = self.params(body, prompts)
-        stops = _stops(body.stop)
-        run = CompletionRun(self.state, body, prompts, params, stops)
+        run = CompletionRun(self.state, body, prompts, params)
         run.submit()
         watcher = asyncio.create_task(_cancel_on_disconnect(request, run))
         if body.stream:
@@ -227,8 +218,11 @@ async def _cancel_on_disconnect(request: Request, run: CompletionRun) -> None:
 class CompletionRun:
     """One /v1/completions request in flight: its scheduler requests and its choices' text."""
 
-    def __init__(self, state, body: CompletionRequest, prompts: list[list[int]], params: SamplingParams, stops):
+    def __init__(self, state, body: CompletionRequest, prompts: list[list[int]], params: SamplingParams):
         self.state, self.body, self.prompts, self.params = state, body, prompts, params
+        self.n = params.num_samples
+        self.eos_id = None if body.ignore_eos else state.tokenizer.eot_token
+        self.prompt_logprobs = body.echo and body.logprobs is not None
         self.id, self.created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         self.events: asyncio.Queue = asyncio.Queue()
         tok, want_lp = state.tokenizer, body.logprobs is not None
@@ -236,9 +230,22 @@ class CompletionRun:
         self.choices = []
         for text in self.prompt_texts:
             offset = len(text) if body.echo else 0
-            self.choices += [ChoiceText(tok, stops, want_lp, offset) for _ in range(params.n)]
+            self.choices += [ChoiceText(tok, params.stop, want_lp, offset) for _ in range(self.n)]
         loop = asyncio.get_running_loop()
-        self.requests = [GenerationRequest(p, params, loop, self.events, index=i) for i, p in enumerate(prompts)]
+        self.requests = [
+            GenerationRequest(
+                p,
+                params,
+                loop,
+                self.events,
+                index=i,
+                eos_id=self.eos_id,
+                logprobs=body.logprobs,
+                prompt_logprobs=self.prompt_logprobs,
+                prompt_only=body.max_tokens == 0,
+            )  # fmt: skip
+            for i, p in enumerate(prompts)
+        ]
         self.prompt_entries: list[list | None] = [None] * len(prompts)
         self.done = 0
 
@@ -260,9 +267,9 @@ class CompletionRun:
     def _echo_piece(self, i: int) -> tuple[str, list]:
         """The prompt's text (and its logprob entries) that an echoing choice starts with."""
         entries = []
-        if self.params.prompt_logprobs:
+        if self.prompt_logprobs:
             prompt, scores, offset = self.prompts[i], self.prompt_entries[i] or [], 0
-            choice = self.choices[i * self.params.n]
+            choice = self.choices[i * self.n]
             for token, (lp, top) in zip(prompt, scores, strict=False):
                 entries.append(choice.entry(token, lp, top, offset))
                 offset += len(self.state.tokenizer.decode([token]))
@@ -270,7 +277,7 @@ class CompletionRun:
 
     async def pieces(self) -> AsyncIterator[tuple[int, str, list, str | None]]:
         """(choice index, text, logprob entries, finish_reason) as generation goes."""
-        n = self.params.n
+        n = self.n
         while self.done < len(self.requests):
             kind, i, payload = await self.events.get()
             if kind == "prompt":
@@ -281,7 +288,7 @@ class CompletionRun:
                     if row is None or choice.finish_reason is not None:
                         continue
                     token, lp, top = row
-                    if token == self.params.eos_id:  # counted in usage, never shown as text
+                    if token == self.eos_id:  # counted in usage, never shown as text
                         choice.token_ids.append(token)
                         yield (i * n + j, *choice.finish("stop"), "stop")
                     else:
@@ -312,8 +319,8 @@ class CompletionRun:
     def _choice_extras(self, index: int) -> dict:
         if not self.body.return_token_ids:
             return {}
-        ids = [t for t in self.choices[index].token_ids if t != self.params.eos_id]
-        return {"token_ids": ids, "prompt_token_ids": self.prompts[index // self.params.n]}
+        ids = [t for t in self.choices[index].token_ids if t != self.eos_id]
+        return {"token_ids": ids, "prompt_token_ids": self.prompts[index // self.n]}
 
     async def collect(self) -> dict:
         """The whole (non-streamed) response."""
@@ -326,7 +333,7 @@ class CompletionRun:
         for index, choice in enumerate(self.choices):
             text = "".join(texts[index])
             if self.body.echo:
-                echo_text, echo_entries = self._echo_piece(index // self.params.n)
+                echo_text, echo_entries = self._echo_piece(index // self.n)
                 text, entries[index] = echo_text + text, echo_entries + entries[index]
             lp = logprobs_json(entries[index]) if self.body.logprobs is not None else None
             choices.append(dict(index=index, text=text, logprobs=lp, finish_reason=choice.finish_reason, **self._choice_extras(index)))  # fmt: skip
@@ -348,7 +355,7 @@ class CompletionRun:
             async for index, text, entries, finish in self.pieces():
                 if self.body.echo and index not in started:
                     started.add(index)
-                    echo_text, echo_entries = self._echo_piece(index // self.params.n)
+                    echo_text, echo_entries = self._echo_piece(index // self.n)
                     text, entries = echo_text + text, echo_entries + entries
                 open_choices -= finish is not None
                 extra = {"usage": self.usage()} if open_choices == 0 else {}

@@ -1,10 +1,10 @@
 """Dynamic batching: requests join and leave a shared decode batch between steps.
 
-One worker thread owns the model's decode loop. A request is a *group* of `n` rows (its `n`
-samples) that is admitted, decoded and retired as a unit, sampled by `gptlab.generation`'s own
-primitives with the request's own `torch.Generator`; so its tokens equal
-`generate(model, [prompt], max_tokens, num_samples=n, generator=seed, ...)` whatever else is in
-the batch (up to float32 noise in the logits).
+One worker thread owns the model's decode loop. A request is a *group* of `num_samples` rows
+that is admitted, decoded and retired as a unit, sampled by its own `gptlab.generation.TokenSampler`
+(the sampling step `generate` runs, with the request's own generator); so its tokens equal
+`generate(model, [prompt], sampling=params, eos_id=...)` whatever else is in the batch (up to
+float32 noise in the logits).
 
 The KV cache (`BatchCache`) has one write position `pos` shared by all rows, as `gptlab.model.KVCache`
 wants. Every row's keys are right-aligned: row r occupies slots [pos - length_r, pos), and
@@ -25,8 +25,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from gptlab.generation import apply_repetition_penalty, model_device_dtype, sample_next, seen_tokens
+from gptlab.generation import TokenSampler, model_device_dtype
 from gptlab.model import KVCache
+from gptlab.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -36,31 +37,15 @@ class QueueFull(Exception):
 
 
 @dataclass
-class SamplingParams:
-    """How one request is decoded; the same meaning as `gptlab.generation`'s keywords."""
-
-    max_tokens: int
-    n: int = 1
-    temperature: float = 1.0
-    top_k: int | None = None
-    top_p: float | None = None
-    min_p: float | None = None
-    repetition_penalty: float = 1.0
-    eos_id: int | None = None
-    seed: int | None = None
-    logprobs: int | None = None  # also report this many top alternatives per token (0: the chosen one only)
-    prompt_logprobs: bool = False  # also score the prompt's own tokens (echo with logprobs)
-
-
-@dataclass
 class GenerationRequest:
-    """One prompt with its `n` samples, and the channel its events go back on.
+    """One prompt, how to decode it (`params`: its num_samples rows, max_new_tokens, ...), what to
+    report, and the channel its events go back on.
 
     Events (tuples) are put on `events` from the worker thread through `loop`:
     ("prompt", index, [(logprob|None, top|None) per prompt token]),
     ("tokens", index, [(token, logprob|None, top|None) or None per row]) for each step (None for
     a row that already ended), and finally ("done", index, reason) with reason "length" (all
-    max_tokens produced), "stop" (every row ended), "cancelled" or "error: ...".
+    max_new_tokens produced), "stop" (every row ended), "cancelled" or "error: ...".
     `top` is a list of (token, logprob).
     """
 
@@ -69,6 +54,10 @@ class GenerationRequest:
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue
     index: int = 0
+    eos_id: int | None = None  # a row ends when it produces this token
+    logprobs: int | None = None  # also report this many top alternatives per token (0: the chosen one only)
+    prompt_logprobs: bool = False  # also score the prompt's own tokens (echo with logprobs)
+    prompt_only: bool = False  # score the prompt and generate nothing (echo with max_tokens 0)
     cancelled: bool = False
     stopped_rows: set = field(default_factory=set)
 
@@ -93,15 +82,12 @@ class _Group:
 
     request: GenerationRequest
     start: int
-    generator: torch.Generator
-    seen: torch.Tensor | None  # (n, V) bool, for the repetition penalty
-    finished: list[bool]  # per row: produced eos
+    sampler: TokenSampler  # the request's sampling state: seen tokens, finished rows, steps
     last: torch.Tensor  # (n,) the tokens to feed next
-    produced: int = 0
 
     @property
     def n(self) -> int:
-        return self.request.params.n
+        return self.request.params.num_samples
 
 
 def cache_view(cache: KVCache, rows: slice, pos: int) -> KVCache:
@@ -237,10 +223,11 @@ class Scheduler:
     def submit(self, request: GenerationRequest) -> None:
         """Queue a request; raises QueueFull when max_queue requests already wait."""
         p, block = request.params, self.model.config.block_size
-        if p.n > self.max_batch:
-            raise ValueError(f"n={p.n} exceeds the batch size {self.max_batch}")
-        if not request.prompt or len(request.prompt) + p.max_tokens > block:
-            raise ValueError(f"prompt of {len(request.prompt)} tokens + {p.max_tokens} new ones must be 1..{block}")
+        new = 0 if request.prompt_only else p.max_new_tokens
+        if p.num_samples > self.max_batch:
+            raise ValueError(f"num_samples={p.num_samples} exceeds the batch size {self.max_batch}")
+        if not request.prompt or len(request.prompt) + new > block:
+            raise ValueError(f"prompt of {len(request.prompt)} tokens + {new} new ones must be 1..{block}")
         with self._cond:
             if len(self.waiting) >= self.max_queue:  # first drop requests whose clients left
                 kept = deque(r for r in self.waiting if not r.cancelled)
@@ -285,7 +272,7 @@ class Scheduler:
             while self.waiting and self.waiting[0].cancelled:
                 self.waiting.popleft()
                 self.stats["cancelled"] += 1
-            if self.waiting and self.cache.rows + self.waiting[0].params.n <= self.max_batch:
+            if self.waiting and self.cache.rows + self.waiting[0].params.num_samples <= self.max_batch:
                 return self.waiting.popleft()
         return None
 
@@ -299,22 +286,20 @@ class Scheduler:
                 request.emit("done", request.index, f"error: {e}")
 
     def _admit_one(self, request: GenerationRequest) -> None:
-        p = request.params
-        generator = torch.Generator(device=self.device)
-        if p.seed is not None:
-            generator.manual_seed(p.seed)
-        else:
-            generator.seed()
-        start, logits = self.cache.prefill(request.prompt, p.n, all_logits=p.prompt_logprobs)  # (T|1, V)
-        if p.prompt_logprobs:
-            request.emit("prompt", request.index, self._prompt_scores(request.prompt, logits[:-1], p.logprobs or 0))
+        n, scored = request.params.num_samples, request.prompt_logprobs
+        start, logits = self.cache.prefill(request.prompt, n, all_logits=scored)  # (T|1, V)
+        if scored:
+            request.emit("prompt", request.index, self._prompt_scores(request.prompt, logits[:-1], request.logprobs or 0))  # fmt: skip
         vocab = self.model.config.vocab_size
-        seen = seen_tokens([request.prompt] * p.n, vocab, self.device) if p.repetition_penalty != 1.0 else None
-        placeholder = torch.zeros(p.n, dtype=torch.long, device=self.device)
-        group = _Group(request, start, generator, seen, [False] * p.n, last=placeholder)
+        generator = request.params.generator(self.device, fresh=True)  # unseeded: random, not the global RNG
+        sampler = TokenSampler(
+            request.params, [request.prompt] * n, vocab, self.device, eos_id=request.eos_id, generator=generator
+        )
+        placeholder = torch.zeros(n, dtype=torch.long, device=self.device)
+        group = _Group(request, start, sampler, last=placeholder)
         self.groups.append(group)
-        if p.max_tokens > 0:  # 0: only the prompt's scores were asked for (echo)
-            self._sample(group, logits[-1:].expand(p.n, -1))
+        if not request.prompt_only:
+            self._sample(group, logits[-1:].expand(n, -1))
         self.stats["max_rows"] = max(self.stats["max_rows"], self.cache.rows)
         self._retire_done()
 
@@ -327,26 +312,15 @@ class Scheduler:
         self._retire_done()
 
     def _sample(self, g: _Group, logits: torch.Tensor) -> None:
-        """Draw the group's next tokens from logits (n, V) exactly as gptlab.generation does."""
-        p, request = g.request.params, g.request
-        if g.seen is not None:
-            logits = apply_repetition_penalty(logits, g.seen, p.repetition_penalty)
-        tokens = sample_next(
-            logits, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p, generator=g.generator
-        )  # (n,)
-        was_finished = g.finished
-        if any(was_finished):  # as generate does: a row that produced eos keeps producing eos
-            tokens = tokens.masked_fill(torch.tensor(was_finished, device=tokens.device), p.eos_id)
-        ids = tokens.tolist()
-        g.finished = [f or t == p.eos_id for f, t in zip(was_finished, ids, strict=True)]
-        if g.seen is not None:
-            g.seen.scatter_(1, tokens[:, None], True)
+        """Draw the group's next tokens from logits (n, V) with its TokenSampler; emit them."""
+        request = g.request
+        was_finished = g.sampler.finished.tolist()
+        tokens = g.sampler.next_tokens(logits)  # (n,)
         g.last = tokens
-        g.produced += 1
         self.stats["tokens"] += was_finished.count(False)
-        scores = self._token_scores(logits, tokens, p.logprobs) if p.logprobs is not None else None
+        scores = self._token_scores(logits, tokens, request.logprobs) if request.logprobs is not None else None
         rows = []
-        for i, t in enumerate(ids):
+        for i, t in enumerate(tokens.tolist()):
             if was_finished[i] or i in request.stopped_rows:
                 rows.append(None)
             else:
@@ -356,14 +330,14 @@ class Scheduler:
     def _retire_done(self) -> None:
         keep = []
         for g in self.groups:
-            p, request = g.request.params, g.request
-            stopped = [f or i in request.stopped_rows for i, f in enumerate(g.finished)]
+            request = g.request
+            stopped = [f or i in request.stopped_rows for i, f in enumerate(g.sampler.finished.tolist())]
             reason = None
             if request.cancelled:
                 reason = "cancelled"
             elif all(stopped):
                 reason = "stop"
-            elif g.produced >= p.max_tokens:
+            elif request.prompt_only or g.sampler.steps >= request.params.max_new_tokens:
                 reason = "length"
             if reason is None:
                 keep.append(g)

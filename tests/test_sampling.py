@@ -1,0 +1,188 @@
+"""gptlab.sampling: SamplingParams' validation and defaults, the filters against transformers'
+warpers, and probabilities() as the exact distribution sample_next draws from."""
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gptlab.sampling import (
+    SamplingParams,
+    apply_repetition_penalty,
+    min_p_mask,
+    probabilities,
+    sample_next,
+    seen_tokens,
+    top_k_mask,
+    top_p_mask,
+)
+
+NEG = float("-inf")
+
+
+# --- SamplingParams ------------------------------------------------------------------------------
+
+
+def test_defaults_are_the_off_values():
+    p = SamplingParams()
+    assert (p.temperature, p.top_k, p.top_p, p.min_p, p.repetition_penalty) == (1.0, 0, 1.0, 0.0, 1.0)
+    assert (p.seed, p.num_samples, p.stop) == (None, 1, ())
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(probabilities(logits, p), F.softmax(logits, dim=-1))  # nothing filtered
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        p.top_k = 5
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(temperature=-0.5), "temperature"),
+        (dict(temperature=float("nan")), "temperature"),
+        (dict(temperature=None), "temperature"),
+        (dict(top_k=-1), "top_k"),
+        (dict(top_k=2.5), "top_k"),
+        (dict(top_k=True), "top_k"),
+        (dict(top_k=None), r"top_k=0 turns it off"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(top_p=None), r"top_p=1\.0 turns it off"),
+        (dict(min_p=-0.1), "min_p"),
+        (dict(min_p=2.0), "min_p"),
+        (dict(min_p=None), r"min_p=0\.0 turns it off"),
+        (dict(repetition_penalty=0.0), "repetition_penalty"),
+        (dict(repetition_penalty=None), r"repetition_penalty=1\.0 turns it off"),
+        (dict(seed=1.5), "seed"),
+        (dict(seed=2**64), "seed"),
+        (dict(max_new_tokens=0), "max_new_tokens"),
+        (dict(max_new_tokens=None), "max_new_tokens"),
+        (dict(num_samples=0), "num_samples"),
+        (dict(stop=[""]), "stop"),
+        (dict(stop=[3]), "stop"),
+    ],
+)
+def test_bad_settings_raise_value_error_naming_the_field(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_good_settings_and_stop_normalised():
+    p = SamplingParams(temperature=0, top_k=1, top_p=1, min_p=1, repetition_penalty=1.2, seed=-(2**63), stop="ab")
+    assert p.stop == ("ab",) and p.greedy
+    assert SamplingParams(stop=["a", "b"]).stop == ("a", "b")
+    assert SamplingParams(stop=["a"]) == SamplingParams(stop=("a",))  # hashable, comparable
+
+
+def test_generator_from_the_seed():
+    a = SamplingParams(seed=5).generator("cpu")
+    assert torch.equal(torch.rand(4, generator=a), torch.rand(4, generator=torch.Generator().manual_seed(5)))
+    assert SamplingParams().generator("cpu") is None  # torch's global generator
+    fresh = [SamplingParams().generator("cpu", fresh=True) for _ in range(2)]
+    assert fresh[0].initial_seed() != fresh[1].initial_seed()
+
+
+# --- the filters ---------------------------------------------------------------------------------
+
+
+def test_top_k_mask_keeps_the_k_largest():
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.5, -1.0]])
+    assert top_k_mask(logits, 2).tolist() == [[NEG, 3.0, 2.0, NEG, NEG]]
+    assert top_k_mask(logits, 10).tolist() == logits.tolist()
+
+
+def test_top_p_mask_keeps_the_smallest_nucleus():
+    probs = torch.tensor([[0.05, 0.5, 0.3, 0.15]])
+    logits = probs.log()
+    kept = lambda p: (top_p_mask(logits, p) > NEG).tolist()[0]  # noqa: E731
+    assert kept(0.5) == [False, True, False, False]  # 0.5 alone reaches 0.5
+    assert kept(0.6) == [False, True, True, False]
+    assert kept(0.9) == [False, True, True, True]  # 0.5 + 0.3 + 0.15 = 0.95 >= 0.9
+    assert kept(0.96) == [True, True, True, True]
+    assert kept(0.01) == [False, True, False, False]  # the top token always stays
+    assert F.softmax(top_p_mask(torch.zeros(1, 5), 1.0), -1).allclose(torch.full((1, 5), 0.2))
+
+
+def test_min_p_mask_scales_with_the_top_probability():
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
+    kept = (min_p_mask(probs.log(), 0.3) > NEG).tolist()[0]  # threshold 0.3 * 0.5 = 0.15
+    assert kept == [True, True, True, False]
+
+
+def test_masks_agree_with_transformers_warpers():
+    from transformers.generation.logits_process import MinPLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    logits = torch.randn(4, 300, generator=torch.Generator().manual_seed(0)) * 3
+    ids = torch.zeros(4, 1, dtype=torch.long)
+    for ours, theirs in [
+        (top_k_mask(logits, 17), TopKLogitsWarper(17)(ids, logits.clone())),
+        (top_p_mask(logits, 0.8), TopPLogitsWarper(0.8)(ids, logits.clone())),
+        (min_p_mask(logits, 0.05), MinPLogitsWarper(0.05)(ids, logits.clone())),
+    ]:
+        assert torch.equal(ours.isinf(), theirs.isinf())
+
+
+def test_repetition_penalty_formula_and_transformers():
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    logits = torch.tensor([[2.0, -1.0, 0.5, -3.0], [1.0, 1.0, 1.0, 1.0]])
+    context = torch.tensor([[0, 1, 1], [3, 3, -1]])  # -1: padding, ignored
+    out = apply_repetition_penalty(logits, context, 2.0)
+    assert out.tolist() == [[1.0, -2.0, 0.5, -3.0], [1.0, 1.0, 1.0, 0.5]]
+    assert torch.equal(apply_repetition_penalty(logits, seen_tokens([[0, 1], [3]], 4), 2.0), out)
+    ref = RepetitionPenaltyLogitsProcessor(1.3)(context[:1], logits[:1].clone())
+    torch.testing.assert_close(apply_repetition_penalty(logits[:1], context[:1], 1.3), ref)
+
+
+# --- probabilities and sample_next ---------------------------------------------------------------
+
+
+def test_probabilities_is_transformers_chain_of_processors():
+    """Penalty, temperature, top-k, top-p, min-p in transformers' order, then softmax."""
+    from transformers.generation.logits_process import (
+        LogitsProcessorList,
+        MinPLogitsWarper,
+        RepetitionPenaltyLogitsProcessor,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    logits = torch.randn(3, 200, generator=torch.Generator().manual_seed(1)) * 2
+    context = torch.randint(0, 200, (3, 30), generator=torch.Generator().manual_seed(2))
+    params = SamplingParams(temperature=0.7, top_k=40, top_p=0.9, min_p=0.02, repetition_penalty=1.3)
+    chain = LogitsProcessorList([
+        RepetitionPenaltyLogitsProcessor(1.3), TemperatureLogitsWarper(0.7), TopKLogitsWarper(40),
+        TopPLogitsWarper(0.9), MinPLogitsWarper(0.02),
+    ])  # fmt: skip
+    expected = F.softmax(chain(context, logits.clone()), dim=-1)
+    ours = probabilities(logits, params, seen_tokens(context, 200))
+    assert ours.dtype == torch.float32 and ours.shape == (3, 200)
+    torch.testing.assert_close(ours, expected, atol=1e-6, rtol=1e-5)
+    # Temperature alone: softmax(logits / T), sharper below 1.
+    torch.testing.assert_close(probabilities(logits, SamplingParams(temperature=0.5)), F.softmax(logits / 0.5, -1))
+
+
+def test_greedy_is_one_hot_on_the_penalised_argmax():
+    logits = torch.tensor([[1.0, 3.0, 2.9], [0.0, -1.0, 5.0]])
+    seen = seen_tokens([[1], []], 3)
+    params = SamplingParams(temperature=0, repetition_penalty=2.0)  # row 0: 3.0 -> 1.5 < 2.9
+    assert probabilities(logits, params, seen).tolist() == [[0.0, 0.0, 1.0], [0.0, 0.0, 1.0]]
+    assert sample_next(logits, params, seen=seen).tolist() == [2, 2]
+    assert torch.equal(sample_next(logits, SamplingParams(temperature=0)), logits.argmax(-1))
+    with pytest.raises(ValueError, match="seen"):
+        probabilities(logits, params)  # the penalty needs the context
+
+
+def test_sample_next_draws_from_probabilities():
+    """Frequencies of 20,000 draws match probabilities() (chi-square over the 6 kept tokens)."""
+    logits = torch.tensor([[0.0, 1.0, 2.0, 3.0, 0.5, -1.0, 2.5, 1.5]])
+    params = SamplingParams(temperature=1.3, top_k=6, top_p=0.95, min_p=0.05)
+    probs = probabilities(logits, params)[0]
+    draws = sample_next(logits.repeat(20_000, 1), params, generator=torch.Generator().manual_seed(0))
+    counts = torch.bincount(draws, minlength=8).double()
+    kept = probs > 0
+    assert set(draws.unique().tolist()) <= set(kept.nonzero().flatten().tolist())
+    expected = probs.double() * 20_000
+    chi2 = float(((counts[kept] - expected[kept]) ** 2 / expected[kept]).sum())
+    assert int(kept.sum()) == 6  # top-k keeps 6; top-p 0.95 and min-p 0.05 drop none of them here
+    assert chi2 < 20.5, chi2  # chi-square at p = 0.001 with 5 degrees of freedom; measured 4.28 (seed 0)
