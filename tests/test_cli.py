@@ -74,6 +74,12 @@ def test_flag_names_use_dashes(name):
     assert [s for s in options(parser_of(name)) if "_" in s] == []
 
 
+@pytest.mark.parametrize("name", ["train", "demo"])
+def test_training_settings_are_set_key_value(name):
+    args = parser_of(name).parse_args(["--set", "max_steps=3", "--set", "lr=1e-3"])
+    assert args.overrides == ["max_steps=3", "lr=1e-3"]
+
+
 def test_serve_parses_to_the_shared_defaults():
     args = parser_of("serve").parse_args(["--model", "m"])
     assert (args.device, args.dtype) == ("auto", "float32")
