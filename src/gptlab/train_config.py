@@ -158,10 +158,11 @@ def _renamed(overrides: dict) -> dict:
 
 
 def _split_override(text: str) -> tuple[str, str]:
+    """Split key=value (a leading -- and dashes in the key are accepted: --max-steps=5 is max_steps=5)."""
     key, sep, value = text.lstrip("-").partition("=")
     if not sep:
-        raise ValueError(f"override {text!r} must look like key=value")
-    return key.replace("-", "_"), value
+        raise ValueError(f"setting {text!r} must look like key=value")
+    return key.strip().replace("-", "_"), value
 
 
 def _parse_value(key: str, value: str, type_name: str):

@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+from gptlab.commands.train import add_set_argument
+
 SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
 URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 RELATIVE = Path("..") / "shared" / "data" / "tinyshakespeare.txt"
@@ -21,7 +23,7 @@ def add_arguments(parser):
     parser.add_argument("--out", default="runs/demo", help="run directory (data/, run/; default runs/demo)")
     parser.add_argument("--config", help="TOML training config (default: the packaged configs/demo.toml)")
     parser.add_argument("--max-new-tokens", type=int, default=200, help="length of the generated passage")
-    parser.add_argument("overrides", nargs="*", help="TrainConfig settings as key=value, e.g. max_steps=100")
+    add_set_argument(parser)
 
 
 def find_corpus(explicit: str | None, out: Path) -> Path:
@@ -94,8 +96,7 @@ def run(args):
     data_dir = prepared(corpus, out / "data")
     print(f"corpus: {corpus} -> {data_dir} ({time.perf_counter() - t0:.1f}s)")
     config_path = args.config or resources.files("gptlab") / "configs" / "demo.toml"
-    overrides = [f"--{o}" if not o.startswith("--") else o for o in args.overrides]
-    cfg = TrainConfig.from_toml(config_path, overrides).with_overrides(
+    cfg = TrainConfig.from_toml(config_path, args.overrides).with_overrides(
         {"data_dir": str(data_dir), "out_dir": str(out / "run")}
     )
     if (out / "run").exists():

@@ -1,4 +1,4 @@
-"""gptlab train: train or fine-tune a model; settings from --config FILE.toml and --key=value overrides.
+"""gptlab train: train or fine-tune a model; settings from --config FILE.toml and --set key=value overrides.
 
 Run it under `torchrun --nproc_per_node=K -m gptlab train ...` for data-parallel training.
 """
@@ -6,26 +6,19 @@ Run it under `torchrun --nproc_per_node=K -m gptlab train ...` for data-parallel
 import sys
 
 
+def add_set_argument(parser) -> None:
+    """--set KEY=VALUE, repeatable: one TrainConfig setting (train and demo share it)."""
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="a TrainConfig setting, e.g. --set max_steps=200 --set lr=1e-3 (repeatable)")  # fmt: skip
+
+
 def add_arguments(parser):
     parser.add_argument("--config", help="TOML file of TrainConfig settings (flat, or under [train])")
+    add_set_argument(parser)
     parser.add_argument("--resume", action="store_true", help="continue the run in out_dir from its latest checkpoint")
     parser.add_argument("--fsdp", action="store_true", help="shard the model with FSDP (under torchrun)")
     parser.add_argument("--compile", action="store_true", help="torch.compile the model")
-    parser.epilog = (
-        "Any TrainConfig field can be set as --key=value, e.g. --max_steps=200 --lr=1e-3 (see README, Training)."
-    )
-    parse_known = parser.parse_known_args
-
-    def parse_args(args=None, namespace=None):
-        # TrainConfig fields are open-ended options: collect every --key=value argparse does not know.
-        ns, extra = parse_known(args, namespace)
-        bad = [a for a in extra if not (a.startswith("--") and "=" in a)]
-        if bad:
-            parser.error(f"unrecognized arguments: {' '.join(bad)} (settings are --key=value)")
-        ns.overrides = extra
-        return ns
-
-    parser.parse_args = parse_args
+    parser.epilog = "Every TrainConfig field can be set with --set key=value (see README, Training)."
 
 
 def run(args):
@@ -44,5 +37,6 @@ def run(args):
         print(f"checkpoint: {summary['checkpoint']}")
         print(f"metrics:    {summary['metrics']}")
         print(f"plot:       {summary['plot']}")
+        print(f"precision:  {summary['precision']}")
         if summary.get("val_loss") is not None:
             print(f"val loss:   {summary['val_loss']:.4f} after {summary['step']} steps ({summary['tokens']:,} tokens)")
