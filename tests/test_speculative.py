@@ -2,15 +2,18 @@
 distribution (chi-square), cache rollback, batches whose rows accept different numbers, stop
 strings and EOS inside an accepted run, the adaptive proposal length."""
 
+import itertools
+
 import pytest
 import torch
 
 from conftest import tiny_model
 from gptlab import speculative as spec
 from gptlab.config import GPTConfig
-from gptlab.generation import generate
+from gptlab.generation import generate, generate_text, stream_text
 from gptlab.model import GPT
 from gptlab.sampling import SamplingParams
+from test_generate import PATTERN, echo_model  # noqa: F401  (a byte-level model that learned a repeating text)
 
 
 def run(model, rows, params, **kwargs):
@@ -325,3 +328,41 @@ def test_bench_speculative_runs_every_part_and_keeps_plain_tokens(tmp_path, caps
     assert sweep[(1.0, False)]["tokens_per_forward"] > 3  # k=4: up to 5 tokens per verification
     assert sweep[(0.0, True)]["proposed"] < sweep[(0.0, False)]["proposed"] / 2  # adaptive k stops proposing
     assert "speedup" in capsys.readouterr().out
+
+
+# --- through generate, stream_text and the CLI ---------------------------------------------------------
+
+
+def test_generate_takes_draft_model_and_prompt_lookup():
+    model, draft = tiny_model(0), tiny_model(1)
+    rows = prompts(3)
+    plain = generate(model, rows, 12, temperature=0, eos_id=5)
+    assert generate(model, rows, 12, temperature=0, eos_id=5, prompt_lookup=2) == plain
+    assert generate(model, rows, 12, temperature=0, eos_id=5, draft_model=draft, num_draft_tokens=3) == plain
+    idx = torch.tensor([rows[0][:3]])
+    plain = generate(model, idx, 12, temperature=0, num_samples=2)
+    assert torch.equal(generate(model, idx, 12, temperature=0, num_samples=2, prompt_lookup=2), plain)
+    sampled = generate(model, idx, 12, num_samples=2, seed=3, draft_model=draft)
+    assert sampled.shape == plain.shape
+    with pytest.raises(ValueError, match="compiled_step"):
+        generate(model, idx, 4, prompt_lookup=2, compiled_step=lambda *a, **k: None)
+
+
+def test_stop_string_inside_an_accepted_run(echo_model):  # noqa: F811  (the imported fixture)
+    """The stop string completes at a token in the middle of an accepted run: the text ends
+    before it, as plain decoding's does, and the rest of the run is dropped."""
+    model, tok = echo_model
+    full = generate_text(model, tok, PATTERN, 40, temperature=0)
+    stop = "é! 日"
+    ids = tok.encode(PATTERN)
+    runs = [len(new[0]) for new in spec.decode(model, [ids], SamplingParams(temperature=0, max_new_tokens=40),
+                                               prompt_lookup=3)]  # fmt: skip
+    new_ids = generate(model, [ids], 40, temperature=0)[0][len(ids) :]
+    j = next(j for j in range(len(new_ids)) if stop in tok.decode(new_ids[: j + 1]))  # where the stop completes
+    ends = list(itertools.accumulate(runs))
+    run = next(i for i, e in enumerate(ends) if e > j)
+    assert runs[run] > 1 and ends[run] - 1 > j  # inside a run, not at its last token
+    for kwargs in (dict(prompt_lookup=3), dict(draft_model=model)):
+        assert generate_text(model, tok, PATTERN, 40, temperature=0, **kwargs) == full
+        pieces = list(stream_text(model, tok, PATTERN, 40, temperature=0, stop=stop, **kwargs))
+        assert "".join(pieces) == full[: full.index(stop)]

@@ -27,6 +27,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
+from gptlab import speculative
 from gptlab.model import KVCache
 from gptlab.sampling import SamplingParams, sample_next, seen_tokens
 
@@ -267,6 +268,9 @@ def generate_tokens(
     generator: torch.Generator | None = None,
     window_keep: int | None = None,
     compiled_step=None,
+    draft_model=None,
+    prompt_lookup: int = 0,
+    num_draft_tokens: int = 4,
 ) -> Iterator[torch.Tensor]:
     """Yield the new token of every row, (B * num_samples,), one step at a time; rows that have
     produced `eos_id` keep yielding `eos_id`, and the iterator ends once all have (or after
@@ -277,6 +281,13 @@ def generate_tokens(
     keep = config.block_size * 3 // 4 if window_keep is None else window_keep
     if not 1 <= keep <= config.block_size:
         raise ValueError(f"window_keep must be in [1, block_size], got {keep}")
+    if draft_model is not None or prompt_lookup:  # speculative decoding: gptlab.speculative
+        if compiled_step is not None:
+            raise ValueError("compiled_step does not apply to speculative decoding (draft_model, prompt_lookup)")
+        yield from speculative.generate_tokens(model, rows, params, eos_id=eos_id, generator=generator, window_keep=keep,
+                                               draft_model=draft_model, prompt_lookup=prompt_lookup,
+                                               num_draft_tokens=num_draft_tokens)  # fmt: skip
+        return
     device, _ = model_device_dtype(model)
     decoder = _Decoder(model, rows, params.max_new_tokens, keep, compiled_step)
     sampler = TokenSampler(params, rows, config.vocab_size, device, eos_id=eos_id, generator=generator)
@@ -321,6 +332,9 @@ def generate(
     generator: torch.Generator | None = None,
     window_keep: int | None = None,
     compiled_step=None,
+    draft_model=None,
+    prompt_lookup: int = 0,
+    num_draft_tokens: int = 4,
 ):
     """Continue token-id prompts with a KV cache.
 
@@ -340,6 +354,11 @@ def generate(
     input (rows that ended early are filled with eos_id), a list of id lists for list input
     (each ending at its eos_id, included). See the module docstring for contexts longer than
     block_size and `compiled_step` (a compiled `decode_step`).
+
+    Speculative decoding (gptlab.speculative; same tokens at temperature 0, same distribution
+    when sampling): `prompt_lookup=N` proposes what followed the last n-gram (n <= N) earlier in
+    the context; `draft_model`, a smaller model over the same vocabulary, proposes by decoding;
+    up to `num_draft_tokens` per verification, fewer when they are rejected.
     """
     generator, seed = _generator_and_seed(generator, seed)
     params = sampling_params(sampling, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
@@ -350,7 +369,8 @@ def generate(
     model.eval()
     try:
         steps = list(generate_tokens(model, idx, params, eos_id=eos_id, bos_id=bos_id, generator=generator,
-                                     window_keep=window_keep, compiled_step=compiled_step))  # fmt: skip
+                                     window_keep=window_keep, compiled_step=compiled_step, draft_model=draft_model,
+                                     prompt_lookup=prompt_lookup, num_draft_tokens=num_draft_tokens))  # fmt: skip
     finally:
         model.train(was_training)
     new = torch.stack(steps, dim=1)  # (B * num_samples, new)
@@ -432,6 +452,9 @@ def stream_text(
     generator: torch.Generator | None = None,
     window_keep: int | None = None,
     compiled_step=None,
+    draft_model=None,
+    prompt_lookup: int = 0,
+    num_draft_tokens: int = 4,
     **fields,
 ) -> Iterator[str]:
     """Yield the continuation of `prompt` piece by piece as it is generated.
@@ -440,8 +463,9 @@ def stream_text(
     character is complete. Generation ends at the tokenizer's end-of-text token (unless
     stop_at_eos=False), at the first of the stop strings (not included in the output), or at
     max_new_tokens. `sampling` and the keyword `fields` (temperature, top_k, top_p, min_p,
-    repetition_penalty, seed, stop) are as in `generate`, and so are `generator`, `window_keep`
-    and `compiled_step`; one continuation (num_samples 1).
+    repetition_penalty, seed, stop) are as in `generate`, and so are `generator`, `window_keep`,
+    `compiled_step` and speculative decoding's `draft_model`, `prompt_lookup` and
+    `num_draft_tokens`; one continuation (num_samples 1).
     """
     generator, seed = _generator_and_seed(generator, fields.pop("seed", None))
     params = sampling_params(sampling, max_new_tokens, seed=seed, **fields)
@@ -451,7 +475,8 @@ def stream_text(
     eos_id = tokenizer.eot_token if stop_at_eos else None
     text = TextDecoder(tokenizer, params.stop)
     steps = generate_tokens(model, [ids], params, eos_id=eos_id, bos_id=tokenizer.eot_token, generator=generator,
-                            window_keep=window_keep, compiled_step=compiled_step)  # fmt: skip
+                            window_keep=window_keep, compiled_step=compiled_step, draft_model=draft_model,
+                            prompt_lookup=prompt_lookup, num_draft_tokens=num_draft_tokens)  # fmt: skip
     for step in steps:
         token = int(step[0])
         if token == eos_id:
