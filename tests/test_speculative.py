@@ -13,7 +13,7 @@ from gptlab.config import GPTConfig
 from gptlab.generation import generate, generate_text, stream_text
 from gptlab.model import GPT
 from gptlab.sampling import SamplingParams
-from test_generate import PATTERN, echo_model  # noqa: F401  (a byte-level model that learned a repeating text)
+from test_generate import PATTERN, echo_dir, echo_model  # noqa: F401  (a byte-level model that learned a repeating text, saved)
 
 
 def run(model, rows, params, **kwargs):
@@ -366,3 +366,19 @@ def test_stop_string_inside_an_accepted_run(echo_model):  # noqa: F811  (the imp
         assert generate_text(model, tok, PATTERN, 40, temperature=0, **kwargs) == full
         pieces = list(stream_text(model, tok, PATTERN, 40, temperature=0, stop=stop, **kwargs))
         assert "".join(pieces) == full[: full.index(stop)]
+
+
+def test_cli_generate_speculates_with_the_same_output(echo_model, echo_dir, capsys):  # noqa: F811
+    from gptlab.cli import main
+
+    model, tok = echo_model
+    greedy = ["generate", "--model", echo_dir, "--prompt", PATTERN, "--temperature", "0", "--max-new-tokens", "30"]
+    expected = PATTERN + generate_text(model, tok, PATTERN, 30, temperature=0, stop="é! 日") + "\n"
+    for flags in (["--prompt-lookup", "3"], ["--draft-model", echo_dir, "--num-draft-tokens", "6"]):
+        assert main([*greedy, "--stop", "é! 日", *flags]) == 0
+        assert capsys.readouterr().out == expected
+    assert main([*greedy, "--prompt-lookup", "-1"]) == 2
+    captured = capsys.readouterr()
+    assert "prompt_lookup" in captured.err and captured.err.count("\n") == 1 and not captured.out
+    assert main([*greedy, "--draft-model", "gpt2-tiny"]) == 2  # another vocabulary
+    assert "vocabulary" in capsys.readouterr().err

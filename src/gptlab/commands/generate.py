@@ -6,9 +6,10 @@ with none, generation starts from <|endoftext|>. The sampling flags are the fiel
 (--top-k 0, --top-p 1.0, --min-p 0.0, --repetition-penalty 1.0).
 """
 
+import argparse
 import sys
 
-from gptlab.commands._model_args import add_model_arguments, load
+from gptlab.commands._model_args import add_model_arguments, load, model_from_args
 
 
 def add_arguments(parser):
@@ -21,6 +22,10 @@ def add_arguments(parser):
     )
     add_sampling_arguments(parser)
     parser.add_argument("--compile", action="store_true", help="torch.compile the decode step (slow start)")
+    spec = parser.add_argument_group("speculative decoding (same tokens when greedy, same distribution when sampling)")
+    spec.add_argument("--draft-model", default=None, help="a smaller model with the same tokenizer proposes tokens")
+    spec.add_argument("--prompt-lookup", type=int, default=0, help="propose what followed the last n-gram, n <= N")
+    spec.add_argument("--num-draft-tokens", type=int, default=4, help="most tokens proposed per step (default 4)")
 
 
 def add_sampling_arguments(parser) -> None:
@@ -51,6 +56,7 @@ def run(args):
     import dataclasses
 
     from gptlab.generation import compile_decode, model_device_dtype, stream_text
+    from gptlab.speculative import check_speculation
 
     params = sampling_from_args(args)
     one = dataclasses.replace(params, num_samples=1)  # each stream_text call makes one sample
@@ -59,11 +65,15 @@ def run(args):
     # One generator for the whole session, so the samples (and interactive turns) differ.
     generator = params.generator(device, fresh=True)
     compiled_step = compile_decode(model) if args.compile else None
+    speculation = dict(prompt_lookup=args.prompt_lookup, num_draft_tokens=args.num_draft_tokens)
+    if args.draft_model:
+        speculation["draft_model"] = model_from_args(argparse.Namespace(**{**vars(args), "model": args.draft_model}))
+    check_speculation(model, speculation.get("draft_model"), args.prompt_lookup, args.num_draft_tokens)
 
     def continue_text(prompt: str) -> str:
         pieces = []
         for piece in stream_text(model, tokenizer, prompt, sampling=one, generator=generator,
-                                 compiled_step=compiled_step):  # fmt: skip
+                                 compiled_step=compiled_step, **speculation):  # fmt: skip
             print(piece, end="", flush=True)
             pieces.append(piece)
         print(flush=True)
