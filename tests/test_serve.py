@@ -497,8 +497,9 @@ def test_explorer_page_is_self_contained(url):
     assert "https://" not in page.text and "http://" not in page.text
 
 
-def test_serve_command_loads_a_saved_model(tmp_path, model):
-    """`gptlab serve --help` and the model-name default, without binding a port."""
+def test_serve_command_loads_a_saved_model(tmp_path, model, monkeypatch):
+    """`gptlab serve --model DIR` serves that model's weights and tokenizer under the directory's
+    name (the uvicorn server itself is stubbed); --max-batch 0 is refused."""
     from gptlab.cli import main
 
     save_model(model, tmp_path / "m", tokenizer="byte")
@@ -506,6 +507,17 @@ def test_serve_command_loads_a_saved_model(tmp_path, model):
         main(["serve", "--help"])
     assert e.value.code == 0
     assert main(["serve", "--model", str(tmp_path / "m"), "--max-batch", "0"]) == 2
+    served = {}
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: served.update(app=app, **kw))
+    assert main(["serve", "--model", str(tmp_path / "m"), "--max-batch", "3", "--port", "0"]) == 0
+    state = served["app"].state.gptlab
+    try:
+        assert state.name == "m" and state.tokenizer.name == "byte" and state.scheduler.max_batch == 3
+        loaded = state.model.state_dict()
+        for key, value in model.state_dict().items():
+            assert torch.equal(loaded[key], value), key
+    finally:
+        state.scheduler.close()
 
 
 def test_serve_command_serves_the_dtype_asked(tmp_path, model, monkeypatch):

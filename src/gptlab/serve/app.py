@@ -16,11 +16,20 @@ from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
 
 from gptlab.serve.completions import Completions
-from gptlab.serve.errors import APIError, BodyLimit, install_error_handlers
+from gptlab.serve.errors import APIError, BodyLimit, declare_errors, install_error_handlers
 from gptlab.serve.explorer import Explorer
 from gptlab.serve.scheduler import Scheduler
 
 MAX_BODY_BYTES = 1 << 20
+# The error statuses each operation answers besides 413 and 500 (which any can), for the OpenAPI
+# document; tests/test_openapi.py checks the server against it.
+ERRORS = {
+    "/v1/completions": (400, 404, 429),
+    "/v1/models/{model_id}": (404,),
+    "/api/next": (400,),
+    "/api/tokens": (400,),
+    "/api/attention": (400,),
+}
 
 
 @dataclass
@@ -90,4 +99,5 @@ def create_app(
 
     app.mount("/static", StaticFiles(directory=static_dir()), name="static")
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    declare_errors(app, ERRORS)
     return app

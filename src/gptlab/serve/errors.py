@@ -1,6 +1,11 @@
 """Errors in OpenAI's JSON shape, {"error": {"message", "type", "param", "code"}}, for every failure:
-our own checks, FastAPI's validation (always 400, as OpenAI answers), unknown routes, and a
-request body over the size limit (413, enforced while the body streams in)."""
+our own checks, FastAPI's validation (always 400, as OpenAI answers), unknown routes, a method a
+route does not take (405, with `Allow`), and a request body over the size limit (413, enforced
+while the body streams in).
+
+`declare_errors` makes the OpenAPI document say so: each operation lists the error statuses it
+can answer, with the error body's schema, and not FastAPI's 422, which this server never sends.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +14,9 @@ import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger(__name__)
@@ -20,6 +27,30 @@ TYPES = {
     413: "invalid_request_error",
     429: "rate_limit_error",
 }
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorBody(BaseModel):
+    """Every error response's body, as OpenAI's API sends it."""
+
+    error: ErrorDetail
+
+
+# What each status means here, for the OpenAPI document.
+DESCRIPTIONS = {
+    400: "Invalid request: a malformed body, a missing or out-of-range field, an unsupported option",
+    404: "No such model",
+    413: "Request body over the server's limit",
+    429: "The server's queue is full; retry later",
+    500: "Internal error",
+}
+EVERY_OPERATION = (413, 500)  # the body limit (middleware) and the last-resort handler apply to every route
 
 
 class APIError(Exception):
@@ -33,8 +64,8 @@ class APIError(Exception):
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+    def response(self, headers: dict | None = None) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
 class BodyTooLarge(StarletteHTTPException):
@@ -72,11 +103,26 @@ class BodyLimit:
         await self.app(scope, limited_receive, send)
 
 
-def _validation_error(exc: RequestValidationError) -> APIError:
+def _required_fields(request: Request) -> list[str]:
+    """The required fields of the route's JSON body, in declaration order ([] when it has none)."""
+    route = request.scope.get("route")
+    body = getattr(route, "body_field", None)
+    model = getattr(getattr(body, "field_info", None), "annotation", None)
+    if not (isinstance(model, type) and issubclass(model, BaseModel)):
+        return []
+    return [name for name, field in model.model_fields.items() if field.is_required()]
+
+
+def _validation_error(exc: RequestValidationError, request: Request) -> APIError:
     errors = exc.errors()
     first = errors[0] if errors else {}
     if first.get("type") == "json_invalid":
         return APIError(400, f"malformed JSON in the request body: {first.get('msg', '')}", code="invalid_json")
+    if tuple(first.get("loc", ())) == ("body",) and first.get("type") == "missing":
+        required = _required_fields(request)
+        needs = f" with {', '.join(required)}" if required else " (an empty one is {})"
+        message = f"the request body is missing: send a JSON object{needs}"
+        return APIError(400, message, param=required[0] if required else "body", code="missing_body")
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     param = loc[0] if loc else None
     message = first.get("msg", "invalid request")
@@ -84,6 +130,8 @@ def _validation_error(exc: RequestValidationError) -> APIError:
         message = f"{'.'.join(loc)}: {message}" + (
             f" (got {json.dumps(first.get('input'), default=str)[:200]})" if "input" in first else ""
         )
+    else:
+        message = f"request body: {message}"
     return APIError(400, message, param=param, code="invalid_value")
 
 
@@ -96,14 +144,46 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError):
-        return _validation_error(exc).response()
+        return _validation_error(exc, request).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
         code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status_code)
-        return APIError(exc.status_code, str(exc.detail), code=code).response()
+        return APIError(exc.status_code, str(exc.detail), code=code).response(headers=exc.headers)  # 405: Allow
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception):
         log.exception("unhandled error on %s", request.url.path)
         return APIError(500, f"internal error: {type(exc).__name__}", code="internal_error").response()
+
+
+def _error_schemas() -> dict:
+    """ErrorBody and ErrorDetail as OpenAPI component schemas."""
+    schema = ErrorBody.model_json_schema(ref_template="#/components/schemas/{model}")
+    return {**schema.pop("$defs", {}), "ErrorBody": schema}
+
+
+def declare_errors(app: FastAPI, statuses: dict[str, tuple[int, ...]]) -> None:
+    """Declare in `app`'s OpenAPI document the error statuses each operation answers, each with
+    the error body's schema: `statuses` maps a route's path to its own (e.g. 404 for an unknown
+    model), and every operation can answer 413 and 500. FastAPI's automatic 422 is dropped:
+    validation errors are answered with 400."""
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            for unused in ("HTTPValidationError", "ValidationError"):
+                components.pop(unused, None)
+            components.update(_error_schemas())
+            body = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorBody"}}}
+            for path, operations in schema.get("paths", {}).items():
+                for operation in operations.values():
+                    responses = operation.setdefault("responses", {})
+                    responses.pop("422", None)
+                    for status in sorted({*statuses.get(path, ()), *EVERY_OPERATION}):
+                        responses[str(status)] = {"description": DESCRIPTIONS[status], "content": body}
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi

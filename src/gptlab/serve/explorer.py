@@ -10,12 +10,14 @@ import math
 
 import torch
 from fastapi import APIRouter
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from gptlab.serve.errors import APIError
 
 
 class PromptBody(BaseModel):
+    model_config = ConfigDict(strict=True)  # the JSON types the OpenAPI document states: no true or "1" for 1
+
     prompt: str = ""
 
 
