@@ -382,3 +382,67 @@ def test_cli_generate_speculates_with_the_same_output(echo_model, echo_dir, caps
     assert "prompt_lookup" in captured.err and captured.err.count("\n") == 1 and not captured.out
     assert main([*greedy, "--draft-model", "gpt2-tiny"]) == 2  # another vocabulary
     assert "vocabulary" in capsys.readouterr().err
+
+
+# --- the server -----------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def served():
+    """A server with a draft model (a different tiny model over the same bytes), its model and client."""
+    import openai
+
+    from gptlab.serve.app import create_app
+    from gptlab.tokenizer import get_tokenizer
+    from test_serve import running, serve_model
+
+    model, draft, tok = serve_model(0), serve_model(1), get_tokenizer("byte")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny models: threads only add synchronisation
+    with running(create_app(model, tok, name="tiny", max_batch=8, draft_model=draft)) as url:
+        yield model, tok, openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60), url
+    torch.set_num_threads(threads)
+
+
+def speculative_requests(url) -> int:
+    import httpx
+
+    return httpx.get(f"{url}/health").json()["speculative"]
+
+
+def test_server_speculates_with_the_same_tokens(served):
+    model, tok, client, url = served
+    ids = tok.encode("abcabcabc")
+    plain = generate(model, [ids], 40, temperature=0, eos_id=256)[0][len(ids) :]
+    plain = [t for t in plain if t != 256]
+    for extra in ({"prompt_lookup": 3}, {}):  # per-request prompt lookup; the server's draft model
+        before = speculative_requests(url)
+        out = client.completions.create(model="tiny", prompt="abcabcabc", max_tokens=40, temperature=0,
+                                        extra_body={"return_token_ids": True, **extra})  # fmt: skip
+        assert out.choices[0].token_ids == plain
+        assert speculative_requests(url) == before + 1
+        chunks = list(client.completions.create(model="tiny", prompt="abcabcabc", max_tokens=40, temperature=0,
+                                                stream=True, extra_body=extra))  # fmt: skip
+        assert "".join(c.choices[0].text for c in chunks) == tok.decode(plain)
+        text = out.choices[0].text
+        stop = text[len(text) // 2 : len(text) // 2 + 2]
+        cut = client.completions.create(model="tiny", prompt="abcabcabc", max_tokens=40, temperature=0, stop=stop,
+                                        extra_body=extra)  # fmt: skip
+        assert cut.choices[0].text == text[: text.index(stop)] and cut.choices[0].finish_reason == "stop"
+
+
+def test_server_speculative_sampling_is_seeded_and_logprobs_fall_back(served):
+    model, tok, client, url = served
+    kwargs = dict(model="tiny", prompt="xyz", max_tokens=20, n=2, temperature=1.0, seed=5)
+    for extra in ({"prompt_lookup": 2, "ignore_eos": True}, {"ignore_eos": True}):
+        a, b = (client.completions.create(**kwargs, extra_body=extra) for _ in range(2))
+        assert [c.text for c in a.choices] == [c.text for c in b.choices]
+        assert a.usage.completion_tokens == 40
+    before = speculative_requests(url)
+    scored = client.completions.create(model="tiny", prompt="xyz", max_tokens=5, temperature=0, logprobs=2)
+    assert len(scored.choices[0].logprobs.token_logprobs) >= 1  # the draft server answers it by plain steps
+    assert speculative_requests(url) == before
+    import openai
+
+    with pytest.raises(openai.BadRequestError, match="prompt_lookup"):
+        client.completions.create(model="tiny", prompt="xyz", max_tokens=5, logprobs=1, extra_body={"prompt_lookup": 2})

@@ -1,8 +1,9 @@
 """gptlab serve: an OpenAI-compatible completions API and the web explorer for one model."""
 
+import argparse
 from pathlib import Path
 
-from gptlab.commands._model_args import add_model_arguments, load
+from gptlab.commands._model_args import add_model_arguments, load, model_from_args
 
 
 def add_arguments(parser):
@@ -14,6 +15,7 @@ def add_arguments(parser):
     parser.add_argument("--max-queue", type=int, default=64, help="waiting requests before answering 429 (default 64)")
     parser.add_argument("--max-body", type=int, default=1 << 20, help="largest request body in bytes (default 1 MiB)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--draft-model", default=None, help="speculative decoding: a smaller model with the same tokenizer proposes tokens")  # fmt: skip
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 
@@ -32,8 +34,12 @@ def run(args):
         torch.set_num_threads(args.threads)
     model, tokenizer = load(args)
     name = args.name or Path(args.model.rstrip("/")).name
-    app = create_app(
-        model, tokenizer, name=name, max_batch=args.max_batch, max_queue=args.max_queue, max_body_bytes=args.max_body
+    draft = (
+        model_from_args(argparse.Namespace(**{**vars(args), "model": args.draft_model})) if args.draft_model else None
     )
+    app = create_app(
+        model, tokenizer, name=name, max_batch=args.max_batch, max_queue=args.max_queue, max_body_bytes=args.max_body,
+        draft_model=draft,
+    )  # fmt: skip
     print(f"gptlab serve: {name} on http://{args.host}:{args.port}/ (OpenAI API under /v1)", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)

@@ -56,13 +56,15 @@ def create_app(
     max_queue: int = 64,
     max_body_bytes: int = MAX_BODY_BYTES,
     cache_len: int | None = None,
+    draft_model=None,
 ) -> FastAPI:
     """The server for one model. max_batch: rows decoded together; max_queue: requests waiting
-    beyond that before answering 429; max_body_bytes: larger request bodies get 413."""
+    beyond that before answering 429; max_body_bytes: larger request bodies get 413; draft_model:
+    decode requests speculatively with this model proposing (gptlab.speculative)."""
     if tokenizer.n_vocab > model.config.vocab_size:
         raise ValueError(f"tokenizer {tokenizer.name} has {tokenizer.n_vocab} tokens, the model only {model.config.vocab_size}")  # fmt: skip
     model.eval()
-    scheduler = Scheduler(model, max_batch=max_batch, max_queue=max_queue, cache_len=cache_len)
+    scheduler = Scheduler(model, max_batch=max_batch, max_queue=max_queue, cache_len=cache_len, draft_model=draft_model)
     state = ServerState(model, tokenizer, name, scheduler, int(time.time()))
 
     @asynccontextmanager

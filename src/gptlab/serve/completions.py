@@ -6,7 +6,9 @@ scheduler request with its `n` samples, so with a `seed` choice i*n+j equals sam
 `gptlab.generate(model, [prompt_i], max_tokens, num_samples=n, seed=seed, eos_id=<|endoftext|>, ...)`.
 gptlab's extras, accepted as extra body fields, with SamplingParams' off values as defaults:
 top_k (0: off), min_p (0.0: off), repetition_penalty (1.0: off), ignore_eos (do not stop at
-<|endoftext|>) and return_token_ids (each choice also carries `token_ids`, and `prompt_token_ids`).
+<|endoftext|>), return_token_ids (each choice also carries `token_ids`, and `prompt_token_ids`)
+and prompt_lookup (speculative decoding by prompt lookup with n-grams of up to N tokens: the same
+tokens when greedy, the same distribution when sampling; not with logprobs).
 Each choice's text comes out of a `gptlab.generation.TextDecoder`, as `stream_text`'s does.
 
 Logprobs are the model's own log-probabilities (log-softmax of its logits, before temperature,
@@ -66,6 +68,7 @@ class CompletionRequest(BaseModel):
     repetition_penalty: float | None = Field(SamplingParams.repetition_penalty, gt=0)  # 1.0 (or null): off
     ignore_eos: bool = False
     return_token_ids: bool = False
+    prompt_lookup: int = Field(0, ge=0, le=16)  # 0: off
 
 
 class ChoiceText:
@@ -178,6 +181,8 @@ class Completions:
         max_tokens = 16 if body.max_tokens is None else body.max_tokens
         if longest + max_tokens > block:
             raise APIError(400, f"This model's maximum context length is {block} tokens, however you requested {longest + max_tokens} tokens ({longest} in your prompt; {max_tokens} for the completion). Please reduce max_tokens to at most {block - longest}.", param="max_tokens", code="context_length_exceeded")  # fmt: skip
+        if body.prompt_lookup and (body.logprobs is not None or max_tokens == 0):
+            raise APIError(400, "prompt_lookup (speculative decoding) reports no logprobs and needs max_tokens >= 1", param="prompt_lookup", code="unsupported")  # fmt: skip
         if max_tokens == 0 and not body.echo:
             raise APIError(400, "max_tokens must be at least 1 (0 only with echo)", param="max_tokens", code="invalid_value")  # fmt: skip
         names = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed")
@@ -243,6 +248,7 @@ class CompletionRun:
                 logprobs=body.logprobs,
                 prompt_logprobs=self.prompt_logprobs,
                 prompt_only=body.max_tokens == 0,
+                prompt_lookup=body.prompt_lookup,
             )  # fmt: skip
             for i, p in enumerate(prompts)
         ]

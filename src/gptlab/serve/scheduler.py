@@ -13,6 +13,12 @@ position ids. A joining prompt of T tokens is prefilled straight into its slots 
 (the cache is shifted right first when pos < T); when pos reaches the end, the cache is shifted
 left over the slots no row uses. Rows of active groups stay packed at the front, so a step runs
 exactly as many rows as are active.
+
+Speculative requests (a per-request `prompt_lookup`, or every request a server with a draft model
+can speculate on) do not join the shared batch: each runs `gptlab.speculative` over its own rows
+and caches, one position per worker iteration, taking turns with the batch's steps. Rows that
+accept different numbers of tokens need their own cache positions, which the right-aligned
+shared cache does not have; within one request they have them (speculative.RowCache).
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from gptlab import speculative
 from gptlab.generation import TokenSampler, model_device_dtype
 from gptlab.model import KVCache
 from gptlab.sampling import SamplingParams
@@ -58,6 +65,7 @@ class GenerationRequest:
     logprobs: int | None = None  # also report this many top alternatives per token (0: the chosen one only)
     prompt_logprobs: bool = False  # also score the prompt's own tokens (echo with logprobs)
     prompt_only: bool = False  # score the prompt and generate nothing (echo with max_tokens 0)
+    prompt_lookup: int = 0  # speculative decoding by prompt lookup with n-grams of up to this many tokens
     cancelled: bool = False
     stopped_rows: set = field(default_factory=set)
 
@@ -84,6 +92,19 @@ class _Group:
     start: int
     sampler: TokenSampler  # the request's sampling state: seen tokens, finished rows, steps
     last: torch.Tensor  # (n,) the tokens to feed next
+
+    @property
+    def n(self) -> int:
+        return self.request.params.num_samples
+
+
+@dataclass
+class _Speculating:
+    """A speculative request: its own decoding (gptlab.speculative), one position per worker iteration."""
+
+    request: GenerationRequest
+    steps: object  # speculative.generate_tokens: (n,) tokens per position
+    finished: list[bool]  # per row: produced eos_id
 
     @property
     def n(self) -> int:
@@ -194,15 +215,21 @@ class Scheduler:
     waiting for rows, beyond which `submit` raises QueueFull.
     """
 
-    def __init__(self, model, *, max_batch: int = 16, max_queue: int = 64, cache_len: int | None = None):
+    def __init__(
+        self, model, *, max_batch: int = 16, max_queue: int = 64, cache_len: int | None = None, draft_model=None,
+        num_draft_tokens: int = 4,
+    ):  # fmt: skip
         block = model.config.block_size
         self.model = model
+        speculative.check_speculation(model, draft_model, 0, num_draft_tokens)
+        self.draft_model, self.num_draft_tokens = draft_model, num_draft_tokens
+        self.speculating: list[_Speculating] = []
         self.max_batch, self.max_queue = max_batch, max_queue
         self.cache = BatchCache(model, max_batch, cache_len or block + max(16, block // 4))
         self.device, _ = model_device_dtype(model)
         self.waiting: deque[GenerationRequest] = deque()
         self.groups: list[_Group] = []
-        self.stats = dict(completed=0, cancelled=0, steps=0, tokens=0, max_rows=0)
+        self.stats = dict(completed=0, cancelled=0, steps=0, tokens=0, max_rows=0, speculative=0)
         self._cond = threading.Condition()
         self._closing = False
         self._thread: threading.Thread | None = None
@@ -240,7 +267,19 @@ class Scheduler:
 
     def load(self) -> dict:
         """Active and waiting request counts, and running totals."""
-        return dict(active=len(self.groups), queued=len(self.waiting), rows=self.cache.rows, **self.stats)
+        active = len(self.groups) + len(self.speculating)
+        return dict(active=active, queued=len(self.waiting), rows=self._rows(), **self.stats)
+
+    def speculates(self, request: GenerationRequest) -> bool:
+        """Whether `request` runs speculatively: it asks for prompt lookup, or this server has a draft
+        model and the request wants no logprobs (those come from the shared batch's plain steps)."""
+        if request.prompt_lookup:
+            return True
+        wants_scores = request.logprobs is not None or request.prompt_logprobs or request.prompt_only
+        return self.draft_model is not None and not wants_scores
+
+    def _rows(self) -> int:
+        return self.cache.rows + sum(s.n for s in self.speculating)
 
     # -- the worker thread
 
@@ -248,7 +287,7 @@ class Scheduler:
         torch.set_grad_enabled(False)
         while True:
             with self._cond:
-                while not self._closing and not self.waiting and not self.groups:
+                while not self._closing and not self.waiting and not self.groups and not self.speculating:
                     self._cond.wait()
                 if self._closing:
                     break
@@ -256,15 +295,17 @@ class Scheduler:
                 self._admit()
                 if self.groups:
                     self._step()
+                if self.speculating:
+                    self._speculate()
             except Exception as e:  # never let one bad step kill the server: fail the batch, go on
                 log.exception("decode step failed")
-                for g in self.groups:
+                for g in self.groups + self.speculating:
                     g.request.emit("done", g.request.index, f"error: {e}")
-                self.groups = []
+                self.groups, self.speculating = [], []
                 self.cache = BatchCache(self.model, self.max_batch, self.cache.cache_len)
         with self._cond:  # shutting down: release everyone still waiting for events
             waiting, self.waiting = list(self.waiting), deque()
-        for request in [g.request for g in self.groups] + waiting:
+        for request in [g.request for g in self.groups + self.speculating] + waiting:
             request.emit("done", request.index, "cancelled")
 
     def _next_waiting(self) -> GenerationRequest | None:
@@ -272,7 +313,7 @@ class Scheduler:
             while self.waiting and self.waiting[0].cancelled:
                 self.waiting.popleft()
                 self.stats["cancelled"] += 1
-            if self.waiting and self.cache.rows + self.waiting[0].params.num_samples <= self.max_batch:
+            if self.waiting and self._rows() + self.waiting[0].params.num_samples <= self.max_batch:
                 return self.waiting.popleft()
         return None
 
@@ -286,6 +327,8 @@ class Scheduler:
                 request.emit("done", request.index, f"error: {e}")
 
     def _admit_one(self, request: GenerationRequest) -> None:
+        if self.speculates(request):
+            return self._admit_speculative(request)
         n, scored = request.params.num_samples, request.prompt_logprobs
         start, logits = self.cache.prefill(request.prompt, n, all_logits=scored)  # (T|1, V)
         if scored:
@@ -302,6 +345,45 @@ class Scheduler:
             self._sample(group, logits[-1:].expand(n, -1))
         self.stats["max_rows"] = max(self.stats["max_rows"], self.cache.rows)
         self._retire_done()
+
+    def _admit_speculative(self, request: GenerationRequest) -> None:
+        if request.logprobs is not None or request.prompt_logprobs:
+            raise ValueError("logprobs are not available with prompt_lookup (speculative decoding)")
+        n = request.params.num_samples
+        proposer = dict(prompt_lookup=request.prompt_lookup) if request.prompt_lookup else dict(draft_model=self.draft_model)  # fmt: skip
+        steps = speculative.generate_tokens(
+            self.model, [request.prompt] * n, request.params, eos_id=request.eos_id, num_draft_tokens=self.num_draft_tokens,
+            generator=request.params.generator(self.device, fresh=True), **proposer,
+        )  # fmt: skip
+        self.speculating.append(_Speculating(request, steps, [False] * n))
+        self.stats["speculative"] += 1
+
+    def _speculate(self) -> None:
+        """One position of every speculative request (a verification when its accepted run is used up)."""
+        keep = []
+        for s in self.speculating:
+            request, reason = s.request, None
+            tokens = None if request.cancelled else next(s.steps, None)
+            if tokens is not None:
+                rows = []
+                for i, t in enumerate(tokens.tolist()):
+                    ended = s.finished[i] or i in request.stopped_rows
+                    rows.append(None if ended else (t, None, None))
+                    s.finished[i] = s.finished[i] or t == request.eos_id
+                self.stats["tokens"] += sum(r is not None for r in rows)
+                request.emit("tokens", request.index, rows)
+            if request.cancelled:
+                reason = "cancelled"
+            elif all(f or i in request.stopped_rows for i, f in enumerate(s.finished)):
+                reason = "stop"
+            elif tokens is None:
+                reason = "length"
+            if reason is None:
+                keep.append(s)
+                continue
+            self.stats["cancelled" if reason == "cancelled" else "completed"] += 1
+            request.emit("done", request.index, reason)
+        self.speculating = keep
 
     def _step(self) -> None:
         tokens = torch.cat([g.last for g in self.groups])  # (rows,)
