@@ -227,7 +227,7 @@ def perplexity_row(llama, spec: str, text: Path, tmp: Path, threads: int) -> dic
         chunks = int(re.search(r"calculating perplexity over (\d+) chunks", log_text).group(1))
     out_json = tmp / "eval.json"
     eval_cmd = ["eval", "--model", spec, "--task", "perplexity", "--data", str(text), "--stride", str(stride)]
-    gptlab_main([*eval_cmd, "--out", str(out_json), "--no-progress"])
+    gptlab_main([*eval_cmd, "--json", str(out_json), "--no-progress"])
     ours = json.loads(out_json.read_text())
     tokens = get_tokenizer("gpt2").encode(text.read_text())
     same_set = llama_scored_perplexity(model, tokens, n_ctx, stride if strided else None)
