@@ -66,6 +66,12 @@ def test_bad_settings_raise_value_error_naming_the_field(kwargs, match):
         SamplingParams(**kwargs)
 
 
+def test_exported_from_the_package():
+    import gptlab
+
+    assert gptlab.SamplingParams is SamplingParams
+
+
 def test_good_settings_and_stop_normalised():
     p = SamplingParams(temperature=0, top_k=1, top_p=1, min_p=1, repetition_penalty=1.2, seed=-(2**63), stop="ab")
     assert p.stop == ("ab",) and p.greedy

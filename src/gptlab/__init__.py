@@ -13,6 +13,7 @@ _EXPORTS = {
     "KVCache": "gptlab.model",
     "get_tokenizer": "gptlab.tokenizer",
     "generate": "gptlab.generation",
+    "SamplingParams": "gptlab.sampling",
     "load_model": "gptlab.loading",
     "quantize_model": "gptlab.quantize",
 }
