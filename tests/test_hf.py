@@ -46,7 +46,15 @@ CONFIGS = {
     "padded-vocab": dict(n_layer=2, n_head=7, n_embd=56, vocab_size=50304, n_positions=96, layer_norm_epsilon=2e-5),
     "untied": dict(n_layer=2, n_head=1, n_embd=32, vocab_size=300, n_positions=32, tie_word_embeddings=False),
 }
-TOL = 1e-4
+# fp32 max |logits difference| against transformers, measured on this CPU (torch 2.13, transformers 5.24):
+# the full gpt2 shape 1.6e-5 (12 layers, 768 wide: summation order over longer dot products); the
+# small configs 0 to 9.5e-7. Bounds at ~2x the measured figure, so a wrong epsilon, GELU or scale fails.
+TOL = 2e-6
+TOL_GPT2_SHAPE = 3e-5
+
+
+def tol(name: str) -> float:
+    return TOL_GPT2_SHAPE if name == "gpt2" else TOL
 
 
 def randomize(model: torch.nn.Module, seed: int) -> None:
@@ -125,7 +133,7 @@ def test_logits_parity(zoo, name):
     idx = inputs(theirs.config, length=96)
     diff = max_diff(ours, theirs, idx)
     print(f"\nlogits parity {name}: max |diff| = {diff:.3e} over {tuple(idx.shape)}")
-    assert diff <= TOL
+    assert diff <= tol(name)
 
 
 @pytest.mark.parametrize("name", ["gpt2", "odd-heads"])
@@ -492,4 +500,5 @@ def test_peak_memory_loading_gpt2_shape(zoo, tmp_path, dtype):
     print(
         f"\npeak RSS loading gpt2 ({dtype}): {ratio:.3f}x the model ({m['model_bytes'] / 1e6:.0f} MB); {raw:.3f}x with imports"
     )
-    assert ratio < 1.5
+    # measured 1.021x (fp32) and 1.041x (bf16) on the Intel Xeon; a second copy of the weights is 2x
+    assert ratio < 1.08

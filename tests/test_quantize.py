@@ -2,17 +2,19 @@
 
 import copy
 import json
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from conftest import tiny_model
+from conftest import tiny_config, tiny_model
 from gptlab.checkpoint import load_native, save_model
 from gptlab.cli import main
 from gptlab.generation import generate
 from gptlab.loading import load_model
+from gptlab.model import GPT
 from gptlab.quantize import (
     Int4Linear,
     Int8Linear,
@@ -284,25 +286,73 @@ def test_cli_quantize(tmp_path, capsys):
     assert "already quantized" in capsys.readouterr().err
 
 
-def test_bench_quantize_perplexity_rows(tmp_path):
+SHAKESPEARE = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "tinyshakespeare.txt"
+
+
+@pytest.fixture(scope="session")
+def shakespeare_model(tmp_path_factory):
+    """A byte-level model trained for 250 steps on tiny-shakespeare (loss 5.55 -> ~2.7; ~15 s on a
+    busy 2-core CPU), saved once per test session, and held-out text it was not trained on."""
+    if not SHAKESPEARE.is_file():
+        pytest.skip(f"the trained-model quantization test needs tiny-shakespeare at {SHAKESPEARE}")
+    text = SHAKESPEARE.read_bytes()
+    split = int(len(text) * 0.9)
+    data = torch.tensor(list(text[:split]), dtype=torch.long)
+    torch.manual_seed(0)
+    model = GPT(tiny_config(vocab_size=257, block_size=64, n_embd=64))
+    opt = torch.optim.AdamW(model.parameters(), lr=6e-3)
+    g = torch.Generator().manual_seed(0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny ops: threads only add barrier waits on a busy machine
+    try:
+        for _ in range(250):
+            starts = torch.randint(len(data) - 65, (16,), generator=g)
+            windows = torch.stack([data[i : i + 65] for i in starts])  # (16, 65)
+            _, loss = model(windows[:, :-1], targets=windows[:, 1:])
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+    finally:
+        torch.set_num_threads(threads)
+    root = tmp_path_factory.mktemp("shakespeare")
+    save_model(model.eval(), root / "byte", tokenizer="byte")
+    (root / "held_out.txt").write_bytes(text[split : split + 16_000])
+    return root
+
+
+def test_bench_quantize_perplexity_rows(tmp_path, shakespeare_model):
     from gptlab.bench.quantize import main as bench_main
 
-    save_model(tiny_model(n_embd=64, vocab_size=257, block_size=32), tmp_path / "byte", tokenizer="byte")
-    (tmp_path / "text.txt").write_text("To be, or not to be, that is the question. " * 20)
     args = [
         "--no-random",
         "--model",
-        str(tmp_path / "byte"),
+        str(shakespeare_model / "byte"),
         "--data",
-        str(tmp_path / "text.txt"),
-        "--out",
-        str(tmp_path),
+        str(shakespeare_model / "held_out.txt"),
     ]
-    assert bench_main(args) == 0
+    args += ["--val-fraction", "0.5", "--decode-tokens", "256", "--threads", "1", "--out", str(tmp_path)]
+    threads = torch.get_num_threads()
+    try:
+        assert bench_main(args) == 0
+    finally:
+        torch.set_num_threads(threads)
     result = json.loads(next(tmp_path.glob("quantize-*.json")).read_text())
     rows = result["perplexity"]
     assert set(rows) >= {"fp32", "int8", "int8-wo", "int4-g32", "int4-g64"} and "int4-g128" not in rows
-    assert abs(rows["int8"]["rise_pct"]) < 5
+    print(
+        "\n"
+        + ", ".join(
+            f"{k} {rows[k]['rise_pct']:+.3f}% / {rows[k]['decode_rise_pct']:+.3f}%" for k in rows if k.startswith("int")
+        )
+    )
+    assert rows["fp32"]["perplexity"] < 20  # trained (measured 14.7); uniform over 257 bytes is 257
+    # Issue 6's bounds: int8 within 1%, int4 within 5% of the float model's perplexity. Measured
+    # (whole windows / one token at a time): int8 +0.08% / +0.19%, int8-wo +0.08% / +0.16%,
+    # int4-g32 +0.40% / +0.64%, int4-g64 -0.04% / +0.05%. An int8 quantizer that zeroes weights: +1000s%.
+    for name in ("int8", "int8-wo"):
+        assert abs(rows[name]["rise_pct"]) <= 1 and abs(rows[name]["decode_rise_pct"]) <= 1, name
+    for name in ("int4-g32", "int4-g64"):
+        assert abs(rows[name]["rise_pct"]) <= 5 and abs(rows[name]["decode_rise_pct"]) <= 5, name
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
