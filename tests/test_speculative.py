@@ -70,6 +70,17 @@ def test_greedy_equals_plain_decoding(variant, proposer, n_rows, adaptive):
         assert stats.accepted == stats.proposed and stats.steps == 4  # 5 tokens per verification
 
 
+@pytest.mark.parametrize("proposer", ["lookup", "self-draft"])
+def test_greedy_with_repetition_penalty_equals_plain_decoding(proposer):
+    """Each verified position is penalised for the drafts before it, as plain decoding would be."""
+    model = tiny_model(0)
+    rows = prompts(3)
+    plain = generate(model, rows, 20, temperature=0, repetition_penalty=1.8)
+    params = SamplingParams(temperature=0, max_new_tokens=20, repetition_penalty=1.8)
+    out, stats = run(model, rows, params, adaptive=False, **PROPOSERS[proposer](model, None))
+    assert out == plain and stats.accepted > 0
+
+
 @pytest.mark.parametrize("proposer", ["lookup", "draft"])
 @pytest.mark.parametrize("pos", ["learned", "rope"])
 def test_greedy_equals_plain_past_block_size(proposer, pos):
@@ -243,13 +254,20 @@ def test_eos_inside_an_accepted_run(n_rows):
 def test_generate_tokens_yields_like_plain_decoding():
     """The regrouped iterator gives generation's shape: (B,) per position, eos after a row ends."""
     model = tiny_model(0)
-    rows = prompts(3)
-    free = generate(model, rows, 10, temperature=0)
-    eos = free[1][len(rows[1]) + 2]
-    plain = generate(model, torch.tensor([r[:3] for r in rows]), 10, temperature=0, eos_id=eos)
+    rows = [r[:3] for r in prompts(3)]
+    eos = generate(model, rows, 1, temperature=0)[1][-1]  # rows 1 and 2 end at once, row 0 goes on
+    plain = generate(model, torch.tensor(rows), 10, temperature=0, eos_id=eos)
+    assert plain[0, 3:].ne(eos).all() and plain[1:, 3:].eq(eos).all()
     params = SamplingParams(temperature=0, max_new_tokens=10)
-    steps = list(spec.generate_tokens(model, [r[:3] for r in rows], params, eos_id=eos, prompt_lookup=2))
+    stats = spec.SpeculationStats()
+    steps, verified = [], []
+    tokens = spec.generate_tokens(model, rows, params, eos_id=eos, prompt_lookup=2,
+                                  num_draft_tokens=1, adaptive=False, stats=stats)  # fmt: skip
+    for step in tokens:
+        steps.append(step)
+        verified.append(stats.steps)
     assert torch.stack(steps, 1).tolist() == plain[:, 3:].tolist()
+    assert verified.count(stats.steps) <= 2  # streamed as verified (<= 2 tokens each), not held to the end
 
 
 # --- never much slower ------------------------------------------------------------------------------
@@ -285,6 +303,8 @@ def test_prompt_lookup_proposes_what_followed_the_longest_match():
     assert lookup.propose(3) == [9, 2, 3]  # "1 2 3" occurred at the start
     lookup.extend([7])
     assert lookup.propose(2) == []  # 7 never occurred before
+    latest = spec.PromptLookup([5, 1, 7, 1, 8, 1], max_ngram=2)
+    assert latest.propose(1) == [8]  # equal matches: the latest occurrence (the freshest context)
     loop = spec.PromptLookup([5, 6, 5, 6, 5], max_ngram=2)
     assert loop.propose(5) == [6, 5, 6, 5, 6]  # runs into the end: continued with its period
 
