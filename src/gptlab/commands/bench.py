@@ -6,6 +6,8 @@ from importlib import import_module
 BENCHMARKS = {
     "generate": "decode/prefill speed vs transformers' generate (fp32, bf16, quantized)",
     "train": "training tokens/s vs transformers' GPT2LMHeadModel",
+    "recipes": "the demo's validation loss against wall time, old recipe vs new (docs/demo-loss.png)",
+    "nanogpt": "gptlab's trainer vs nanoGPT's train.py: same data, model, batch and wall time (tokens/s, val loss)",
     "quantize": "int8/int4 quality (logits cosine, perplexity rise) and checkpoint sizes",
     "speculative": "speculative decoding (prompt lookup, a draft model) vs plain decoding: speedup and acceptance",
     "formats": "nanoGPT/GGUF readers and writers against nanoGPT's model.py, llama.cpp's converter and llama-perplexity",

@@ -107,6 +107,7 @@ def run(args):
     passage = generate_passage(summary["checkpoint"], args.max_new_tokens, cfg.seed)
     print("\n" + "=" * 72 + f"\n{passage}\n" + "=" * 72)
     print(f"validation loss: {summary['val_loss']:.4f} (last 10% of the text, never trained on)")
+    print(f"training: {summary['step']} steps in {summary['seconds']:.0f}s, precision {summary['precision']}")
     print(
         f"time: {time.perf_counter() - t0:.0f}s total ({t_train:.0f}s preparing + training, {summary['tokens']:,} tokens)"
     )

@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 
 CACHE_FILE = "precision.json"
 PROBE_TOKENS = 1024  # at most this many tokens per timed forward + backward
-PROBE_REPEATS = 3  # timed runs per precision; the fastest counts
+PROBE_REPEATS = 2  # timed runs per precision; the fastest counts
 
 
 def autocast(device: torch.device, dtype: torch.dtype):

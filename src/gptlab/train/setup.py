@@ -13,6 +13,7 @@ import torch.nn as nn
 
 from gptlab import run_files
 from gptlab.config import GPTConfig
+from gptlab.data import TokenLoader
 from gptlab.loading import load_model
 from gptlab.model import GPT
 from gptlab.train_config import TrainConfig
@@ -101,6 +102,14 @@ def build_optimizer(model: GPT, cfg: TrainConfig, device: torch.device, fused_ok
         except (RuntimeError, ValueError):
             log.debug("fused AdamW unavailable on %s; using foreach", device)
     return torch.optim.AdamW(groups, foreach=True, **kwargs)
+
+
+def build_loaders(cfg: TrainConfig, manifest: dict, dist: Dist) -> tuple[TokenLoader, TokenLoader]:
+    """Random training windows and the fixed sequential validation batches, this rank's rows."""
+    common = dict(dtype=manifest["dtype"], rank=dist.rank, world_size=dist.world_size, seed=cfg.seed)
+    train = TokenLoader(Path(cfg.data_dir) / "train.bin", cfg.batch_size, cfg.block_size, mode="random", **common)
+    val = TokenLoader(Path(cfg.data_dir) / "val.bin", cfg.batch_size, cfg.block_size, mode="sequential", **common)
+    return train, val
 
 
 def grad_accum_steps(cfg: TrainConfig, world_size: int) -> int:

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from gptlab import run_files
-from gptlab.data import TokenLoader, read_manifest
+from gptlab.data import read_manifest
 from gptlab.train import checkpointing, evaluation, setup
 from gptlab.train.guards import SpikeGuard
 from gptlab.train.precision import autocast, resolve_precision
@@ -43,7 +43,7 @@ class Trainer:
                                                 (cfg.batch_size, cfg.block_size))  # fmt: skip
         log.info("precision: %s (%s)", str(self.precision).removeprefix("torch."), why)
         self.grad_accum = setup.grad_accum_steps(cfg, self.dist.world_size)
-        self.train_loader, self.val_loader = self._loaders(manifest)
+        self.train_loader, self.val_loader = setup.build_loaders(cfg, manifest, self.dist)
         self.model = setup.wrap_model(self.raw_model, cfg, self.dist, self.device)
         self.optimizer = setup.build_optimizer(self.raw_model, cfg, self.device, fused_ok=not cfg.fsdp)
         self.scaler = torch.amp.GradScaler("cuda") if self.precision == torch.float16 else None
@@ -54,13 +54,6 @@ class Trainer:
         self.last_checkpoint: Path | None = None
         spent = checkpointing.resume(self) if cfg.resume else 0.0
         self.budget = TimeBudget(max_time, clock, spent)
-
-    def _loaders(self, manifest: dict) -> tuple[TokenLoader, TokenLoader]:
-        cfg, d = self.cfg, self.dist
-        common = dict(dtype=manifest["dtype"], rank=d.rank, world_size=d.world_size, seed=cfg.seed)
-        train = TokenLoader(Path(cfg.data_dir) / "train.bin", cfg.batch_size, cfg.block_size, mode="random", **common)
-        val = TokenLoader(Path(cfg.data_dir) / "val.bin", cfg.batch_size, cfg.block_size, mode="sequential", **common)
-        return train, val
 
     @property
     def sharded(self) -> bool:
@@ -149,8 +142,8 @@ class Trainer:
         metrics = (
             run_files.MetricsLog(self.out_dir, resume_step=self.step_num if cfg.resume else None) if main else None
         )
-        bar = tqdm(total=cfg.max_steps, initial=self.step_num, disable=not (main and cfg.progress), desc="train",
-                   unit="step")  # fmt: skip
+        total = None if self.budget.seconds else cfg.max_steps  # a time budget: the step count is not known
+        bar = tqdm(total=total, initial=self.step_num, disable=not (main and cfg.progress), desc="train", unit="step")
         start_step, t0, record, last_eval = self.step_num, time.perf_counter(), {}, None
         try:
             while not self.finished():

@@ -1,0 +1,99 @@
+"""gptlab bench recipes: validation loss against wall time for the demo's old and new recipes.
+
+Each recipe is `gptlab train` with the demo config (src/gptlab/configs/demo.toml) plus its
+overrides, on the demo's prepared data, evaluating the whole validation split every
+`--eval-interval` steps; the curves (validation loss against seconds since the run started,
+evaluations included) go to one plot, by default docs/demo-loss.png, and the points to a JSON file
+in bench/results. `--runs NAME=DIR` plots finished runs instead of training.
+
+- old: the recipe before issue 13 (1,200 steps, cosine by step, bf16 autocast as `dtype=auto`
+  chose it on this project's CPUs);
+- new: demo.toml as it is (max_time, precision=auto measured, the fixed spike guard).
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+from gptlab.bench.common import write_results
+
+CONFIG = Path(__file__).parents[1] / "configs" / "demo.toml"
+RECIPES = {
+    "old": dict(
+        max_steps=1200, max_time="none", lr=2e-3, min_lr=1e-4, warmup_steps=50, batch_size=8, precision="bfloat16"
+    ),  # fmt: skip
+    "new": {},
+}
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="gptlab bench recipes", description=__doc__.split("\n\n")[0])
+    p.add_argument("--data", default="runs/demo/data", help="prepared demo data (gptlab demo writes runs/demo/data)")
+    p.add_argument("--recipes", nargs="+", default=list(RECIPES), choices=list(RECIPES))
+    p.add_argument("--runs", nargs="*", default=[], metavar="NAME=DIR", help="plot these finished runs instead")
+    p.add_argument("--eval-interval", type=int, default=100)
+    p.add_argument("--work", default="runs/recipes", help="where the runs go")
+    p.add_argument("--plot", default="docs/demo-loss.png")
+    p.add_argument("--title", default=None, help="plot title (default: the CPU)")
+    p.add_argument("--out", default="bench/results", help="results directory")
+    return p.parse_args(argv)
+
+
+def train_recipe(name: str, data: str, work: Path, eval_interval: int) -> Path:
+    out = work / name
+    settings = {**RECIPES[name], "data_dir": data, "out_dir": out, "eval_interval": eval_interval,
+                "eval_steps": 33, "sample_tokens": 0, "progress": "false"}  # fmt: skip
+    cmd = [sys.executable, "-m", "gptlab", "train", "--config", str(CONFIG)]
+    for key, value in settings.items():
+        cmd += ["--set", f"{key}={value}"]
+    print(f"{name}: {' '.join(cmd[3:])}")
+    subprocess.run(cmd, check=True)
+    return out
+
+
+def curve(run_dir: Path) -> list[tuple[float, float]]:
+    """(seconds, validation loss) of a run's evaluations."""
+    from gptlab import run_files
+
+    return [(r["elapsed_s"], r["val_loss"]) for r in run_files.read_metrics(run_dir) if "val_loss" in r]
+
+
+def plot(curves: dict[str, list], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, points in curves.items():
+        ax.plot(*zip(*points, strict=True), "o-", label=name, markersize=3)
+    ax.axhline(5.0, color="grey", linestyle="--", linewidth=1, label="target 5.0")
+    ax.set_xlabel("seconds since the start of training (evaluations included)")
+    ax.set_ylabel("validation loss")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    from gptlab.bench.common import machine
+
+    args = parse_args(argv or [])
+    if args.runs:
+        runs = {name: Path(d) for name, _, d in (r.partition("=") for r in args.runs)}
+    else:
+        runs = {name: train_recipe(name, args.data, Path(args.work), args.eval_interval) for name in args.recipes}
+    curves = {name: curve(d) for name, d in runs.items()}
+    for name, points in curves.items():
+        print(f"{name}: " + ", ".join(f"{s:.0f}s {v:.3f}" for s, v in points))
+    plot(curves, Path(args.plot), args.title or f"gptlab demo recipes, {machine()['cpu']}")
+    path = write_results("recipes", {"config": vars(args), "curves": curves}, args.out)
+    print(f"plot: {args.plot}\nresults: {path}")
+    return 0
