@@ -174,6 +174,16 @@ def test_eos_stops_each_row():
     assert out[0] == free[0][: 3 + first + 1]  # stops at eos, eos included
     tensor_out = generate(model, torch.tensor([[1, 2, 3]]), 10, temperature=0, eos_id=eos)
     assert tensor_out[0].tolist() == out[0]  # one row: ends as soon as it has eos
+    # Sampled, a row that has ended keeps producing eos (the draws after it would differ), and
+    # masking draws nothing: the rows equal the eos-free run up to their eos.
+    prompt = torch.tensor([[1, 2, 3]] * 4)
+    free = generate(model, prompt, 12, seed=0)[:, 3:]
+    end = int(free[0, 2])
+    ended = generate(model, prompt, 12, seed=0, eos_id=end)[:, 3:]
+    for row, ref in zip(ended.tolist(), free.tolist(), strict=True):
+        cut = ref.index(end) + 1 if end in ref else len(ref)
+        assert row[:cut] == ref[:cut] and row[cut:] == [end] * (len(row) - cut)
+    assert any(t != end for t in free[0, 3:].tolist()), "the free run goes on past eos (tune the seed)"
     # In a batch, a row that has ended keeps producing eos while the others go on.
     batch = generate(model, torch.tensor([[1, 2, 3], [4, 5, 6]]), 10, temperature=0, eos_id=eos)
     other = generate(model, [[4, 5, 6]], 10, temperature=0, eos_id=eos)[0]

@@ -192,3 +192,22 @@ def test_sample_next_draws_from_probabilities():
     chi2 = float(((counts[kept] - expected[kept]) ** 2 / expected[kept]).sum())
     assert int(kept.sum()) == 6  # top-k keeps 6; top-p 0.95 and min-p 0.05 drop none of them here
     assert chi2 < 20.5, chi2  # chi-square at p = 0.001 with 5 degrees of freedom; measured 4.28 (seed 0)
+
+
+@pytest.mark.parametrize("temperature", [1e-300, 1e-45, 1e-30, 1e-3])
+def test_tiny_temperature_is_the_argmax_not_nan(temperature):
+    """Dividing float32 logits by 1e-300 once gave inf (NaN after the softmax; the server answered 500)."""
+    logits = torch.randn(4, 300, generator=torch.Generator().manual_seed(3)) * 5
+    probs = probabilities(logits, SamplingParams(temperature=temperature, top_p=0.9, min_p=0.1))
+    assert torch.isfinite(probs).all()
+    assert torch.equal(probs, F.one_hot(logits.argmax(-1), 300).float())  # gaps here are >> temperature
+    assert torch.equal(sample_next(logits, SamplingParams(temperature=temperature, top_k=5)), logits.argmax(-1))
+
+
+@pytest.mark.parametrize("penalty", [1e-245, 1e300])
+def test_extreme_repetition_penalty_stays_finite(penalty):
+    logits = torch.tensor([[2.0, -1.0, 0.5, -3.0]])
+    seen = torch.ones(1, 4, dtype=torch.bool)  # every token seen: nothing unpenalised to fall back on
+    probs = probabilities(logits, SamplingParams(repetition_penalty=penalty), seen)
+    assert torch.isfinite(probs).all() and probs.sum().item() == pytest.approx(1.0)
+    assert int(sample_next(logits, SamplingParams(repetition_penalty=penalty), seen=seen)) in range(4)

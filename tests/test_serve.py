@@ -126,9 +126,9 @@ def test_scheduler_mixed_batch_equals_generate(model, fast, monkeypatch):
             repetition_penalty=1.3 if i % 5 == 0 else 1.0, seed=100 + i,
         )  # fmt: skip
         eos_id = None
-        if (
-            i % 4 == 0
-        ):  # a token sample 0 produces early, so rows end at different steps (the random model's 256 is rare)
+        # Every 4th request ends at a token its sample 0 produces early (the random model's 256 is
+        # rare), so its rows end at different steps.
+        if i % 4 == 0:
             free = reference(model, prompt, params.max_new_tokens, params.num_samples, sampling=params)[0]
             eos_id = free[min(2, len(free) - 1)]
         cases.append((prompt, params, eos_id))
@@ -148,7 +148,7 @@ def test_scheduler_mixed_batch_equals_generate(model, fast, monkeypatch):
                 for j, row in enumerate(event[2]):
                     if row is not None:
                         rows[j].append(row[0])
-            return [[t for t in r if t != eos_id] for r in rows], event[2]
+            return rows, event[2]
 
         try:
             return await asyncio.gather(*(one(i, *c) for i, c in enumerate(cases))), scheduler.load()
@@ -159,11 +159,11 @@ def test_scheduler_mixed_batch_equals_generate(model, fast, monkeypatch):
     assert load["max_rows"] > 3, "requests were not batched together"
     reasons = set()
     for (prompt, p, eos_id), (rows, reason) in zip(cases, outs, strict=True):
-        expected = reference(model, prompt, p.max_new_tokens, p.num_samples, sampling=p, eos_id=eos_id)
+        # generate's rows end at their first eos_id, included: nothing is reported after it
+        expected = [r[len(prompt) :] for r in generate(model, [prompt], sampling=p, eos_id=eos_id)]
         assert rows == expected
         reasons.add(reason)
-        want_stop = eos_id is not None and all(len(r) < p.max_new_tokens for r in expected)
-        assert reason == ("stop" if want_stop else "length")
+        assert reason == ("stop" if eos_id is not None and all(eos_id in r for r in expected) else "length")
     assert reasons == {"stop", "length"}, "some rows should end at eos before max_new_tokens (tune the cases)"
 
 

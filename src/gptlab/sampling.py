@@ -158,7 +158,8 @@ def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: 
     if seen.dtype != torch.bool:
         seen = seen_tokens(seen, logits.size(-1))
     penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
-    return torch.where(seen, penalised, logits)
+    big = torch.finfo(logits.dtype).max  # an extreme penalty (1e-245) must not make inf, which softmax turns to NaN
+    return torch.where(seen, penalised.clamp(-big, big), logits)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -176,7 +177,12 @@ def _penalised(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor 
 
 def _warped(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """float32 logits (B, V) after temperature (> 0) and the filters: what the softmax takes."""
-    logits = logits.float() / params.temperature  # (B, V)
+    logits = logits.float()
+    if params.temperature < 1.0:  # dividing enlarges: count down from the row's top logit (the same softmax), and
+        logits = logits - logits.amax(
+            dim=-1, keepdim=True
+        )  # keep the divisor a float32 > 0, so 1e-300 gives no inf/NaN
+    logits = logits / max(params.temperature, torch.finfo(torch.float32).tiny)  # (B, V)
     if params.top_k:
         logits = top_k_mask(logits, params.top_k)
     if params.top_p < 1.0:
