@@ -30,6 +30,8 @@ TYPES = {
 
 
 class ErrorDetail(BaseModel):
+    """What went wrong: `param` names the request field at fault, `code` is machine-readable."""
+
     message: str
     type: str
     param: str | None
