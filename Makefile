@@ -6,7 +6,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo lint bench install browser
+.PHONY: test demo lint bench install browser mutants
 
 install: $(STAMP)
 
@@ -33,3 +33,7 @@ demo: $(STAMP)
 
 lint: $(STAMP)
 	$(PY) -m ruff check src tests
+
+# Plant realistic bugs one at a time in a copy of the tree; report which tests catch each (not part of `make test`).
+mutants: $(STAMP)
+	$(PY) bench/mutants.py

@@ -38,6 +38,7 @@ TRAIN_TESTS = ("tests/test_train*.py",)
 KV_TESTS = ("tests/test_model.py", "tests/test_generate.py")
 LOSS_TESTS = ("tests/test_model.py", "tests/test_chunked_loss.py", "tests/test_fused_loss.py", "tests/test_data.py")
 HF_TESTS = ("tests/test_hf.py", "-k", "parity or round_trip or layouts or to_gptlab")
+QUANTIZE_TESTS = ("tests/test_quantize.py",)
 
 
 @dataclass(frozen=True)
@@ -53,7 +54,8 @@ class Mutant:
 MUTANTS = [
     # sampling
     Mutant("sampling/temperature-multiplies", "sampling.py",
-           "logits = logits.float() / params.temperature", "logits = logits.float() * params.temperature",
+           "logits = logits / max(params.temperature, torch.finfo(torch.float32).tiny)",
+           "logits = logits * max(params.temperature, torch.finfo(torch.float32).tiny)",
            SAMPLING_TESTS),
     Mutant("sampling/top-k-keeps-k-1", "sampling.py",
            'logits.masked_fill(logits < kth, float("-inf"))', 'logits.masked_fill(logits <= kth, float("-inf"))',
@@ -66,21 +68,22 @@ MUTANTS = [
            "torch.where(logits > 0, logits / penalty, logits * penalty)",
            "torch.where(logits > 0, logits * penalty, logits / penalty)", SAMPLING_TESTS),
     Mutant("sampling/repetition-penalty-on-unseen-tokens", "sampling.py",
-           "return torch.where(seen, penalised, logits)", "return penalised", SAMPLING_TESTS),
+           "return torch.where(seen, penalised.clamp(-big, big), logits)", "return penalised.clamp(-big, big)",
+           SAMPLING_TESTS),
     # the trainer
-    Mutant("train/weight-decay-off", "train.py",
+    Mutant("train/weight-decay-off", "train/setup.py",
            '{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay}',
            '{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.0}', TRAIN_TESTS),
-    Mutant("train/weight-decay-on-biases-and-gains", "train.py",
+    Mutant("train/weight-decay-on-biases-and-gains", "train/setup.py",
            '{"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}',
            '{"params": [p for p in params if p.dim() < 2], "weight_decay": cfg.weight_decay}', TRAIN_TESTS),
-    Mutant("train/grad-accum-sums-micro-batches", "train.py",
+    Mutant("train/grad-accum-sums-micro-batches", "train/trainer.py",
            "loss = loss / self.grad_accum", "loss = loss", TRAIN_TESTS),
-    Mutant("train/lr-warmup-starts-at-zero", "train.py",
+    Mutant("train/lr-warmup-starts-at-zero", "train/schedule.py",
            "return cfg.lr * (step + 1) / cfg.warmup_steps", "return cfg.lr * step / cfg.warmup_steps", TRAIN_TESTS),
-    Mutant("train/lr-cosine-rises", "train.py",
+    Mutant("train/lr-cosine-rises", "train/schedule.py",
            "0.5 * (1.0 + math.cos(math.pi * progress))", "0.5 * (1.0 - math.cos(math.pi * progress))", TRAIN_TESTS),
-    Mutant("train/grad-clip-ignored", "train.py",
+    Mutant("train/grad-clip-ignored", "train/trainer.py",
            'max_norm = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")', 'max_norm = float("inf")',
            TRAIN_TESTS),
     # the KV cache
@@ -104,6 +107,10 @@ MUTANTS = [
            '{f"{PREFIX}h.{i}.{name}": (f"{PREFIX}h.{i}.{name}", t)',
            '{f"{PREFIX}h.{i}.{name}": (f"{PREFIX}h.{i}.{SWAP.get(name, name)}", t)',
            HF_TESTS),
+    # quantization
+    Mutant("quantize/int8-zeroes-weights", "quantize.py",
+           "q = (w / scales.float()[:, None]).round().clamp(-127, 127).to(torch.int8)",
+           "q = torch.zeros_like(w, dtype=torch.int8)", QUANTIZE_TESTS),
 ]
 # fmt: on
 # The swapped-name mutant needs its table in the module: appended to hf.py with it.
@@ -112,12 +119,17 @@ EXTRA = {
 }  # fmt: skip
 
 
-def copy_tree(dest: Path) -> None:
-    """src/ and tests/ (and pyproject.toml, for pytest's settings) into dest, without caches."""
+def copy_tree(dest: Path) -> Path:
+    """src/ and tests/ (and pyproject.toml, for pytest's settings) into dest/main, without caches;
+    dest/shared links to the checkout's ../shared (the tests find tiny-shakespeare there). Returns dest/main."""
+    root = dest / "main"
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc", ".pytest_cache")
     for part in ("src", "tests"):
-        shutil.copytree(ROOT / part, dest / part, ignore=ignore)
-    shutil.copy2(ROOT / "pyproject.toml", dest / "pyproject.toml")
+        shutil.copytree(ROOT / part, root / part, ignore=ignore)
+    shutil.copy2(ROOT / "pyproject.toml", root / "pyproject.toml")
+    if (ROOT.parent / "shared").is_dir():
+        (dest / "shared").symlink_to(ROOT.parent / "shared")
+    return root
 
 
 def pytest_args(tests: tuple[str, ...], root: Path) -> list[str]:
@@ -182,8 +194,7 @@ def main(argv=None) -> int:
             print(f"{m.name:45s} src/gptlab/{m.file}")
         return 0
     with tempfile.TemporaryDirectory(prefix="gptlab-mutants-") as tmp:
-        root = Path(tmp)
-        copy_tree(root)
+        root = copy_tree(Path(tmp))
         baselines: dict[tuple, bool] = {}
         results = []
         for m in mutants:
