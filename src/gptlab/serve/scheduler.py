@@ -362,7 +362,7 @@ class Scheduler:
         """One position of every speculative request (a verification when its accepted run is used up)."""
         keep = []
         for s in self.speculating:
-            request, reason = s.request, None
+            request = s.request
             tokens = None if request.cancelled else next(s.steps, None)
             if tokens is not None:
                 rows = []
@@ -372,17 +372,9 @@ class Scheduler:
                     s.finished[i] = s.finished[i] or t == request.eos_id
                 self.stats["tokens"] += sum(r is not None for r in rows)
                 request.emit("tokens", request.index, rows)
-            if request.cancelled:
-                reason = "cancelled"
-            elif all(f or i in request.stopped_rows for i, f in enumerate(s.finished)):
-                reason = "stop"
-            elif tokens is None:
-                reason = "length"
+            reason = self._end(request, s.finished, exhausted=tokens is None)
             if reason is None:
                 keep.append(s)
-                continue
-            self.stats["cancelled" if reason == "cancelled" else "completed"] += 1
-            request.emit("done", request.index, reason)
         self.speculating = keep
 
     def _step(self) -> None:
@@ -413,24 +405,30 @@ class Scheduler:
         keep = []
         for g in self.groups:
             request = g.request
-            stopped = [f or i in request.stopped_rows for i, f in enumerate(g.sampler.finished.tolist())]
-            reason = None
-            if request.cancelled:
-                reason = "cancelled"
-            elif all(stopped):
-                reason = "stop"
-            elif request.prompt_only or g.sampler.steps >= request.params.max_new_tokens:
-                reason = "length"
-            if reason is None:
+            exhausted = request.prompt_only or g.sampler.steps >= request.params.max_new_tokens
+            if self._end(request, g.sampler.finished.tolist(), exhausted=exhausted) is None:
                 keep.append(g)
                 continue
-            self.stats["cancelled" if reason == "cancelled" else "completed"] += 1
-            request.emit("done", request.index, reason)
             self.cache.release(g.start, g.n)
             for other in self.groups:
                 if other.start > g.start:
                     other.start -= g.n
         self.groups = keep
+
+    def _end(self, request: GenerationRequest, finished: list[bool], *, exhausted: bool) -> str | None:
+        """End `request` if it is over (emit "done", count it) and say why: "cancelled", "stop"
+        (every row produced eos or hit a stop string) or "length" (`exhausted`); None if not over."""
+        if request.cancelled:
+            reason = "cancelled"
+        elif all(f or i in request.stopped_rows for i, f in enumerate(finished)):
+            reason = "stop"
+        elif exhausted:
+            reason = "length"
+        else:
+            return None
+        self.stats["cancelled" if reason == "cancelled" else "completed"] += 1
+        request.emit("done", request.index, reason)
+        return reason
 
     @staticmethod
     def _token_scores(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> list[tuple[float, list]]:
