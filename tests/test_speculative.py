@@ -466,3 +466,13 @@ def test_server_speculative_sampling_is_seeded_and_logprobs_fall_back(served):
 
     with pytest.raises(openai.BadRequestError, match="prompt_lookup"):
         client.completions.create(model="tiny", prompt="xyz", max_tokens=5, logprobs=1, extra_body={"prompt_lookup": 2})
+
+
+def test_adaptive_k_stays_within_the_cpu_kernels_rows():
+    from gptlab import kernels
+
+    assert spec.most_draft_tokens(4, 1, "cpu") == 4  # 5 rows fit
+    if kernels.available()[0]:
+        assert spec.most_draft_tokens(12, 1, "cpu") == kernels.MAX_ROWS - 1  # 8 rows: k = 7
+        assert spec.most_draft_tokens(4, 3, "cpu") == 1  # 3 rows x 2
+    assert spec.most_draft_tokens(4, 16, "cpu") == 4  # no k fits: left alone

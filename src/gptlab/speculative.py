@@ -33,7 +33,8 @@ also drops the holes.
 
 Never much slower. `DraftLength` picks k from the recent acceptance rate with a cost model
 (tokens per step over the step's cost); when no k > 0 pays it proposes nothing (plain decoding)
-and probes k=1 again after 8, 16, ... 128 steps.
+and probes k=1 again after 8, 16, ... 128 steps. On a CPU, k stays where the verification's rows
+fit gptlab's kernels (`most_draft_tokens`).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from gptlab import kernels
 from gptlab.model import KVCache
 from gptlab.sampling import SamplingParams, probabilities, sample_next, seen_tokens
 
@@ -400,11 +402,23 @@ def check_speculation(model, draft_model, prompt_lookup: int, num_draft_tokens: 
 
 def proposal_cost(model, draft_model) -> float:
     """The price of one proposed token relative to a plain decode step: ~0.1 for its row in the
-    verification forward (measured at gpt2 size on CPU: see `gptlab bench speculative`), plus a
-    draft step, priced by the draft's share of the weights to read."""
+    verification forward (an estimate: the CPU kernels read each weight once for up to
+    kernels.MAX_ROWS rows, so a row adds its arithmetic, 5-10% of a gpt2 step), plus a draft
+    step, priced by the draft's share of the weights to read."""
     if draft_model is None:
         return 0.1
     return 0.1 + draft_model.num_params() / max(model.num_params(), 1)
+
+
+def most_draft_tokens(num_draft_tokens: int, batch_size: int, device) -> int:
+    """The adaptive k's ceiling: num_draft_tokens, lowered on a CPU with gptlab's kernels so the
+    verification's B * (k+1) rows stay within kernels.MAX_ROWS; past them the linear layers
+    go to torch's GEMM, which read the weights far slower here (a gpt2 forward of 9 rows took
+    ~2.2x one of 8, measured under load). Left alone when even k=1 would not fit."""
+    fits = kernels.MAX_ROWS // batch_size - 1
+    if torch.device(device).type != "cpu" or fits < 1 or not kernels.available()[0]:
+        return num_draft_tokens
+    return min(num_draft_tokens, fits)
 
 
 def decode(
@@ -442,7 +456,7 @@ def decode(
         draft = _Draft(draft_model, B, draft_len)
     if prompt_lookup:
         lookups = [PromptLookup(r, prompt_lookup) for r in rows]
-    control = DraftLength(num_draft_tokens, cost=proposal_cost(model, draft_model))
+    control = DraftLength(most_draft_tokens(num_draft_tokens, B, target.device), cost=proposal_cost(model, draft_model))
     seen = seen_tokens(rows, V, target.device) if params.repetition_penalty != 1.0 else None
     produced, done = [0] * B, [False] * B
     chunks = encode_rows(target, rows, keep)  # each row's last token, still to feed
