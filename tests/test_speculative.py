@@ -16,6 +16,15 @@ from gptlab.sampling import SamplingParams
 from test_generate import PATTERN, echo_dir, echo_model  # noqa: F401  (a byte-level model that learned a repeating text, saved)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models gain nothing from intra-op threads, and they thrash on a busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def run(model, rows, params, **kwargs):
     """decode's output as full rows (prompt + new tokens), and its stats."""
     stats = spec.SpeculationStats()
@@ -417,11 +426,8 @@ def served():
     from test_serve import running, serve_model
 
     model, draft, tok = serve_model(0), serve_model(1), get_tokenizer("byte")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models: threads only add synchronisation
     with running(create_app(model, tok, name="tiny", max_batch=8, draft_model=draft)) as url:
         yield model, tok, openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60), url
-    torch.set_num_threads(threads)
 
 
 def speculative_requests(url) -> int:
