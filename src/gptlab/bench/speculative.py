@@ -144,6 +144,17 @@ def run_speculative(model, prompt, args, plain, plain_s, name, **kwargs) -> dict
 # The three parts
 
 
+def fixed_and_adaptive(model, prompt, args, plain, plain_s, name, **kwargs) -> list[dict]:
+    """Two rows: k fixed at --num-draft-tokens, and the adaptive k (same proposer)."""
+    rows = []
+    for adaptive in (False, True):
+        label = f"{name} ({'adaptive' if adaptive else f'k={args.num_draft_tokens}'})"
+        row = run_speculative(model, prompt, args, plain, plain_s, label, adaptive=adaptive,
+                              num_draft_tokens=args.num_draft_tokens, **kwargs)  # fmt: skip
+        rows.append(dict(row, adaptive=adaptive))
+    return rows
+
+
 def part_lookup(model, args, g) -> list[dict]:
     V = model.config.vocab_size
     passage = torch.randint(0, V, (args.prompt_len // 2,), generator=g).tolist()
@@ -153,44 +164,14 @@ def part_lookup(model, args, g) -> list[dict]:
         ("lookup, random context", torch.randint(0, V, (args.prompt_len,), generator=g).tolist()),
     ]:
         plain, plain_s = run_plain(model, prompt, args)
-        for adaptive in (True, False):
-            label = f"{name} ({'adaptive' if adaptive else f'k={args.num_draft_tokens}'})"
-            rows.append(
-                run_speculative(
-                    model,
-                    prompt,
-                    args,
-                    plain,
-                    plain_s,
-                    label,
-                    prompt_lookup=3,
-                    adaptive=adaptive,
-                    num_draft_tokens=args.num_draft_tokens,
-                )  # fmt: skip
-            )
+        rows += fixed_and_adaptive(model, prompt, args, plain, plain_s, name, prompt_lookup=3)
     return rows
 
 
 def part_draft(model, draft, args, g) -> list[dict]:
     prompt = torch.randint(0, model.config.vocab_size, (args.prompt_len,), generator=g).tolist()
     plain, plain_s = run_plain(model, prompt, args)
-    rows = []
-    for adaptive in (True, False):
-        label = f"draft ({'adaptive' if adaptive else f'k={args.num_draft_tokens}'})"
-        rows.append(
-            run_speculative(
-                model,
-                prompt,
-                args,
-                plain,
-                plain_s,
-                label,
-                draft_model=draft,
-                adaptive=adaptive,
-                num_draft_tokens=args.num_draft_tokens,
-            )  # fmt: skip
-        )
-    return rows
+    return fixed_and_adaptive(model, prompt, args, plain, plain_s, "draft", draft_model=draft)
 
 
 def part_sweep(model, args, g) -> list[dict]:
@@ -201,11 +182,8 @@ def part_sweep(model, args, g) -> list[dict]:
         Oracle.truth, Oracle.vocab = plain, model.config.vocab_size
         for rate in args.rates:
             Oracle.rate = rate
-            for adaptive in (False, True):
-                label = f"oracle at {rate:.0%} ({'adaptive' if adaptive else f'k={args.num_draft_tokens}'})"
-                row = run_speculative(model, prompt, args, plain, plain_s, label, prompt_lookup=1, adaptive=adaptive,
-                                      num_draft_tokens=args.num_draft_tokens)  # fmt: skip
-                rows.append(dict(row, rate=rate, adaptive=adaptive))
+            pair = fixed_and_adaptive(model, prompt, args, plain, plain_s, f"oracle at {rate:.0%}", prompt_lookup=1)
+            rows += [dict(row, rate=rate) for row in pair]
     return rows
 
 
