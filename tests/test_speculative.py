@@ -349,6 +349,11 @@ def test_bench_speculative_runs_every_part_and_keeps_plain_tokens(tmp_path, caps
     assert sweep[(1.0, False)]["tokens_per_forward"] > 3  # k=4: up to 5 tokens per verification
     assert sweep[(0.0, True)]["proposed"] < sweep[(0.0, False)]["proposed"] / 2  # adaptive k stops proposing
     assert "speedup" in capsys.readouterr().out
+    text = tmp_path / "quote.txt"
+    text.write_text("To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer")
+    assert main([*args, "--parts", "lookup", "--text", str(text)]) == 0
+    with pytest.raises(ValueError, match="--text has"):
+        main([*args, "--parts", "lookup", "--text", str(text), "--prompt-len", "100"])
 
 
 # --- through generate, stream_text and the CLI ---------------------------------------------------------

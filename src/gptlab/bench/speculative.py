@@ -3,9 +3,9 @@
 Three parts, batch 1, greedy (so every speculative run must give plain decoding's tokens, which
 each row checks):
 
-- **lookup**: prompt lookup on a context that repeats itself (a passage, then the passage quoted
-  again, cut short: the continuation can copy it), and on one that does not (random tokens: the
-  cost of trying when nothing matches);
+- **lookup**: prompt lookup on a context that repeats itself (a passage, random tokens or the
+  opening of --text, then the passage quoted again, cut short: the continuation can copy it),
+  and on random tokens (nothing to copy, except what a random model repeats on its own);
 - **draft**: a draft model against the target. Without --draft-model, the draft is the target's
   own first --draft-layers blocks with its embeddings and head (an early-exit draft sharing the
   weights, so it agrees with the target more often than an unrelated random model would);
@@ -44,6 +44,9 @@ def parse_args(argv) -> argparse.Namespace:
     p.add_argument("--draft-layers", type=int, default=2, help="blocks of the early-exit draft (default 2)")
     p.add_argument("--parts", nargs="+", default=["lookup", "draft", "sweep"], choices=["lookup", "draft", "sweep"])
     p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens (default 128)")
+    p.add_argument(
+        "--text", default=None, help="a text file whose opening the quoting context quotes (default: random tokens)"
+    )
     p.add_argument("--new-tokens", type=int, default=128, help="new tokens per run (default 128)")
     p.add_argument("--num-draft-tokens", type=int, default=4, help="k, tokens proposed per verification (default 4)")
     p.add_argument("--rates", type=float, nargs="+", default=[0.0, 0.5, 0.7, 0.8, 0.9, 1.0], help="sweep's rates")
@@ -155,9 +158,23 @@ def fixed_and_adaptive(model, prompt, args, plain, plain_s, name, **kwargs) -> l
     return rows
 
 
+def passage_tokens(args, n: int, vocab_size: int, g) -> list[int]:
+    """n tokens to quote: the opening of --text (in the model's tokenizer), or random ids."""
+    if args.text is None:
+        return torch.randint(0, vocab_size, (n,), generator=g).tolist()
+    from gptlab.loading import tokenizer_name
+    from gptlab.tokenizer import get_tokenizer
+
+    with open(args.text, encoding="utf-8") as f:
+        ids = get_tokenizer(tokenizer_name(args.model)).encode(f.read())
+    if len(ids) < n:
+        raise ValueError(f"--text has {len(ids)} tokens; the quoting context needs {n}")
+    return ids[:n]
+
+
 def part_lookup(model, args, g) -> list[dict]:
     V = model.config.vocab_size
-    passage = torch.randint(0, V, (args.prompt_len // 2,), generator=g).tolist()
+    passage = passage_tokens(args, args.prompt_len // 2, V, g)
     rows = []
     for name, prompt in [
         ("lookup, quoting context", passage + passage[: args.prompt_len - len(passage)]),
