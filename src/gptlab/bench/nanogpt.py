@@ -49,6 +49,11 @@ def demo_recipe() -> dict:
     return TrainConfig.from_toml(resources.files("gptlab") / "configs" / "demo.toml").to_dict()
 
 
+def settled(step_times: list[float]) -> list[float]:
+    """Step times without the first few (allocator and caches warming up), or all of a short run."""
+    return step_times[min(5, len(step_times) // 2) :]
+
+
 def run_gptlab(data: Path, work: Path, seconds: float) -> dict:
     """`gptlab train` with the demo config for `seconds`; its step times and the final model."""
     out = work / "gptlab"
@@ -67,7 +72,7 @@ def run_gptlab(data: Path, work: Path, seconds: float) -> dict:
     subprocess.run(cmd, check=True, capture_output=True, text=True)
     wall = time.perf_counter() - t0
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    step_s = [r["step_s"] for r in records if "step_s" in r][5:]
+    step_s = settled([r["step_s"] for r in records if "step_s" in r])
     return {"model": str(out / "latest"), "steps": max(r["step"] for r in records), "step_s": step_s, "wall_s": wall}
 
 
@@ -95,7 +100,7 @@ def run_nanogpt(nanogpt: Path, data: Path, work: Path, iters: int, recipe: dict)
     if done.returncode:
         raise RuntimeError(f"nanoGPT's train.py failed:\n{done.stderr[-3000:]}")
     step_ms = [float(m) for m in re.findall(r"^iter \d+: loss [\d.]+, time ([\d.]+)ms", done.stdout, re.M)]
-    return {"model": str(cwd / "out" / "ckpt.pt"), "steps": iters, "step_s": [t / 1e3 for t in step_ms[5:]],
+    return {"model": str(cwd / "out" / "ckpt.pt"), "steps": iters, "step_s": settled([t / 1e3 for t in step_ms]),
             "wall_s": wall}  # fmt: skip
 
 

@@ -34,6 +34,21 @@ def parse_args(argv):
     p.add_argument("--data", default="runs/demo/data", help="prepared demo data (gptlab demo writes runs/demo/data)")
     p.add_argument("--recipes", nargs="+", default=list(RECIPES), choices=list(RECIPES))
     p.add_argument("--runs", nargs="*", default=[], metavar="NAME=DIR", help="plot these finished runs instead")
+    p.add_argument(
+        "--points",
+        nargs="*",
+        default=[],
+        metavar="NAME=STEP:LOSS,...",
+        help="validation losses recorded elsewhere (e.g. the README's), plotted as given",
+    )
+    p.add_argument(
+        "--step-seconds",
+        nargs="*",
+        default=[],
+        metavar="NAME=SECONDS",
+        help="place NAME's points at step x SECONDS (a quiet machine's step time) instead of "
+        "the wall time the run logged: loss-at-step is robust to load, wall time is not",
+    )
     p.add_argument("--eval-interval", type=int, default=100)
     p.add_argument("--work", default="runs/recipes", help="where the runs go")
     p.add_argument("--plot", default="docs/demo-loss.png")
@@ -54,14 +69,21 @@ def train_recipe(name: str, data: str, work: Path, eval_interval: int) -> Path:
     return out
 
 
-def curve(run_dir: Path) -> list[tuple[float, float]]:
-    """(seconds, validation loss) of a run's evaluations."""
+def curve(run_dir: Path, step_seconds: float | None = None) -> list[tuple[float, float]]:
+    """(seconds, validation loss) of a run's evaluations: logged wall time, or step x step_seconds."""
     from gptlab import run_files
 
-    return [(r["elapsed_s"], r["val_loss"]) for r in run_files.read_metrics(run_dir) if "val_loss" in r]
+    evals = [r for r in run_files.read_metrics(run_dir) if "val_loss" in r]
+    return [(r["step"] * step_seconds if step_seconds else r["elapsed_s"], r["val_loss"]) for r in evals]
 
 
-def plot(curves: dict[str, list], path: Path, title: str) -> None:
+def given_points(text: str, step_seconds: float) -> list[tuple[float, float]]:
+    """ "600:5.088,1200:4.838" -> [(600 * step_seconds, 5.088), ...]."""
+    pairs = (p.split(":") for p in text.split(","))
+    return [(int(step) * step_seconds, float(loss)) for step, loss in pairs]
+
+
+def plot(curves: dict[str, list], path: Path, title: str, xlabel: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -71,7 +93,7 @@ def plot(curves: dict[str, list], path: Path, title: str) -> None:
     for name, points in curves.items():
         ax.plot(*zip(*points, strict=True), "o-", label=name, markersize=3)
     ax.axhline(5.0, color="grey", linestyle="--", linewidth=1, label="target 5.0")
-    ax.set_xlabel("seconds since the start of training (evaluations included)")
+    ax.set_xlabel(xlabel)
     ax.set_ylabel("validation loss")
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
@@ -86,14 +108,18 @@ def main(argv=None) -> int:
     from gptlab.bench.common import machine
 
     args = parse_args(argv or [])
-    if args.runs:
+    seconds = {name: float(v) for name, _, v in (a.partition("=") for a in args.step_seconds)}
+    if args.runs or args.points:
         runs = {name: Path(d) for name, _, d in (r.partition("=") for r in args.runs)}
     else:
         runs = {name: train_recipe(name, args.data, Path(args.work), args.eval_interval) for name in args.recipes}
-    curves = {name: curve(d) for name, d in runs.items()}
+    curves = {name: curve(d, seconds.get(name)) for name, d in runs.items()}
+    for name, _, text in (p.partition("=") for p in args.points):
+        curves[name] = given_points(text, seconds[name])
     for name, points in curves.items():
         print(f"{name}: " + ", ".join(f"{s:.0f}s {v:.3f}" for s, v in points))
-    plot(curves, Path(args.plot), args.title or f"gptlab demo recipes, {machine()['cpu']}")
+    xlabel = "seconds of training" + (" (steps x the step time given)" if seconds else " (evaluations included)")
+    plot(curves, Path(args.plot), args.title or f"gptlab demo recipes, {machine()['cpu']}", xlabel)
     path = write_results("recipes", {"config": vars(args), "curves": curves}, args.out)
     print(f"plot: {args.plot}\nresults: {path}")
     return 0

@@ -33,6 +33,8 @@ def parse_args(argv):
     p.add_argument("--steps", type=int, default=3, help="optimizer steps per round")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--out", default="bench/results", help="results directory")
+    p.add_argument("--profile", action="store_true",
+                   help="also profile two gptlab steps per dtype (torch.profiler) and print the top ops")  # fmt: skip
     return p.parse_args(argv)
 
 
@@ -88,6 +90,17 @@ def make_step(model, kind: str, dtype, device):
     return step
 
 
+def profile_steps(step, batches, dtype_name: str, rows: int = 12) -> str:
+    """torch.profiler's table of the ops that took the most self CPU time over the batches' steps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for x, y in batches:
+            step(x, y)
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=36)
+    return f"--- gptlab, {dtype_name}: ops by self CPU time over {len(batches)} steps\n{table}"
+
+
 def model_flops_per_token(model, n_layer, block_size, n_embd) -> float:
     """6N + 12 L T C (PaLM, appendix B), N without the position table."""
     return 6 * model.num_params(non_embedding=True) + 12 * n_layer * block_size * n_embd
@@ -119,6 +132,8 @@ def run_dtype(args, dtype_name: str, device) -> dict:
             sync()
             times[name].append(time.perf_counter() - t0)
             cpu[name].append(time.process_time() - c0)
+    if args.profile:
+        print(profile_steps(steps["gptlab"], batches, dtype_name))
     tokens = args.steps * args.batch_size * args.block_size
     tok_s = {name: tokens / statistics.median(t) for name, t in times.items()}
     tok_per_cpu_s = {name: tokens / statistics.median(t) for name, t in cpu.items()}
