@@ -120,11 +120,6 @@ def test_tiny_temperature_or_penalty_is_not_a_server_error(client, extra):
     assert response.status_code in (200, 400), response.text
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="CompletionRequest (serve/completions.py) validates in pydantic's lax mode: true passes as the "
-    "integer 1 and 1 as the boolean true, against its documented JSON types; ConfigDict(strict=True) fixes it",
-)
 @pytest.mark.parametrize("field, value", [("n", True), ("max_tokens", True), ("echo", 1), ("prompt", [True])])
 def test_completions_take_the_json_types_they_document(client, field, value):
     body = {"model": NAME, "prompt": "ab", "max_tokens": 2, field: value}

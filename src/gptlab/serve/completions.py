@@ -42,7 +42,7 @@ Prompt = str | list[str] | list[int] | list[list[int]]
 class CompletionRequest(BaseModel):
     """The body of POST /v1/completions (OpenAI's fields, then gptlab's extras)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)  # the JSON types the schema states: no true for 1
 
     model: str
     prompt: Prompt = "<|endoftext|>"
