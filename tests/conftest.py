@@ -27,6 +27,16 @@ def tiny_model(seed: int = 0, **overrides) -> GPT:
     return GPT(tiny_config(**overrides)).eval()
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a module's tests (`pytestmark = pytest.mark.usefixtures("one_thread")`):
+    a tiny model gains nothing from intra-op threads, and they thrash on a busy 2-core machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture
 def model():
     return tiny_model()

@@ -4,7 +4,6 @@ status codes, the error body's schema, content types, no 5xx. Plus what a fuzzer
 405 with `Allow`, and a missing body that names what is missing."""
 
 import pytest
-import torch
 from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -24,12 +23,7 @@ def make_app():
     return create_app(model, get_tokenizer("byte"), name=NAME, max_batch=4, max_queue=4, max_body_bytes=4096)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one torch thread for tiny models
 
 
 @pytest.fixture(scope="module")

@@ -111,13 +111,7 @@ def assert_follows(draws: torch.Tensor, probs: torch.Tensor) -> None:
     )
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """A tiny model gains nothing from intra-op threads, and they thrash on a busy 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one torch thread for tiny models
 
 
 @pytest.fixture(scope="module")

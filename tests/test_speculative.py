@@ -14,7 +14,8 @@ from gptlab.generation import generate, generate_text, stream_text
 from gptlab.model import GPT
 from gptlab.sampling import SamplingParams
 from test_generate import PATTERN, echo_dir, echo_model  # noqa: F401  (a byte-level model that learned a repeating text, saved)
-from test_serve import one_thread  # noqa: F401  (autouse: one torch thread for tiny models, 10x faster on a busy machine)
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one torch thread for tiny models
 
 
 def run(model, rows, params, **kwargs):
