@@ -207,7 +207,9 @@ def test_decode_attention_writes_the_cache_and_matches_sdpa(dtype, padded):
     out = kernels.decode_attention(qkv, (k_cache, v_cache), pos, mask, nh)
     q, k, v = qkv.float().view(B, 1, 3, nh, hs).unbind(2)  # each (B, 1, nh, hs)
     assert torch.equal(k_cache[:, :, pos], k[:, 0].to(dtype)) and torch.equal(v_cache[:, :, pos], v[:, 0].to(dtype))
-    assert torch.equal(k_cache[:, :, :pos], before[0][:, :, :pos]) and torch.equal(k_cache[:, :, pos + 1 :], before[0][:, :, pos + 1 :])
+    assert torch.equal(k_cache[:, :, :pos], before[0][:, :, :pos]) and torch.equal(
+        k_cache[:, :, pos + 1 :], before[0][:, :, pos + 1 :]
+    )
     ref = F.scaled_dot_product_attention(
         q.transpose(1, 2), k_cache[:, :, : pos + 1].float(), v_cache[:, :, : pos + 1].float(), attn_mask=mask
     )  # (B, nh, 1, hs)

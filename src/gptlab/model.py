@@ -135,7 +135,8 @@ class CausalSelfAttention(nn.Module):
         """
         B, T, C = x.size()
         qkv = self.c_attn(x)  # (B, T, 3C)
-        if rope is None and kv is not None and probs_out is None and kernels.decode_attention_applies(qkv, kv, cache_pos):
+        one_step = rope is None and kv is not None and probs_out is None
+        if one_step and kernels.decode_attention_applies(qkv, kv, cache_pos):
             y = kernels.decode_attention(qkv, kv, cache_pos, mask, self.n_head)  # (B, 1, C): one step, in C
             return self.resid_dropout(self.c_proj(y))
         q, k, v = qkv.split(self.n_embd, dim=2)
