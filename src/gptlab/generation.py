@@ -28,7 +28,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from gptlab import speculative
-from gptlab.model import KVCache
+from gptlab.model import KVCache, model_device_dtype
 from gptlab.sampling import SamplingParams, sample_next, seen_tokens
 
 log = logging.getLogger(__name__)
@@ -36,13 +36,6 @@ log = logging.getLogger(__name__)
 
 # ---------------------------------------------------------------------------------------------
 # The cache: prefill and one-token decode steps
-
-
-def model_device_dtype(model) -> tuple[torch.device, torch.dtype]:
-    """Where activations live and their dtype: those of the token embedding (float32 if it is not float)."""
-    weight = model.transformer.wte.weight
-    dtype = weight.dtype if weight.dtype.is_floating_point else torch.float32
-    return weight.device, dtype
 
 
 def new_cache(model, batch_size: int, max_len: int) -> KVCache:

@@ -102,6 +102,13 @@ class KVCache:
         return sum(k.nbytes + v.nbytes for k, v in self.layers)
 
 
+def model_device_dtype(model) -> tuple[torch.device, torch.dtype]:
+    """Where activations live and their dtype: those of the token embedding (float32 if it is not float)."""
+    weight = model.transformer.wte.weight
+    dtype = weight.dtype if weight.dtype.is_floating_point else torch.float32
+    return weight.device, dtype
+
+
 def write_kv(kv, start, k, v):
     """Write k, v (B, nh, T, hs) into one layer's cache at slots start..start+T; return the keys
     and values to attend over: slots 0..start+T, or all max_len slots when start is a tensor."""

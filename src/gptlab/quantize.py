@@ -313,7 +313,7 @@ class QuantizedEmbedding(nn.Module):
     @property
     def weight(self) -> torch.Tensor:
         """The quantized table itself (int8, or int4 nibbles as uint8): its device is the model's,
-        and its non-float dtype tells callers such as generate.model_device_dtype to use float32."""
+        and its non-float dtype tells callers such as gptlab.model.model_device_dtype to use float32."""
         return self.head.weight
 
     @property

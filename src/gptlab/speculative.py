@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 import torch
 
 from gptlab import kernels
-from gptlab.model import KVCache
+from gptlab.model import KVCache, model_device_dtype
 from gptlab.sampling import SamplingParams, probabilities, sample_next, seen_tokens
 
 log = logging.getLogger(__name__)
@@ -103,11 +103,6 @@ class PromptLookup:
 # A KV cache whose rows advance by different numbers of tokens
 
 
-def _device_dtype(model) -> tuple[torch.device, torch.dtype]:
-    weight = model.transformer.wte.weight
-    return weight.device, weight.dtype if weight.dtype.is_floating_point else torch.float32
-
-
 class RowCache:
     """A model's KVCache for B rows that each feed and roll back their own number of tokens.
 
@@ -117,7 +112,7 @@ class RowCache:
     """
 
     def __init__(self, model, batch_size: int, max_len: int):
-        device, dtype = _device_dtype(model)
+        device, dtype = model_device_dtype(model)
         self.model, self.device = model, device
         self.cache = KVCache(model.config, batch_size, max_len, device=device, dtype=dtype)
         self.key_mask = torch.zeros(batch_size, max_len, dtype=torch.bool, device=device)  # (B, max_len)
@@ -525,7 +520,7 @@ def generate_tokens(
 ) -> Iterator[torch.Tensor]:
     """`decode` regrouped as plain decoding yields: every row's next token, (B,), one position at
     a time; rows that ended at eos_id keep yielding eos_id. Keywords as `decode`."""
-    B, device = len(rows), _device_dtype(model)[0]
+    B, device = len(rows), model_device_dtype(model)[0]
     queued: list[list[int]] = [[] for _ in range(B)]
     ended = [False] * B
     for new in decode(model, rows, params, eos_id=eos_id, **kwargs):
