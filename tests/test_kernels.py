@@ -154,8 +154,9 @@ def test_default_paths_run_the_kernels(tmp_path, calls):
     loaded = type(model).from_pretrained(str(tmp_path / "hf"))
     assert all(isinstance(m, kernels.Linear) for m in loaded.modules() if isinstance(m, nn.Linear))
     generate(loaded, [[1, 2, 3]], 4, temperature=0)
-    # prefill (3 rows, few enough for the kernel) and 3 decode steps: 4 linears x 2 layers + the head each
-    assert calls["gl_linear_f32"] == 4 * (4 * 2 + 1)
+    # prefill (3 rows, few enough for the kernel): 4 linears x 2 layers + the head; then 3
+    # decoding steps, each one call running the whole model (gptlab.fused_step)
+    assert calls["gl_linear_f32"] == 4 * 2 + 1 and calls["gl_decode_step"] == 3
     bf16 = type(model).from_pretrained(str(tmp_path / "hf"), dtype=torch.bfloat16)
     generate(bf16, [[1, 2, 3]], 2, temperature=0)
     assert calls["gl_linear_bf16"] > 0

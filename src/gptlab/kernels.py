@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "kernels.c"
 MAX_ROWS = 8  # rows of x one kernel call takes (MAX_ROWS in kernels.c); more go to PyTorch's GEMM
-_ABI = 4
+_ABI = 5
 _P = ctypes.c_void_p
 _I = ctypes.c_int
 _SIGNATURES = {  # name: argument types; each returns 0, or -1 when out of memory
@@ -53,6 +53,7 @@ _SIGNATURES = {  # name: argument types; each returns 0, or -1 when out of memor
     "gl_dequantize_i4": [_P, _P, _P, _P, _I, _I, _I, _I],
     "gl_attend_one": [_P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _I],
     "gl_argmax_f32": [_P, _P, _I, _I],
+    "gl_decode_step": [_P, _P, _I, _I, _I, _P, _P, _I],  # model, x, B, pos, max_len, mask, logits, threads
 }
 _huge_paged: set[int] = set()  # weights already moved to huge pages (their data pointers)
 
@@ -180,7 +181,12 @@ def _ptr(t: torch.Tensor | None):
     return None if t is None else t.data_ptr()
 
 
-def _stream(weight: torch.Tensor) -> int:
+def library():
+    """The loaded ctypes library (callers checked available())."""
+    return _library().lib
+
+
+def stream(weight: torch.Tensor) -> int:
     """The data pointer of a weight the kernels stream; the first time, its memory is moved to
     2 MiB pages (see gl_huge_pages in kernels.c: fewer TLB misses, same bytes, no copy kept)."""
     ptr = weight.data_ptr()
@@ -214,7 +220,8 @@ def kernel_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     )
 
 
-def _check(status: int) -> None:
+def check(status: int) -> None:
+    """Raise for a kernel's failure status (-1: out of memory for its scratch buffers)."""
     if status:
         raise MemoryError("gptlab kernels: out of memory for the activations' scratch buffer")
 
@@ -233,9 +240,9 @@ def float_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     lib = _library().lib
     fn = lib.gl_linear_f32 if x.dtype is torch.float32 else lib.gl_linear_bf16
     b = _f32(bias)
-    status = fn(x.data_ptr(), _stream(weight), None if b is None else b.data_ptr(), y.data_ptr(), x.numel() // K, N, K,
+    status = fn(x.data_ptr(), stream(weight), None if b is None else b.data_ptr(), y.data_ptr(), x.numel() // K, N, K,
                 torch.get_num_threads())  # fmt: skip
-    _check(status)
+    check(status)
     return y
 
 
@@ -252,19 +259,21 @@ def int_kernels_apply(x: torch.Tensor, max_rows: int = MAX_ROWS) -> bool:
 
 def _decoder(name: str, weight: torch.Tensor, buffers: list[torch.Tensor], bias, N: int, K: int, extra: tuple):
     """x (..., K) float -> fp32 (..., N) through kernel `name`, this layer's buffers bound once
-    (pointers taken now: build a new one whenever the buffers change, as prepare() does)."""
+    (pointers taken now: build a new one whenever the buffers change, as prepare() does).
+    `run.layer` describes the layer to gl_decode_step (gptlab.fused_step): (kind, N, K, group
+    size, (weight, scales, zeros or row sums, fp32 bias or None))."""
     fn = getattr(_library().lib, name)
     b = _f32(bias)
-    static = [ctypes.c_void_p(_stream(weight))] + [ctypes.c_void_p(t.data_ptr()) for t in buffers]
+    static = [ctypes.c_void_p(stream(weight))] + [ctypes.c_void_p(t.data_ptr()) for t in buffers]
     static.append(None if b is None else ctypes.c_void_p(b.data_ptr()))
 
     def run(x: torch.Tensor) -> torch.Tensor:
         x = x if x.dtype is torch.float32 and x.is_contiguous() else x.float().contiguous()
         y = torch.empty(*x.shape[:-1], N)
-        _check(fn(x.data_ptr(), *static, y.data_ptr(), x.numel() // K, N, K, *extra, torch.get_num_threads()))
+        check(fn(x.data_ptr(), *static, y.data_ptr(), x.numel() // K, N, K, *extra, torch.get_num_threads()))
         return y
 
-    run.keep_alive = (weight, buffers, b)
+    run.layer = (name.rsplit("_", 1)[1], N, K, extra[0] if extra else 0, (weight, *buffers, b))
     return run
 
 
@@ -315,7 +324,7 @@ def decode_attention(qkv: torch.Tensor, kv, cache_pos: int, mask: torch.Tensor |
         qkv.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), cache_pos, _ptr(m), out.data_ptr(),
         B, n_head, hs, max_len, int(qkv.dtype == torch.bfloat16), torch.get_num_threads(),
     )  # fmt: skip
-    _check(status)
+    check(status)
     return out
 
 

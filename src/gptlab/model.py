@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from gptlab import kernels
+from gptlab import fused_step, kernels
 from gptlab.chunked_loss import linear_cross_entropy
 from gptlab.config import GPTConfig
 from gptlab.kernels import Linear
@@ -284,12 +284,17 @@ class GPT(nn.Module):
         start = kv_cache.pos if kv_cache is not None else 0  # int, or a 0-dim tensor (compiled decoding)
         if positions is None:
             positions = (start + torch.arange(T, device=idx.device)).expand(B, T)  # (B, T)
+        if kv_cache is not None and targets is None and attn_probs is None and fused_step.applies(self, idx, kv_cache):
+            self._check_positions(positions)
+            logits = fused_step.step(self, idx, positions, kv_cache, key_mask)  # (B, 1, V): one C call
+            if logits is not None:
+                return logits, None
         mask = self._attention_mask(T, start, kv_cache, key_mask, idx.device)
         x = self.transformer.wte(idx)  # (B, T, C)
         rope = None
         if self.config.pos_embedding == "learned":
-            if not torch.compiler.is_compiling() and int(positions.max()) >= self.config.block_size:
-                raise ValueError(f"position {int(positions.max())} exceeds block_size {self.config.block_size}")
+            if not torch.compiler.is_compiling():
+                self._check_positions(positions)
             x = x + self.transformer.wpe(positions)  # (B, T, C)
         else:
             rope = rope_cos_sin(positions, self.config.head_size, self.config.rope_theta, x.dtype)
@@ -324,6 +329,10 @@ class GPT(nn.Module):
             # A padding query sees nothing else; let it see its own slot so softmax stays finite.
             mask = mask | (k_slots[None, :] == q_slots[:, None])
         return mask
+
+    def _check_positions(self, positions) -> None:
+        if self.config.pos_embedding == "learned" and int(positions.max()) >= self.config.block_size:
+            raise ValueError(f"position {int(positions.max())} exceeds block_size {self.config.block_size}")
 
     def _check_input(self, idx, targets, kv_cache) -> None:
         if not isinstance(idx, torch.Tensor) or idx.dtype not in (torch.int64, torch.int32):

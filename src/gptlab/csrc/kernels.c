@@ -55,7 +55,7 @@ static void *scratch(size_t nbytes) {
     return buf;
 }
 
-int gl_abi(void) { return 4; }
+int gl_abi(void) { return 5; }
 
 /* Back [p, p + n) by 2 MiB pages where the kernel allows (Linux 6.1+ MADV_COLLAPSE copies the
  * pages now; older kernels only mark the range). Streaming weights through 4 KiB pages costs a TLB
@@ -201,7 +201,7 @@ static void dot_block(const void *w, int bf16, const float *x, int R, int M, int
 }
 
 /* y (M, N) = x (M, K) W^T + bias, W fp32 or bf16 (N, K), x and bias fp32 (bias may be NULL);
- * y fp32, or bf16 (rounded to nearest even) when y_bf16. */
+ * y_bf16: 0 y fp32, 1 y bf16 (rounded to nearest even), 2 y fp32 holding those bf16 values. */
 static void linear_rows(const void *w, int bf16, const float *x, const float *bias, void *y, int y_bf16, int M, int N,
                         int K, int nthreads) {
     const int nblocks = (N + ROWS - 1) / ROWS;
@@ -219,8 +219,8 @@ static void linear_rows(const void *w, int bf16, const float *x, const float *bi
                     for (int m = 0; m < mm; m++) {
                         float v = out[r][m] + (bias ? bias[n + r] : 0.0f);
                         size_t i = (size_t)(m0 + m) * N + n + r;
-                        if (y_bf16) ((uint16_t *)y)[i] = f32_to_bf16(v);
-                        else ((float *)y)[i] = v;
+                        if (y_bf16 == 1) ((uint16_t *)y)[i] = f32_to_bf16(v);
+                        else ((float *)y)[i] = y_bf16 ? bf16_to_f32(f32_to_bf16(v)) : v;
                     }
             }
         }
@@ -230,6 +230,22 @@ static void linear_rows(const void *w, int bf16, const float *x, const float *bi
 int gl_linear_f32(const float *x, const float *w, const float *b, float *y, int M, int N, int K, int nthreads) {
     linear_rows(w, 0, x, b, y, 0, M, N, K, nthreads);
     return 0;
+}
+
+/* x (M, K) fp32 into xo, each whole block of 32 as its 16 even then its 16 odd values (the
+ * order dot_step_bf16x32 reads); a tail of fewer than 32 stays in order. */
+static void order_pairs(const float *x, float *xo, int M, int K) {
+    for (int m = 0; m < M; m++) {
+        const float *xr = x + (size_t)m * K;
+        float *o = xo + (size_t)m * K;
+        int k = 0;
+        for (; k + 32 <= K; k += 32)
+            for (int i = 0; i < 16; i++) {
+                o[k + i] = xr[k + 2 * i];
+                o[k + 16 + i] = xr[k + 2 * i + 1];
+            }
+        for (; k < K; k++) o[k] = xr[k];
+    }
 }
 
 /* bf16 x (M, K) and W (N, K), fp32 b (N) or NULL -> bf16 y (M, N). Returns -1 when out of memory. */
@@ -602,3 +618,217 @@ void gl_dequantize_i4(const uint8_t *w, const uint16_t *scales, const uint16_t *
 }
 
 #endif /* VNNI */
+
+#if defined(__AVX512F__)
+
+/* ---------------------------------------------------------------- one decoding step of a whole model */
+
+/* gl_decode_step runs one token per row through every block, the final norm and the head in one
+ * call, instead of ~400 PyTorch operations and Python module calls per token (which cost more than
+ * the int4 matrix products themselves). It computes what the model's modules compute, op by op:
+ * the same linear kernels as above; for a bf16 model every intermediate result is rounded to bf16
+ * where PyTorch's bf16 ops round it, so the two paths agree to fp32 rounding. */
+
+enum { GL_F32 = 0, GL_BF16 = 1, GL_I8 = 2, GL_I4 = 3 };
+enum { GL_LAYERNORM = 0, GL_RMSNORM = 1 };
+enum { GL_GELU_TANH = 0, GL_GELU_ERF = 1, GL_SWIGLU = 2 };
+
+typedef struct {   /* one linear layer, y = x W^T + bias */
+    int kind;      /* GL_F32 or GL_BF16 weights (N, K); GL_I8 (N, K) int8; GL_I4 (N, K/2) nibbles */
+    int N, K, g;   /* g: int4 group size */
+    const void *w; /* the weights */
+    const void *a; /* GL_I8: bf16 row scales (N); GL_I4: bf16 scales (N, K/g) */
+    const void *b; /* GL_I8: int32 row sums (N); GL_I4: bf16 zeros (N, K/g) */
+    const float *bias; /* fp32 (N) or NULL */
+} gl_linear_t;
+
+typedef struct {
+    const float *ln1_w, *ln1_b, *ln2_w, *ln2_b; /* fp32 norm gains and biases (biases may be NULL) */
+    gl_linear_t attn, attn_proj, fc, mlp_proj;
+    void *k_cache, *v_cache; /* this layer's cache (B, nh, max_len, hs), the activations' dtype */
+} gl_block_t;
+
+typedef struct {
+    int n_layer, n_embd, n_head, hidden; /* hidden: the MLP's width (SwiGLU: c_fc gives 2 * hidden) */
+    int norm, mlp, bf16;                 /* bf16: activations and caches are bf16 */
+    float eps;
+    const gl_block_t *blocks;
+    const float *lnf_w, *lnf_b;
+    gl_linear_t head;
+} gl_model_t;
+
+/* Round each value of x to the nearest bf16 (ties to even), kept as fp32. */
+static void round_bf16(float *x, size_t n) {
+    for (size_t i = 0; i < n; i++) x[i] = bf16_to_f32(f32_to_bf16(x[i]));
+}
+
+/* e^x for 16 lanes: x = n ln2 + r, |r| <= ln2/2, e^r by its Taylor polynomial to r^7 (relative
+ * error < 2e-8 there), times 2^n by vscalefps. Inputs below -104 give 0, above 88.7 infinity. */
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 5040);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* GPT-2's GELU, 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), in place; tanh(u) = sign(u)
+ * (1 - e) / (1 + e) with e = exp(-2|u|). */
+static void gelu_tanh(float *x, int n) {
+    const __m512 c = _mm512_set1_ps(0.7978845608028654f), a = _mm512_set1_ps(0.044715f);
+    const __m512 one = _mm512_set1_ps(1.0f), half = _mm512_set1_ps(0.5f);
+    for (int i = 0; i < n; i += 16) {
+        __mmask16 mk = n - i >= 16 ? 0xffff : (__mmask16)((1u << (n - i)) - 1);
+        __m512 v = _mm512_maskz_loadu_ps(mk, x + i);
+        __m512 u = _mm512_mul_ps(c, _mm512_fmadd_ps(_mm512_mul_ps(a, v), _mm512_mul_ps(v, v), v));
+        __m512 e = exp16(_mm512_mul_ps(_mm512_set1_ps(-2.0f), _mm512_abs_ps(u)));
+        __m512 t = _mm512_div_ps(_mm512_sub_ps(one, e), _mm512_add_ps(one, e));
+        t = _mm512_mask_sub_ps(t, _mm512_cmp_ps_mask(u, _mm512_setzero_ps(), _CMP_LT_OQ), _mm512_setzero_ps(), t);
+        _mm512_mask_storeu_ps(x + i, mk, _mm512_mul_ps(_mm512_mul_ps(half, v), _mm512_add_ps(one, t)));
+    }
+}
+
+/* out[i] = silu(gate[i]) * up[i], silu(x) = x / (1 + e^-x); silu rounded to bf16 first when bf16. */
+static void swiglu(const float *gate, const float *up, float *out, int n, int bf16) {
+    const __m512 one = _mm512_set1_ps(1.0f);
+    for (int i = 0; i < n; i += 16) {
+        __mmask16 mk = n - i >= 16 ? 0xffff : (__mmask16)((1u << (n - i)) - 1);
+        __m512 g = _mm512_maskz_loadu_ps(mk, gate + i);
+        _mm512_mask_storeu_ps(out + i, mk, _mm512_div_ps(g, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), g)))));
+    }
+    if (bf16) round_bf16(out, (size_t)n);
+    for (int i = 0; i < n; i++) out[i] *= up[i];
+}
+
+/* LayerNorm or RMSNorm of each of M rows of x (M, C) into y, in fp32 (as PyTorch's CPU norms
+ * compute also for bf16 inputs). */
+static void norm_rows(const gl_model_t *m, const float *x, const float *w, const float *b, float *y, int M) {
+    const int C = m->n_embd;
+    for (int r = 0; r < M; r++) {
+        const float *xr = x + (size_t)r * C;
+        float *yr = y + (size_t)r * C;
+        float mean = 0.0f, var = 0.0f;
+        if (m->norm == GL_LAYERNORM) {
+            for (int i = 0; i < C; i++) mean += xr[i];
+            mean /= (float)C;
+        }
+        for (int i = 0; i < C; i++) var += (xr[i] - mean) * (xr[i] - mean);
+        const float inv = 1.0f / sqrtf(var / (float)C + m->eps);
+        for (int i = 0; i < C; i++) yr[i] = (xr[i] - mean) * inv * w[i] + (b ? b[i] : 0.0f);
+    }
+    if (m->bf16) round_bf16(y, (size_t)M * C);
+}
+
+/* y (M, N) = x (M, K) L^T + bias for any kind of layer; x fp32; y rounded to bf16 values when
+ * round. Returns 0, -1 out of memory, -2 a kind this build has no kernel for. */
+static int run_linear(const gl_linear_t *L, const float *x, float *y, int M, int round, int nthreads) {
+    const int N = L->N, K = L->K;
+    switch (L->kind) {
+    case GL_F32: linear_rows(L->w, 0, x, L->bias, y, round ? 2 : 0, M, N, K, nthreads); return 0;
+    case GL_BF16: {
+        float *xf = scratch((size_t)M * K * sizeof(float));
+        if (!xf) return -1;
+        order_pairs(x, xf, M, K);
+        linear_rows(L->w, 1, xf, L->bias, y, round ? 2 : 0, M, N, K, nthreads);
+        return 0;
+    }
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+    case GL_I8: {
+        int s = gl_linear_i8(x, L->w, L->a, L->b, L->bias, y, M, N, K, nthreads);
+        if (!s && round) round_bf16(y, (size_t)M * N);
+        return s;
+    }
+    case GL_I4: {
+        int s = gl_linear_i4(x, L->w, L->a, L->b, L->bias, y, M, N, K, L->g, nthreads);
+        if (!s && round) round_bf16(y, (size_t)M * N);
+        return s;
+    }
+#endif
+    default: return -2;
+    }
+}
+
+/* x (M, n) += y (M, n), rounded to bf16 values when bf16. */
+static void add_residual(float *x, const float *y, size_t n, int bf16) {
+    for (size_t i = 0; i < n; i++) x[i] += y[i];
+    if (bf16) round_bf16(x, n);
+}
+
+static void to_bf16(const float *x, uint16_t *y, size_t n) {
+    for (size_t i = 0; i < n; i++) y[i] = f32_to_bf16(x[i]);
+}
+
+static void from_bf16(const uint16_t *x, float *y, size_t n) {
+    for (size_t i = 0; i < n; i++) y[i] = bf16_to_f32(x[i]);
+}
+
+/* One block on x (B, C), the residual stream, in place; its key and value go to cache slot pos. */
+static int block_step(const gl_model_t *m, const gl_block_t *blk, float *x, float *work, int B, int pos,
+                      int max_len, const uint8_t *mask, int nthreads) {
+    const int C = m->n_embd, H = m->hidden, R = m->bf16;
+    const int Hfc = m->mlp == GL_SWIGLU ? 2 * H : H;
+    float *h = work, *qkv = h + (size_t)B * C, *att = qkv + (size_t)B * 3 * C, *fc = att + (size_t)B * C;
+    float *act = fc + (size_t)B * Hfc, *spare = act + (size_t)B * H; /* spare: 2C per row */
+    int s;
+    norm_rows(m, x, blk->ln1_w, blk->ln1_b, h, B);
+    if ((s = run_linear(&blk->attn, h, qkv, B, R, nthreads))) return s;
+    if (R) { /* the cache and the attention kernel's bf16 mode: qkv and att as bf16 */
+        uint16_t *q16 = (uint16_t *)spare, *a16 = q16 + (size_t)B * 3 * C;
+        to_bf16(qkv, q16, (size_t)B * 3 * C);
+        s = gl_attend_one(q16, blk->k_cache, blk->v_cache, pos, mask, a16, B, m->n_head, C / m->n_head, max_len, 1,
+                          nthreads);
+        from_bf16(a16, att, (size_t)B * C);
+    } else {
+        s = gl_attend_one(qkv, blk->k_cache, blk->v_cache, pos, mask, att, B, m->n_head, C / m->n_head, max_len, 0,
+                          nthreads);
+    }
+    if (s) return s;
+    if ((s = run_linear(&blk->attn_proj, att, h, B, R, nthreads))) return s;
+    add_residual(x, h, (size_t)B * C, R);
+    norm_rows(m, x, blk->ln2_w, blk->ln2_b, h, B);
+    if ((s = run_linear(&blk->fc, h, fc, B, R, nthreads))) return s;
+    float *mlp_in = fc;
+    if (m->mlp == GL_SWIGLU) {
+        for (int r = 0; r < B; r++) swiglu(fc + (size_t)r * 2 * H, fc + (size_t)r * 2 * H + H, act + (size_t)r * H, H, R);
+        mlp_in = act;
+    } else if (m->mlp == GL_GELU_ERF) {
+        for (size_t i = 0; i < (size_t)B * H; i++) fc[i] = 0.5f * fc[i] * (1.0f + erff(fc[i] * 0.70710678118654752f));
+    } else {
+        gelu_tanh(fc, B * H);
+    }
+    if (R) round_bf16(mlp_in, (size_t)B * H);
+    if ((s = run_linear(&blk->mlp_proj, mlp_in, h, B, R, nthreads))) return s;
+    add_residual(x, h, (size_t)B * C, R);
+    return 0;
+}
+
+/* One decoding step: x (B, C) fp32, the embedded new tokens (bf16 values for a bf16 model), runs
+ * through every block (keys and values written to slot pos of each layer's cache), the final norm
+ * and the head into logits (B, V) fp32 (bf16 values for a bf16 model). mask (B, pos + 1) bytes,
+ * False at slots a row may not see, or NULL. x is overwritten. Returns 0, -1 out of memory, -2 a
+ * layer kind this build cannot run. */
+int gl_decode_step(const gl_model_t *m, float *x, int B, int pos, int max_len, const uint8_t *mask, float *logits,
+                   int nthreads) {
+    const int C = m->n_embd, Hfc = (m->mlp == GL_SWIGLU ? 2 : 1) * m->hidden;
+    float *work = malloc(sizeof(float) * (size_t)B * (7 * C + Hfc + m->hidden) + 64);
+    if (!work) return -1;
+    int s = 0;
+    for (int l = 0; l < m->n_layer && !s; l++) s = block_step(m, &m->blocks[l], x, work, B, pos, max_len, mask, nthreads);
+    if (!s) {
+        norm_rows(m, x, m->lnf_w, m->lnf_b, work, B);
+        s = run_linear(&m->head, work, logits, B, m->bf16, nthreads);
+    }
+    free(work);
+    return s;
+}
+
+#endif /* __AVX512F__ */

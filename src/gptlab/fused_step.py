@@ -1,0 +1,250 @@
+"""One decoding step of a whole GPT in one C call (gl_decode_step in csrc/kernels.c).
+
+With gptlab's kernels, the matrix products of a decoding step are fast enough that PyTorch's
+other ~400 small operations and Python module calls per token cost as much as they do (1.7 of
+4.3 ms per token for an int4 GPT-2 on a 2-core Xeon). `GPT.forward` therefore hands a decoding
+step (one new token per row, up to `kernels.MAX_ROWS` rows, inference, CPU) to `step`, which runs
+the blocks, the final norm and the head in C, computing what the modules compute op by op, with
+the same linear kernels. Anything it does not cover returns None and runs the modules as before:
+rotary positions, hooks on any module, training with dropout, autograd, torch.compile, a layer
+without a C kernel, `kernels.use_kernels(False)`.
+
+The model is described to C once (`Plan`: pointers to every weight, fp32 copies of a bf16
+model's norm gains and biases, a few KiB) and described again whenever a tensor it points to was
+replaced or changed in place (e.g. by training between two generations).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import weakref
+
+import torch
+import torch.nn as nn
+
+from gptlab import kernels
+
+_P, _I = ctypes.c_void_p, ctypes.c_int
+F32, BF16, I8, I4 = 0, 1, 2, 3  # gl_linear_t.kind
+_NORMS = {"layernorm": 0, "rmsnorm": 1}
+_MLPS = {"gelu": 0, "gelu_erf": 1, "swiglu": 2}
+
+
+class _Linear(ctypes.Structure):
+    _fields_ = [("kind", _I), ("N", _I), ("K", _I), ("g", _I), ("w", _P), ("a", _P), ("b", _P), ("bias", _P)]
+
+
+class _Block(ctypes.Structure):
+    _fields_ = [
+        *((name, _P) for name in ("ln1_w", "ln1_b", "ln2_w", "ln2_b")),
+        *((name, _Linear) for name in ("attn", "attn_proj", "fc", "mlp_proj")),
+        ("k_cache", _P),
+        ("v_cache", _P),
+    ]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [
+        *((name, _I) for name in ("n_layer", "n_embd", "n_head", "hidden", "norm", "mlp", "bf16")),
+        ("eps", ctypes.c_float),
+        ("blocks", ctypes.POINTER(_Block)),
+        ("lnf_w", _P),
+        ("lnf_b", _P),
+        ("head", _Linear),
+    ]
+
+
+class Unsupported(Exception):
+    """The model has something gl_decode_step does not run (the modules run it instead)."""
+
+
+class Plan:
+    """A model described to gl_decode_step: the C structs, the tensors they point to (kept alive)
+    and what the description read, so `current` can tell whether it still holds.
+
+    Every module, parameter and buffer the plan read is recorded as (the dict it was found in,
+    its name, the object): a swapped module or a reassigned parameter shows as another object
+    there. Every tensor read is recorded with its data pointer and version: `.data` reassigned or
+    an in-place update (which matters for the fp32 copies of a bf16 model's norms and biases) shows
+    as a change. Checking all of it costs ~50 us per step for GPT-2 small (~2% of an int4 step)."""
+
+    def __init__(self, model: nn.Module, dtype: torch.dtype):
+        config = model.config
+        if config.pos_embedding != "learned":
+            raise Unsupported("rotary positions")
+        self.dtype, self.keep, self.slots, self.tensors = dtype, [], [], []
+        # Hooks on any module would not run here: every module's hook dicts, checked at each step.
+        self.hooks = [d for m in model.modules() for d in (m._forward_hooks, m._forward_pre_hooks)]
+        self.hooks += [nn.modules.module._global_forward_hooks, nn.modules.module._global_forward_pre_hooks]
+        t = self._get(model, "transformer")
+        self.blocks = (_Block * config.n_layer)()
+        for i, b in enumerate(self.blocks):
+            block = self._get(self._get(t, "h"), str(i))
+            attn, mlp = self._get(block, "attn"), self._get(block, "mlp")
+            b.ln1_w, b.ln1_b = self._norm(self._get(block, "ln_1"))
+            b.ln2_w, b.ln2_b = self._norm(self._get(block, "ln_2"))
+            b.attn, b.attn_proj = self._linear(self._get(attn, "c_attn")), self._linear(self._get(attn, "c_proj"))
+            b.fc, b.mlp_proj = self._linear(self._get(mlp, "c_fc")), self._linear(self._get(mlp, "c_proj"))
+        lnf_w, lnf_b = self._norm(self._get(t, "ln_f"))
+        self.struct = _Model(
+            n_layer=config.n_layer, n_embd=config.n_embd, n_head=config.n_head, hidden=config.mlp_hidden,
+            norm=_NORMS[config.norm], mlp=_MLPS[config.mlp], bf16=int(dtype is torch.bfloat16),
+            eps=config.layer_norm_eps, blocks=self.blocks, lnf_w=lnf_w, lnf_b=lnf_b,
+            head=self._linear(self._get(model, "lm_head")),
+        )  # fmt: skip
+        self.key = self._key()
+        self.cache_key = None
+
+    def _get(self, module: nn.Module, name: str):
+        """module's parameter, buffer, submodule or attribute `name`, recorded as read."""
+        for where in (module._parameters, module._buffers, module._modules, module.__dict__):
+            if name in where:
+                value = where[name]
+                self.slots.append((where, name, value))
+                if isinstance(value, torch.Tensor):
+                    self.tensors.append(value)
+                return value
+        self.slots.append((module.__dict__, name, None))
+        return None
+
+    def _key(self) -> tuple:
+        return tuple((t.data_ptr(), t._version) for t in self.tensors)
+
+    def hooked(self) -> bool:
+        """Whether a forward hook is registered on any of the model's modules (or globally)."""
+        return any(self.hooks)
+
+    def current(self) -> bool:
+        """Whether everything the plan read is still what it read (see the class docstring)."""
+        return all(where.get(name) is value for where, name, value in self.slots) and self._key() == self.key
+
+    def _pointer(self, t: torch.Tensor | None, dtype=torch.float32) -> int | None:
+        """A pointer to t's data in `dtype` (a copy kept alive when t is another dtype)."""
+        if t is None:
+            return None
+        if t.dtype is not dtype or not t.is_contiguous():
+            t = t.detach().to(dtype).contiguous()
+        self.keep.append(t)
+        return t.data_ptr()
+
+    def _norm(self, norm: nn.Module) -> tuple[int, int | None]:
+        if type(norm) not in (nn.LayerNorm, nn.RMSNorm):
+            raise Unsupported(f"norm {type(norm).__name__}")
+        weight = self._get(norm, "weight")
+        if weight is None:
+            raise Unsupported("a norm without a gain")
+        bias = self._get(norm, "bias") if isinstance(norm, nn.LayerNorm) else None
+        return self._pointer(weight), self._pointer(bias)
+
+    def _linear(self, layer: nn.Module) -> _Linear:
+        if isinstance(layer, nn.Linear):
+            w = self._get(layer, "weight")
+            if w.dtype is not self.dtype or not w.is_contiguous():
+                raise Unsupported(f"a {w.dtype} linear layer in a {self.dtype} model")
+            self.keep.append(w)
+            kind = F32 if w.dtype is torch.float32 else BF16
+            bias = self._pointer(self._get(layer, "bias"))
+            return _Linear(kind, w.size(0), w.size(1), 0, kernels.stream(w), None, None, bias)
+        decode = self._get(layer, "_decode")
+        if decode is None or self._get(layer, "use_kernel") is not True:
+            raise Unsupported(f"{type(layer).__name__} without gptlab's decoding kernel")
+        kind, N, K, g, tensors = decode.layer  # see kernels.int8_decoder / int4_decoder
+        w, a, b, bias = tensors
+        self.tensors += [t for t in tensors if t is not None]
+        self.keep.append(tensors)
+        return _Linear({"i8": I8, "i4": I4}[kind], N, K, g, kernels.stream(w), a.data_ptr(), b.data_ptr(), _ptr(bias))
+
+    def bind_cache(self, cache) -> None:
+        """Point each block at its layer of `cache` (checked: contiguous, the activations' dtype)."""
+        key = tuple(k.data_ptr() for k, _ in cache.layers) + (cache.layers[0][0].shape,)
+        if key == self.cache_key:
+            return
+        for b, (k, v) in zip(self.blocks, cache.layers, strict=True):
+            if k.dtype is not self.dtype or v.dtype is not self.dtype or not (k.is_contiguous() and v.is_contiguous()):
+                raise Unsupported("a KV cache that is not contiguous or not in the activations' dtype")
+            b.k_cache, b.v_cache = k.data_ptr(), v.data_ptr()
+        self.cache_key = key
+
+
+class NoPlan:
+    """Why a model has no plan, remembered while its modules stay the same (checking costs ~100 us,
+    little next to the module path's step)."""
+
+    def __init__(self, model, dtype, why: str):
+        self.dtype, self.why, self.key = dtype, why, _module_ids(model)
+
+    def current(self, model) -> bool:
+        return _module_ids(model) == self.key
+
+
+def _module_ids(model) -> tuple:
+    return tuple(id(m) for m in model.modules())
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+_plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> Plan | NoPlan (no reference back)
+
+
+def plan(model, dtype: torch.dtype) -> Plan | NoPlan:
+    """The model's plan for activations of `dtype`, built again when what it read has changed."""
+    cached = _plans.get(model)
+    if isinstance(cached, Plan) and cached.dtype is dtype and cached.current():
+        return cached
+    if isinstance(cached, NoPlan) and cached.dtype is dtype and cached.current(model):
+        return cached
+    try:
+        cached = Plan(model, dtype)
+    except Unsupported as e:
+        cached = NoPlan(model, dtype, str(e))
+    _plans[model] = cached
+    return cached
+
+
+def applies(model, idx: torch.Tensor, cache) -> bool:
+    """Whether `step` may take this forward: one token per row, up to MAX_ROWS rows, an int cache
+    position, inference on the CPU with gptlab's kernels, no dropout in play."""
+    return (
+        idx.size(1) == 1
+        and idx.size(0) <= kernels.MAX_ROWS
+        and model.config.pos_embedding == "learned"
+        and isinstance(cache.pos, int)
+        and idx.device.type == "cpu"
+        and not torch.is_grad_enabled()
+        and not torch.compiler.is_compiling()
+        and not (model.training and model.config.dropout > 0)
+        and kernels.available()[0]
+    )
+
+
+def step(model, idx: torch.Tensor, positions: torch.Tensor, cache, key_mask: torch.Tensor | None):
+    """Logits (B, 1, V) for one new token per row, idx (B, 1) at positions (B, 1), its keys and
+    values written to slot cache.pos (not advanced); None when the modules must run it instead."""
+    t = model.transformer
+    x = t.wte(idx) + t.wpe(positions)  # (B, 1, C)
+    p = plan(model, x.dtype)
+    if isinstance(p, NoPlan) or p.hooked():
+        return None
+    try:
+        p.bind_cache(cache)
+    except Unsupported:
+        return None
+    B, pos = idx.size(0), cache.pos
+    mask = None
+    if key_mask is not None:
+        mask = key_mask[:, : pos + 1].contiguous()  # (B, pos + 1)
+        if mask.data_ptr() == key_mask.data_ptr():
+            mask = mask.clone()
+        mask[:, pos] = True  # a row always sees its own slot, as GPT._attention_mask
+    x = x.reshape(B, -1).float().contiguous()  # (B, C), overwritten by C
+    logits = torch.empty(B, model.lm_head.out_features)  # (B, V)
+    status = kernels.library().gl_decode_step(
+        ctypes.byref(p.struct), x.data_ptr(), B, pos, cache.layers[0][0].size(2), _ptr(mask), logits.data_ptr(),
+        torch.get_num_threads(),
+    )  # fmt: skip
+    if status == -2:
+        return None
+    kernels.check(status)
+    return logits.to(p.dtype)[:, None]  # (B, 1, V)

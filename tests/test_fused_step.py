@@ -1,0 +1,213 @@
+"""The whole-model decoding step in C (gptlab.fused_step, gl_decode_step): the same logits as the
+modules compute, taken by every default decoding path, and out of the way whenever it cannot be
+exact (hooks, rotary positions, autograd, a changed model)."""
+
+from collections import Counter
+
+import pytest
+import torch
+import torch.nn as nn
+
+from conftest import VARIANTS, tiny_model
+from gptlab import fused_step, kernels
+from gptlab.generation import decode_step, generate, left_pad, new_cache, prefill
+from gptlab.quantize import quantize_model
+
+FLOAT_OK, INT_OK, WHY = kernels.available()
+pytestmark = pytest.mark.skipif(not FLOAT_OK, reason=f"gptlab's kernels are not built here: {WHY}")
+needs_int = pytest.mark.skipif(not INT_OK, reason=f"gptlab's int8/int4 kernels are not built here: {WHY}")
+
+SUPPORTED = {name: v for name, v in VARIANTS.items() if v.get("pos_embedding") != "rope"}
+SUPPORTED["gelu_erf"] = dict(mlp="gelu_erf")
+PROMPTS = [[5, 6, 7, 8], [9, 10]]  # two rows, the second left-padded: per-row positions and a key mask
+
+
+@pytest.fixture
+def steps(monkeypatch):
+    """Counts gl_decode_step calls: steps["fused"]."""
+    counts = Counter()
+    real = fused_step.step
+
+    def counting(*args):
+        out = real(*args)
+        counts["fused" if out is not None else "declined"] += 1
+        return out
+
+    monkeypatch.setattr(fused_step, "step", counting)
+    return counts
+
+
+def with_norms_shaken(model, seed: int = 0):
+    """The model with random norm gains and biases (a fresh model's are ones and zeros, which
+    would hide a norm step that drops one of them)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, (nn.LayerNorm, nn.RMSNorm)):
+                m.weight.copy_(1 + 0.5 * torch.randn(m.weight.shape, generator=g))
+                if getattr(m, "bias", None) is not None:
+                    m.bias.copy_(0.5 * torch.randn(m.bias.shape, generator=g))
+    return model
+
+
+def decode_logits(model, n: int = 6, prompts=PROMPTS, fused: bool = True) -> torch.Tensor:
+    """fp32 logits (n, B, V) of n greedy decoding steps after the prompts, fused or through the modules."""
+    idx, positions, mask = left_pad(prompts)
+    applies = fused_step.applies
+    if not fused:
+        fused_step.applies = lambda *args: False
+    try:
+        with torch.no_grad():
+            cache = new_cache(model, len(prompts), idx.size(1) + n)
+            key_mask = None
+            if mask is not None:
+                key_mask = torch.ones(len(prompts), cache.max_len, dtype=torch.bool)
+                key_mask[:, : idx.size(1)] = mask
+            logits = prefill(model, idx, cache, positions=positions, key_mask=key_mask)
+            pos, out = positions[:, -1] + 1, []
+            for _ in range(n):
+                logits = decode_step(model, logits.argmax(-1), cache, positions=pos, key_mask=key_mask)
+                out.append(logits.float())
+                pos = pos + 1
+    finally:
+        fused_step.applies = applies
+    return torch.stack(out)
+
+
+def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+@pytest.mark.parametrize("variant", list(SUPPORTED))
+def test_fp32_step_matches_the_modules(variant, steps):
+    model = with_norms_shaken(tiny_model(**SUPPORTED[variant]))
+    fused = decode_logits(model)
+    assert steps["fused"] == 6 and not steps["declined"]
+    plain = decode_logits(model, fused=False)
+    assert steps["fused"] == 6  # the module path was taken
+    # measured: <= 2.2e-7 of the largest logit (fp32 norms and GELU summed in another order);
+    # the other GELU (erf for tanh) is 3.8e-6 away, the first norm without its bias 2.8e-2
+    assert relative(fused, plain) <= 1e-6
+    assert torch.equal(fused.argmax(-1), plain.argmax(-1))
+
+
+@pytest.mark.parametrize("variant", ["gpt2", "swiglu", "rmsnorm"])
+def test_bf16_step_rounds_where_the_modules_round(variant, steps):
+    model = with_norms_shaken(tiny_model(**SUPPORTED[variant])).to(torch.bfloat16)
+    fused, plain = decode_logits(model), decode_logits(model, fused=False)
+    assert steps["fused"] == 6
+    # Each op's output rounded to bf16 where PyTorch's bf16 op rounds it: measured identical here
+    # (0.0). At GPT-2's size an fp32 sum in another order can land on the other side of a
+    # rounding boundary (~1e-2 of the largest logit over 12 layers). Skipping the rounding of the
+    # residual stream: 5.6e-3 here; of the norms' outputs 2.8e-3; of SwiGLU's silu 3.1e-3.
+    assert relative(fused, plain) <= 1e-3
+    assert torch.equal(fused.argmax(-1), plain.argmax(-1))
+
+
+@needs_int
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_quantized_step_matches_the_modules(mode, steps):
+    model = with_norms_shaken(tiny_model(n_embd=128, n_head=4))  # int4's kernel takes inputs in chunks of 128
+    quantize_model(model, mode, group_size=32)
+    fused, plain = decode_logits(model), decode_logits(model, fused=False)
+    assert steps["fused"] == 6
+    # The same kernels on the same int8-quantized activations: measured 4.5e-7 (int8) and 2.6e-7
+    # (int4) of the largest logit. (At GPT-2's size an activation a hair apart can round to the
+    # neighbouring int8 level: then the two differ by about as much as each differs from fp32
+    # activations, ~1e-2.)
+    assert relative(fused, plain) <= 2e-6
+    assert torch.equal(fused.argmax(-1), plain.argmax(-1))
+
+
+def test_a_padding_query_sees_its_own_slot(steps):
+    """As GPT._attention_mask: a query whose own slot is masked (a padding token fed to keep a
+    batch in step) still sees that slot, so its softmax stays finite."""
+    model = tiny_model()
+    out = []
+    for fused in (True, False):
+        applies = fused_step.applies
+        fused_step.applies = applies if fused else (lambda *args: False)
+        try:
+            with torch.no_grad():
+                cache = new_cache(model, 2, 8)
+                key_mask = torch.ones(2, 8, dtype=torch.bool)
+                prefill(model, torch.tensor([[1, 2], [3, 4]]), cache, key_mask=key_mask)
+                key_mask[1, 2] = False  # row 1's new token is padding
+                out.append(model(torch.tensor([[5], [0]]), kv_cache=cache, key_mask=key_mask)[0])
+        finally:
+            fused_step.applies = applies
+    assert steps["fused"] == 1
+    assert torch.isfinite(out[0]).all() and relative(out[0], out[1]) <= 2e-6
+
+
+def test_default_paths_take_it(tmp_path, steps):
+    model = tiny_model()
+    model.save_pretrained(tmp_path / "hf")
+    generate(type(model).from_pretrained(str(tmp_path / "hf")), [[1, 2, 3]], 4, temperature=0)
+    assert steps["fused"] == 3  # the prompt runs the modules; each decoding step one C call
+    generate(type(model).from_pretrained(str(tmp_path / "hf"), dtype=torch.bfloat16), [[1, 2, 3]], 4)
+    assert steps["fused"] == 6
+
+
+@needs_int
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_quantized_default_path_takes_it(mode, steps):
+    model = quantize_model(tiny_model(n_embd=128, n_head=4), mode, group_size=32)
+    generate(model, [[1, 2, 3]], 4, temperature=0.8, top_k=5, seed=0)
+    assert steps["fused"] == 3
+
+
+def test_declines_what_it_cannot_run(steps):
+    generate(tiny_model(pos_embedding="rope"), [[1, 2]], 3, temperature=0)
+    assert steps["fused"] == 0
+    model = tiny_model()
+    with kernels.use_kernels(False):
+        generate(model, [[1, 2]], 3, temperature=0)
+    generate(model, [[1, 2]] * (kernels.MAX_ROWS + 1), 3, temperature=0)  # a batch for the GEMMs
+    assert steps["fused"] == 0
+    int8_weight_only = quantize_model(tiny_model(), "int8", activations="float")
+    generate(int8_weight_only, [[1, 2]], 3, temperature=0)  # a layer without gptlab's kernel
+    assert steps["fused"] == 0 and steps["declined"] == 2
+
+
+def test_hooks_still_run(steps):
+    model = tiny_model()
+    seen = []
+    handle = model.transformer.h[1].mlp.register_forward_hook(lambda m, args, out: seen.append(out.shape))
+    generate(model, [[1, 2, 3]], 4, temperature=0)
+    assert len(seen) == 4 and steps["declined"] == 3  # the prompt and three decoding steps, all through the modules
+    handle.remove()
+    generate(model, [[1, 2, 3]], 4, temperature=0)
+    assert steps["fused"] == 3
+
+
+def test_autograd_is_never_bypassed():
+    model = tiny_model()
+    cache = new_cache(model, 1, 8)
+    prefill(model, torch.tensor([[1, 2]]), cache)
+    logits, _ = model(torch.tensor([[3]]), kv_cache=cache)  # grad mode: the modules, with a graph
+    assert logits.requires_grad
+
+
+def test_changed_models_are_described_again(steps):
+    """Training in place, reassigned data and swapped modules all reach the next generation."""
+    torch.manual_seed(0)
+    model = tiny_model().to(torch.bfloat16)
+    decode_logits(model)  # describes the model (fp32 copies of its bf16 norms and biases)
+    with torch.no_grad():
+        for block in model.transformer.h:
+            block.ln_2.weight.mul_(3.0)  # in place: same pointer, new version
+            block.attn.c_proj.bias.add_(0.5)
+    assert relative(decode_logits(model), decode_logits(model, fused=False)) <= 1e-3
+    # fp32 from here: measured 2.5e-6 of the largest logit (the scaled norms amplify the rounding)
+    model.float()  # .data reassigned, now fp32
+    assert relative(decode_logits(model), decode_logits(model, fused=False)) <= 1e-5
+    model.transformer.h[0].mlp.c_fc = nn.Linear(32, 128)  # a swapped module
+    assert relative(decode_logits(model), decode_logits(model, fused=False)) <= 1e-5
+    if INT_OK:
+        model = tiny_model(n_embd=128, n_head=4)
+        decode_logits(model)
+        quantize_model(model, "int4", group_size=32)  # every linear layer swapped
+        fused, plain = decode_logits(model), decode_logits(model, fused=False)
+        assert relative(fused, plain) <= 2e-6
+    assert steps["declined"] == 0
