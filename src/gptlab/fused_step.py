@@ -2,10 +2,11 @@
 
 With gptlab's kernels, the matrix products of a decoding step are fast enough that PyTorch's
 other ~400 small operations and Python module calls per token cost as much as they do (1.7 of
-4.3 ms per token for an int4 GPT-2 on a 2-core Xeon). `GPT.forward` therefore hands a decoding
-step (one new token per row, up to `kernels.MAX_ROWS` rows, inference, CPU) to `step`, which runs
-the blocks, the final norm and the head in C, computing what the modules compute op by op, with
-the same linear kernels. Anything it does not cover returns None and runs the modules as before:
+4.3 ms per token for an int4 GPT-2 on a 2-core Xeon). `GPT.forward` therefore hands a forward over
+the KV cache of up to `kernels.MAX_ROWS` new tokens in all (a decoding step of up to 8 rows, a
+speculative verification, a short prompt; inference, CPU) to `step`, which runs the blocks, the
+final norm and the head in C, computing what the modules compute op by op, with the same linear
+kernels. Anything it does not cover returns None and runs the modules as before:
 rotary positions, hooks on any module, training with dropout, autograd, torch.compile, a layer
 without a C kernel, `kernels.use_kernels(False)`.
 
@@ -204,11 +205,11 @@ def plan(model, dtype: torch.dtype) -> Plan | NoPlan:
 
 
 def applies(model, idx: torch.Tensor, cache) -> bool:
-    """Whether `step` may take this forward: one token per row, up to MAX_ROWS rows, an int cache
-    position, inference on the CPU with gptlab's kernels, no dropout in play."""
+    """Whether `step` may take this forward: up to MAX_ROWS new tokens in all (one decoding step
+    of a batch, a speculative verification, a short prompt) over a KV cache at an int position,
+    inference on the CPU with gptlab's kernels, learned positions, no dropout in play."""
     return (
-        idx.size(1) == 1
-        and idx.size(0) <= kernels.MAX_ROWS
+        idx.numel() <= kernels.MAX_ROWS
         and model.config.pos_embedding == "learned"
         and isinstance(cache.pos, int)
         and idx.device.type == "cpu"
@@ -219,11 +220,12 @@ def applies(model, idx: torch.Tensor, cache) -> bool:
     )
 
 
-def step(model, idx: torch.Tensor, positions: torch.Tensor, cache, key_mask: torch.Tensor | None):
-    """Logits (B, 1, V) for one new token per row, idx (B, 1) at positions (B, 1), its keys and
-    values written to slot cache.pos (not advanced); None when the modules must run it instead."""
+def step(model, idx: torch.Tensor, positions: torch.Tensor, cache, key_mask: torch.Tensor | None, last_only: bool):
+    """Logits (B, T, V), or (B, 1, V) when last_only, for the new tokens idx (B, T) at positions
+    (B, T), their keys and values written to slots cache.pos... (not advanced); key_mask (B, S)
+    False at slots a row may not see, or None. None when the modules must run it instead."""
     t = model.transformer
-    x = t.wte(idx) + t.wpe(positions)  # (B, 1, C)
+    x = t.wte(idx) + t.wpe(positions)  # (B, T, C)
     p = plan(model, x.dtype)
     if isinstance(p, NoPlan) or p.hooked():
         return None
@@ -231,20 +233,15 @@ def step(model, idx: torch.Tensor, positions: torch.Tensor, cache, key_mask: tor
         p.bind_cache(cache)
     except Unsupported:
         return None
-    B, pos = idx.size(0), cache.pos
-    mask = None
-    if key_mask is not None:
-        mask = key_mask[:, : pos + 1].contiguous()  # (B, pos + 1)
-        if mask.data_ptr() == key_mask.data_ptr():
-            mask = mask.clone()
-        mask[:, pos] = True  # a row always sees its own slot, as GPT._attention_mask
-    x = x.reshape(B, -1).float().contiguous()  # (B, C), overwritten by C
-    logits = torch.empty(B, model.lm_head.out_features)  # (B, V)
+    (B, T), pos = idx.shape, cache.pos
+    mask = None if key_mask is None else key_mask[:, : pos + T].contiguous()  # (B, pos + T)
+    x = x.reshape(B * T, -1).float().contiguous()  # (B*T, C), overwritten by C
+    logits = torch.empty(B, 1 if last_only else T, model.lm_head.out_features)  # (B, T|1, V)
     status = kernels.library().gl_decode_step(
-        ctypes.byref(p.struct), x.data_ptr(), B, pos, cache.layers[0][0].size(2), _ptr(mask), logits.data_ptr(),
-        torch.get_num_threads(),
+        ctypes.byref(p.struct), x.data_ptr(), B, T, pos, cache.layers[0][0].size(2), _ptr(mask), logits.data_ptr(),
+        int(not last_only), torch.get_num_threads(),
     )  # fmt: skip
     if status == -2:
         return None
     kernels.check(status)
-    return logits.to(p.dtype)[:, None]  # (B, 1, V)
+    return logits.to(p.dtype)

@@ -286,7 +286,7 @@ class GPT(nn.Module):
             positions = (start + torch.arange(T, device=idx.device)).expand(B, T)  # (B, T)
         if kv_cache is not None and targets is None and attn_probs is None and fused_step.applies(self, idx, kv_cache):
             self._check_positions(positions)
-            logits = fused_step.step(self, idx, positions, kv_cache, key_mask)  # (B, 1, V): one C call
+            logits = fused_step.step(self, idx, positions, kv_cache, key_mask, last_only)  # (B, T|1, V): one C call
             if logits is not None:
                 return logits, None
         mask = self._attention_mask(T, start, kv_cache, key_mask, idx.device)

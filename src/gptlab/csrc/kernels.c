@@ -274,14 +274,16 @@ static inline __attribute__((always_inline)) __m512 load_any(const void *p, int 
     return bf16 ? load_bf16x16_masked((const uint16_t *)p, mk) : _mm512_maskz_loadu_ps(mk, (const float *)p);
 }
 
-/* One new token per row attends over its cache, for one layer. qkv (B, 3C) holds the new token's
- * query, key and value (heads side by side, as c_attn gives them); its key and value are written
- * to slot `pos` of the caches k_cache and v_cache (B, nh, max_len, hs), then
- *   out[b, h*hs:(h+1)*hs] = softmax(q . k_j / sqrt(hs), j <= pos, where mask[b, j]) . v_j
- * with fp32 scores and sums. mask (B, pos + 1) bytes or NULL. Tensors fp32, or bf16 when bf16 != 0.
- * Returns -1 when hs > 256 or out of memory. */
-int gl_attend_one(const void *qkv, void *k_cache, void *v_cache, int pos, const uint8_t *mask, void *out, int B,
-                  int nh, int hs, int max_len, int bf16, int nthreads) {
+/* One new token per row attends over its cache, for one layer: row b's qkv at qkv + b * qkv_stride
+ * elements holds the token's query, key and value (heads side by side, as c_attn gives them); its
+ * key and value are written to slot `pos` of the caches k_cache and v_cache (B, nh, max_len, hs), then
+ *   out[b, h*hs:(h+1)*hs] = softmax(q . k_j / sqrt(hs), j <= pos, where mask[b, j] or j == pos) . v_j
+ * (a query always sees its own slot, as the model's mask) with fp32 scores and sums, row b of out at
+ * out + b * out_stride. mask: row b at mask + b * mask_stride bytes, or NULL. Tensors fp32, or bf16
+ * when bf16 != 0. Returns -1 when hs > 256 or out of memory. */
+static int attend_rows(const void *qkv, int qkv_stride, void *k_cache, void *v_cache, int pos, const uint8_t *mask,
+                       int mask_stride, void *out, int out_stride, int B, int nh, int hs, int max_len, int bf16,
+                       int nthreads) {
     if (hs > 256) return -1;
     const int C = nh * hs, S = pos + 1, es = bf16 ? 2 : 4;
     const float scale = 1.0f / sqrtf((float)hs);
@@ -290,7 +292,7 @@ int gl_attend_one(const void *qkv, void *k_cache, void *v_cache, int pos, const 
 #pragma omp parallel for num_threads(nthreads) collapse(2) schedule(static)
     for (int b = 0; b < B; b++) {
         for (int h = 0; h < nh; h++) {
-            const char *row = (const char *)qkv + (size_t)b * 3 * C * es;
+            const char *row = (const char *)qkv + (size_t)b * qkv_stride * es;
             size_t head = ((size_t)b * nh + h) * max_len; /* first slot of this (b, h) in the caches */
             char *kc = (char *)k_cache + head * hs * es, *vc = (char *)v_cache + head * hs * es;
             memcpy(kc + (size_t)pos * hs * es, row + (size_t)(C + h * hs) * es, (size_t)hs * es);
@@ -304,7 +306,7 @@ int gl_attend_one(const void *qkv, void *k_cache, void *v_cache, int pos, const 
             }
             float *sc = scores_all + ((size_t)b * nh + h) * S, smax = -INFINITY;
             for (int j = 0; j < S; j++) {
-                if (mask && !mask[(size_t)b * S + j]) {
+                if (mask && !mask[(size_t)b * mask_stride + j] && j != pos) {
                     sc[j] = -INFINITY;
                     continue;
                 }
@@ -337,7 +339,7 @@ int gl_attend_one(const void *qkv, void *k_cache, void *v_cache, int pos, const 
                 int rem = hs - 16 * v, n = rem >= 16 ? 16 : rem;
                 float o[16];
                 _mm512_storeu_ps(o, acc[v]);
-                size_t at = (size_t)b * C + h * hs + 16 * v;
+                size_t at = (size_t)b * out_stride + h * hs + 16 * v;
                 for (int d = 0; d < n; d++) {
                     if (bf16) ((uint16_t *)out)[at + d] = f32_to_bf16(o[d]);
                     else ((float *)out)[at + d] = o[d];
@@ -346,6 +348,13 @@ int gl_attend_one(const void *qkv, void *k_cache, void *v_cache, int pos, const 
         }
     }
     return 0;
+}
+
+/* attend_rows for B rows of one token each, stored one after another; mask (B, pos + 1) or NULL. */
+int gl_attend_one(const void *qkv, void *k_cache, void *v_cache, int pos, const uint8_t *mask, void *out, int B,
+                  int nh, int hs, int max_len, int bf16, int nthreads) {
+    const int C = nh * hs;
+    return attend_rows(qkv, 3 * C, k_cache, v_cache, pos, mask, pos + 1, out, C, B, nh, hs, max_len, bf16, nthreads);
 }
 
 /* out[m] = the index of the largest of x[m, 0..N) (the first one on ties, as torch.argmax; NaN wins). */
@@ -623,8 +632,8 @@ void gl_dequantize_i4(const uint8_t *w, const uint16_t *scales, const uint16_t *
 
 /* ---------------------------------------------------------------- one decoding step of a whole model */
 
-/* gl_decode_step runs one token per row through every block, the final norm and the head in one
- * call, instead of ~400 PyTorch operations and Python module calls per token (which cost more than
+/* gl_decode_step runs a few new tokens (one per row when decoding) through every block, the final
+ * norm and the head in one call, instead of ~400 PyTorch operations and Python module calls per token (which cost more than
  * the int4 matrix products themselves). It computes what the model's modules compute, op by op:
  * the same linear kernels as above; for a bf16 model every intermediate result is rounded to bf16
  * where PyTorch's bf16 ops round it, so the two paths agree to fp32 rounding. */
@@ -771,61 +780,76 @@ static void from_bf16(const uint16_t *x, float *y, size_t n) {
     for (size_t i = 0; i < n; i++) y[i] = bf16_to_f32(x[i]);
 }
 
-/* One block on x (B, C), the residual stream, in place; its key and value go to cache slot pos. */
-static int block_step(const gl_model_t *m, const gl_block_t *blk, float *x, float *work, int B, int pos,
-                      int max_len, const uint8_t *mask, int nthreads) {
-    const int C = m->n_embd, H = m->hidden, R = m->bf16;
-    const int Hfc = m->mlp == GL_SWIGLU ? 2 * H : H;
-    float *h = work, *qkv = h + (size_t)B * C, *att = qkv + (size_t)B * 3 * C, *fc = att + (size_t)B * C;
-    float *act = fc + (size_t)B * Hfc, *spare = act + (size_t)B * H; /* spare: 2C per row */
-    int s;
-    norm_rows(m, x, blk->ln1_w, blk->ln1_b, h, B);
-    if ((s = run_linear(&blk->attn, h, qkv, B, R, nthreads))) return s;
-    if (R) { /* the cache and the attention kernel's bf16 mode: qkv and att as bf16 */
-        uint16_t *q16 = (uint16_t *)spare, *a16 = q16 + (size_t)B * 3 * C;
-        to_bf16(qkv, q16, (size_t)B * 3 * C);
-        s = gl_attend_one(q16, blk->k_cache, blk->v_cache, pos, mask, a16, B, m->n_head, C / m->n_head, max_len, 1,
-                          nthreads);
-        from_bf16(a16, att, (size_t)B * C);
-    } else {
-        s = gl_attend_one(qkv, blk->k_cache, blk->v_cache, pos, mask, att, B, m->n_head, C / m->n_head, max_len, 0,
-                          nthreads);
+/* Self-attention of T new tokens per row, qkv (B*T, 3C) -> att (B*T, C): token t of each row
+ * writes its key and value to slot pos + t and sees the slots up to its own (causal), where mask
+ * (B, pos + T) allows. A bf16 model's caches are bf16: its qkv and att go through bf16 buffers. */
+static int attention(const gl_model_t *m, const gl_block_t *blk, const float *qkv, float *att, uint16_t *spare,
+                     int B, int T, int pos, int max_len, const uint8_t *mask, int nthreads) {
+    const int C = m->n_embd, nh = m->n_head, hs = C / nh, R = m->bf16;
+    const size_t n_qkv = (size_t)B * T * 3 * C;
+    uint16_t *q16 = spare, *a16 = spare + n_qkv;
+    if (R) to_bf16(qkv, q16, n_qkv);
+    for (int t = 0; t < T; t++) { /* in order: token t sees the keys tokens 0..t just wrote */
+        const void *q = R ? (const void *)(q16 + (size_t)t * 3 * C) : (const void *)(qkv + (size_t)t * 3 * C);
+        void *o = R ? (void *)(a16 + (size_t)t * C) : (void *)(att + (size_t)t * C);
+        int s = attend_rows(q, T * 3 * C, blk->k_cache, blk->v_cache, pos + t, mask, pos + T, o, T * C, B, nh, hs,
+                            max_len, R, nthreads);
+        if (s) return s;
     }
-    if (s) return s;
-    if ((s = run_linear(&blk->attn_proj, att, h, B, R, nthreads))) return s;
-    add_residual(x, h, (size_t)B * C, R);
-    norm_rows(m, x, blk->ln2_w, blk->ln2_b, h, B);
-    if ((s = run_linear(&blk->fc, h, fc, B, R, nthreads))) return s;
-    float *mlp_in = fc;
-    if (m->mlp == GL_SWIGLU) {
-        for (int r = 0; r < B; r++) swiglu(fc + (size_t)r * 2 * H, fc + (size_t)r * 2 * H + H, act + (size_t)r * H, H, R);
-        mlp_in = act;
-    } else if (m->mlp == GL_GELU_ERF) {
-        for (size_t i = 0; i < (size_t)B * H; i++) fc[i] = 0.5f * fc[i] * (1.0f + erff(fc[i] * 0.70710678118654752f));
-    } else {
-        gelu_tanh(fc, B * H);
-    }
-    if (R) round_bf16(mlp_in, (size_t)B * H);
-    if ((s = run_linear(&blk->mlp_proj, mlp_in, h, B, R, nthreads))) return s;
-    add_residual(x, h, (size_t)B * C, R);
+    if (R) from_bf16(a16, att, (size_t)B * T * C);
     return 0;
 }
 
-/* One decoding step: x (B, C) fp32, the embedded new tokens (bf16 values for a bf16 model), runs
- * through every block (keys and values written to slot pos of each layer's cache), the final norm
- * and the head into logits (B, V) fp32 (bf16 values for a bf16 model). mask (B, pos + 1) bytes,
- * False at slots a row may not see, or NULL. x is overwritten. Returns 0, -1 out of memory, -2 a
- * layer kind this build cannot run. */
-int gl_decode_step(const gl_model_t *m, float *x, int B, int pos, int max_len, const uint8_t *mask, float *logits,
-                   int nthreads) {
-    const int C = m->n_embd, Hfc = (m->mlp == GL_SWIGLU ? 2 : 1) * m->hidden;
-    float *work = malloc(sizeof(float) * (size_t)B * (7 * C + Hfc + m->hidden) + 64);
+/* One block on x (M = B*T rows, C), the residual stream, in place. */
+static int block_step(const gl_model_t *m, const gl_block_t *blk, float *x, float *work, int B, int T, int pos,
+                      int max_len, const uint8_t *mask, int nthreads) {
+    const int C = m->n_embd, H = m->hidden, R = m->bf16, M = B * T;
+    const int Hfc = m->mlp == GL_SWIGLU ? 2 * H : H;
+    float *h = work, *qkv = h + (size_t)M * C, *att = qkv + (size_t)M * 3 * C, *fc = att + (size_t)M * C;
+    float *act = fc + (size_t)M * Hfc, *spare = act + (size_t)M * H; /* spare: 2C per row */
+    int s;
+    norm_rows(m, x, blk->ln1_w, blk->ln1_b, h, M);
+    if ((s = run_linear(&blk->attn, h, qkv, M, R, nthreads))) return s;
+    if ((s = attention(m, blk, qkv, att, (uint16_t *)spare, B, T, pos, max_len, mask, nthreads))) return s;
+    if ((s = run_linear(&blk->attn_proj, att, h, M, R, nthreads))) return s;
+    add_residual(x, h, (size_t)M * C, R);
+    norm_rows(m, x, blk->ln2_w, blk->ln2_b, h, M);
+    if ((s = run_linear(&blk->fc, h, fc, M, R, nthreads))) return s;
+    float *mlp_in = fc;
+    if (m->mlp == GL_SWIGLU) {
+        for (int r = 0; r < M; r++) swiglu(fc + (size_t)r * 2 * H, fc + (size_t)r * 2 * H + H, act + (size_t)r * H, H, R);
+        mlp_in = act;
+    } else if (m->mlp == GL_GELU_ERF) {
+        for (size_t i = 0; i < (size_t)M * H; i++) fc[i] = 0.5f * fc[i] * (1.0f + erff(fc[i] * 0.70710678118654752f));
+    } else {
+        gelu_tanh(fc, M * H);
+    }
+    if (R) round_bf16(mlp_in, (size_t)M * H);
+    if ((s = run_linear(&blk->mlp_proj, mlp_in, h, M, R, nthreads))) return s;
+    add_residual(x, h, (size_t)M * C, R);
+    return 0;
+}
+
+/* A forward of T new tokens per row over the KV cache: x (B*T, C) fp32, the embedded tokens (bf16
+ * values for a bf16 model), runs through every block (token t's keys and values written to slot
+ * pos + t of each layer's cache), the final norm and the head into logits: (B*T, V) when
+ * all_logits, else (B, V) for each row's last token; fp32 (bf16 values for a bf16 model).
+ * mask (B, pos + T) bytes, False at slots a row may not see, or NULL. x is overwritten.
+ * Returns 0, -1 out of memory, -2 a layer kind this build cannot run. */
+int gl_decode_step(const gl_model_t *m, float *x, int B, int T, int pos, int max_len, const uint8_t *mask,
+                   float *logits, int all_logits, int nthreads) {
+    const int C = m->n_embd, Hfc = (m->mlp == GL_SWIGLU ? 2 : 1) * m->hidden, M = B * T;
+    float *work = malloc(sizeof(float) * (size_t)M * (7 * C + Hfc + m->hidden) + 64);
     if (!work) return -1;
     int s = 0;
-    for (int l = 0; l < m->n_layer && !s; l++) s = block_step(m, &m->blocks[l], x, work, B, pos, max_len, mask, nthreads);
+    for (int l = 0; l < m->n_layer && !s; l++)
+        s = block_step(m, &m->blocks[l], x, work, B, T, pos, max_len, mask, nthreads);
     if (!s) {
-        norm_rows(m, x, m->lnf_w, m->lnf_b, work, B);
-        s = run_linear(&m->head, work, logits, B, m->bf16, nthreads);
+        if (!all_logits) /* the head only for each row's last token */
+            for (int b = 0; b < B; b++) memmove(x + (size_t)b * C, x + ((size_t)b * T + T - 1) * C, sizeof(float) * C);
+        const int rows = all_logits ? M : B;
+        norm_rows(m, x, m->lnf_w, m->lnf_b, work, rows);
+        s = run_linear(&m->head, work, logits, rows, m->bf16, nthreads);
     }
     free(work);
     return s;
