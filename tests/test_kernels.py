@@ -9,7 +9,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from conftest import VARIANTS, tiny_model
-from gptlab import kernels
+from gptlab import fused_step, kernels
 from gptlab.generation import generate
 from gptlab.quantize import Int4Linear, Int8Linear, quantize_model
 
@@ -144,7 +144,8 @@ def test_greedy_generation_is_the_same_with_and_without_kernels(variant, calls):
         plain = generate(model, prompts, 12, temperature=0)
     assert not calls
     fast = generate(model, prompts, 12, temperature=0)
-    assert calls["gl_linear_f32"] > 0
+    # the whole step in C (gptlab.fused_step), or the modules with the linear kernels (RoPE)
+    assert calls["gl_decode_step" if "pos_embedding" not in VARIANTS[variant] else "gl_linear_f32"] > 0
     assert fast == plain
 
 
@@ -154,12 +155,16 @@ def test_default_paths_run_the_kernels(tmp_path, calls):
     loaded = type(model).from_pretrained(str(tmp_path / "hf"))
     assert all(isinstance(m, kernels.Linear) for m in loaded.modules() if isinstance(m, nn.Linear))
     generate(loaded, [[1, 2, 3]], 4, temperature=0)
-    # prefill (3 rows, few enough for the kernel): 4 linears x 2 layers + the head; then 3
-    # decoding steps, each one call running the whole model (gptlab.fused_step)
-    assert calls["gl_linear_f32"] == 4 * 2 + 1 and calls["gl_decode_step"] == 3
+    # the prompt (3 tokens) and 3 decoding steps: each one call running the whole model (gptlab.fused_step)
+    assert calls["gl_decode_step"] == 4 and calls["gl_linear_f32"] == 0
+    generate(loaded, [list(range(1, 10)), [1, 2]], 2, temperature=0)  # 18 prompt tokens: PyTorch's GEMMs...
+    assert calls["gl_decode_step"] == 5 and calls["gl_linear_f32"] == 1  # ...and the head's kernel for 2 rows
+    with torch.no_grad():
+        loaded(torch.tensor([[1, 2, 3]]))  # no KV cache: the modules, with the linear kernel
+    assert calls["gl_linear_f32"] == 1 + 4 * 2 + 1
     bf16 = type(model).from_pretrained(str(tmp_path / "hf"), dtype=torch.bfloat16)
     generate(bf16, [[1, 2, 3]], 2, temperature=0)
-    assert calls["gl_linear_bf16"] > 0
+    assert calls["gl_decode_step"] == 7 and fused_step.plan(bf16, torch.bfloat16).struct.head.kind == fused_step.BF16
 
 
 def test_training_after_generation_uses_autograd_and_matches_plain_linear(calls):
@@ -189,6 +194,12 @@ def test_quantized_generation_runs_the_int_kernels(mode, calls):
     quantize_model(model, mode, group_size=32)
     out = generate(model, [[1, 2, 3]], 5, temperature=0)
     assert len(out[0]) == 8
+    assert calls["gl_decode_step"] == 5  # the whole step in C, every layer through the int kernel:
+    plan = fused_step.plan(model, torch.float32)
+    kinds = {b.attn.kind for b in plan.blocks} | {b.mlp_proj.kind for b in plan.blocks} | {plan.struct.head.kind}
+    assert kinds == {fused_step.I8 if mode == "int8" else fused_step.I4}
+    with torch.no_grad():
+        model(torch.tensor([[1, 2, 3]]))  # no KV cache: the modules, each layer's own int kernel
     assert calls[f"gl_linear_{mode[:2].replace('in', 'i')}{mode[3:]}"] > 0
 
 

@@ -157,7 +157,7 @@ class Plan:
 
     def bind_cache(self, cache) -> None:
         """Point each block at its layer of `cache` (checked: contiguous, the activations' dtype)."""
-        key = tuple(k.data_ptr() for k, _ in cache.layers) + (cache.layers[0][0].shape,)
+        key = tuple((k.data_ptr(), v.data_ptr(), k.shape, v.shape) for k, v in cache.layers)
         if key == self.cache_key:
             return
         for b, (k, v) in zip(self.blocks, cache.layers, strict=True):
