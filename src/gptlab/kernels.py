@@ -14,7 +14,8 @@ AVX-512) `available()` says why and every caller falls back to PyTorch's kernels
 
 `Linear` is the model's linear layer: an nn.Linear (same parameters, same state dict, training
 unchanged) whose forward takes the kernel for a few rows without autograd on the CPU, and
-F.linear everywhere else.
+F.linear everywhere else. A decoding step usually runs the whole model in C instead
+(gl_decode_step, described to it by gptlab.fused_step), with the same kernels.
 """
 
 from __future__ import annotations

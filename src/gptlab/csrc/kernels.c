@@ -13,6 +13,7 @@
  *                   g inputs; x quantized to int8 in blocks of 32 with one scale each (Q8_0), VNNI.
  *   gl_attend_one   one decoding step's attention over a layer's KV cache (fp32 or bf16).
  *   gl_argmax_f32   greedy sampling's argmax.
+ *   gl_decode_step  a whole model's forward of a few new tokens over its KV cache (see below).
  *
  * Any M works (rows of x are taken four at a time, each weight row reused from L1); the Python
  * side sends up to 8 rows (128 for int4), where these beat PyTorch's GEMMs.
