@@ -39,6 +39,7 @@ KV_TESTS = ("tests/test_model.py", "tests/test_generate.py")
 LOSS_TESTS = ("tests/test_model.py", "tests/test_chunked_loss.py", "tests/test_fused_loss.py", "tests/test_data.py")
 HF_TESTS = ("tests/test_hf.py", "-k", "parity or round_trip or layouts or to_gptlab")
 QUANTIZE_TESTS = ("tests/test_quantize.py",)
+FUSED_TESTS = ("tests/test_fused_step.py", "tests/test_kernels.py")
 
 
 @dataclass(frozen=True)
@@ -94,6 +95,18 @@ MUTANTS = [
     Mutant("kv-cache/c-kernel-writes-one-slot-early", "model.py",
            "kernels.decode_attention(qkv, kv, cache_pos, mask, self.n_head)",
            "kernels.decode_attention(qkv, kv, max(cache_pos - 1, 0), mask, self.n_head)", KV_TESTS),
+    # the whole decoding step in C (fused_step.py, gl_decode_step in csrc/kernels.c)
+    Mutant("fused/bf16-residual-not-rounded", "csrc/kernels.c",
+           "    for (size_t i = 0; i < n; i++) x[i] += y[i];\n    if (bf16) round_bf16(x, n);",
+           "    for (size_t i = 0; i < n; i++) x[i] += y[i];", FUSED_TESTS),
+    Mutant("fused/padding-mask-ignored", "csrc/kernels.c",
+           "pos + t, mask, pos + T, o, T * C", "pos + t, NULL, pos + T, o, T * C", FUSED_TESTS),
+    Mutant("fused/in-place-updates-not-seen", "fused_step.py",
+           "return tuple((t.data_ptr(), t._version) for t in self.tensors)",
+           "return tuple(t.data_ptr() for t in self.tensors)", FUSED_TESTS),
+    Mutant("fused/stale-value-cache-pointer", "fused_step.py",
+           "key = tuple((k.data_ptr(), v.data_ptr(), k.shape, v.shape) for k, v in cache.layers)",
+           "key = tuple(k.data_ptr() for k, _ in cache.layers) + (cache.layers[0][0].shape,)", FUSED_TESTS),
     # the loss
     Mutant("loss/targets-not-shifted", "data.py", "return w[:, :-1], w[:, 1:]", "return w[:, :-1], w[:, :-1]",
            LOSS_TESTS),

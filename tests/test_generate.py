@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from conftest import tiny_config, tiny_model
+from gptlab import fused_step
 from gptlab.generation import TextDecoder, decode_step, generate, generate_text, new_cache, prefill, stream_text
 from gptlab.model import GPT
 from gptlab.sampling import SamplingParams
@@ -23,7 +24,10 @@ def full_last_logits(model, rows):
 
 
 @pytest.mark.parametrize("pos", POSITIONS)
-def test_cached_decoding_matches_full_forward(pos):
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-step", "modules"])
+def test_cached_decoding_matches_full_forward(pos, fused, monkeypatch):
+    if not fused:  # the modules, each with its own kernels (as under hooks or past 8 rows)
+        monkeypatch.setattr(fused_step, "applies", lambda *args: False)
     model = tiny_model(pos_embedding=pos)
     row = torch.randint(0, 97, (7,), generator=torch.Generator().manual_seed(1)).tolist()
     cache = new_cache(model, 1, 20)
