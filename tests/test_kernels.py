@@ -144,8 +144,7 @@ def test_greedy_generation_is_the_same_with_and_without_kernels(variant, calls):
         plain = generate(model, prompts, 12, temperature=0)
     assert not calls
     fast = generate(model, prompts, 12, temperature=0)
-    # the whole step in C (gptlab.fused_step), or the modules with the linear kernels (RoPE)
-    assert calls["gl_decode_step" if "pos_embedding" not in VARIANTS[variant] else "gl_linear_f32"] > 0
+    assert calls["gl_decode_step"] > 0  # the whole step in C (gptlab.fused_step)
     assert fast == plain
 
 

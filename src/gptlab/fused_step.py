@@ -7,7 +7,7 @@ the KV cache of up to `kernels.MAX_ROWS` new tokens in all (a decoding step of u
 speculative verification, a short prompt; inference, CPU) to `step`, which runs the blocks, the
 final norm and the head in C, computing what the modules compute op by op, with the same linear
 kernels. Anything it does not cover returns None and runs the modules as before:
-rotary positions, hooks on any module, training with dropout, autograd, torch.compile, a layer
+hooks on any module, training with dropout, autograd, torch.compile, a layer
 without a C kernel, `kernels.use_kernels(False)`.
 
 The model is described to C once (`Plan`: pointers to every weight, fp32 copies of a bf16
@@ -71,8 +71,6 @@ class Plan:
 
     def __init__(self, model: nn.Module, dtype: torch.dtype):
         config = model.config
-        if config.pos_embedding != "learned":
-            raise Unsupported("rotary positions")
         self.dtype, self.keep, self.slots, self.tensors = dtype, [], [], []
         # Hooks on any module would not run here: every module's hook dicts, checked at each step.
         self.hooks = [d for m in model.modules() for d in (m._forward_hooks, m._forward_pre_hooks)]
@@ -207,10 +205,9 @@ def plan(model, dtype: torch.dtype) -> Plan | NoPlan:
 def applies(model, idx: torch.Tensor, cache) -> bool:
     """Whether `step` may take this forward: up to MAX_ROWS new tokens in all (one decoding step
     of a batch, a speculative verification, a short prompt) over a KV cache at an int position,
-    inference on the CPU with gptlab's kernels, learned positions, no dropout in play."""
+    inference on the CPU with gptlab's kernels, no dropout in play."""
     return (
         idx.numel() <= kernels.MAX_ROWS
-        and model.config.pos_embedding == "learned"
         and isinstance(cache.pos, int)
         and idx.device.type == "cpu"
         and not torch.is_grad_enabled()
@@ -220,12 +217,11 @@ def applies(model, idx: torch.Tensor, cache) -> bool:
     )
 
 
-def step(model, idx: torch.Tensor, positions: torch.Tensor, cache, key_mask: torch.Tensor | None, last_only: bool):
-    """Logits (B, T, V), or (B, 1, V) when last_only, for the new tokens idx (B, T) at positions
-    (B, T), their keys and values written to slots cache.pos... (not advanced); key_mask (B, S)
-    False at slots a row may not see, or None. None when the modules must run it instead."""
-    t = model.transformer
-    x = t.wte(idx) + t.wpe(positions)  # (B, T, C)
+def step(model, x: torch.Tensor, rope, cache, key_mask: torch.Tensor | None, last_only: bool):
+    """Logits (B, T, V), or (B, 1, V) when last_only, for new tokens already embedded, x (B, T, C)
+    (positions added, or their rotary angles in rope: (cos, sin), each (B, 1, T, hs/2), as the
+    model computes them), their keys and values written to slots cache.pos... (not advanced);
+    key_mask (B, S) False at slots a row may not see, or None. None when the modules must run it."""
     p = plan(model, x.dtype)
     if isinstance(p, NoPlan) or p.hooked():
         return None
@@ -233,13 +229,14 @@ def step(model, idx: torch.Tensor, positions: torch.Tensor, cache, key_mask: tor
         p.bind_cache(cache)
     except Unsupported:
         return None
-    (B, T), pos = idx.shape, cache.pos
+    (B, T, C), pos = x.shape, cache.pos
     mask = None if key_mask is None else key_mask[:, : pos + T].contiguous()  # (B, pos + T)
-    x = x.reshape(B * T, -1).float().contiguous()  # (B*T, C), overwritten by C
+    angles = None if rope is None else torch.cat(rope, dim=-1).float().contiguous()  # (B, 1, T, hs): cos, sin
+    x = x.reshape(B * T, C).float().contiguous()  # (B*T, C), overwritten by C
     logits = torch.empty(B, 1 if last_only else T, model.lm_head.out_features)  # (B, T|1, V)
     status = kernels.library().gl_decode_step(
-        ctypes.byref(p.struct), x.data_ptr(), B, T, pos, cache.layers[0][0].size(2), _ptr(mask), logits.data_ptr(),
-        int(not last_only), torch.get_num_threads(),
+        ctypes.byref(p.struct), x.data_ptr(), B, T, pos, cache.layers[0][0].size(2), _ptr(mask), _ptr(angles),
+        logits.data_ptr(), int(not last_only), torch.get_num_threads(),
     )  # fmt: skip
     if status == -2:
         return None

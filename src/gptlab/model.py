@@ -284,21 +284,20 @@ class GPT(nn.Module):
         start = kv_cache.pos if kv_cache is not None else 0  # int, or a 0-dim tensor (compiled decoding)
         if positions is None:
             positions = (start + torch.arange(T, device=idx.device)).expand(B, T)  # (B, T)
-        if kv_cache is not None and targets is None and attn_probs is None and fused_step.applies(self, idx, kv_cache):
-            self._check_positions(positions)
-            logits = fused_step.step(self, idx, positions, kv_cache, key_mask, last_only)  # (B, T|1, V): one C call
-            if logits is not None:
-                return logits, None
-        mask = self._attention_mask(T, start, kv_cache, key_mask, idx.device)
         x = self.transformer.wte(idx)  # (B, T, C)
         rope = None
         if self.config.pos_embedding == "learned":
-            if not torch.compiler.is_compiling():
-                self._check_positions(positions)
+            if not torch.compiler.is_compiling() and int(positions.max()) >= self.config.block_size:
+                raise ValueError(f"position {int(positions.max())} exceeds block_size {self.config.block_size}")
             x = x + self.transformer.wpe(positions)  # (B, T, C)
         else:
             rope = rope_cos_sin(positions, self.config.head_size, self.config.rope_theta, x.dtype)
         x = self.transformer.drop(x)
+        if kv_cache is not None and targets is None and attn_probs is None and fused_step.applies(self, idx, kv_cache):
+            logits = fused_step.step(self, x, rope, kv_cache, key_mask, last_only)  # (B, T|1, V): one C call
+            if logits is not None:
+                return logits, None
+        mask = self._attention_mask(T, start, kv_cache, key_mask, idx.device)
         for i, block in enumerate(self.transformer.h):
             kv = kv_cache.layers[i] if kv_cache is not None else None
             x = block(x, rope, kv, start, mask, attn_probs)
@@ -329,10 +328,6 @@ class GPT(nn.Module):
             # A padding query sees nothing else; let it see its own slot so softmax stays finite.
             mask = mask | (k_slots[None, :] == q_slots[:, None])
         return mask
-
-    def _check_positions(self, positions) -> None:
-        if self.config.pos_embedding == "learned" and int(positions.max()) >= self.config.block_size:
-            raise ValueError(f"position {int(positions.max())} exceeds block_size {self.config.block_size}")
 
     def _check_input(self, idx, targets, kv_cache) -> None:
         if not isinstance(idx, torch.Tensor) or idx.dtype not in (torch.int64, torch.int32):

@@ -781,6 +781,29 @@ static void from_bf16(const uint16_t *x, float *y, size_t n) {
     for (size_t i = 0; i < n; i++) y[i] = bf16_to_f32(x[i]);
 }
 
+/* Rotary positions: rotate the query and key of each of M rows of qkv (M, 3C) in place, per head
+ * the pairs (i, i + hs/2) by the row's angles, cs (M, hs): cos (hs/2) then sin (hs/2) (the GPT-NeoX
+ * layout of gptlab.model.apply_rope); each product and sum rounded to bf16, as bf16 ops round,
+ * when bf16. */
+static void rope_rows(float *qkv, const float *cs, int M, int C, int nh, int bf16) {
+    const int hs = C / nh, half = hs / 2;
+#define RB(v) (bf16 ? bf16_to_f32(f32_to_bf16(v)) : (v))
+    for (int r = 0; r < M; r++) {
+        const float *cosv = cs + (size_t)r * hs, *sinv = cosv + half;
+        for (int part = 0; part < 2; part++) /* the query, then the key */
+            for (int h = 0; h < nh; h++) {
+                float *x = qkv + (size_t)r * 3 * C + (size_t)part * C + (size_t)h * hs;
+                for (int i = 0; i < half; i++) {
+                    const float x1 = x[i], x2 = x[i + half];
+                    const float a = RB(x1 * cosv[i]), b = RB(x2 * sinv[i]), c = RB(x1 * sinv[i]), d = RB(x2 * cosv[i]);
+                    x[i] = RB(a - b);
+                    x[i + half] = RB(c + d);
+                }
+            }
+    }
+#undef RB
+}
+
 /* Self-attention of T new tokens per row, qkv (B*T, 3C) -> att (B*T, C): token t of each row
  * writes its key and value to slot pos + t and sees the slots up to its own (causal), where mask
  * (B, pos + T) allows. A bf16 model's caches are bf16: its qkv and att go through bf16 buffers. */
@@ -803,7 +826,7 @@ static int attention(const gl_model_t *m, const gl_block_t *blk, const float *qk
 
 /* One block on x (M = B*T rows, C), the residual stream, in place. */
 static int block_step(const gl_model_t *m, const gl_block_t *blk, float *x, float *work, int B, int T, int pos,
-                      int max_len, const uint8_t *mask, int nthreads) {
+                      int max_len, const uint8_t *mask, const float *rope, int nthreads) {
     const int C = m->n_embd, H = m->hidden, R = m->bf16, M = B * T;
     const int Hfc = m->mlp == GL_SWIGLU ? 2 * H : H;
     float *h = work, *qkv = h + (size_t)M * C, *att = qkv + (size_t)M * 3 * C, *fc = att + (size_t)M * C;
@@ -811,6 +834,7 @@ static int block_step(const gl_model_t *m, const gl_block_t *blk, float *x, floa
     int s;
     norm_rows(m, x, blk->ln1_w, blk->ln1_b, h, M);
     if ((s = run_linear(&blk->attn, h, qkv, M, R, nthreads))) return s;
+    if (rope) rope_rows(qkv, rope, M, C, m->n_head, R);
     if ((s = attention(m, blk, qkv, att, (uint16_t *)spare, B, T, pos, max_len, mask, nthreads))) return s;
     if ((s = run_linear(&blk->attn_proj, att, h, M, R, nthreads))) return s;
     add_residual(x, h, (size_t)M * C, R);
@@ -835,16 +859,17 @@ static int block_step(const gl_model_t *m, const gl_block_t *blk, float *x, floa
  * values for a bf16 model), runs through every block (token t's keys and values written to slot
  * pos + t of each layer's cache), the final norm and the head into logits: (B*T, V) when
  * all_logits, else (B, V) for each row's last token; fp32 (bf16 values for a bf16 model).
- * mask (B, pos + T) bytes, False at slots a row may not see, or NULL. x is overwritten.
- * Returns 0, -1 out of memory, -2 a layer kind this build cannot run. */
+ * mask (B, pos + T) bytes, False at slots a row may not see, or NULL. rope (B*T, hs): each new
+ * token's rotary cos then sin (see rope_rows), or NULL for a model without rotary positions.
+ * x is overwritten. Returns 0, -1 out of memory, -2 a layer kind this build cannot run. */
 int gl_decode_step(const gl_model_t *m, float *x, int B, int T, int pos, int max_len, const uint8_t *mask,
-                   float *logits, int all_logits, int nthreads) {
+                   const float *rope, float *logits, int all_logits, int nthreads) {
     const int C = m->n_embd, Hfc = (m->mlp == GL_SWIGLU ? 2 : 1) * m->hidden, M = B * T;
     float *work = malloc(sizeof(float) * (size_t)M * (7 * C + Hfc + m->hidden) + 64);
     if (!work) return -1;
     int s = 0;
     for (int l = 0; l < m->n_layer && !s; l++)
-        s = block_step(m, &m->blocks[l], x, work, B, T, pos, max_len, mask, nthreads);
+        s = block_step(m, &m->blocks[l], x, work, B, T, pos, max_len, mask, rope, nthreads);
     if (!s) {
         if (!all_logits) /* the head only for each row's last token */
             for (int b = 0; b < B; b++) memmove(x + (size_t)b * C, x + ((size_t)b * T + T - 1) * C, sizeof(float) * C);
