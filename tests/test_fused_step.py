@@ -254,10 +254,10 @@ def test_changed_models_are_described_again(steps):
     """Training in place, reassigned data and swapped modules all reach the next generation."""
     torch.manual_seed(0)
     model = tiny_model().to(torch.bfloat16)
-    decode_logits(model)  # describes the model (fp32 copies of its bf16 norms and biases)
+    decode_logits(model)  # describes the model
     with torch.no_grad():
         for block in model.transformer.h:
-            block.ln_2.weight.mul_(3.0)  # in place: same pointer, new version
+            block.ln_2.weight.mul_(3.0)  # in place: read as it is
             block.attn.c_proj.bias.add_(0.5)
     assert relative(decode_logits(model), decode_logits(model, fused=False)) <= 1e-3
     # fp32 from here: measured 2.5e-6 of the largest logit (the scaled norms amplify the rounding)
@@ -309,3 +309,32 @@ def test_the_servers_batches_take_it(steps):
             fused_step.applies = applies
     assert steps["fused"] == 3
     assert relative(out[0], out[1]) <= 1e-6  # measured 2.1e-7
+
+
+def test_a_model_made_in_inference_mode():
+    """Inference tensors have no version counter; the plan reads only their pointers."""
+    with torch.inference_mode():
+        model = tiny_model().to(torch.bfloat16)
+        inside = generate(model, [[1, 2, 3]], 6, temperature=0)
+    assert generate(model, [[1, 2, 3]], 6, temperature=0) == inside
+
+
+def test_threads_decode_with_one_model_and_their_own_caches(steps):
+    import threading
+
+    model = tiny_model()
+    prompts = [[[i + 1, i + 2, i + 3]] for i in range(4)]
+    alone = [generate(model, p, 24, temperature=0) for p in prompts]
+    together = [None] * len(prompts)
+
+    def run(i):
+        for _ in range(5):
+            out = generate(model, prompts[i], 24, temperature=0)
+            together[i] = out if together[i] in (None, out) else "differs"
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert together == alone and steps["fused"] == 4 * 24 + 4 * 5 * 24

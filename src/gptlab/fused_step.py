@@ -10,9 +10,10 @@ kernels. Anything it does not cover returns None and runs the modules as before:
 hooks on any module, training with dropout, autograd, torch.compile, a layer
 without a C kernel, `kernels.use_kernels(False)`.
 
-The model is described to C once (`Plan`: pointers to every weight, fp32 copies of a bf16
-model's norm gains and biases, a few KiB) and described again whenever a tensor it points to was
-replaced or changed in place (e.g. by training between two generations).
+The model is described to C once (`Plan`: pointers to the model's own tensors, no copies, a few
+KiB) and described again whenever a module, parameter or buffer it read was replaced; updates in
+place (training between two generations) are read as they happen. The KV cache's pointers are
+passed with each call, so threads may decode with one model and their own caches at once.
 """
 
 from __future__ import annotations
@@ -32,15 +33,17 @@ _MLPS = {"gelu": 0, "gelu_erf": 1, "swiglu": 2}
 
 
 class _Linear(ctypes.Structure):
-    _fields_ = [("kind", _I), ("N", _I), ("K", _I), ("g", _I), ("w", _P), ("a", _P), ("b", _P), ("bias", _P)]
+    _fields_ = [
+        *((name, _I) for name in ("kind", "N", "K", "g", "bias_bf16")),
+        *((name, _P) for name in "wab"),
+        ("bias", _P),
+    ]
 
 
 class _Block(ctypes.Structure):
     _fields_ = [
         *((name, _P) for name in ("ln1_w", "ln1_b", "ln2_w", "ln2_b")),
         *((name, _Linear) for name in ("attn", "attn_proj", "fc", "mlp_proj")),
-        ("k_cache", _P),
-        ("v_cache", _P),
     ]
 
 
@@ -60,18 +63,18 @@ class Unsupported(Exception):
 
 
 class Plan:
-    """A model described to gl_decode_step: the C structs, the tensors they point to (kept alive)
-    and what the description read, so `current` can tell whether it still holds.
+    """A model described to gl_decode_step: C structs pointing at the model's own tensors (no
+    copies, so updates in place are read as they happen) and what the description read, so
+    `current` can tell whether it still holds.
 
     Every module, parameter and buffer the plan read is recorded as (the dict it was found in,
     its name, the object): a swapped module or a reassigned parameter shows as another object
-    there. Every tensor read is recorded with its data pointer and version: `.data` reassigned or
-    an in-place update (which matters for the fp32 copies of a bf16 model's norms and biases) shows
-    as a change. Checking all of it costs ~50 us per step for GPT-2 small (~2% of an int4 step)."""
+    there; every tensor read with its data pointer: `.data` reassigned shows as another pointer.
+    Checking all of it costs ~50 us per step for GPT-2 small."""
 
     def __init__(self, model: nn.Module, dtype: torch.dtype):
         config = model.config
-        self.dtype, self.keep, self.slots, self.tensors = dtype, [], [], []
+        self.dtype, self.slots, self.tensors = dtype, [], []
         # Hooks on any module would not run here: every module's hook dicts, checked at each step.
         self.hooks = [d for m in model.modules() for d in (m._forward_hooks, m._forward_pre_hooks)]
         self.hooks += [nn.modules.module._global_forward_hooks, nn.modules.module._global_forward_pre_hooks]
@@ -92,7 +95,6 @@ class Plan:
             head=self._linear(self._get(model, "lm_head")),
         )  # fmt: skip
         self.key = self._key()
-        self.cache_key = None
 
     def _get(self, module: nn.Module, name: str):
         """module's parameter, buffer, submodule or attribute `name`, recorded as read."""
@@ -107,7 +109,7 @@ class Plan:
         return None
 
     def _key(self) -> tuple:
-        return tuple((t.data_ptr(), t._version) for t in self.tensors)
+        return tuple(t.data_ptr() for t in self.tensors)
 
     def hooked(self) -> bool:
         """Whether a forward hook is registered on any of the model's modules (or globally)."""
@@ -117,13 +119,12 @@ class Plan:
         """Whether everything the plan read is still what it read (see the class docstring)."""
         return all(where.get(name) is value for where, name, value in self.slots) and self._key() == self.key
 
-    def _pointer(self, t: torch.Tensor | None, dtype=torch.float32) -> int | None:
-        """A pointer to t's data in `dtype` (a copy kept alive when t is another dtype)."""
+    def _pointer(self, t: torch.Tensor | None, dtype: torch.dtype) -> int | None:
+        """t's data pointer (None for None); t must be contiguous and of `dtype`."""
         if t is None:
             return None
         if t.dtype is not dtype or not t.is_contiguous():
-            t = t.detach().to(dtype).contiguous()
-        self.keep.append(t)
+            raise Unsupported(f"a {t.dtype} parameter in a {self.dtype} model")
         return t.data_ptr()
 
     def _norm(self, norm: nn.Module) -> tuple[int, int | None]:
@@ -133,36 +134,33 @@ class Plan:
         if weight is None:
             raise Unsupported("a norm without a gain")
         bias = self._get(norm, "bias") if isinstance(norm, nn.LayerNorm) else None
-        return self._pointer(weight), self._pointer(bias)
+        return self._pointer(weight, self.dtype), self._pointer(bias, self.dtype)
 
     def _linear(self, layer: nn.Module) -> _Linear:
         if isinstance(layer, nn.Linear):
             w = self._get(layer, "weight")
             if w.dtype is not self.dtype or not w.is_contiguous():
                 raise Unsupported(f"a {w.dtype} linear layer in a {self.dtype} model")
-            self.keep.append(w)
-            kind = F32 if w.dtype is torch.float32 else BF16
-            bias = self._pointer(self._get(layer, "bias"))
-            return _Linear(kind, w.size(0), w.size(1), 0, kernels.stream(w), None, None, bias)
+            bf16 = int(w.dtype is torch.bfloat16)
+            bias = self._pointer(self._get(layer, "bias"), w.dtype)
+            return _Linear(BF16 if bf16 else F32, w.size(0), w.size(1), 0, bf16, kernels.stream(w), None, None, bias)
         decode = self._get(layer, "_decode")
         if decode is None or self._get(layer, "use_kernel") is not True:
             raise Unsupported(f"{type(layer).__name__} without gptlab's decoding kernel")
         kind, N, K, g, tensors = decode.layer  # see kernels.int8_decoder / int4_decoder
         w, a, b, bias = tensors
-        self.tensors += [t for t in tensors if t is not None]
-        self.keep.append(tensors)
-        return _Linear({"i8": I8, "i4": I4}[kind], N, K, g, kernels.stream(w), a.data_ptr(), b.data_ptr(), _ptr(bias))
+        self.tensors += [t for t in tensors if t is not None]  # kept alive and checked, as the rest
+        ptrs = kernels.stream(w), a.data_ptr(), b.data_ptr(), _ptr(bias)
+        return _Linear({"i8": I8, "i4": I4}[kind], N, K, g, 0, *ptrs)  # an fp32 bias (kernels._decoder)
 
-    def bind_cache(self, cache) -> None:
-        """Point each block at its layer of `cache` (checked: contiguous, the activations' dtype)."""
-        key = tuple((k.data_ptr(), v.data_ptr(), k.shape, v.shape) for k, v in cache.layers)
-        if key == self.cache_key:
-            return
-        for b, (k, v) in zip(self.blocks, cache.layers, strict=True):
-            if k.dtype is not self.dtype or v.dtype is not self.dtype or not (k.is_contiguous() and v.is_contiguous()):
-                raise Unsupported("a KV cache that is not contiguous or not in the activations' dtype")
-            b.k_cache, b.v_cache = k.data_ptr(), v.data_ptr()
-        self.cache_key = key
+    def cache_pointers(self, cache):
+        """Layer l's key and value caches' data pointers at 2l and 2l + 1, for this call only (so
+        threads decoding with one model and their own caches never share them); None when a cache
+        tensor is not contiguous or not in the activations' dtype."""
+        tensors = [t for kv in cache.layers for t in kv]
+        if any(t.dtype is not self.dtype or not t.is_contiguous() for t in tensors):
+            return None
+        return (_P * len(tensors))(*(t.data_ptr() for t in tensors))
 
 
 class NoPlan:
@@ -225,9 +223,8 @@ def step(model, x: torch.Tensor, rope, cache, key_mask: torch.Tensor | None, las
     p = plan(model, x.dtype)
     if isinstance(p, NoPlan) or p.hooked():
         return None
-    try:
-        p.bind_cache(cache)
-    except Unsupported:
+    kv = p.cache_pointers(cache)
+    if kv is None:
         return None
     (B, T, C), pos = x.shape, cache.pos
     mask = None if key_mask is None else key_mask[:, : pos + T].contiguous()  # (B, pos + T)
@@ -235,7 +232,7 @@ def step(model, x: torch.Tensor, rope, cache, key_mask: torch.Tensor | None, las
     x = x.reshape(B * T, C).float().contiguous()  # (B*T, C), overwritten by C
     logits = torch.empty(B, 1 if last_only else T, model.lm_head.out_features)  # (B, T|1, V)
     status = kernels.library().gl_decode_step(
-        ctypes.byref(p.struct), x.data_ptr(), B, T, pos, cache.layers[0][0].size(2), _ptr(mask), _ptr(angles),
+        ctypes.byref(p.struct), kv, x.data_ptr(), B, T, pos, cache.layers[0][0].size(2), _ptr(mask), _ptr(angles),
         logits.data_ptr(), int(not last_only), torch.get_num_threads(),
     )  # fmt: skip
     if status == -2:

@@ -54,8 +54,8 @@ _SIGNATURES = {  # name: argument types; each returns 0, or -1 when out of memor
     "gl_dequantize_i4": [_P, _P, _P, _P, _I, _I, _I, _I],
     "gl_attend_one": [_P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _I],
     "gl_argmax_f32": [_P, _P, _I, _I],
-    # model, x, B, T, pos, max_len, mask, rope, logits, all_logits, threads
-    "gl_decode_step": [_P, _P, _I, _I, _I, _I, _P, _P, _P, _I, _I],
+    # model, kv caches, x, B, T, pos, max_len, mask, rope, logits, all_logits, threads
+    "gl_decode_step": [_P, _P, _P, _I, _I, _I, _I, _P, _P, _P, _I, _I],
 }
 _huge_paged: set[int] = set()  # weights already moved to huge pages (their data pointers)
 

@@ -113,6 +113,11 @@ static inline __m512 load_bf16x16_masked(const uint16_t *p, __mmask16 m) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
+/* Element i of a parameter vector stored as fp32, or as bf16 when bf16. */
+static inline float param(const void *p, size_t i, int bf16) {
+    return bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
 /* ---------------------------------------------------------------- float weights */
 
 /* R weight rows at a time (R memory streams in flight) times M rows of x, R and M compile-time
@@ -201,10 +206,10 @@ static void dot_block(const void *w, int bf16, const float *x, int R, int M, int
     }
 }
 
-/* y (M, N) = x (M, K) W^T + bias, W fp32 or bf16 (N, K), x and bias fp32 (bias may be NULL);
+/* y (M, N) = x (M, K) W^T + bias, W fp32 or bf16 (N, K), x fp32, bias fp32 or (bias_bf16) bf16 or NULL;
  * y_bf16: 0 y fp32, 1 y bf16 (rounded to nearest even), 2 y fp32 holding those bf16 values. */
-static void linear_rows(const void *w, int bf16, const float *x, const float *bias, void *y, int y_bf16, int M, int N,
-                        int K, int nthreads) {
+static void linear_rows(const void *w, int bf16, const float *x, const void *bias, int bias_bf16, void *y, int y_bf16,
+                        int M, int N, int K, int nthreads) {
     const int nblocks = (N + ROWS - 1) / ROWS;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int blk = 0; blk < nblocks; blk++) {
@@ -218,7 +223,7 @@ static void linear_rows(const void *w, int bf16, const float *x, const float *bi
                 dot_block(wr, bf16, x + (size_t)m0 * K, R, mm, K, out);
                 for (int r = 0; r < R; r++)
                     for (int m = 0; m < mm; m++) {
-                        float v = out[r][m] + (bias ? bias[n + r] : 0.0f);
+                        float v = out[r][m] + (bias ? param(bias, n + r, bias_bf16) : 0.0f);
                         size_t i = (size_t)(m0 + m) * N + n + r;
                         if (y_bf16 == 1) ((uint16_t *)y)[i] = f32_to_bf16(v);
                         else ((float *)y)[i] = y_bf16 ? bf16_to_f32(f32_to_bf16(v)) : v;
@@ -229,7 +234,7 @@ static void linear_rows(const void *w, int bf16, const float *x, const float *bi
 }
 
 int gl_linear_f32(const float *x, const float *w, const float *b, float *y, int M, int N, int K, int nthreads) {
-    linear_rows(w, 0, x, b, y, 0, M, N, K, nthreads);
+    linear_rows(w, 0, x, b, 0, y, 0, M, N, K, nthreads);
     return 0;
 }
 
@@ -265,7 +270,7 @@ int gl_linear_bf16(const uint16_t *x, const uint16_t *w, const float *b, uint16_
             }
         for (; k < K; k++) xo[k] = bf16_to_f32(xr[k]);
     }
-    linear_rows(w, 1, xf, b, y, 1, M, N, K, nthreads);
+    linear_rows(w, 1, xf, b, 0, y, 1, M, N, K, nthreads);
     return 0;
 }
 
@@ -643,27 +648,28 @@ enum { GL_F32 = 0, GL_BF16 = 1, GL_I8 = 2, GL_I4 = 3 };
 enum { GL_LAYERNORM = 0, GL_RMSNORM = 1 };
 enum { GL_GELU_TANH = 0, GL_GELU_ERF = 1, GL_SWIGLU = 2 };
 
-typedef struct {   /* one linear layer, y = x W^T + bias */
-    int kind;      /* GL_F32 or GL_BF16 weights (N, K); GL_I8 (N, K) int8; GL_I4 (N, K/2) nibbles */
-    int N, K, g;   /* g: int4 group size */
-    const void *w; /* the weights */
-    const void *a; /* GL_I8: bf16 row scales (N); GL_I4: bf16 scales (N, K/g) */
-    const void *b; /* GL_I8: int32 row sums (N); GL_I4: bf16 zeros (N, K/g) */
-    const float *bias; /* fp32 (N) or NULL */
+/* The model, described once by gptlab.fused_step: pointers to its own tensors, no copies. */
+typedef struct {     /* one linear layer, y = x W^T + bias */
+    int kind;        /* GL_F32 or GL_BF16 weights (N, K); GL_I8 (N, K) int8; GL_I4 (N, K/2) nibbles */
+    int N, K, g;     /* g: int4 group size */
+    int bias_bf16;   /* the bias is bf16 (a bf16 model's), else fp32 */
+    const void *w;   /* the weights */
+    const void *a;   /* GL_I8: bf16 row scales (N); GL_I4: bf16 scales (N, K/g) */
+    const void *b;   /* GL_I8: int32 row sums (N); GL_I4: bf16 zeros (N, K/g) */
+    const void *bias; /* (N) or NULL */
 } gl_linear_t;
 
 typedef struct {
-    const float *ln1_w, *ln1_b, *ln2_w, *ln2_b; /* fp32 norm gains and biases (biases may be NULL) */
+    const void *ln1_w, *ln1_b, *ln2_w, *ln2_b; /* norm gains and biases (may be NULL), the activations' dtype */
     gl_linear_t attn, attn_proj, fc, mlp_proj;
-    void *k_cache, *v_cache; /* this layer's cache (B, nh, max_len, hs), the activations' dtype */
 } gl_block_t;
 
 typedef struct {
     int n_layer, n_embd, n_head, hidden; /* hidden: the MLP's width (SwiGLU: c_fc gives 2 * hidden) */
-    int norm, mlp, bf16;                 /* bf16: activations and caches are bf16 */
+    int norm, mlp, bf16;                 /* bf16: activations, caches and norms are bf16 */
     float eps;
     const gl_block_t *blocks;
-    const float *lnf_w, *lnf_b;
+    const void *lnf_w, *lnf_b;
     gl_linear_t head;
 } gl_model_t;
 
@@ -721,7 +727,7 @@ static void swiglu(const float *gate, const float *up, float *out, int n, int bf
 
 /* LayerNorm or RMSNorm of each of M rows of x (M, C) into y, in fp32 (as PyTorch's CPU norms
  * compute also for bf16 inputs). */
-static void norm_rows(const gl_model_t *m, const float *x, const float *w, const float *b, float *y, int M) {
+static void norm_rows(const gl_model_t *m, const float *x, const void *w, const void *b, float *y, int M) {
     const int C = m->n_embd;
     for (int r = 0; r < M; r++) {
         const float *xr = x + (size_t)r * C;
@@ -733,7 +739,8 @@ static void norm_rows(const gl_model_t *m, const float *x, const float *w, const
         }
         for (int i = 0; i < C; i++) var += (xr[i] - mean) * (xr[i] - mean);
         const float inv = 1.0f / sqrtf(var / (float)C + m->eps);
-        for (int i = 0; i < C; i++) yr[i] = (xr[i] - mean) * inv * w[i] + (b ? b[i] : 0.0f);
+        for (int i = 0; i < C; i++)
+            yr[i] = (xr[i] - mean) * inv * param(w, i, m->bf16) + (b ? param(b, i, m->bf16) : 0.0f);
     }
     if (m->bf16) round_bf16(y, (size_t)M * C);
 }
@@ -743,12 +750,12 @@ static void norm_rows(const gl_model_t *m, const float *x, const float *w, const
 static int run_linear(const gl_linear_t *L, const float *x, float *y, int M, int round, int nthreads) {
     const int N = L->N, K = L->K;
     switch (L->kind) {
-    case GL_F32: linear_rows(L->w, 0, x, L->bias, y, round ? 2 : 0, M, N, K, nthreads); return 0;
+    case GL_F32: linear_rows(L->w, 0, x, L->bias, L->bias_bf16, y, round ? 2 : 0, M, N, K, nthreads); return 0;
     case GL_BF16: {
         float *xf = scratch((size_t)M * K * sizeof(float));
         if (!xf) return -1;
         order_pairs(x, xf, M, K);
-        linear_rows(L->w, 1, xf, L->bias, y, round ? 2 : 0, M, N, K, nthreads);
+        linear_rows(L->w, 1, xf, L->bias, L->bias_bf16, y, round ? 2 : 0, M, N, K, nthreads);
         return 0;
     }
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
@@ -807,7 +814,7 @@ static void rope_rows(float *qkv, const float *cs, int M, int C, int nh, int bf1
 /* Self-attention of T new tokens per row, qkv (B*T, 3C) -> att (B*T, C): token t of each row
  * writes its key and value to slot pos + t and sees the slots up to its own (causal), where mask
  * (B, pos + T) allows. A bf16 model's caches are bf16: its qkv and att go through bf16 buffers. */
-static int attention(const gl_model_t *m, const gl_block_t *blk, const float *qkv, float *att, uint16_t *spare,
+static int attention(const gl_model_t *m, void *k_cache, void *v_cache, const float *qkv, float *att, uint16_t *spare,
                      int B, int T, int pos, int max_len, const uint8_t *mask, int nthreads) {
     const int C = m->n_embd, nh = m->n_head, hs = C / nh, R = m->bf16;
     const size_t n_qkv = (size_t)B * T * 3 * C;
@@ -816,7 +823,7 @@ static int attention(const gl_model_t *m, const gl_block_t *blk, const float *qk
     for (int t = 0; t < T; t++) { /* in order: token t sees the keys tokens 0..t just wrote */
         const void *q = R ? (const void *)(q16 + (size_t)t * 3 * C) : (const void *)(qkv + (size_t)t * 3 * C);
         void *o = R ? (void *)(a16 + (size_t)t * C) : (void *)(att + (size_t)t * C);
-        int s = attend_rows(q, T * 3 * C, blk->k_cache, blk->v_cache, pos + t, mask, pos + T, o, T * C, B, nh, hs,
+        int s = attend_rows(q, T * 3 * C, k_cache, v_cache, pos + t, mask, pos + T, o, T * C, B, nh, hs,
                             max_len, R, nthreads);
         if (s) return s;
     }
@@ -825,8 +832,8 @@ static int attention(const gl_model_t *m, const gl_block_t *blk, const float *qk
 }
 
 /* One block on x (M = B*T rows, C), the residual stream, in place. */
-static int block_step(const gl_model_t *m, const gl_block_t *blk, float *x, float *work, int B, int T, int pos,
-                      int max_len, const uint8_t *mask, const float *rope, int nthreads) {
+static int block_step(const gl_model_t *m, const gl_block_t *blk, void *const kv[2], float *x, float *work, int B,
+                      int T, int pos, int max_len, const uint8_t *mask, const float *rope, int nthreads) {
     const int C = m->n_embd, H = m->hidden, R = m->bf16, M = B * T;
     const int Hfc = m->mlp == GL_SWIGLU ? 2 * H : H;
     float *h = work, *qkv = h + (size_t)M * C, *att = qkv + (size_t)M * 3 * C, *fc = att + (size_t)M * C;
@@ -835,7 +842,7 @@ static int block_step(const gl_model_t *m, const gl_block_t *blk, float *x, floa
     norm_rows(m, x, blk->ln1_w, blk->ln1_b, h, M);
     if ((s = run_linear(&blk->attn, h, qkv, M, R, nthreads))) return s;
     if (rope) rope_rows(qkv, rope, M, C, m->n_head, R);
-    if ((s = attention(m, blk, qkv, att, (uint16_t *)spare, B, T, pos, max_len, mask, nthreads))) return s;
+    if ((s = attention(m, kv[0], kv[1], qkv, att, (uint16_t *)spare, B, T, pos, max_len, mask, nthreads))) return s;
     if ((s = run_linear(&blk->attn_proj, att, h, M, R, nthreads))) return s;
     add_residual(x, h, (size_t)M * C, R);
     norm_rows(m, x, blk->ln2_w, blk->ln2_b, h, M);
@@ -857,19 +864,20 @@ static int block_step(const gl_model_t *m, const gl_block_t *blk, float *x, floa
 
 /* A forward of T new tokens per row over the KV cache: x (B*T, C) fp32, the embedded tokens (bf16
  * values for a bf16 model), runs through every block (token t's keys and values written to slot
- * pos + t of each layer's cache), the final norm and the head into logits: (B*T, V) when
+ * pos + t of each layer's cache: kv holds layer l's key and value caches (B, nh, max_len, hs) at
+ * 2l and 2l + 1, in the activations' dtype), the final norm and the head into logits: (B*T, V) when
  * all_logits, else (B, V) for each row's last token; fp32 (bf16 values for a bf16 model).
  * mask (B, pos + T) bytes, False at slots a row may not see, or NULL. rope (B*T, hs): each new
  * token's rotary cos then sin (see rope_rows), or NULL for a model without rotary positions.
  * x is overwritten. Returns 0, -1 out of memory, -2 a layer kind this build cannot run. */
-int gl_decode_step(const gl_model_t *m, float *x, int B, int T, int pos, int max_len, const uint8_t *mask,
-                   const float *rope, float *logits, int all_logits, int nthreads) {
+int gl_decode_step(const gl_model_t *m, void *const *kv, float *x, int B, int T, int pos, int max_len,
+                   const uint8_t *mask, const float *rope, float *logits, int all_logits, int nthreads) {
     const int C = m->n_embd, Hfc = (m->mlp == GL_SWIGLU ? 2 : 1) * m->hidden, M = B * T;
     float *work = malloc(sizeof(float) * (size_t)M * (7 * C + Hfc + m->hidden) + 64);
     if (!work) return -1;
     int s = 0;
     for (int l = 0; l < m->n_layer && !s; l++)
-        s = block_step(m, &m->blocks[l], x, work, B, T, pos, max_len, mask, rope, nthreads);
+        s = block_step(m, &m->blocks[l], kv + 2 * l, x, work, B, T, pos, max_len, mask, rope, nthreads);
     if (!s) {
         if (!all_logits) /* the head only for each row's last token */
             for (int b = 0; b < B; b++) memmove(x + (size_t)b * C, x + ((size_t)b * T + T - 1) * C, sizeof(float) * C);
