@@ -208,8 +208,9 @@ static void dot_block(const void *w, int bf16, const float *x, int R, int M, int
 
 /* y (M, N) = x (M, K) W^T + bias, W fp32 or bf16 (N, K), x fp32, bias fp32 or (bias_bf16) bf16 or NULL;
  * y_bf16: 0 y fp32, 1 y bf16 (rounded to nearest even), 2 y fp32 holding those bf16 values. */
-static void linear_rows(const void *w, int bf16, const float *x, const void *bias, int bias_bf16, void *y, int y_bf16,
-                        int M, int N, int K, int nthreads) {
+static inline __attribute__((always_inline)) void linear_rows(const void *w, int bf16, const float *x,
+                                                               const void *bias, const int bias_bf16, void *y,
+                                                               int y_bf16, int M, int N, int K, int nthreads) {
     const int nblocks = (N + ROWS - 1) / ROWS;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int blk = 0; blk < nblocks; blk++) {
@@ -750,12 +751,13 @@ static void norm_rows(const gl_model_t *m, const float *x, const void *w, const 
 static int run_linear(const gl_linear_t *L, const float *x, float *y, int M, int round, int nthreads) {
     const int N = L->N, K = L->K;
     switch (L->kind) {
-    case GL_F32: linear_rows(L->w, 0, x, L->bias, L->bias_bf16, y, round ? 2 : 0, M, N, K, nthreads); return 0;
+    case GL_F32: linear_rows(L->w, 0, x, L->bias, 0, y, round ? 2 : 0, M, N, K, nthreads); return 0;
     case GL_BF16: {
         float *xf = scratch((size_t)M * K * sizeof(float));
         if (!xf) return -1;
         order_pairs(x, xf, M, K);
-        linear_rows(L->w, 1, xf, L->bias, L->bias_bf16, y, round ? 2 : 0, M, N, K, nthreads);
+        if (L->bias_bf16) linear_rows(L->w, 1, xf, L->bias, 1, y, round ? 2 : 0, M, N, K, nthreads);
+        else linear_rows(L->w, 1, xf, L->bias, 0, y, round ? 2 : 0, M, N, K, nthreads);
         return 0;
     }
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
