@@ -226,9 +226,14 @@ def test_declines_what_it_cannot_run(steps):
         generate(model, [[1, 2]], 3, temperature=0)
     generate(model, [[1, 2]] * (kernels.MAX_ROWS + 1), 3, temperature=0)  # a batch for the GEMMs
     assert steps["fused"] == 0
+    generate(tiny_model().half(), [[1, 2]], 3, temperature=0)  # fp16: the modules (PyTorch's kernels)
+    wide_heads = tiny_model(n_embd=288, n_head=1)  # head size 288, past the C attention's 256
+    with kernels.use_kernels(False):
+        plain = generate(wide_heads, [[1, 2]], 3, temperature=0)
+    assert generate(wide_heads, [[1, 2]], 3, temperature=0) == plain  # and not a MemoryError from C
     int8_weight_only = quantize_model(tiny_model(), "int8", activations="float")
     generate(int8_weight_only, [[1, 2]], 3, temperature=0)  # a layer without gptlab's kernel
-    assert steps["fused"] == 0 and steps["declined"] == 3
+    assert steps["fused"] == 0 and steps["declined"] == 9
 
 
 def test_hooks_still_run(steps):

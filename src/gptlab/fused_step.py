@@ -74,6 +74,10 @@ class Plan:
 
     def __init__(self, model: nn.Module, dtype: torch.dtype):
         config = model.config
+        if dtype not in (torch.float32, torch.bfloat16):
+            raise Unsupported(f"{dtype} activations (the C step runs fp32 and bf16)")
+        if config.head_size > kernels.MAX_HEAD_SIZE:
+            raise Unsupported(f"head size {config.head_size} > {kernels.MAX_HEAD_SIZE}")
         self.dtype, self.slots, self.tensors = dtype, [], []
         # Hooks on any module would not run here: every module's hook dicts, checked at each step.
         self.hooks = [d for m in model.modules() for d in (m._forward_hooks, m._forward_pre_hooks)]

@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "kernels.c"
 MAX_ROWS = 8  # rows of x one kernel call takes (MAX_ROWS in kernels.c); more go to PyTorch's GEMM
+MAX_HEAD_SIZE = 256  # the C attention's limit (attend_rows in kernels.c)
 _ABI = 5
 _P = ctypes.c_void_p
 _I = ctypes.c_int
@@ -306,6 +307,7 @@ def decode_attention_applies(qkv: torch.Tensor, kv, cache_pos) -> bool:
         and isinstance(cache_pos, int)
         and qkv.dtype in (torch.float32, torch.bfloat16)
         and kv[0].dtype is qkv.dtype
+        and kv[0].size(-1) <= MAX_HEAD_SIZE
         and _inference_on_cpu(qkv)
         and _library().float_ok
     )
