@@ -3,6 +3,7 @@ modules compute, taken by every default decoding path, and out of the way whenev
 exact (hooks, rotary positions, autograd, a changed model)."""
 
 import copy
+import dataclasses
 from collections import Counter
 
 import pytest
@@ -233,7 +234,10 @@ def test_declines_what_it_cannot_run(steps):
     assert generate(wide_heads, [[1, 2]], 3, temperature=0) == plain  # and not a MemoryError from C
     int8_weight_only = quantize_model(tiny_model(), "int8", activations="float")
     generate(int8_weight_only, [[1, 2]], 3, temperature=0)  # a layer without gptlab's kernel
-    assert steps["fused"] == 0 and steps["declined"] == 9
+    odd = tiny_model(n_inner=64)
+    odd.config = dataclasses.replace(odd.config, n_inner=96)  # a config that misdescribes the layers
+    generate(odd, [[1, 2]], 3, temperature=0)  # C would size its buffers by the config
+    assert steps["fused"] == 0 and steps["declined"] == 12
 
 
 def test_hooks_still_run(steps):

@@ -91,6 +91,11 @@ class Plan:
             b.ln2_w, b.ln2_b = self._norm(self._get(block, "ln_2"))
             b.attn, b.attn_proj = self._linear(self._get(attn, "c_attn")), self._linear(self._get(attn, "c_proj"))
             b.fc, b.mlp_proj = self._linear(self._get(mlp, "c_fc")), self._linear(self._get(mlp, "c_proj"))
+            C, H = config.n_embd, config.mlp_hidden
+            fc_out = 2 * H if config.mlp == "swiglu" else H
+            shapes = [(b.attn, 3 * C, C), (b.attn_proj, C, C), (b.fc, fc_out, C), (b.mlp_proj, C, H)]
+            if any((layer.N, layer.K) != (n, k) for layer, n, k in shapes):
+                raise Unsupported("linear layers whose shapes are not the config's")  # C sizes its buffers by it
         lnf_w, lnf_b = self._norm(self._get(t, "ln_f"))
         self.struct = _Model(
             n_layer=config.n_layer, n_embd=config.n_embd, n_head=config.n_head, hidden=config.mlp_hidden,
