@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from gptlab import kernels
+
 IGNORE_INDEX = -100
 CHUNK_ROWS = 128
 
@@ -27,6 +29,9 @@ def _chunk_grad(x_c, w_t, t_c, all_valid: bool, out: torch.Tensor):
         logits = torch.mm(x_c, w_t, out=out)  # (n, V)
     else:
         logits = out.copy_(x_c @ w_t)  # (n, V) fp32 from bf16/fp16 logits
+    row_loss = kernels.softmax_xent_(logits, t_c)  # in C on CPU: 3 passes over the logits, not 5
+    if row_loss is not None:
+        return row_loss.sum(), logits
     valid = t_c != IGNORE_INDEX  # (n,)
     t_safe = t_c.clamp_min(0)[:, None]  # (n, 1)
     target_logit = logits.gather(1, t_safe).squeeze(1)  # (n,)
@@ -79,6 +84,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def forward(ctx, x, weight, targets, compute_dtype, chunk_rows):
         x2 = x.reshape(-1, x.size(-1))  # (N, C)
         t = targets.reshape(-1)  # (N,)
+        bad = (t != IGNORE_INDEX) & ((t < 0) | (t >= weight.size(0)))  # (N,)
+        if bool(bad.any()):
+            raise ValueError(
+                f"target {int(t[bad][0])} outside the vocabulary [0, {weight.size(0)}) (and not {IGNORE_INDEX})"
+            )
         n_valid = (t != IGNORE_INDEX).sum()
         all_valid = bool(n_valid == t.numel())  # then no row needs masking
         n_valid = n_valid.clamp_min(1)

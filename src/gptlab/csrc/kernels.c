@@ -14,6 +14,7 @@
  *   gl_attend_one   one decoding step's attention over a layer's KV cache (fp32 or bf16).
  *   gl_argmax_f32   greedy sampling's argmax.
  *   gl_decode_step  a whole model's forward of a few new tokens over its KV cache (see below).
+ *   gl_softmax_xent training's softmax cross-entropy and its gradient over rows of logits.
  *
  * Any M works (rows of x are taken four at a time, each weight row reused from L1); the Python
  * side sends up to 8 rows (128 for int4), where these beat PyTorch's GEMMs.
@@ -889,6 +890,49 @@ int gl_decode_step(const gl_model_t *m, void *const *kv, float *x, int B, int T,
     }
     free(work);
     return s;
+}
+
+/* ---------------------------------------------------------------- training: softmax cross-entropy */
+
+/* For each of n rows of logits z (n, V), in place: z = softmax(z) - onehot(t) (the gradient of the
+ * row's cross-entropy with respect to its logits) and loss[r] = logsumexp(z) - z[t]; a row whose
+ * target is -100 (ignored) gets zeros and loss 0. Three passes over each row (max; exp and sum;
+ * scale) where PyTorch's ops take five. Returns 0, or -3 when a target is outside [0, V) and not -100. */
+int gl_softmax_xent(float *z, const int64_t *t, float *loss, int n, int V, int nthreads) {
+    int bad = 0;
+#pragma omp parallel for num_threads(nthreads) schedule(static) reduction(| : bad)
+    for (int r = 0; r < n; r++) {
+        float *row = z + (size_t)r * V;
+        if (t[r] < 0 || t[r] >= V) { /* -100: an ignored position (IGNORE_INDEX); else an error */
+            bad |= t[r] != -100;
+            memset(row, 0, sizeof(float) * V);
+            loss[r] = 0.0f;
+            continue;
+        }
+        const float target = row[t[r]];
+        __m512 vmax = _mm512_set1_ps(-INFINITY);
+        for (int i = 0; i < V; i += 16) {
+            __mmask16 mk = V - i >= 16 ? 0xffff : (__mmask16)((1u << (V - i)) - 1);
+            vmax = _mm512_mask_max_ps(vmax, mk, vmax, _mm512_maskz_loadu_ps(mk, row + i));
+        }
+        const float peak = _mm512_reduce_max_ps(vmax);
+        __m512 vsum = _mm512_setzero_ps();
+        for (int i = 0; i < V; i += 16) {
+            __mmask16 mk = V - i >= 16 ? 0xffff : (__mmask16)((1u << (V - i)) - 1);
+            __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, row + i), _mm512_set1_ps(peak)));
+            _mm512_mask_storeu_ps(row + i, mk, e);
+            vsum = _mm512_mask_add_ps(vsum, mk, vsum, e);
+        }
+        const float total = _mm512_reduce_add_ps(vsum);
+        const __m512 inv = _mm512_set1_ps(1.0f / total);
+        for (int i = 0; i < V; i += 16) {
+            __mmask16 mk = V - i >= 16 ? 0xffff : (__mmask16)((1u << (V - i)) - 1);
+            _mm512_mask_storeu_ps(row + i, mk, _mm512_mul_ps(_mm512_maskz_loadu_ps(mk, row + i), inv));
+        }
+        row[t[r]] -= 1.0f;
+        loss[r] = logf(total) + peak - target;
+    }
+    return bad ? -3 : 0;
 }
 
 #endif /* __AVX512F__ */
