@@ -341,7 +341,7 @@ def softmax_xent_(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor |
     target outside [0, V)."""
     if not (_enabled and logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.is_contiguous()):
         return None
-    if not _library().float_ok:
+    if torch.compiler.is_compiling() or not _library().float_ok:  # compiled graphs cannot trace ctypes
         return None
     n, V = logits.shape
     t = targets.to(torch.int64).contiguous()
