@@ -2,6 +2,7 @@
 modules compute, taken by every default decoding path, and out of the way whenever it cannot be
 exact (hooks, rotary positions, autograd, a changed model)."""
 
+import contextlib
 import copy
 import dataclasses
 from collections import Counter
@@ -51,28 +52,34 @@ def with_norms_shaken(model, seed: int = 0):
     return model
 
 
+@contextlib.contextmanager
+def fused_or_modules(fused: bool):
+    """Within the block, forwards take the C step (fused=True) or always the modules, with no grad."""
+    applies = fused_step.applies
+    fused_step.applies = applies if fused else (lambda *args: False)
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        fused_step.applies = applies
+
+
 def decode_logits(model, n: int = 6, prompts=PROMPTS, fused: bool = True) -> torch.Tensor:
     """fp32 logits (n + 1, B, V) of the prompts' last tokens (8 tokens in all: one fused call)
     and of n greedy decoding steps after them, fused or through the modules."""
     idx, positions, mask = left_pad(prompts)
-    applies = fused_step.applies
-    if not fused:
-        fused_step.applies = lambda *args: False
-    try:
-        with torch.no_grad():
-            cache = new_cache(model, len(prompts), idx.size(1) + n)
-            key_mask = None
-            if mask is not None:
-                key_mask = torch.ones(len(prompts), cache.max_len, dtype=torch.bool)
-                key_mask[:, : idx.size(1)] = mask
-            logits = prefill(model, idx, cache, positions=positions, key_mask=key_mask)
-            pos, out = positions[:, -1] + 1, [logits.float()]
-            for _ in range(n):
-                logits = decode_step(model, logits.argmax(-1), cache, positions=pos, key_mask=key_mask)
-                out.append(logits.float())
-                pos = pos + 1
-    finally:
-        fused_step.applies = applies
+    with fused_or_modules(fused):
+        cache = new_cache(model, len(prompts), idx.size(1) + n)
+        key_mask = None
+        if mask is not None:
+            key_mask = torch.ones(len(prompts), cache.max_len, dtype=torch.bool)
+            key_mask[:, : idx.size(1)] = mask
+        logits = prefill(model, idx, cache, positions=positions, key_mask=key_mask)
+        pos, out = positions[:, -1] + 1, [logits.float()]
+        for _ in range(n):
+            logits = decode_step(model, logits.argmax(-1), cache, positions=pos, key_mask=key_mask)
+            out.append(logits.float())
+            pos = pos + 1
     return torch.stack(out)
 
 
@@ -147,17 +154,12 @@ def test_a_padding_query_sees_its_own_slot(steps):
     model = tiny_model()
     out = []
     for fused in (True, False):
-        applies = fused_step.applies
-        fused_step.applies = applies if fused else (lambda *args: False)
-        try:
-            with torch.no_grad():
-                cache = new_cache(model, 2, 8)
-                key_mask = torch.ones(2, 8, dtype=torch.bool)
-                prefill(model, torch.tensor([[1, 2], [3, 4]]), cache, key_mask=key_mask)
-                key_mask[1, 2] = False  # row 1's new token is padding
-                out.append(model(torch.tensor([[5], [0]]), kv_cache=cache, key_mask=key_mask)[0])
-        finally:
-            fused_step.applies = applies
+        with fused_or_modules(fused):
+            cache = new_cache(model, 2, 8)
+            key_mask = torch.ones(2, 8, dtype=torch.bool)
+            prefill(model, torch.tensor([[1, 2], [3, 4]]), cache, key_mask=key_mask)
+            key_mask[1, 2] = False  # row 1's new token is padding
+            out.append(model(torch.tensor([[5], [0]]), kv_cache=cache, key_mask=key_mask)[0])
     assert steps["fused"] == 2
     assert torch.isfinite(out[0]).all() and relative(out[0], out[1]) <= 1e-6
 
@@ -165,24 +167,17 @@ def test_a_padding_query_sees_its_own_slot(steps):
 def feed_three(model, fused: bool) -> torch.Tensor:
     """fp32 logits (2, 4, V): rows feed 3 tokens each over a cache with holes in key_mask (a
     speculative verification after rolled-back proposals), logits for every position, then one step."""
-    applies = fused_step.applies
-    fused_step.applies = applies if fused else (lambda *args: False)
-    try:
-        with torch.no_grad():
-            cache = new_cache(model, 2, 12)
-            key_mask = torch.ones(2, 12, dtype=torch.bool)
-            prefill(model, torch.tensor([[1, 2, 3, 4, 5], [5, 6, 7, 8, 9]]), cache, key_mask=key_mask)  # the modules
-            key_mask[0, 2] = key_mask[1, 3] = False  # slots rolled back, in one row each
-            positions = torch.tensor([[4, 5, 6], [4, 5, 6]])
-            three, _ = model(torch.tensor([[9, 10, 11], [12, 13, 14]]), kv_cache=cache, positions=positions,
-                             key_mask=key_mask)  # fmt: skip
-            cache.advance(3)
-            one, _ = model(
-                torch.tensor([[15], [16]]), kv_cache=cache, positions=positions[:, -1:] + 1, key_mask=key_mask
-            )
-        return torch.cat([three, one], dim=1).float()  # (2, 4, V)
-    finally:
-        fused_step.applies = applies
+    with fused_or_modules(fused):
+        cache = new_cache(model, 2, 12)
+        key_mask = torch.ones(2, 12, dtype=torch.bool)
+        prefill(model, torch.tensor([[1, 2, 3, 4, 5], [5, 6, 7, 8, 9]]), cache, key_mask=key_mask)  # the modules
+        key_mask[0, 2] = key_mask[1, 3] = False  # slots rolled back, in one row each
+        positions = torch.tensor([[4, 5, 6], [4, 5, 6]])
+        three, _ = model(torch.tensor([[9, 10, 11], [12, 13, 14]]), kv_cache=cache, positions=positions,
+                         key_mask=key_mask)  # fmt: skip
+        cache.advance(3)
+        one, _ = model(torch.tensor([[15], [16]]), kv_cache=cache, positions=positions[:, -1:] + 1, key_mask=key_mask)
+    return torch.cat([three, one], dim=1).float()  # (2, 4, V)
 
 
 def test_several_tokens_per_row_attend_causally(steps):
@@ -306,16 +301,11 @@ def test_the_servers_batches_take_it(steps):
     model = with_norms_shaken(tiny_model())
     out = []
     for fused in (True, False):
-        applies = fused_step.applies
-        fused_step.applies = applies if fused else (lambda *args: False)
-        try:
-            with torch.no_grad():
-                batch = BatchCache(model, 4, 32)
-                batch.prefill([1, 2, 3, 4], 1, False)
-                batch.prefill([5, 6], 2, False)  # two samples of a shorter prompt, left of it padding
-                out.append(batch.step(torch.tensor([7, 8, 9])).float())  # (3, V)
-        finally:
-            fused_step.applies = applies
+        with fused_or_modules(fused):
+            batch = BatchCache(model, 4, 32)
+            batch.prefill([1, 2, 3, 4], 1, False)
+            batch.prefill([5, 6], 2, False)  # two samples of a shorter prompt, left of it padding
+            out.append(batch.step(torch.tensor([7, 8, 9])).float())  # (3, V)
     assert steps["fused"] == 3
     assert relative(out[0], out[1]) <= 1e-6  # measured 2.1e-7
 
