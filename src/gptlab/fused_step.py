@@ -6,9 +6,10 @@ other ~400 small operations and Python module calls per token cost as much as th
 the KV cache of up to `kernels.MAX_ROWS` new tokens in all (a decoding step of up to 8 rows, a
 speculative verification, a short prompt; inference, CPU) to `step`, which runs the blocks, the
 final norm and the head in C, computing what the modules compute op by op, with the same linear
-kernels. Anything it does not cover returns None and runs the modules as before:
-hooks on any module, training with dropout, autograd, torch.compile, a layer
-without a C kernel, `kernels.use_kernels(False)`.
+kernels, for every variant (learned or rotary positions, LayerNorm/RMSNorm, GELU/SwiGLU, biases or
+not). Whatever it does not cover runs the modules as before: forward hooks on any module, autograd,
+training with dropout, torch.compile, fp16, heads wider than 256, a layer without a C kernel,
+`kernels.use_kernels(False)`.
 
 The model is described to C once (`Plan`: pointers to the model's own tensors, no copies, a few
 KiB) and described again whenever a module, parameter or buffer it read was replaced; updates in
