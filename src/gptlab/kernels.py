@@ -15,7 +15,8 @@ AVX-512) `available()` says why and every caller falls back to PyTorch's kernels
 `Linear` is the model's linear layer: an nn.Linear (same parameters, same state dict, training
 unchanged) whose forward takes the kernel for a few rows without autograd on the CPU, and
 F.linear everywhere else. A decoding step usually runs the whole model in C instead
-(gl_decode_step, described to it by gptlab.fused_step), with the same kernels.
+(gl_decode_step, described to it by gptlab.fused_step), with the same kernels. One kernel serves
+training: `softmax_xent_`, the chunked loss's softmax, loss and gradient (gptlab.chunked_loss).
 """
 
 from __future__ import annotations
