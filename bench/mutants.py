@@ -114,6 +114,10 @@ MUTANTS = [
            "valid = t_c != IGNORE_INDEX", "valid = t_c == t_c", LOSS_TESTS),
     Mutant("loss/chunked-head-gradient-not-accumulated", "chunked_loss.py",
            "grad_w.addmm_(d.t(), x_c)", "grad_w.copy_(d.t() @ x_c)", LOSS_TESTS),
+    Mutant("loss/c-softmax-keeps-ignored-rows", "csrc/kernels.c",
+           "            memset(row, 0, sizeof(float) * V);\n            loss[r] = 0.0f;",
+           "            loss[r] = 0.0f;", LOSS_TESTS),
+    Mutant("loss/c-softmax-without-the-one-hot", "csrc/kernels.c", "        row[t[r]] -= 1.0f;\n", "", LOSS_TESTS),
     Mutant("loss/ignore-index-wrong", "model.py", "ignore_index=-100)", "ignore_index=-1)", LOSS_TESTS),
     # the Hugging Face name table
     Mutant("hf/c-proj-not-transposed", "hf.py", '"attn.c_proj.weight": True,', '"attn.c_proj.weight": False,',
