@@ -641,10 +641,10 @@ void gl_dequantize_i4(const uint8_t *w, const uint16_t *scales, const uint16_t *
 /* ---------------------------------------------------------------- one decoding step of a whole model */
 
 /* gl_decode_step runs a few new tokens (one per row when decoding) through every block, the final
- * norm and the head in one call, instead of ~400 PyTorch operations and Python module calls per token (which cost more than
- * the int4 matrix products themselves). It computes what the model's modules compute, op by op:
- * the same linear kernels as above; for a bf16 model every intermediate result is rounded to bf16
- * where PyTorch's bf16 ops round it, so the two paths agree to fp32 rounding. */
+ * norm and the head in one call, instead of ~400 PyTorch operations and Python module calls per
+ * token (1.7 ms of an int4 GPT-2's 4.3 ms step before). It computes what the model's modules
+ * compute, op by op, with the same linear kernels as above; for a bf16 model each intermediate
+ * result is rounded to bf16 where PyTorch's bf16 ops round it. */
 
 enum { GL_F32 = 0, GL_BF16 = 1, GL_I8 = 2, GL_I4 = 3 };
 enum { GL_LAYERNORM = 0, GL_RMSNORM = 1 };
