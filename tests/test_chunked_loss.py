@@ -52,7 +52,7 @@ def test_bf16_autocast_stays_close():
     assert 0 < abs(loss.item() - ref.item()) < 1e-3
 
 
-@pytest.mark.skipif(not kernels.available()[0], reason="gptlab's kernels are not built here")
+@pytest.mark.skipif(not kernels.available()[0], reason=f"gptlab's kernels are not built here: {kernels.available()[2]}")
 def test_the_c_softmax_runs_and_agrees_with_pytorchs(monkeypatch):
     """On CPU the chunk's softmax, loss and gradient are one C call (kernels.softmax_xent_); the
     PyTorch ops it replaces give the same numbers (measured: the loss equal, gradients within
@@ -84,3 +84,10 @@ def test_a_target_outside_the_vocabulary_is_refused(c_kernels):
         t = torch.tensor([1, 2, bad, 3])
         with kernels.use_kernels(c_kernels), pytest.raises(ValueError, match=f"target {bad} outside the vocabulary"):
             linear_cross_entropy(x, w, t)
+
+
+@pytest.mark.skipif(not kernels.available()[0], reason=f"gptlab's kernels are not built here: {kernels.available()[2]}")
+def test_the_c_softmax_refuses_a_target_outside_the_vocabulary():
+    """Called directly (linear_cross_entropy checks first), the kernel never writes past a row."""
+    with pytest.raises(ValueError, match="target 10 outside the vocabulary"):
+        kernels.softmax_xent_(torch.randn(3, 10), torch.tensor([1, 10, -100]))

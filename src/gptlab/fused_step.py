@@ -84,6 +84,8 @@ class Plan:
         self.hooks = [d for m in model.modules() for d in (m._forward_hooks, m._forward_pre_hooks)]
         self.hooks += [nn.modules.module._global_forward_hooks, nn.modules.module._global_forward_pre_hooks]
         t = self._get(model, "transformer")
+        C, H = config.n_embd, config.mlp_hidden
+        fc_out = 2 * H if config.mlp == "swiglu" else H
         self.blocks = (_Block * config.n_layer)()
         for i, b in enumerate(self.blocks):
             block = self._get(self._get(t, "h"), str(i))
@@ -92,8 +94,6 @@ class Plan:
             b.ln2_w, b.ln2_b = self._norm(self._get(block, "ln_2"))
             b.attn, b.attn_proj = self._linear(self._get(attn, "c_attn")), self._linear(self._get(attn, "c_proj"))
             b.fc, b.mlp_proj = self._linear(self._get(mlp, "c_fc")), self._linear(self._get(mlp, "c_proj"))
-            C, H = config.n_embd, config.mlp_hidden
-            fc_out = 2 * H if config.mlp == "swiglu" else H
             shapes = [(b.attn, 3 * C, C), (b.attn_proj, C, C), (b.fc, fc_out, C), (b.mlp_proj, C, H)]
             if any((layer.N, layer.K) != (n, k) for layer, n, k in shapes):
                 raise Unsupported("linear layers whose shapes are not the config's")  # C sizes its buffers by it
@@ -160,7 +160,7 @@ class Plan:
         kind, N, K, g, tensors = decode.layer  # see kernels.int8_decoder / int4_decoder
         w, a, b, bias = tensors
         self.tensors += [t for t in tensors if t is not None]  # kept alive and checked, as the rest
-        ptrs = kernels.stream(w), a.data_ptr(), b.data_ptr(), _ptr(bias)
+        ptrs = kernels.stream(w), a.data_ptr(), b.data_ptr(), kernels.ptr(bias)
         return _Linear({"i8": I8, "i4": I4}[kind], N, K, g, 0, *ptrs)  # an fp32 bias (kernels._decoder)
 
     def cache_pointers(self, cache):
@@ -186,10 +186,6 @@ class NoPlan:
 
 def _module_ids(model) -> tuple:
     return tuple(id(m) for m in model.modules())
-
-
-def _ptr(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
 
 
 _plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> Plan | NoPlan (no reference back)
@@ -242,7 +238,7 @@ def step(model, x: torch.Tensor, rope, cache, key_mask: torch.Tensor | None, las
     x = x.reshape(B * T, C).float().contiguous()  # (B*T, C), overwritten by C
     logits = torch.empty(B, 1 if last_only else T, model.lm_head.out_features)  # (B, T|1, V)
     status = kernels.library().gl_decode_step(
-        ctypes.byref(p.struct), kv, x.data_ptr(), B, T, pos, cache.layers[0][0].size(2), _ptr(mask), _ptr(angles),
+        ctypes.byref(p.struct), kv, x.data_ptr(), B, T, pos, cache.layers[0][0].size(2), kernels.ptr(mask), kernels.ptr(angles),
         logits.data_ptr(), int(not last_only), torch.get_num_threads(),
     )  # fmt: skip
     if status == -2:

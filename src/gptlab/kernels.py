@@ -182,7 +182,8 @@ def available() -> tuple[bool, bool, str]:
 # Dispatch
 
 
-def _ptr(t: torch.Tensor | None):
+def ptr(t: torch.Tensor | None) -> int | None:
+    """t's data pointer, or None (NULL in C) for None."""
     return None if t is None else t.data_ptr()
 
 
@@ -194,12 +195,12 @@ def library():
 def stream(weight: torch.Tensor) -> int:
     """The data pointer of a weight the kernels stream; the first time, its memory is moved to
     2 MiB pages (see gl_huge_pages in kernels.c: fewer TLB misses, same bytes, no copy kept)."""
-    ptr = weight.data_ptr()
-    if ptr not in _huge_paged:
-        _huge_paged.add(ptr)
+    address = weight.data_ptr()
+    if address not in _huge_paged:
+        _huge_paged.add(address)
         if weight.nbytes >= 4 << 20:
-            _library().lib.gl_huge_pages(ptr, weight.nbytes)
-    return ptr
+            _library().lib.gl_huge_pages(address, weight.nbytes)
+    return address
 
 
 def _inference_on_cpu(x: torch.Tensor) -> bool:
@@ -245,7 +246,7 @@ def float_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     lib = _library().lib
     fn = lib.gl_linear_f32 if x.dtype is torch.float32 else lib.gl_linear_bf16
     b = _f32(bias)
-    status = fn(x.data_ptr(), stream(weight), None if b is None else b.data_ptr(), y.data_ptr(), x.numel() // K, N, K,
+    status = fn(x.data_ptr(), stream(weight), ptr(b), y.data_ptr(), x.numel() // K, N, K,
                 torch.get_num_threads())  # fmt: skip
     check(status)
     return y
@@ -327,7 +328,7 @@ def decode_attention(qkv: torch.Tensor, kv, cache_pos: int, mask: torch.Tensor |
     out = torch.empty(B, 1, C3 // 3, dtype=qkv.dtype)
     m = None if mask is None else mask.reshape(B, cache_pos + 1).contiguous()
     status = _library().lib.gl_attend_one(
-        qkv.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), cache_pos, _ptr(m), out.data_ptr(),
+        qkv.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), cache_pos, ptr(m), out.data_ptr(),
         B, n_head, hs, max_len, int(qkv.dtype == torch.bfloat16), torch.get_num_threads(),
     )  # fmt: skip
     check(status)
