@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from gptlab import kernels
 from gptlab.config import GPTConfig
 from gptlab.model import GPT
 
@@ -45,3 +46,11 @@ def model():
 @pytest.fixture(params=list(VARIANTS), ids=list(VARIANTS))
 def variant_model(request):
     return tiny_model(**VARIANTS[request.param])
+
+
+@pytest.fixture(params=kernels.runnable_variants())
+def kernel_variant(request):
+    """Each kernel variant this CPU can run (AVX-512, AVX2, portable C, ...), active for the test:
+    `pytestmark = pytest.mark.usefixtures("kernel_variant")` runs a module's tests once per variant."""
+    with kernels.use_variant(request.param):
+        yield request.param

@@ -52,6 +52,7 @@ def test_bf16_autocast_stays_close():
     assert 0 < abs(loss.item() - ref.item()) < 1e-3
 
 
+@pytest.mark.usefixtures("kernel_variant")
 @pytest.mark.skipif(not kernels.available()[0], reason=f"gptlab's kernels are not built here: {kernels.available()[2]}")
 def test_the_c_softmax_runs_and_agrees_with_pytorchs(monkeypatch):
     """On CPU the chunk's softmax, loss and gradient are one C call (kernels.softmax_xent_); the
@@ -77,6 +78,7 @@ def test_the_c_softmax_runs_and_agrees_with_pytorchs(monkeypatch):
         torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.usefixtures("kernel_variant")
 @pytest.mark.parametrize("c_kernels", [True, False])
 def test_a_target_outside_the_vocabulary_is_refused(c_kernels):
     x, w = torch.randn(4, 8), torch.randn(10, 8)
@@ -86,6 +88,7 @@ def test_a_target_outside_the_vocabulary_is_refused(c_kernels):
             linear_cross_entropy(x, w, t)
 
 
+@pytest.mark.usefixtures("kernel_variant")
 @pytest.mark.skipif(not kernels.available()[0], reason=f"gptlab's kernels are not built here: {kernels.available()[2]}")
 def test_the_c_softmax_refuses_a_target_outside_the_vocabulary():
     """Called directly (linear_cross_entropy checks first), the kernel never writes past a row."""

@@ -14,6 +14,7 @@ from gptlab.generation import generate
 from gptlab.quantize import Int4Linear, Int8Linear, quantize_model
 
 FLOAT_OK, INT_OK, WHY = kernels.available()
+pytestmark = pytest.mark.usefixtures("kernel_variant")  # every test on every variant this CPU runs
 needs_float = pytest.mark.skipif(not FLOAT_OK, reason=f"gptlab's float kernels are not built here: {WHY}")
 needs_int = pytest.mark.skipif(not INT_OK, reason=f"gptlab's int8/int4 kernels are not built here: {WHY}")
 

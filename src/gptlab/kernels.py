@@ -1,16 +1,19 @@
-"""CPU kernels for decoding: matrix-vector products that stream each weight once (csrc/kernels.c).
+"""CPU kernels for decoding: matrix-vector products that stream each weight once (csrc/).
 
 Decoding a token reads every weight once, so on a CPU its speed is the rate at which weights
 stream from memory. PyTorch's own kernels for a (1, K) x (K, N) product either read a plain fp32
 weight slowly (one thread) or want a second copy in oneDNN's blocked layout. The small C library
 here reads the weights in the layout the model already stores them, on all threads: fp32 and bf16
 (fp32 arithmetic, so CPUs without native bf16 gain the halved bytes too), and int8/int4 with
-8-bit activations and integer dot products (AVX-512 VNNI, as llama.cpp's Q8_0/Q4_0).
+8-bit activations and integer dot products (as llama.cpp's Q8_0/Q4_0).
 
-The library is compiled once per CPU model with the system's C compiler (`-O3 -march=native
--fopenmp`) into the user's cache directory, on first use or by `python -m gptlab.kernels`
-(`make install` runs it). Where that is impossible (no compiler, another CPU architecture, no
-AVX-512) `available()` says why and every caller falls back to PyTorch's kernels.
+One source, several variants (gptlab.kernel_build): AVX-512 with VNNI, AVX2 with AVX-VNNI, AVX2
+(+FMA, F16C), and portable C that compiles anywhere. Each is compiled with its own target flags at
+install time (`pip install .`, `make install`) into the package, or at first use into the user's
+cache directory. At load the best variant the CPU reports (cpuid, `cpu_features`) is chosen;
+`GPTLAB_KERNELS=auto|avx512|avx2-vnni|avx2|portable|0` forces one (0: PyTorch's kernels only), and a
+variant this CPU cannot run is a RuntimeError naming what it lacks. Without a C compiler and
+without a built library, `available()` says why and every caller falls back to PyTorch's kernels.
 
 `Linear` is the model's linear layer: an nn.Linear (same parameters, same state dict, training
 unchanged) whose forward takes the kernel for a few rows without autograd on the CPU, and
@@ -24,15 +27,11 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
-import hashlib
 import logging
 import os
 import platform
-import re
-import shutil
-import subprocess
 import sys
-import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -40,12 +39,15 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from gptlab import kernel_build
+
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "kernels.c"
 MAX_ROWS = 8  # rows of x one kernel call takes (MAX_ROWS in kernels.c); more go to PyTorch's GEMM
-MAX_HEAD_SIZE = 256  # the C attention's limit (attend_rows in kernels.c)
-_ABI = 5
+MAX_HEAD_SIZE = 256  # the C attention's limit (MAX_HS in attention.c)
+VARIANTS = tuple(kernel_build.VARIANTS)  # best first
+FEATURES = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512vnni", "avxvnni")
+_ABI = 6
 _P = ctypes.c_void_p
 _I = ctypes.c_int
 _SIGNATURES = {  # name: argument types; each returns 0, or -1 when out of memory
@@ -54,6 +56,7 @@ _SIGNATURES = {  # name: argument types; each returns 0, or -1 when out of memor
     "gl_linear_i8": [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I],
     "gl_linear_i4": [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I],
     "gl_dequantize_i4": [_P, _P, _P, _P, _I, _I, _I, _I],
+    "gl_dequantize_i8": [_P, _P, _P, _I, _I, _I],
     "gl_attend_one": [_P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _I],
     "gl_argmax_f32": [_P, _P, _I, _I],
     "gl_softmax_xent": [_P, _P, _P, _I, _I, _I],  # logits, targets, loss, n, V, threads
@@ -64,7 +67,7 @@ _huge_paged: set[int] = set()  # weights already moved to huge pages (their data
 
 
 # ---------------------------------------------------------------------------------------------
-# Building and loading the library
+# Building, choosing and loading a variant
 
 
 def cpu_name() -> str:
@@ -79,79 +82,160 @@ def cpu_name() -> str:
 
 
 def cache_dir() -> Path:
-    """Where built kernels live: $GPTLAB_CACHE, else $XDG_CACHE_HOME/gptlab, else ~/.cache/gptlab."""
+    """Where first-use builds live: $GPTLAB_CACHE, else $XDG_CACHE_HOME/gptlab, else ~/.cache/gptlab."""
     if os.environ.get("GPTLAB_CACHE"):
         return Path(os.environ["GPTLAB_CACHE"])
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "gptlab"
 
 
-def library_path() -> Path:
-    """The built library's path: one per source version and CPU model (-march=native is CPU-specific)."""
-    digest = hashlib.sha256(SOURCE.read_bytes() + cpu_name().encode()).hexdigest()[:16]
-    slug = re.sub(r"[^A-Za-z0-9]+", "-", cpu_name()).strip("-")[:40]
-    return cache_dir() / "kernels" / f"gptlab-kernels-{slug}-{digest}.so"
+def installed_path(variant: str) -> Path:
+    """Where `pip install` put a variant's library: in the package, next to this file."""
+    return Path(__file__).parent / kernel_build.library_name(variant)
 
 
-def build(path: Path | None = None) -> Path:
-    """Compile csrc/kernels.c into `path` (default library_path()); raises RuntimeError saying why not."""
-    path = path or library_path()
-    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
-    if compiler is None:
-        raise RuntimeError("no C compiler found (install gcc, or set CC)")
-    if platform.machine() not in ("x86_64", "AMD64"):
-        raise RuntimeError(f"the kernels are written for x86-64 (AVX-512), this is {platform.machine()}")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".so.tmp")
-    os.close(fd)
-    cmd = [compiler, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-o", tmp, str(SOURCE), "-lm"]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-2000:]}")
-        os.replace(tmp, path)
-        for old in path.parent.glob(path.name.rsplit("-", 1)[0] + "-*.so"):  # builds of older sources
-            if old != path:
-                old.unlink(missing_ok=True)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return path
+def cached_path(variant: str) -> Path:
+    """A first-use build's path: one per source version and variant (no CPU in the name: the
+    variants' flags name their instructions, so a build serves every CPU that has them)."""
+    name = kernel_build.library_name(variant).replace(".so", f"-{kernel_build.source_digest()}.so")
+    return cache_dir() / "kernels" / name
 
 
-class _Library:
-    """The loaded ctypes library and what it can do, or why it is not there."""
+def _open(path: Path) -> ctypes.CDLL | None:
+    """The library at path when it is current (this ABI, built from these sources), else None."""
+    if not path.is_file():
+        return None
+    lib = ctypes.CDLL(str(path))
+    lib.gl_source_digest.restype = ctypes.c_char_p
+    if lib.gl_abi() != _ABI or lib.gl_source_digest().decode() != kernel_build.source_digest():
+        log.info("%s was built from other sources; not using it", path)
+        return None
+    return lib
 
-    def __init__(self):
-        self.lib, self.float_ok, self.int_ok, self.reason = None, False, False, ""
-        if os.environ.get("GPTLAB_KERNELS", "1") == "0":
-            self.reason = "switched off by GPTLAB_KERNELS=0"
-            return
-        try:
-            path = library_path()
-            if not path.is_file():
-                log.info("building gptlab's CPU kernels for %s into %s", cpu_name(), path)
-                build(path)
-            lib = ctypes.CDLL(str(path))
-            if lib.gl_abi() != _ABI:
-                raise RuntimeError(f"{path} is an old build (ABI {lib.gl_abi()}, want {_ABI}); delete it")
-        except (OSError, RuntimeError) as e:
-            self.reason = str(e)
-            log.warning("gptlab CPU kernels unavailable, using PyTorch's: %s", e)
-            return
-        for name, argtypes in _SIGNATURES.items():
-            fn = getattr(lib, name, None)
-            if fn is not None:
-                fn.argtypes, fn.restype = argtypes, ctypes.c_int
-        lib.gl_huge_pages.argtypes, lib.gl_huge_pages.restype = [_P, ctypes.c_size_t], ctypes.c_int
-        self.lib = lib
-        self.float_ok, self.int_ok = bool(lib.gl_has_float_kernels()), bool(lib.gl_has_int_kernels())
-        if not self.float_ok:
-            self.reason = "this CPU has no AVX-512"
+
+def _load(variant: str) -> ctypes.CDLL:
+    """The variant's library: the installed one when current, else a first-use build in the cache
+    (built now if missing); its path is `lib.path`. RuntimeError or OSError saying why it cannot be had."""
+    path = installed_path(variant)
+    lib = _open(path)
+    if lib is None:
+        path = cached_path(variant)
+        lib = _open(path)
+        if lib is None:
+            log.info("building gptlab's %s CPU kernels into %s", variant, path)
+            kernel_build.build(variant, path)
+            for old in path.parent.glob(kernel_build.library_name(variant).replace(".so", "-*.so")):
+                if old != path:  # builds of older sources
+                    old.unlink(missing_ok=True)
+            lib = _open(path)
+    for name, argtypes in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = argtypes, ctypes.c_int
+    lib.gl_huge_pages.argtypes, lib.gl_huge_pages.restype = [_P, ctypes.c_size_t], ctypes.c_int
+    lib.gl_variant.restype = ctypes.c_char_p
+    lib.path = path
+    return lib
 
 
 @functools.cache
+def cpu_features() -> frozenset[str]:
+    """The instruction sets this CPU and OS support, of FEATURES (cpuid and xgetbv, read by the
+    portable library's gl_cpu_features); empty off x86-64 or without a library."""
+    if not kernel_build.is_x86():
+        return frozenset()
+    try:
+        bits = _load("portable").gl_cpu_features()
+    except (OSError, RuntimeError) as e:
+        log.warning("cannot read the CPU's features (%s)", e)
+        return frozenset()
+    return frozenset(name for i, name in enumerate(FEATURES) if bits >> i & 1)
+
+
+def missing_features(variant: str) -> list[str]:
+    """What this CPU lacks to run `variant` (empty: it can)."""
+    if variant not in kernel_build.buildable():
+        return [f"an x86-64 CPU (this is {platform.machine()})"]
+    return [f for f in kernel_build.VARIANTS[variant][2] if f not in cpu_features()]
+
+
+def runnable_variants() -> list[str]:
+    """The variants this CPU can run, best first (portable is always among them)."""
+    return [v for v in VARIANTS if not missing_features(v)]
+
+
+def requested_variant() -> str | None:
+    """The variant GPTLAB_KERNELS asks for: the best runnable one for auto (the default; 1 too),
+    None for 0; ValueError for an unknown name, RuntimeError for one this CPU cannot run."""
+    want = os.environ.get("GPTLAB_KERNELS", "auto").strip().lower() or "auto"
+    if want == "0":
+        return None
+    if want in ("auto", "1"):
+        return runnable_variants()[0]
+    if want not in VARIANTS:
+        raise ValueError(f"GPTLAB_KERNELS={want!r}: expected auto, 0 or one of {', '.join(VARIANTS)}")
+    if missing_features(want):
+        raise RuntimeError(
+            f"GPTLAB_KERNELS={want}: this CPU ({cpu_name()}) cannot run it, it lacks {', '.join(missing_features(want))}"
+            f" (it can run {', '.join(runnable_variants())})"
+        )
+    return want
+
+
+class _Library:
+    """One variant's loaded ctypes library, or why it is not there."""
+
+    def __init__(self, variant: str | None):
+        self.variant, self.lib, self.reason = variant, None, ""
+        if variant is None:
+            self.reason = "switched off by GPTLAB_KERNELS=0"
+            return
+        try:
+            self.lib = _load(variant)
+        except (OSError, RuntimeError, AttributeError) as e:
+            self.reason = f"the {variant} kernels cannot be loaded: {e}"
+            log.warning("gptlab CPU kernels unavailable, using PyTorch's: %s", self.reason)
+
+    @property
+    def float_ok(self) -> bool:
+        return self.lib is not None
+
+    int_ok = float_ok  # every variant has every kernel
+
+
+_libraries: dict[str | None, _Library] = {}
+_forced = threading.local()  # use_variant's choice, per thread
+
+
 def _library() -> _Library:
-    return _Library()
+    """The active variant's library (GPTLAB_KERNELS, or use_variant within its block)."""
+    variant = getattr(_forced, "variant", "env")
+    if variant == "env":
+        variant = requested_variant()
+    if variant not in _libraries:
+        _libraries[variant] = _Library(variant)
+    return _libraries[variant]
+
+
+@contextlib.contextmanager
+def use_variant(variant: str):
+    """Within the block (this thread), run the `variant` kernels, e.g. to test or time each one
+    this CPU can run; RuntimeError for one it cannot. Layers prepared before keep their kernels'
+    weight layouts, which are the same for every variant."""
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown kernel variant {variant!r}: expected one of {', '.join(VARIANTS)}")
+    if missing_features(variant):
+        raise RuntimeError(f"this CPU cannot run the {variant} kernels: it lacks {', '.join(missing_features(variant))}")
+    before = getattr(_forced, "variant", "env")
+    _forced.variant = variant
+    try:
+        yield _library()
+    finally:
+        _forced.variant = before
+
+
+def variant() -> str | None:
+    """The name of the variant that runs (None: PyTorch's kernels only)."""
+    lib = _library()
+    return lib.variant if lib.lib is not None else None
 
 
 _enabled = True
@@ -174,8 +258,7 @@ def available() -> tuple[bool, bool, str]:
     if not _enabled:
         return False, False, "switched off by use_kernels(False)"
     lib = _library()
-    why = lib.reason or ("" if lib.int_ok else "this CPU has no AVX-512 VNNI")
-    return lib.float_ok, lib.int_ok, why
+    return lib.float_ok, lib.int_ok, lib.reason
 
 
 # ---------------------------------------------------------------------------------------------
@@ -258,6 +341,13 @@ def float_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 INT4_KERNEL_ROWS = 128
 
 
+def fbgemm_int8_is_exact() -> bool:
+    """Whether PyTorch's fbgemm int8 x int8 GEMM keeps full precision here: with AVX-512 VNNI it
+    sums in 32 bits; without, vpmaddubsw's 16-bit pair sums saturate (measured on an AMD EPYC:
+    logits cosine 0.9953 and perplexity +1.08%, against 0.9999 and +0.2% through gptlab's kernel)."""
+    return "avx512vnni" in cpu_features()
+
+
 def int_kernels_apply(x: torch.Tensor, max_rows: int = MAX_ROWS) -> bool:
     """Whether the int8/int4 kernels take x (..., K): CPU, at most max_rows rows, VNNI, no autograd."""
     return x.numel() <= max_rows * x.size(-1) and _inference_on_cpu(x) and _library().int_ok
@@ -268,7 +358,6 @@ def _decoder(name: str, weight: torch.Tensor, buffers: list[torch.Tensor], bias,
     (pointers taken now: build a new one whenever the buffers change, as prepare() does).
     `run.layer` describes the layer to gl_decode_step (gptlab.fused_step): (kind, N, K, group
     size, (weight, scales, zeros or row sums, fp32 bias or None))."""
-    fn = getattr(_library().lib, name)
     b = _f32(bias)
     static = [ctypes.c_void_p(stream(weight))] + [ctypes.c_void_p(t.data_ptr()) for t in buffers]
     static.append(None if b is None else ctypes.c_void_p(b.data_ptr()))
@@ -276,6 +365,7 @@ def _decoder(name: str, weight: torch.Tensor, buffers: list[torch.Tensor], bias,
     def run(x: torch.Tensor) -> torch.Tensor:
         x = x if x.dtype is torch.float32 and x.is_contiguous() else x.float().contiguous()
         y = torch.empty(*x.shape[:-1], N)
+        fn = getattr(_library().lib, name)  # the active variant's (use_variant)
         check(fn(x.data_ptr(), *static, y.data_ptr(), x.numel() // K, N, K, *extra, torch.get_num_threads()))
         return y
 
@@ -429,12 +519,25 @@ class Linear(nn.Linear):
         return linear(x, self.weight, self.bias)
 
 
+def describe() -> str:
+    """One line for logs and benchmarks: the variant that runs on this CPU, or why none does."""
+    float_ok, _, why = available()
+    return f"{variant()} on {cpu_name()}" if float_ok else f"none on {cpu_name()} ({why})"
+
+
 def main() -> int:
-    """`python -m gptlab.kernels`: build the library for this CPU (if needed) and say what it can do."""
+    """`python -m gptlab.kernels`: load (building if needed) the variant for this CPU and say which."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    float_ok, int_ok, why = available()
-    print(f"gptlab kernels for {cpu_name()}: float {'yes' if float_ok else 'no'}, int8/int4 {'yes' if int_ok else 'no'}"
-          + (f" ({why})" if why else "") + f"\n  {library_path()}")  # fmt: skip
+    try:
+        lib = _library()
+    except (ValueError, RuntimeError) as e:
+        print(f"gptlab kernels: error: {e}", file=sys.stderr)
+        return 2
+    print(f"gptlab kernels for {cpu_name()}: {describe().split(' on ')[0]}")
+    print(f"  CPU features: {' '.join(sorted(cpu_features())) or 'none of ' + ', '.join(FEATURES)}")
+    print(f"  variants this CPU runs: {', '.join(runnable_variants())}")
+    if lib.lib is not None:
+        print(f"  {lib.lib.path}")
     return 0
 
 

@@ -1,0 +1,98 @@
+/* Decoding attention over a layer's KV cache, and greedy sampling's argmax. */
+#include "common.h"
+
+#define MAX_HS 256 /* kernels.MAX_HEAD_SIZE */
+
+/* One new token per row attends over its cache, for one layer: row b's qkv at qkv + b * qkv_stride
+ * elements holds the token's query, key and value (heads side by side, as c_attn gives them); its
+ * key and value are written to slot `pos` of the caches k_cache and v_cache (B, nh, max_len, hs), then
+ *   out[b, h*hs:(h+1)*hs] = softmax(q . k_j / sqrt(hs), j <= pos, where mask[b, j] or j == pos) . v_j
+ * (a query always sees its own slot, as the model's mask) with fp32 scores and sums, row b of out at
+ * out + b * out_stride. mask: row b at mask + b * mask_stride bytes, or NULL. Tensors fp32, or bf16
+ * when bf16 != 0. Returns -1 when hs > 256 or out of memory. */
+int gl_attend_rows(const void *qkv, int qkv_stride, void *k_cache, void *v_cache, int pos, const uint8_t *mask,
+                   int mask_stride, void *out, int out_stride, int B, int nh, int hs, int max_len, int bf16,
+                   int nthreads) {
+    if (hs > MAX_HS) return -1;
+    const int C = nh * hs, S = pos + 1, es = bf16 ? 2 : 4, nv = (hs + VW - 1) / VW;
+    const float scale = 1.0f / sqrtf((float)hs);
+    float *scores_all = gl_scratch((size_t)B * nh * S * sizeof(float));
+    if (!scores_all) return -1;
+#pragma omp parallel for num_threads(nthreads) collapse(2) schedule(static)
+    for (int b = 0; b < B; b++) {
+        for (int h = 0; h < nh; h++) {
+            const char *row = (const char *)qkv + (size_t)b * qkv_stride * es;
+            size_t head = ((size_t)b * nh + h) * max_len; /* first slot of this (b, h) in the caches */
+            char *kc = (char *)k_cache + head * hs * es, *vc = (char *)v_cache + head * hs * es;
+            memcpy(kc + (size_t)pos * hs * es, row + (size_t)(C + h * hs) * es, (size_t)hs * es);
+            memcpy(vc + (size_t)pos * hs * es, row + (size_t)(2 * C + h * hs) * es, (size_t)hs * es);
+            vf q[MAX_HS / VW];
+            for (int v = 0; v < nv; v++)
+                q[v] = vf_mul(vf_load_any_n(row + (size_t)(h * hs + VW * v) * es, bf16, hs - VW * v), vf_set1(scale));
+            float *sc = scores_all + ((size_t)b * nh + h) * S, smax = -INFINITY;
+            for (int j = 0; j < S; j++) {
+                if (mask && !mask[(size_t)b * mask_stride + j] && j != pos) {
+                    sc[j] = -INFINITY;
+                    continue;
+                }
+                vf acc = vf_zero();
+                for (int v = 0; v < nv; v++)
+                    acc = vf_fma(q[v], vf_load_any_n(kc + ((size_t)j * hs + VW * v) * es, bf16, hs - VW * v), acc);
+                sc[j] = vf_sum(acc);
+                smax = sc[j] > smax ? sc[j] : smax;
+            }
+            float total = 0.0f;
+            for (int j = 0; j < S; j++) {
+                sc[j] = sc[j] == -INFINITY ? 0.0f : expf(sc[j] - smax);
+                total += sc[j];
+            }
+            vf acc[MAX_HS / VW];
+            for (int v = 0; v < nv; v++) acc[v] = vf_zero();
+            for (int j = 0; j < S; j++) {
+                if (sc[j] == 0.0f) continue;
+                vf p = vf_set1(sc[j] / total);
+                for (int v = 0; v < nv; v++)
+                    acc[v] = vf_fma(p, vf_load_any_n(vc + ((size_t)j * hs + VW * v) * es, bf16, hs - VW * v), acc[v]);
+            }
+            for (int v = 0; v < nv; v++) {
+                const int n = hs - VW * v >= VW ? VW : hs - VW * v;
+                float o[VW];
+                vf_store(o, acc[v]);
+                size_t at = (size_t)b * out_stride + h * hs + VW * v;
+                for (int d = 0; d < n; d++) {
+                    if (bf16) ((uint16_t *)out)[at + d] = f32_to_bf16(o[d]);
+                    else ((float *)out)[at + d] = o[d];
+                }
+            }
+        }
+    }
+    return 0;
+}
+
+/* gl_attend_rows for B rows of one token each, stored one after another; mask (B, pos + 1) or NULL. */
+int gl_attend_one(const void *qkv, void *k_cache, void *v_cache, int pos, const uint8_t *mask, void *out, int B,
+                  int nh, int hs, int max_len, int bf16, int nthreads) {
+    const int C = nh * hs;
+    return gl_attend_rows(qkv, 3 * C, k_cache, v_cache, pos, mask, pos + 1, out, C, B, nh, hs, max_len, bf16,
+                          nthreads);
+}
+
+/* out[m] = the index of the largest of x[m, 0..N) (the first one on ties, as torch.argmax; NaN wins). */
+int gl_argmax_f32(const float *x, int64_t *out, int M, int N) {
+    for (int m = 0; m < M; m++) {
+        const float *r = x + (size_t)m * N;
+        vf best = vf_set1(-INFINITY);
+        int n = 0;
+        for (; n + VW <= N; n += VW) best = vf_max(best, vf_load(r + n));
+        float top = vf_hmax(best);
+        for (; n < N; n++) top = r[n] > top ? r[n] : top;
+        int64_t at = -1;
+        for (n = 0; n < N; n++)
+            if (r[n] == top || r[n] != r[n]) {
+                at = n;
+                break;
+            }
+        out[m] = at < 0 ? 0 : at;
+    }
+    return 0;
+}

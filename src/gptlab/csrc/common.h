@@ -1,0 +1,108 @@
+/* What the kernel files share: scalar bf16 conversions, scratch memory, the model description
+ * gl_decode_step reads, and the functions one file calls in another. */
+#ifndef GL_COMMON_H
+#define GL_COMMON_H
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "simd.h"
+
+#define GL_ABI 6 /* gptlab/kernels.py refuses a library of another ABI */
+
+/* Rows of W at a time (ROWS memory streams in flight) and rows of x at a time (MROWS, their
+ * products kept in registers: 4 x 4 vectors fit AVX-512's 32 registers, 4 x 2 AVX2's 16). */
+#define ROWS 4
+#if GL_VARIANT == GL_AVX512
+#define MROWS 4
+#else
+#define MROWS 2
+#endif
+
+/* Software prefetch distances, bytes ahead of each weight stream (tuned on an Intel Xeon, 2 threads). */
+#ifndef PF_FLOAT
+#define PF_FLOAT 8192 /* 2026-12-01, whole-model decode steps: fp32 16.2-16.6 vs 16.8-17.3 ms at 512; bf16 9.4-9.8 vs 11.3 */
+#endif
+#ifndef PF_I8
+#define PF_I8 4096
+#endif
+#ifndef PF_I4
+#define PF_I4 8192
+#endif
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch does */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* NaN stays NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* Element i of a parameter vector stored as fp32, or as bf16 when bf16. */
+static inline float param(const void *p, size_t i, int bf16) {
+    return bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+/* Per-thread scratch for converted or quantized activations, grown on demand and kept (cpu.c). */
+void *gl_scratch(size_t nbytes);
+
+/* ---------------------------------------------------------------- linear layers (linear.c, quantized.c) */
+
+/* y (M, N) = x (M, K) W^T + bias, W fp32 or (w_bf16) bf16 (N, K), x fp32 (for bf16 W: in
+ * order_pairs' order), bias fp32 or (bias_bf16) bf16 or NULL; y_bf16: 0 y fp32, 1 y bf16 (rounded
+ * to nearest even), 2 y fp32 holding those bf16 values. */
+void gl_linear_rows(const void *w, int w_bf16, const float *x, const void *bias, int bias_bf16, void *y, int y_bf16,
+                    int M, int N, int K, int nthreads);
+/* x (M, K) fp32 into xo in the order the bf16 kernel reads (see linear.c). */
+void gl_order_pairs(const float *x, float *xo, int M, int K);
+int gl_linear_i8(const float *x, const int8_t *w, const uint16_t *ws, const int32_t *wsum, const float *b, float *y,
+                 int M, int N, int K, int nthreads);
+int gl_linear_i4(const float *x, const uint8_t *w, const uint16_t *scales, const uint16_t *zeros, const float *b,
+                 float *y, int M, int N, int K, int g, int nthreads);
+
+/* ---------------------------------------------------------------- attention (attention.c) */
+
+int gl_attend_rows(const void *qkv, int qkv_stride, void *k_cache, void *v_cache, int pos, const uint8_t *mask,
+                   int mask_stride, void *out, int out_stride, int B, int nh, int hs, int max_len, int bf16,
+                   int nthreads);
+
+/* ---------------------------------------------------------------- the model gl_decode_step runs */
+
+enum { GL_F32 = 0, GL_BF16 = 1, GL_I8 = 2, GL_I4 = 3 };
+enum { GL_LAYERNORM = 0, GL_RMSNORM = 1 };
+enum { GL_GELU_TANH = 0, GL_GELU_ERF = 1, GL_SWIGLU = 2 };
+
+/* The model, described once by gptlab.fused_step: pointers to its own tensors, no copies. */
+typedef struct {      /* one linear layer, y = x W^T + bias */
+    int kind;         /* GL_F32 or GL_BF16 weights (N, K); GL_I8 (N, K) int8; GL_I4 (N, K/2) nibbles */
+    int N, K, g;      /* g: int4 group size */
+    int bias_bf16;    /* the bias is bf16 (a bf16 model's), else fp32 */
+    const void *w;    /* the weights */
+    const void *a;    /* GL_I8: bf16 row scales (N); GL_I4: bf16 scales (N, K/g) */
+    const void *b;    /* GL_I8: int32 row sums (N); GL_I4: bf16 zeros (N, K/g) */
+    const void *bias; /* (N) or NULL */
+} gl_linear_t;
+
+typedef struct {
+    const void *ln1_w, *ln1_b, *ln2_w, *ln2_b; /* norm gains and biases (may be NULL), the activations' dtype */
+    gl_linear_t attn, attn_proj, fc, mlp_proj;
+} gl_block_t;
+
+typedef struct {
+    int n_layer, n_embd, n_head, hidden; /* hidden: the MLP's width (SwiGLU: c_fc gives 2 * hidden) */
+    int norm, mlp, bf16;                 /* bf16: activations, caches and norms are bf16 */
+    float eps;
+    const gl_block_t *blocks;
+    const void *lnf_w, *lnf_b;
+    gl_linear_t head;
+} gl_model_t;
+
+#endif /* GL_COMMON_H */

@@ -1,0 +1,274 @@
+/* Quantized linear layers for decoding, with 8-bit activations and integer dot products:
+ *
+ *   gl_linear_i8   int8 W (N, K) with one scale per row; x quantized per row to int8 (one scale
+ *                  per row of x), as llama.cpp's Q8_0 x Q8_0.
+ *   gl_linear_i4   int4 W (N, K/2) (even column in the low nibble), a scale and zero per group of
+ *                  g inputs; x quantized to int8 in blocks of 32 with one scale each (Q8_0).
+ *
+ * The integer sums are exact on every variant (vi_dot_i8 and vi_dot_u4 in simd.h never saturate),
+ * so the variants differ only in the order of the fp32 sums after them.
+ */
+#include "common.h"
+
+/* ---------------------------------------------------------------- int8 weights, one scale per row */
+
+/* Quantize x (M, K) fp32 per row: xq = round(x / s) (+ GL_I8_OFFSET, see simd.h), s = max|x| / 127;
+ * writes xq (M, K) and s (M). */
+static void quantize_rows_i8(const float *x, uint8_t *xq, float *s, int M, int K) {
+    for (int m = 0; m < M; m++) {
+        const float *r = x + (size_t)m * K;
+        float amax = 0.0f;
+        for (int k = 0; k < K; k++) amax = fmaxf(amax, fabsf(r[k]));
+        float scale = amax / 127.0f, inv = amax > 0 ? 127.0f / amax : 0.0f;
+        for (int k = 0; k < K; k++) xq[(size_t)m * K + k] = (uint8_t)(lrintf(r[k] * inv) + GL_I8_OFFSET);
+        s[m] = scale;
+    }
+}
+
+/* The first n (< VB) bytes of p, the rest 0. */
+static inline vi vi_load_part(const void *p, int n) {
+    uint8_t t[VB] = {0};
+    memcpy(t, p, (size_t)n);
+    return vi_load(t);
+}
+
+/* acc[r][m] += the products of w_r[k..k+VB) and xq_m[k..k+VB) (the first n bytes when tail). A
+ * zero weight byte adds nothing, whatever the activation byte (GL_I8_OFFSET included). */
+AI void i8_step(const int8_t *w, const uint8_t *xq, const int R, const int M, int K, int k, int n, int tail,
+                vi acc[ROWS][MROWS]) {
+    vi xv[MROWS];
+    for (int m = 0; m < M; m++)
+        xv[m] = tail ? vi_load_part(xq + (size_t)m * K + k, n) : vi_load(xq + (size_t)m * K + k);
+    for (int r = 0; r < R; r++) {
+        const int8_t *p = w + (size_t)r * K + k;
+        prefetch((const char *)p + PF_I8);
+        vi wv = tail ? vi_load_part(p, n) : vi_load(p);
+        for (int m = 0; m < M; m++) acc[r][m] = vi_dot_i8(acc[r][m], xv[m], wv);
+    }
+}
+
+/* out[r][m] = sum_k xq[m, k] w[r, k] for R rows of w and M rows of xq (compile-time constants). */
+AI void i8_rm(const int8_t *w, const uint8_t *xq, const int R, const int M, int K, int32_t out[ROWS][MROWS]) {
+    vi acc[ROWS][MROWS];
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < M; m++) acc[r][m] = vi_zero();
+    int k = 0;
+    for (; k + VB <= K; k += VB) i8_step(w, xq, R, M, K, k, VB, 0, acc);
+    if (k < K) i8_step(w, xq, R, M, K, k, K - k, 1, acc);
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < M; m++) out[r][m] = vi_sum(acc[r][m]);
+}
+
+static void i8_block(const int8_t *w, const uint8_t *xq, int R, int M, int K, int32_t out[ROWS][MROWS]) {
+#if MROWS == 4
+    switch ((R == ROWS ? 4 : 0) + M) {
+    case 1: i8_rm(w, xq, 1, 1, K, out); break;
+    case 2: i8_rm(w, xq, 1, 2, K, out); break;
+    case 3: i8_rm(w, xq, 1, 3, K, out); break;
+    case 4: i8_rm(w, xq, 1, 4, K, out); break;
+    case 5: i8_rm(w, xq, ROWS, 1, K, out); break;
+    case 6: i8_rm(w, xq, ROWS, 2, K, out); break;
+    case 7: i8_rm(w, xq, ROWS, 3, K, out); break;
+    default: i8_rm(w, xq, ROWS, 4, K, out); break;
+    }
+#else
+    switch ((R == ROWS ? 2 : 0) + M) {
+    case 1: i8_rm(w, xq, 1, 1, K, out); break;
+    case 2: i8_rm(w, xq, 1, 2, K, out); break;
+    case 3: i8_rm(w, xq, ROWS, 1, K, out); break;
+    default: i8_rm(w, xq, ROWS, 2, K, out); break;
+    }
+#endif
+}
+
+/* y (M, N) = x (M, K) W^T + b for int8 W (N, K) with bf16 row scales ws (N) and row sums wsum (N):
+ * x is quantized per row (xq, xs), then y[m, n] = xs[m] ws[n] (sum_k xq[m, k] w[n, k] - offset
+ * wsum[n]) + b[n]. Returns -1 when out of memory. */
+int gl_linear_i8(const float *x, const int8_t *w, const uint16_t *ws, const int32_t *wsum, const float *b, float *y,
+                 int M, int N, int K, int nthreads) {
+    uint8_t *xq = gl_scratch((size_t)M * K + (size_t)M * sizeof(float) + 64);
+    if (!xq) return -1;
+    float *xs = (float *)(xq + (((size_t)M * K + 63) & ~(size_t)63));
+    quantize_rows_i8(x, xq, xs, M, K);
+    const int nblocks = (N + ROWS - 1) / ROWS;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int blk = 0; blk < nblocks; blk++) {
+        const int n0 = blk * ROWS, R = N - n0 < ROWS ? 1 : ROWS; /* the last partial block: row by row */
+        for (int n = n0; n < n0 + ROWS && n < N; n += R) {
+            for (int m0 = 0; m0 < M; m0 += MROWS) {
+                const int mm = M - m0 < MROWS ? M - m0 : MROWS;
+                int32_t out[ROWS][MROWS];
+                i8_block(w + (size_t)n * K, xq + (size_t)m0 * K, R, mm, K, out);
+                for (int r = 0; r < R; r++) {
+                    float scale = bf16_to_f32(ws[n + r]);
+                    for (int m = 0; m < mm; m++) {
+                        int32_t dot = out[r][m] - GL_I8_OFFSET * wsum[n + r];
+                        y[(size_t)(m0 + m) * N + n + r] = xs[m0 + m] * scale * (float)dot + (b ? b[n + r] : 0.0f);
+                    }
+                }
+            }
+        }
+    }
+    return 0;
+}
+
+/* ---------------------------------------------------------------- int4 weights, groups of g inputs */
+
+/* The int4 kernel reads the packed weights a vector (VB bytes, 2 VB inputs: a "chunk") at a time;
+ * int32 lane l of a dot product sums inputs 8l..8l+7 of the chunk, i.e. block (of 32) l / 4. */
+#define CHUNK (2 * VB)
+
+/* Quantize x (M, K) fp32 in blocks of 32: q = round(x / d), d = max|x| / 127 per block, written
+ * in the order the int4 kernel reads: in each chunk, its VB even inputs, then its VB odd ones (the
+ * packed weights hold columns 2i and 2i+1 in one byte). Writes xq (M, K) int8, d (M, K/32) and
+ * gsum (M, K/g): the sum of the dequantized x over each group of g inputs. */
+static void quantize_blocks_i8(const float *x, int8_t *xq, float *d, float *gsum, int M, int K, int g) {
+    for (int m = 0; m < M; m++) {
+        const float *r = x + (size_t)m * K;
+        int8_t *q = xq + (size_t)m * K;
+        float *dm = d + (size_t)m * (K / 32), *gs = gsum + (size_t)m * (K / g);
+        for (int j = 0; j < K / g; j++) gs[j] = 0.0f;
+        for (int j = 0; j < K / 32; j++) {
+            float amax = 0.0f;
+            for (int t = 0; t < 32; t++) amax = fmaxf(amax, fabsf(r[32 * j + t]));
+            float scale = amax / 127.0f, inv = amax > 0 ? 127.0f / amax : 0.0f;
+            int bsum = 0;
+            for (int t = 0; t < 32; t++) {
+                int k = 32 * j + t, v = (int)lrintf(r[k] * inv);
+                int c = k / CHUNK, i = k % CHUNK; /* even inputs first, then odd, in each chunk */
+                q[CHUNK * c + (i % 2) * VB + i / 2] = (int8_t)v;
+                bsum += v;
+            }
+            dm[j] = scale;
+            gs[(32 * j) / g] += scale * (float)bsum;
+        }
+    }
+}
+
+/* R rows of an int4 W times M rows of x (R, M compile-time constants); out[r][m]. Row r's weights
+ * wr + r * K/2, scales sr + r * G, zeros zr + r * G; g = 32 << gshift. The weight w = q * scale +
+ * (zero - 8 scale): y = sum over blocks of scale * d * (sum q xq) + (zero - 8 scale) * gsum. */
+AI void i4_rows(const int8_t *xq, const float *xd, const float *xgsum, const uint8_t *wr, const uint16_t *sr,
+                const uint16_t *zr, const int R, const int M, int K, const int gshift, float out[2][MROWS]) {
+    const int G = (K / 32) >> gshift, B = K / 32;
+    vf acc[2][MROWS];
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < M; m++) acc[r][m] = vf_zero();
+    for (int c = 0; c < K / CHUNK; c++) {
+        vi lo[2], hi[2];
+        vs wscale[2];
+        for (int r = 0; r < R; r++) {
+            const uint8_t *p = wr + (size_t)r * (K / 2) + VB * c;
+            prefetch((const char *)p + PF_I4);
+            vi packed = vi_load(p);
+            lo[r] = vi_low_nibbles(packed);  /* columns CHUNK c + 2i */
+            hi[r] = vi_high_nibbles(packed); /* columns CHUNK c + 2i + 1 */
+            wscale[r] = vs_scales(sr + (size_t)r * G, c * (VW / 4), gshift);
+        }
+        for (int m = 0; m < M; m++) {
+            const int8_t *xr = xq + (size_t)m * K + CHUNK * c;
+            vi x0 = vi_load(xr), x1 = vi_load(xr + VB);
+            vs xs = vs_load(xd + (size_t)m * B + (VW / 4) * c);
+            for (int r = 0; r < R; r++)
+                acc[r][m] = vf_fma(vf_from_vi(vi_dot_u4(lo[r], x0, hi[r], x1)), vf_spread(wscale[r], xs), acc[r][m]);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        for (int j = 0; j < G; j += VW) { /* the (zero - 8 * scale) * sum(x) term, per group */
+            const int n = G - j;
+            vf offset = vf_fnma(vf_set1(8.0f), vf_load_bf16_n(sr + (size_t)r * G + j, n),
+                                vf_load_bf16_n(zr + (size_t)r * G + j, n));
+            for (int m = 0; m < M; m++) acc[r][m] = vf_fma(offset, vf_load_n(xgsum + (size_t)m * G + j, n), acc[r][m]);
+        }
+        for (int m = 0; m < M; m++) out[r][m] = vf_sum(acc[r][m]);
+    }
+}
+
+static void i4_block(const int8_t *x, const float *d, const float *gs, const uint8_t *wr, const uint16_t *sr,
+                     const uint16_t *zr, int R, int M, int K, int gshift, float out[2][MROWS]) {
+#define I4(RR, MM)                                                                                                     \
+    (gshift ? i4_rows(x, d, gs, wr, sr, zr, RR, MM, K, gshift, out) : i4_rows(x, d, gs, wr, sr, zr, RR, MM, K, 0, out))
+    if (R == 2) {
+        switch (M) {
+        case 1: I4(2, 1); break;
+#if MROWS == 4
+        case 2: I4(2, 2); break;
+        case 3: I4(2, 3); break;
+        default: I4(2, 4); break;
+#else
+        default: I4(2, 2); break;
+#endif
+        }
+    } else {
+        switch (M) {
+        case 1: I4(1, 1); break;
+#if MROWS == 4
+        case 2: I4(1, 2); break;
+        case 3: I4(1, 3); break;
+        default: I4(1, 4); break;
+#else
+        default: I4(1, 2); break;
+#endif
+        }
+    }
+#undef I4
+}
+
+/* y (M, N) = x (M, K) W^T + b for an int4 W (see i4_rows); x is quantized in blocks of 32 first.
+ * K must be a multiple of 128 (every variant's CHUNK divides it), g a multiple of 32. Returns -1
+ * when out of memory. */
+int gl_linear_i4(const float *x, const uint8_t *w, const uint16_t *scales, const uint16_t *zeros, const float *b,
+                 float *y, int M, int N, int K, int g, int nthreads) {
+    const size_t nq = ((size_t)M * K + 63) & ~(size_t)63, nd = (size_t)M * (K / 32), ng = (size_t)M * (K / g);
+    int8_t *xq = gl_scratch(nq + (nd + ng) * sizeof(float));
+    if (!xq) return -1;
+    float *xd = (float *)(xq + nq), *xgsum = xd + nd;
+    quantize_blocks_i8(x, xq, xd, xgsum, M, K, g);
+    int gshift = 0;
+    while ((32 << gshift) < g) gshift++;
+    const int G = K / g, nblocks = (N + 1) / 2;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int blk = 0; blk < nblocks; blk++) {
+        const int n = 2 * blk, R = n + 2 <= N ? 2 : 1;
+        for (int m0 = 0; m0 < M; m0 += MROWS) {
+            const int mm = M - m0 < MROWS ? M - m0 : MROWS;
+            float out[2][MROWS];
+            i4_block(xq + (size_t)m0 * K, xd + (size_t)m0 * (K / 32), xgsum + (size_t)m0 * G, w + (size_t)n * (K / 2),
+                     scales + (size_t)n * G, zeros + (size_t)n * G, R, mm, K, gshift, out);
+            for (int r = 0; r < R; r++)
+                for (int m = 0; m < mm; m++) y[(size_t)(m0 + m) * N + n + r] = out[r][m] + (b ? b[n + r] : 0.0f);
+        }
+    }
+    return 0;
+}
+
+/* The fp32 weight (N, K) an int4 layer stands for, for prefill's GEMM: w = (q - 8) * scale + zero. */
+void gl_dequantize_i4(const uint8_t *w, const uint16_t *scales, const uint16_t *zeros, float *out, int N, int K, int g,
+                      int nthreads) {
+    const int G = K / g;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int n = 0; n < N; n++) {
+        const uint8_t *wr = w + (size_t)n * (K / 2);
+        float *o = out + (size_t)n * K;
+        for (int j = 0; j < G; j++) {
+            float s = bf16_to_f32(scales[(size_t)n * G + j]), z = bf16_to_f32(zeros[(size_t)n * G + j]) - 8.0f * s;
+            for (int k = j * g; k < (j + 1) * g; k += 2) {
+                uint8_t v = wr[k / 2];
+                o[k] = (float)(v & 15) * s + z;
+                o[k + 1] = (float)(v >> 4) * s + z;
+            }
+        }
+    }
+}
+
+/* The fp32 weight (N, K) an int8 layer stands for, w = q * scale, for a prompt's GEMM on CPUs
+ * whose PyTorch int8 GEMM loses precision (fbgemm without VNNI quantizes activations to 7 bits). */
+void gl_dequantize_i8(const int8_t *w, const uint16_t *scales, float *out, int N, int K, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int n = 0; n < N; n++) {
+        const float s = bf16_to_f32(scales[n]);
+        const int8_t *wr = w + (size_t)n * K;
+        float *o = out + (size_t)n * K;
+        for (int k = 0; k < K; k++) o[k] = (float)wr[k] * s;
+    }
+}

@@ -1,0 +1,365 @@
+/* The vector primitives the kernels are written in, one set per variant (x86-64 level).
+ *
+ * GL_VARIANT picks the set; each variant's library is this source compiled with its own target
+ * flags (gptlab/kernel_build.py), so one build serves every CPU and gptlab/kernels.py loads the
+ * best one the CPU reports:
+ *
+ *   GL_AVX512   AVX-512 F/BW/VL/DQ + VNNI: 16 floats a vector, vpdpbusd for int8.
+ *   GL_AVX2     AVX2 + FMA + F16C (Haswell, AMD Zen 1-3): 8 floats a vector; int8 products by
+ *               vpmaddubsw + vpmaddwd (full 8-bit precision, see vi_dot_i8), or AVX-VNNI's
+ *               vpdpbusd on ymm when compiled with -mavxvnni (Alder Lake, Zen 5).
+ *   GL_PORTABLE plain C over arrays of 8 (no intrinsics): compiles for any CPU, and is the
+ *               reference the tests compare the others against.
+ *
+ * Types: vf holds VW floats; vi holds VW int32 lanes, or the 4 * VW bytes they are made of; vs
+ * holds VW / 4 floats, one per block of 32 int4 inputs in a chunk (see quantized.c).
+ */
+#ifndef GL_SIMD_H
+#define GL_SIMD_H
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define GL_PORTABLE 0
+#define GL_AVX2 2
+#define GL_AVX512 3
+
+#ifndef GL_VARIANT
+#error "compile with -DGL_VARIANT=GL_PORTABLE, GL_AVX2 or GL_AVX512 (see gptlab/kernel_build.py)"
+#endif
+
+#define AI static inline __attribute__((always_inline))
+
+#if GL_VARIANT == GL_AVX512
+#if !defined(__AVX512F__) || !defined(__AVX512BW__) || !defined(__AVX512VL__) || !defined(__AVX512VNNI__)
+#error "the AVX-512 variant needs -mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx512vnni"
+#endif
+#include <immintrin.h>
+#define VW 16
+#define GL_I8_OFFSET 128 /* vpdpbusd multiplies unsigned by signed bytes: activations are stored + 128 */
+typedef __m512 vf;
+typedef __m512i vi;
+typedef __m128 vs;
+
+AI vf vf_zero(void) { return _mm512_setzero_ps(); }
+AI vf vf_set1(float a) { return _mm512_set1_ps(a); }
+AI vf vf_load(const float *p) { return _mm512_loadu_ps(p); }
+AI void vf_store(float *p, vf v) { _mm512_storeu_ps(p, v); }
+AI vf vf_add(vf a, vf b) { return _mm512_add_ps(a, b); }
+AI vf vf_sub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+AI vf vf_mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+AI vf vf_div(vf a, vf b) { return _mm512_div_ps(a, b); }
+AI vf vf_max(vf a, vf b) { return _mm512_max_ps(a, b); }
+AI vf vf_fma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }  /* a b + c */
+AI vf vf_fnma(vf a, vf b, vf c) { return _mm512_fnmadd_ps(a, b, c); } /* c - a b */
+AI float vf_sum(vf v) { return _mm512_reduce_add_ps(v); }
+AI float vf_hmax(vf v) { return _mm512_reduce_max_ps(v); }
+AI vf vf_abs(vf v) { return _mm512_abs_ps(v); }
+AI vf vf_round(vf v) { return _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+AI vf vf_ldexp(vf p, vf n) { return _mm512_scalef_ps(p, n); } /* p 2^n, n integral */
+AI vf vf_copysign(vf t, vf s) { /* |t| with the sign of s */
+    const __m512i sign = _mm512_set1_epi32((int)0x80000000u);
+    return _mm512_castsi512_ps(_mm512_or_si512(_mm512_andnot_si512(sign, _mm512_castps_si512(t)),
+                                               _mm512_and_si512(sign, _mm512_castps_si512(s))));
+}
+AI vf vf_load_bf16(const uint16_t *p) { /* VW bf16 values, as fp32 (exact: a shift) */
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+/* 2 VW bf16 values in one load: the even-indexed ones by a shift, the odd-indexed ones by a mask. */
+AI void vf_bf16_pairs(const uint16_t *p, vf *even, vf *odd) {
+    __m512i v = _mm512_loadu_si512((const void *)p);
+    *even = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+    *odd = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xffff0000u)));
+}
+
+AI vi vi_zero(void) { return _mm512_setzero_si512(); }
+AI vi vi_load(const void *p) { return _mm512_loadu_si512(p); }
+AI int32_t vi_sum(vi v) { return _mm512_reduce_add_epi32(v); }
+AI vf vf_from_vi(vi v) { return _mm512_cvtepi32_ps(v); }
+/* acc lane l += sum of the 4 byte products of lanes l of x (activations, stored + GL_I8_OFFSET) and w (int8). */
+AI vi vi_dot_i8(vi acc, vi x, vi w) { return _mm512_dpbusd_epi32(acc, x, w); }
+/* Lane l: sum of the byte products lo . x0 + hi . x1 over lane l's 4 bytes (lo, hi unsigned nibbles). */
+AI vi vi_dot_u4(vi lo, vi x0, vi hi, vi x1) {
+    return _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, x0), hi, x1);
+}
+AI vi vi_low_nibbles(vi v) { return _mm512_and_si512(v, _mm512_set1_epi8(0x0f)); }
+AI vi vi_high_nibbles(vi v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0f)); }
+/* The bf16 scales of blocks b..b+VW/4 (one per (b + t) >> gshift), as fp32. */
+AI vs vs_scales(const uint16_t *s, int b, int gshift) {
+    __m128i h;
+    if (gshift == 0) {
+        h = _mm_loadl_epi64((const __m128i *)(s + b));
+    } else {
+        uint16_t s4[4];
+        for (int t = 0; t < 4; t++) s4[t] = s[(b + t) >> gshift];
+        h = _mm_loadl_epi64((const __m128i *)s4);
+    }
+    return _mm_castsi128_ps(_mm_slli_epi32(_mm_cvtepu16_epi32(h), 16));
+}
+AI vs vs_load(const float *p) { return _mm_loadu_ps(p); }
+/* Lane l of the result: (a b)[l / 4], the scale of the block lane l's inputs belong to. */
+AI vf vf_spread(vs a, vs b) {
+    const __m512i idx = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(_mm_mul_ps(a, b)));
+}
+
+#elif GL_VARIANT == GL_AVX2
+#if !defined(__AVX2__) || !defined(__FMA__) || !defined(__F16C__)
+#error "the AVX2 variant needs -mavx2 -mfma -mf16c"
+#endif
+#include <immintrin.h>
+#define VW 8
+#define GL_I8_OFFSET 0 /* signed activations: the sign trick of vi_dot_i8 */
+typedef __m256 vf;
+typedef __m256i vi;
+typedef __m128 vs;
+
+AI vf vf_zero(void) { return _mm256_setzero_ps(); }
+AI vf vf_set1(float a) { return _mm256_set1_ps(a); }
+AI vf vf_load(const float *p) { return _mm256_loadu_ps(p); }
+AI void vf_store(float *p, vf v) { _mm256_storeu_ps(p, v); }
+AI vf vf_add(vf a, vf b) { return _mm256_add_ps(a, b); }
+AI vf vf_sub(vf a, vf b) { return _mm256_sub_ps(a, b); }
+AI vf vf_mul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+AI vf vf_div(vf a, vf b) { return _mm256_div_ps(a, b); }
+AI vf vf_max(vf a, vf b) { return _mm256_max_ps(a, b); }
+AI vf vf_fma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+AI vf vf_fnma(vf a, vf b, vf c) { return _mm256_fnmadd_ps(a, b, c); }
+AI float vf_sum(vf v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+AI float vf_hmax(vf v) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+AI vf vf_abs(vf v) { return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), v); }
+AI vf vf_round(vf v) { return _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+AI vf vf_pow2i(vf n) { /* 2^n for integral n in [-126, 127] */
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
+}
+AI vf vf_copysign(vf t, vf s) {
+    const vf sign = _mm256_set1_ps(-0.0f);
+    return _mm256_or_ps(_mm256_andnot_ps(sign, t), _mm256_and_ps(sign, s));
+}
+AI vf vf_load_bf16(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+AI void vf_bf16_pairs(const uint16_t *p, vf *even, vf *odd) {
+    __m256i v = _mm256_loadu_si256((const __m256i *)p);
+    *even = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+    *odd = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xffff0000u)));
+}
+
+AI vi vi_zero(void) { return _mm256_setzero_si256(); }
+AI vi vi_load(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
+AI int32_t vi_sum(vi v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+    return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1)));
+}
+AI vf vf_from_vi(vi v) { return _mm256_cvtepi32_ps(v); }
+/* acc lane l += sum of the 4 byte products x . w, both int8, at full precision: vpmaddubsw wants
+ * one unsigned operand and saturates at 16 bits, so (as llama.cpp) it gets |w| and x with w's sign
+ * moved onto it: |w| sign(w) x = w x, and each pair sum is at most 2 * 128 * 127 < 2^15. */
+AI vi vi_dot_i8(vi acc, vi x, vi w) {
+    const vi aw = _mm256_sign_epi8(w, w), sx = _mm256_sign_epi8(x, w);
+#if defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(acc, aw, sx);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), _mm256_set1_epi16(1)));
+#endif
+}
+/* Nibbles (<= 15) times int8: both byte-pair sums fit 16 bits (2 * 15 * 127 each, 7620 together). */
+AI vi vi_dot_u4(vi lo, vi x0, vi hi, vi x1) {
+#if defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), lo, x0), hi, x1);
+#else
+    const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, x0), _mm256_maddubs_epi16(hi, x1));
+    return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+#endif
+}
+AI vi vi_low_nibbles(vi v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0f)); }
+AI vi vi_high_nibbles(vi v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0f)); }
+AI vs vs_scales(const uint16_t *s, int b, int gshift) { /* two blocks */
+    uint32_t two = (uint32_t)s[b >> gshift] | (uint32_t)s[(b + 1) >> gshift] << 16;
+    return _mm_castsi128_ps(_mm_slli_epi32(_mm_cvtepu16_epi32(_mm_cvtsi32_si128((int)two)), 16));
+}
+AI vs vs_load(const float *p) { return _mm_castpd_ps(_mm_load_sd((const double *)p)); }
+AI vf vf_spread(vs a, vs b) {
+    return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_mul_ps(a, b)), _mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0));
+}
+
+#elif GL_VARIANT == GL_PORTABLE
+#define VW 8
+#define GL_I8_OFFSET 0
+typedef struct { float v[VW]; } vf;
+typedef union { int32_t i[VW]; int8_t s[4 * VW]; uint8_t u[4 * VW]; } vi;
+typedef struct { float v[VW / 4]; } vs;
+#define EACH(expr)                                                                                                     \
+    vf r;                                                                                                              \
+    for (int l = 0; l < VW; l++) r.v[l] = (expr);                                                                      \
+    return r
+
+static inline vf vf_zero(void) { EACH(0.0f); }
+static inline vf vf_set1(float a) { EACH(a); }
+static inline vf vf_load(const float *p) { EACH(p[l]); }
+static inline void vf_store(float *p, vf v) { memcpy(p, v.v, sizeof v.v); }
+static inline vf vf_add(vf a, vf b) { EACH(a.v[l] + b.v[l]); }
+static inline vf vf_sub(vf a, vf b) { EACH(a.v[l] - b.v[l]); }
+static inline vf vf_mul(vf a, vf b) { EACH(a.v[l] * b.v[l]); }
+static inline vf vf_div(vf a, vf b) { EACH(a.v[l] / b.v[l]); }
+static inline vf vf_max(vf a, vf b) { EACH(a.v[l] > b.v[l] ? a.v[l] : b.v[l]); } /* b where unordered, as maxps */
+static inline vf vf_fma(vf a, vf b, vf c) { EACH(a.v[l] * b.v[l] + c.v[l]); }
+static inline vf vf_fnma(vf a, vf b, vf c) { EACH(c.v[l] - a.v[l] * b.v[l]); }
+static inline vf vf_abs(vf v) { EACH(fabsf(v.v[l])); }
+static inline vf vf_round(vf v) { EACH(nearbyintf(v.v[l])); }
+static inline vf vf_pow2i(vf n) { EACH(ldexpf(1.0f, (int)n.v[l])); }
+static inline vf vf_copysign(vf t, vf s) { EACH(copysignf(t.v[l], s.v[l])); }
+static inline vf vf_load_bf16(const uint16_t *p) {
+    vf r;
+    for (int l = 0; l < VW; l++) {
+        uint32_t u = (uint32_t)p[l] << 16;
+        memcpy(&r.v[l], &u, 4);
+    }
+    return r;
+}
+static inline void vf_bf16_pairs(const uint16_t *p, vf *even, vf *odd) {
+    for (int l = 0; l < VW; l++) {
+        uint32_t e = (uint32_t)p[2 * l] << 16, o = (uint32_t)p[2 * l + 1] << 16;
+        memcpy(&even->v[l], &e, 4);
+        memcpy(&odd->v[l], &o, 4);
+    }
+}
+static inline float vf_sum(vf v) { /* pairwise, as the SIMD reductions add */
+    float s[VW];
+    memcpy(s, v.v, sizeof s);
+    for (int w = VW / 2; w > 0; w /= 2)
+        for (int l = 0; l < w; l++) s[l] += s[l + w];
+    return s[0];
+}
+static inline float vf_hmax(vf v) {
+    float m = v.v[0];
+    for (int l = 1; l < VW; l++) m = v.v[l] > m ? v.v[l] : m;
+    return m;
+}
+
+static inline vi vi_zero(void) {
+    vi r;
+    memset(&r, 0, sizeof r);
+    return r;
+}
+static inline vi vi_load(const void *p) {
+    vi r;
+    memcpy(&r, p, sizeof r);
+    return r;
+}
+static inline int32_t vi_sum(vi v) {
+    int32_t s = 0;
+    for (int l = 0; l < VW; l++) s += v.i[l];
+    return s;
+}
+static inline vf vf_from_vi(vi v) { EACH((float)v.i[l]); }
+static inline vi vi_dot_i8(vi acc, vi x, vi w) {
+    for (int l = 0; l < VW; l++)
+        for (int t = 0; t < 4; t++) acc.i[l] += (int32_t)x.s[4 * l + t] * w.s[4 * l + t];
+    return acc;
+}
+static inline vi vi_dot_u4(vi lo, vi x0, vi hi, vi x1) {
+    vi r;
+    for (int l = 0; l < VW; l++) {
+        r.i[l] = 0;
+        for (int t = 0; t < 4; t++) r.i[l] += lo.u[4 * l + t] * x0.s[4 * l + t] + hi.u[4 * l + t] * x1.s[4 * l + t];
+    }
+    return r;
+}
+static inline vi vi_low_nibbles(vi v) {
+    for (int b = 0; b < 4 * VW; b++) v.u[b] &= 15;
+    return v;
+}
+static inline vi vi_high_nibbles(vi v) {
+    for (int b = 0; b < 4 * VW; b++) v.u[b] >>= 4;
+    return v;
+}
+static inline vs vs_scales(const uint16_t *s, int b, int gshift) {
+    vs r;
+    for (int t = 0; t < VW / 4; t++) {
+        uint32_t u = (uint32_t)s[(b + t) >> gshift] << 16;
+        memcpy(&r.v[t], &u, 4);
+    }
+    return r;
+}
+static inline vs vs_load(const float *p) {
+    vs r;
+    memcpy(r.v, p, sizeof r.v);
+    return r;
+}
+static inline vf vf_spread(vs a, vs b) { EACH(a.v[l / 4] * b.v[l / 4]); }
+#undef EACH
+
+#else
+#error "unknown GL_VARIANT"
+#endif
+
+#if GL_VARIANT != GL_AVX512
+AI vf vf_ldexp(vf p, vf n) { /* p 2^n for integral n in [-252, 254], in two steps so neither leaves fp32's range */
+    vf half = vf_round(vf_mul(n, vf_set1(0.5f)));
+    return vf_mul(vf_mul(p, vf_pow2i(half)), vf_pow2i(vf_sub(n, half)));
+}
+#endif
+
+/* ---------------------------------------------------------------- every variant */
+
+#define VB (4 * VW) /* bytes in a vi */
+
+/* The first n (< VW) values of p, the rest `fill` (tails: a copy through the stack, never past p + n). */
+static inline vf vf_load_part(const float *p, int n, float fill) {
+    float t[VW];
+    for (int l = 0; l < VW; l++) t[l] = l < n ? p[l] : fill;
+    return vf_load(t);
+}
+static inline vf vf_load_n(const float *p, int n) { return n >= VW ? vf_load(p) : vf_load_part(p, n, 0.0f); }
+static inline void vf_store_n(float *p, vf v, int n) {
+    if (n >= VW) {
+        vf_store(p, v);
+        return;
+    }
+    float t[VW];
+    vf_store(t, v);
+    memcpy(p, t, sizeof(float) * (size_t)n);
+}
+static inline vf vf_load_bf16_n(const uint16_t *p, int n) {
+    if (n >= VW) return vf_load_bf16(p);
+    uint16_t t[VW] = {0};
+    memcpy(t, p, sizeof(uint16_t) * (size_t)n);
+    return vf_load_bf16(t);
+}
+/* n values of an fp32 or (bf16 != 0) bf16 vector. */
+static inline vf vf_load_any_n(const void *p, int bf16, int n) {
+    return bf16 ? vf_load_bf16_n((const uint16_t *)p, n) : vf_load_n((const float *)p, n);
+}
+
+/* e^x: x = n ln2 + r, |r| <= ln2/2, e^r by its Taylor polynomial to r^7 (relative error < 2e-8
+ * there), times 2^n. Inputs below -104 give 0, above 88.7 infinity. */
+static inline vf vf_exp(vf x) {
+    x = vf_max(x, vf_set1(-104.0f));
+    vf n = vf_round(vf_mul(x, vf_set1(1.44269504088896341f)));
+    vf r = vf_fnma(n, vf_set1(0.693145751953125f), x);
+    r = vf_fnma(n, vf_set1(1.428606765330187e-06f), r);
+    vf p = vf_set1(1.0f / 5040);
+    p = vf_fma(p, r, vf_set1(1.0f / 720));
+    p = vf_fma(p, r, vf_set1(1.0f / 120));
+    p = vf_fma(p, r, vf_set1(1.0f / 24));
+    p = vf_fma(p, r, vf_set1(1.0f / 6));
+    p = vf_fma(p, r, vf_set1(0.5f));
+    p = vf_fma(p, r, vf_set1(1.0f));
+    p = vf_fma(p, r, vf_set1(1.0f));
+    return vf_ldexp(p, n);
+}
+
+static inline void prefetch(const void *p) { __builtin_prefetch(p, 0, 3); }
+
+#endif /* GL_SIMD_H */

@@ -1,0 +1,101 @@
+"""Building gptlab's CPU kernels: one C source (csrc/kernels.c), one shared library per variant.
+
+Each variant is the same source compiled with its own target flags, never -march=native, so a
+library runs on every CPU that has the variant's instructions, whichever machine built it (a wheel,
+a shared home directory). `gptlab.kernels` picks, at load, the best variant the CPU reports.
+
+This module imports nothing but the standard library: setup.py runs it at install time (`pip
+install .`, `make install`) to put the libraries into the package, and gptlab.kernels runs it at
+first use for a checkout without them, into the user's cache directory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+CSRC = Path(__file__).parent / "csrc"
+
+# The variants, best first: name -> (GL_VARIANT, target flags, CPU features it needs). Feature
+# names are gl_cpu_features()'s bits (kernels.FEATURES). x86-64 only except "portable".
+VARIANTS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
+    "avx512": (
+        "GL_AVX512",
+        ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mavx2", "-mfma", "-mf16c"),
+        ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512vnni", "avx2", "fma", "f16c"),
+    ),
+    "avx2-vnni": ("GL_AVX2", ("-mavx2", "-mfma", "-mf16c", "-mavxvnni"), ("avx2", "fma", "f16c", "avxvnni")),
+    "avx2": ("GL_AVX2", ("-mavx2", "-mfma", "-mf16c"), ("avx2", "fma", "f16c")),
+    "portable": ("GL_PORTABLE", (), ()),
+}
+COMMON_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno")
+
+
+def is_x86() -> bool:
+    return platform.machine().lower() in ("x86_64", "amd64", "i686", "i386")
+
+
+def buildable() -> list[str]:
+    """The variants this machine's architecture can compile (all on x86-64, else portable)."""
+    return list(VARIANTS) if is_x86() else ["portable"]
+
+
+def sources() -> list[Path]:
+    """Every file the libraries are built from."""
+    return sorted(p for p in CSRC.iterdir() if p.suffix in (".c", ".h"))
+
+
+def source_digest() -> str:
+    """A digest of the sources (and the flags), compiled into each library (gl_source_digest) so
+    a stale one is noticed."""
+    h = hashlib.sha256(repr((COMMON_FLAGS, VARIANTS)).encode())
+    for p in sources():
+        h.update(p.name.encode() + b"\0" + p.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def compiler() -> str:
+    """The C compiler: $CC, else gcc, else cc; RuntimeError when there is none."""
+    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if cc is None:
+        raise RuntimeError("no C compiler found (install gcc, or set CC)")
+    return cc
+
+
+def command(variant: str, out: str | Path, cc: str | None = None) -> list[str]:
+    """The compiler command that builds `variant` into `out`."""
+    macro, flags, _ = VARIANTS[variant]
+    return [
+        cc or compiler(), *COMMON_FLAGS, f"-DGL_VARIANT={macro}", f'-DGL_SOURCE_DIGEST="{source_digest()}"',
+        *flags, "-o", str(out), str(CSRC / "kernels.c"), "-lm",
+    ]  # fmt: skip
+
+
+def build(variant: str, out: Path, cc: str | None = None) -> Path:
+    """Compile one variant into `out` (through a temporary file, renamed when complete);
+    RuntimeError with the compiler's message when it fails."""
+    if variant not in buildable():
+        raise RuntimeError(f"the {variant} variant is for x86-64; this is {platform.machine()}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".so.tmp")
+    os.close(fd)
+    cmd = command(variant, tmp, cc)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-2000:]}")
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+def library_name(variant: str) -> str:
+    """The file name of a variant's library, in the package (built at install) or the cache."""
+    return f"libgptlab-{variant}.so"
