@@ -13,14 +13,21 @@ from gptlab.checkpoint import atomic_write_text
 
 
 def machine() -> dict:
-    """The facts a reader needs to compare a result: CPU, cores, memory, torch build."""
+    """The facts a reader needs to compare a result: CPU (name, family and model, the features
+    the kernels choose by), cores, memory, torch build, and the gptlab kernel variant that runs."""
     import torch
 
-    cpu = platform.processor() or platform.machine()
+    from gptlab import kernels
+
+    cpu, family_model = platform.processor() or platform.machine(), {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
+            key, _, value = (part.strip() for part in line.partition(":"))
+            if key == "model name":
+                cpu = value
+            elif key in ("cpu family", "model") and key not in family_model:
+                family_model[key] = value
+            elif not key:  # the first processor's block ends
                 break
     except OSError:
         pass
@@ -31,6 +38,9 @@ def machine() -> dict:
         pass
     info = {
         "cpu": cpu,
+        "cpu_family_model": "/".join(family_model.get(k, "?") for k in ("cpu family", "model")),
+        "cpu_features": " ".join(sorted(kernels.cpu_features())),
+        "gptlab_kernels": kernels.variant() or f"none ({kernels.available()[2]})",
         "cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "memory_gib": mem_gib,
