@@ -35,6 +35,7 @@ def test_configured_precision_is_what_the_matmuls_run(byte_data, tmp_path, name)
 @pytest.mark.parametrize("faster", ["float32", "bfloat16"])
 def test_auto_runs_what_it_measured_and_reports(byte_data, tmp_path, monkeypatch, caplog, faster):  # noqa: F811
     monkeypatch.setenv("GPTLAB_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(precision, "may_have_native_bf16", lambda: True)  # a CPU whose flags name bf16: measured
     calls = []
 
     def fake_probe(model, device, batch, block):
@@ -56,8 +57,25 @@ def test_auto_runs_what_it_measured_and_reports(byte_data, tmp_path, monkeypatch
     assert len(cached) == 1 and "torch " + torch.__version__ in next(iter(cached))
 
 
+def test_auto_takes_fp32_unmeasured_where_the_cpu_has_no_bf16(byte_data, tmp_path, monkeypatch, caplog):  # noqa: F811
+    monkeypatch.setattr(precision, "may_have_native_bf16", lambda: False)
+    monkeypatch.setattr(precision, "probe", lambda *a: pytest.fail("probed a CPU without bf16 instructions"))
+    with caplog.at_level("INFO"):
+        trainer = Trainer(config(byte_data, tmp_path / "run", precision="auto"))
+    assert trainer.precision == torch.float32 and "this CPU has no bf16 instructions" in caplog.text
+
+
+def test_native_bf16_is_read_from_the_cpu_flags():
+    flags = next((ln.split(":", 1)[1].split() for ln in open("/proc/cpuinfo") if ln.startswith("flags")), [])
+    if "sse2" in flags:  # x86 Linux: the flags decide
+        assert precision.may_have_native_bf16() == any(f in flags for f in precision.BF16_FLAGS)
+    else:
+        assert precision.may_have_native_bf16()
+
+
 def test_auto_probe_measures_this_model(byte_data, tmp_path, monkeypatch):  # noqa: F811
     monkeypatch.setenv("GPTLAB_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(precision, "may_have_native_bf16", lambda: True)
     trainer = Trainer(config(byte_data, tmp_path / "run", precision="auto"))
     timings = next(iter(json.loads((tmp_path / "cache" / precision.CACHE_FILE).read_text()).values()))
     assert set(timings) == {"float32", "bfloat16"} and all(t > 0 for t in timings.values())

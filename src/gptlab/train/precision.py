@@ -1,11 +1,13 @@
 """Training precision: which autocast dtype a run uses, and `auto`'s measured choice.
 
-`precision="auto"` on a CPU does not trust the CPU's flags: bf16 autocast pays only where the
-matmuls run natively in bf16 (AMX, AVX512-BF16); elsewhere oneDNN emulates them and a bf16 step
-is slower than fp32 (issue 13: 0.85-0.95 s against 0.66 s per demo step on an Intel Xeon without
-native bf16). So auto times one forward + backward of the model being trained, on its own shapes,
-in fp32 and under bf16 autocast, takes the faster, and caches the answer per machine (CPU model,
-torch version, model shape) in gptlab's cache directory. On CUDA auto is bf16 where supported.
+`precision="auto"` on a CPU: bf16 autocast pays only where the matmuls run natively in bf16
+(AMX, AVX512-BF16); elsewhere oneDNN emulates them and a bf16 step is slower than fp32 (issue 13:
+0.85-0.95 s against 0.66 s per demo step on an Intel Xeon without native bf16). An x86 CPU whose
+flags name no bf16 instructions therefore trains in fp32 without measuring (the probe cost 20 s
+on an AMD EPYC, issue 22). Where they are named the flags are not trusted further: auto times one
+forward + backward of the model being trained, on its own shapes, in fp32 and under bf16
+autocast, takes the faster, and caches the answer per machine (CPU model and features, torch
+version, model shape) in gptlab's cache directory. On CUDA auto is bf16 where supported.
 """
 
 from __future__ import annotations
@@ -50,11 +52,29 @@ def resolve_precision(name: str, device: torch.device, model=None, rows: tuple[i
         return torch.float32, "auto: this GPU has no bf16"
     if model is None:
         return torch.float32, "auto: no model to measure"
+    if not may_have_native_bf16():
+        return torch.float32, "auto: this CPU has no bf16 instructions (no AVX512-BF16 or AMX), bf16 would be emulated"
     timings, source = cached_probe(model, device, rows)
     choice = torch.bfloat16 if timings["bfloat16"] < timings["float32"] else torch.float32
     why = (f"auto: one forward + backward of this model took {timings['float32'] * 1e3:.0f} ms in float32 and "
            f"{timings['bfloat16'] * 1e3:.0f} ms in bfloat16 autocast ({source})")  # fmt: skip
     return choice, why
+
+
+BF16_FLAGS = ("avx512_bf16", "amx_bf16", "avx_ne_convert")  # /proc/cpuinfo names of x86's bf16 instructions
+
+
+def may_have_native_bf16() -> bool:
+    """False for an x86 Linux CPU whose flags name none of BF16_FLAGS (bf16 matmuls are then
+    emulated, slower than fp32); True where that cannot be told (other CPUs, no /proc/cpuinfo)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return True
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), None)
+    if flags is None or "sse2" not in flags:  # not x86
+        return True
+    return any(f in flags for f in BF16_FLAGS)
 
 
 def cached_probe(model, device: torch.device, rows: tuple[int, int]) -> tuple[dict, str]:
@@ -63,7 +83,7 @@ def cached_probe(model, device: torch.device, rows: tuple[int, int]) -> tuple[di
 
     batch, block = _probe_shape(*rows)
     cfg = model.config
-    key = (f"{kernels.cpu_name()} | torch {torch.__version__} | {torch.get_num_threads()} threads | "
+    key = (f"{kernels.cpu_name()} {' '.join(sorted(kernels.cpu_features()))} | torch {torch.__version__} | {torch.get_num_threads()} threads | "
            f"L{cfg.n_layer} C{cfg.n_embd} H{cfg.n_head} V{cfg.vocab_size} | {batch}x{block}")  # fmt: skip
     path = kernels.cache_dir() / CACHE_FILE
     cache = _read_cache(path)
