@@ -180,6 +180,16 @@ def requested_variant() -> str | None:
     return want
 
 
+_env_choice: dict[str | None, str | None] = {}
+
+
+def _requested(value: str | None) -> str | None:
+    """requested_variant() for this value of GPTLAB_KERNELS, remembered (errors are not)."""
+    if value not in _env_choice:
+        _env_choice[value] = requested_variant()
+    return _env_choice[value]
+
+
 class _Library:
     """One variant's loaded ctypes library, or why it is not there."""
 
@@ -206,10 +216,11 @@ _forced = threading.local()  # use_variant's choice, per thread
 
 
 def _library() -> _Library:
-    """The active variant's library (GPTLAB_KERNELS, or use_variant within its block)."""
+    """The active variant's library (GPTLAB_KERNELS, or use_variant within its block). Called on
+    every kernel dispatch: the environment's choice is resolved once per value it takes."""
     variant = getattr(_forced, "variant", "env")
     if variant == "env":
-        variant = requested_variant()
+        variant = _requested(os.environ.get("GPTLAB_KERNELS"))
     if variant not in _libraries:
         _libraries[variant] = _Library(variant)
     return _libraries[variant]

@@ -404,10 +404,10 @@ def run_llamacpp(args) -> int:
         print(llamacpp.ROW_HEADER, flush=True)
         try:
             for mode in modes:
-                ours = llamacpp.time_gptlab(llamacpp.load_gptlab(f"{tmp}/hf", mode), prompt, args.repeats)
+                model = llamacpp.load_gptlab(f"{tmp}/hf", mode)
                 gguf = files[llamacpp.GGUF_TYPES[mode]]
                 gguf_bytes[mode] = gguf.stat().st_size
-                theirs = llamacpp.time_llamacpp(llama, gguf, threads=threads, repeats=args.repeats)
+                ours, theirs = llamacpp.time_alternating(model, prompt, llama, gguf, threads, args.repeats)
                 rows.append({**llamacpp.peer_row(mode, ours, theirs), "llamacpp_bench": theirs})
                 print(llamacpp.format_peer_row(rows[-1]), flush=True)
         except KeyboardInterrupt:

@@ -13,22 +13,34 @@
 
 /* Rows of W at a time (ROWS memory streams in flight) and rows of x at a time (MROWS, their
  * products kept in registers: 4 x 4 vectors fit AVX-512's 32 registers, 4 x 2 AVX2's 16). */
+#ifndef ROWS
 #define ROWS 4
+#endif
 #if GL_VARIANT == GL_AVX512
 #define MROWS 4
 #else
 #define MROWS 2
 #endif
 
-/* Software prefetch distances, bytes ahead of each weight stream (tuned on an Intel Xeon, 2 threads). */
+/* Software prefetch distances, bytes ahead of each weight stream, per variant: AVX-512's tuned on
+ * an Intel Xeon, AVX2's on an AMD EPYC (Zen 3), 2 threads, whole-model decode steps. */
+#if GL_VARIANT == GL_AVX512
+#define PF_DEFAULT_FLOAT 8192 /* 2026-12-01: fp32 16.2-16.6 vs 16.8-17.3 ms at 512; bf16 9.4-9.8 vs 11.3 */
+#define PF_DEFAULT_I8 4096
+#define PF_DEFAULT_I4 8192
+#else /* AMD EPYC, 2026-12-01: bf16 decode 50-51 -> 56-59 tok/s at 16 KiB; the int distances within this VM's noise */
+#define PF_DEFAULT_FLOAT 16384
+#define PF_DEFAULT_I8 4096
+#define PF_DEFAULT_I4 8192
+#endif
 #ifndef PF_FLOAT
-#define PF_FLOAT 8192 /* 2026-12-01, whole-model decode steps: fp32 16.2-16.6 vs 16.8-17.3 ms at 512; bf16 9.4-9.8 vs 11.3 */
+#define PF_FLOAT PF_DEFAULT_FLOAT
 #endif
 #ifndef PF_I8
-#define PF_I8 4096
+#define PF_I8 PF_DEFAULT_I8
 #endif
 #ifndef PF_I4
-#define PF_I4 8192
+#define PF_I4 PF_DEFAULT_I4
 #endif
 
 static inline float bf16_to_f32(uint16_t h) {
