@@ -70,8 +70,16 @@ AI void dot_rm(const void *w, int bf16, const float *x, const int R, const int M
         for (; k + VW <= K; k += VW) dot_step_f32((const float *)w, x, R, M, K, k, VW, 0, acc);
         if (k < K) dot_step_f32((const float *)w, x, R, M, K, k, K - k, 1, acc);
     }
-    for (int r = 0; r < R; r++)
-        for (int m = 0; m < M; m++) out[r][m] = vf_sum(acc[r][m]);
+    if (R == 4) {
+        for (int m = 0; m < M; m++) {
+            float s4[4];
+            vf_sum4(acc[0][m], acc[1][m], acc[2][m], acc[3][m], s4);
+            for (int r = 0; r < 4; r++) out[r][m] = s4[r];
+        }
+    } else {
+        for (int r = 0; r < R; r++)
+            for (int m = 0; m < M; m++) out[r][m] = vf_sum(acc[r][m]);
+    }
 }
 
 static void dot_block(const void *w, int bf16, const float *x, int R, int M, int K, float out[ROWS][MROWS]) {

@@ -55,8 +55,16 @@ AI void i8_rm(const int8_t *w, const uint8_t *xq, const int R, const int M, int 
     int k = 0;
     for (; k + VB <= K; k += VB) i8_step(w, xq, R, M, K, k, VB, 0, acc);
     if (k < K) i8_step(w, xq, R, M, K, k, K - k, 1, acc);
-    for (int r = 0; r < R; r++)
-        for (int m = 0; m < M; m++) out[r][m] = vi_sum(acc[r][m]);
+    if (R == 4) {
+        for (int m = 0; m < M; m++) {
+            int32_t s4[4];
+            vi_sum4(acc[0][m], acc[1][m], acc[2][m], acc[3][m], s4);
+            for (int r = 0; r < 4; r++) out[r][m] = s4[r];
+        }
+    } else {
+        for (int r = 0; r < R; r++)
+            for (int m = 0; m < M; m++) out[r][m] = vi_sum(acc[r][m]);
+    }
 }
 
 static void i8_block(const int8_t *w, const uint8_t *xq, int R, int M, int K, int32_t out[ROWS][MROWS]) {
