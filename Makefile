@@ -10,12 +10,12 @@ STAMP := $(VENV)/.installed
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml setup.py Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e ".[dev]"
-	$(PY) -m gptlab.kernels  # compile the CPU kernels for this CPU (PyTorch's kernels stand in if it cannot)
+	$(PY) -m gptlab.kernels  # pip built every kernel variant (setup.py); say which one this CPU runs
 	touch $@
 
 test: $(STAMP) browser
