@@ -11,6 +11,7 @@ first use for a checkout without them, into the user's cache directory.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import platform
@@ -50,9 +51,10 @@ def sources() -> list[Path]:
     return sorted(p for p in CSRC.iterdir() if p.suffix in (".c", ".h"))
 
 
+@functools.cache
 def source_digest() -> str:
     """A digest of the sources (and the flags), compiled into each library (gl_source_digest) so
-    a stale one is noticed."""
+    a stale one is noticed; read once per process."""
     h = hashlib.sha256(repr((COMMON_FLAGS, VARIANTS)).encode())
     for p in sources():
         h.update(p.name.encode() + b"\0" + p.read_bytes())

@@ -215,6 +215,7 @@ class Int8Linear(QuantizedLinear):
 
     def prepare(self) -> None:
         self._kernel_weights = self._decode = None
+        self._prompts_in_kernel, self._decode_rows = False, kernels.MAX_ROWS  # prompts: fbgemm unless set below
         if self.weight.device.type != "cpu":
             return
         self.weight, self.scales = _aligned(self.weight), _aligned(self.scales)
@@ -232,13 +233,14 @@ class Int8Linear(QuantizedLinear):
         if fbgemm_weight is not None and kernels.available()[1]:
             # Decoding (a few rows): gptlab's kernel, the same int8 x int8 product as fbgemm's.
             self._decode = kernels.int8_decoder(self.weight, self.scales, row_sums, self.bias)
-            if not kernels.fbgemm_int8_is_exact():
-                self._decode_rows = sys.maxsize  # prompts too: fbgemm would saturate its 16-bit sums
+            self._prompts_in_kernel = not kernels.fbgemm_int8_is_exact()  # fbgemm would saturate its 16-bit sums
+            if self._prompts_in_kernel:
+                self._decode_rows = sys.maxsize
 
     def _kernel(self, x2d):
         weight, scales, fbgemm_weight = self._kernel_weights
         # torch.compile cannot trace fbgemm's weight object (or ctypes): compiled graphs run weight-only.
-        if fbgemm_weight is not None and not torch.compiler.is_compiling() and self._decode_rows == sys.maxsize:
+        if self._prompts_in_kernel and not torch.compiler.is_compiling():
             return self._decode(x2d)  # gptlab's exact int8 kernel where fbgemm's would saturate (see prepare)
         if fbgemm_weight is not None and not torch.compiler.is_compiling():
             return self._add_bias(torch.ops.quantized.linear_dynamic(x2d.float().contiguous(), fbgemm_weight, False))
