@@ -13,13 +13,19 @@ training with dropout, torch.compile, fp16, heads wider than 256, a layer withou
 
 The model is described to C once (`Plan`: pointers to the model's own tensors, no copies, a few
 KiB) and described again whenever a module, parameter or buffer it read was replaced; updates in
-place (training between two generations) are read as they happen. The KV cache's pointers are
-passed with each call, so threads may decode with one model and their own caches at once.
+place (training between two generations) are read as they happen. That check runs at every
+forward of several tokens (a prompt, rows joining a batch) and at slot 0; the one-token steps
+after it over the same cache trust it (it costs ~0.4 ms per step of an int4 GPT-2, right after
+the C step has streamed the weights through the caches: ~4% of it), checking only for hooks. So
+a module swapped in the middle of a generation is seen from the next prompt on; the plan keeps
+what it points at alive meanwhile. The KV cache's pointers are checked and passed with each call,
+so threads may decode with one model and their own caches at once.
 """
 
 from __future__ import annotations
 
 import ctypes
+import operator
 import weakref
 
 import torch
@@ -56,6 +62,8 @@ class _Model(ctypes.Structure):
         ("lnf_w", _P),
         ("lnf_b", _P),
         ("head", _Linear),
+        ("wte", _Linear),
+        ("wpe", _P),
     ]
 
 
@@ -71,7 +79,7 @@ class Plan:
     Every module, parameter and buffer the plan read is recorded as (the dict it was found in,
     its name, the object): a swapped module or a reassigned parameter shows as another object
     there; every tensor read with its data pointer: `.data` reassigned shows as another pointer.
-    Checking all of it costs ~50 us per step for GPT-2 small."""
+    Checking all of it costs ~50 us for GPT-2 small, ~0.4 ms with cold caches."""
 
     def __init__(self, model: nn.Module, dtype: torch.dtype):
         config = model.config
@@ -102,9 +110,11 @@ class Plan:
             n_layer=config.n_layer, n_embd=config.n_embd, n_head=config.n_head, hidden=config.mlp_hidden,
             norm=_NORMS[config.norm], mlp=_MLPS[config.mlp], bf16=int(dtype is torch.bfloat16),
             eps=config.layer_norm_eps, blocks=self.blocks, lnf_w=lnf_w, lnf_b=lnf_b,
-            head=self._linear(self._get(model, "lm_head")),
+            head=self._linear(self._get(model, "lm_head")), wte=self._embedding(self._get(t, "wte"), config),
+            wpe=self._positions(self._get(t, "wpe"), config),
         )  # fmt: skip
         self.key = self._key()
+        self.slot_columns = tuple(zip(*self.slots, strict=True))  # (dicts, names, objects): `current` maps over them
 
     def _get(self, module: nn.Module, name: str):
         """module's parameter, buffer, submodule or attribute `name`, recorded as read."""
@@ -118,8 +128,8 @@ class Plan:
         self.slots.append((module.__dict__, name, None))
         return None
 
-    def _key(self) -> tuple:
-        return tuple(t.data_ptr() for t in self.tensors)
+    def _key(self) -> list[int]:
+        return list(map(torch.Tensor.data_ptr, self.tensors))
 
     def hooked(self) -> bool:
         """Whether a forward hook is registered on any of the model's modules (or globally)."""
@@ -127,7 +137,8 @@ class Plan:
 
     def current(self) -> bool:
         """Whether everything the plan read is still what it read (see the class docstring)."""
-        return all(where.get(name) is value for where, name, value in self.slots) and self._key() == self.key
+        wheres, names, values = self.slot_columns
+        return all(map(operator.is_, map(dict.get, wheres, names), values)) and self._key() == self.key
 
     def _pointer(self, t: torch.Tensor | None, dtype: torch.dtype) -> int | None:
         """t's data pointer (None for None); t must be contiguous and of `dtype`."""
@@ -163,6 +174,31 @@ class Plan:
         ptrs = kernels.stream(w), a.data_ptr(), b.data_ptr(), kernels.ptr(bias)
         return _Linear({"i8": I8, "i4": I4}[kind], N, K, g, 0, *ptrs)  # an fp32 bias (kernels._decoder)
 
+    def _embedding(self, wte: nn.Module, config) -> _Linear:
+        """The token embedding as C reads it: an nn.Embedding's table, or the quantized head a
+        QuantizedEmbedding reads its rows from (gptlab.quantize), described as a layer (V, C)."""
+        if type(wte) is nn.Embedding and wte.max_norm is None:
+            w = self._get(wte, "weight")
+            table = _Linear(BF16 if self.dtype is torch.bfloat16 else F32, *w.shape, 0, 0, self._pointer(w, self.dtype))
+        elif (head := self._get(wte, "head")) is not None and self._get(wte, "dtype") is self.dtype:
+            table = self._linear(head)
+        else:
+            raise Unsupported(f"token embedding {type(wte).__name__}")
+        if (table.N, table.K) != (config.vocab_size, config.n_embd):
+            raise Unsupported("a token embedding whose shape is not the config's")
+        return table
+
+    def _positions(self, wpe: nn.Module | None, config) -> int | None:
+        """The learned position table's pointer (None for rotary positions)."""
+        if config.pos_embedding != "learned":
+            return None
+        if type(wpe) is not nn.Embedding or wpe.max_norm is not None:
+            raise Unsupported(f"position embedding {type(wpe).__name__}")
+        w = self._get(wpe, "weight")
+        if tuple(w.shape) != (config.block_size, config.n_embd):
+            raise Unsupported("a position embedding whose shape is not the config's")
+        return self._pointer(w, self.dtype)
+
     def cache_pointers(self, cache):
         """Layer l's key and value caches' data pointers at 2l and 2l + 1, for this call only (so
         threads decoding with one model and their own caches never share them); None when a cache
@@ -170,7 +206,7 @@ class Plan:
         tensors = [t for kv in cache.layers for t in kv]
         if any(t.dtype is not self.dtype or not t.is_contiguous() for t in tensors):
             return None
-        return (_P * len(tensors))(*(t.data_ptr() for t in tensors))
+        return (_P * len(tensors))(*map(torch.Tensor.data_ptr, tensors))
 
 
 class NoPlan:
@@ -221,25 +257,29 @@ def applies(model, idx: torch.Tensor, cache) -> bool:
     )
 
 
-def step(model, x: torch.Tensor, rope, cache, key_mask: torch.Tensor | None, last_only: bool):
-    """Logits (B, T, V), or (B, 1, V) when last_only, for new tokens already embedded, x (B, T, C)
-    (positions added, or their rotary angles in rope: (cos, sin), each (B, 1, T, hs/2), as the
-    model computes them), their keys and values written to slots cache.pos... (not advanced);
-    key_mask (B, S) False at slots a row may not see, or None. None when the modules must run it."""
-    p = plan(model, x.dtype)
+def step(model, idx: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype, rope, cache, key_mask, last_only: bool):
+    """Logits (B, T, V), or (B, 1, V) when last_only, for new tokens idx (B, T) at `positions`
+    (B, T) in activations of `dtype` (rotary models: their angles in rope, (cos, sin), each
+    (B, 1, T, hs/2), as the model computes them; ids and positions checked by the model), their
+    keys and values written to slots cache.pos... (not advanced); key_mask (B, S) False at slots a
+    row may not see, or None. None when the modules must run it."""
+    (B, T), pos = idx.shape, cache.pos
+    p = getattr(cache, "checked_plan", None)  # checked at this cache's last prompt (see the module's docstring)
+    if not (T == 1 and pos > 0 and p is not None and p.dtype is dtype and _plans.get(model) is p):
+        p = cache.checked_plan = plan(model, dtype)
     if isinstance(p, NoPlan) or p.hooked():
         return None
     kv = p.cache_pointers(cache)
     if kv is None:
         return None
-    (B, T, C), pos = x.shape, cache.pos
+    tokens = idx.to(torch.int64).contiguous()  # (B, T)
+    positions = positions.to(torch.int64).contiguous()  # (B, T)
     mask = None if key_mask is None else key_mask[:, : pos + T].contiguous()  # (B, pos + T)
     angles = None if rope is None else torch.cat(rope, dim=-1).float().contiguous()  # (B, 1, T, hs): cos, sin
-    x = x.reshape(B * T, C).float().contiguous()  # (B*T, C), overwritten by C
     logits = torch.empty(B, 1 if last_only else T, model.lm_head.out_features)  # (B, T|1, V)
     status = kernels.library().gl_decode_step(
-        ctypes.byref(p.struct), kv, x.data_ptr(), B, T, pos, cache.layers[0][0].size(2), kernels.ptr(mask), kernels.ptr(angles),
-        logits.data_ptr(), int(not last_only), torch.get_num_threads(),
+        ctypes.byref(p.struct), kv, tokens.data_ptr(), positions.data_ptr(), B, T, pos, cache.layers[0][0].size(2),
+        kernels.ptr(mask), kernels.ptr(angles), logits.data_ptr(), int(not last_only), torch.get_num_threads(),
     )  # fmt: skip
     if status == -2:
         return None

@@ -47,7 +47,7 @@ MAX_ROWS = 8  # rows of x one kernel call takes (MAX_ROWS in kernels.c); more go
 MAX_HEAD_SIZE = 256  # the C attention's limit (MAX_HS in attention.c)
 VARIANTS = tuple(kernel_build.VARIANTS)  # best first
 FEATURES = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512vnni", "avxvnni")
-_ABI = 6
+_ABI = 7
 _P = ctypes.c_void_p
 _I = ctypes.c_int
 _SIGNATURES = {  # name: argument types; each returns 0, or -1 when out of memory
@@ -61,7 +61,7 @@ _SIGNATURES = {  # name: argument types; each returns 0, or -1 when out of memor
     "gl_argmax_f32": [_P, _P, _I, _I],
     "gl_softmax_xent": [_P, _P, _P, _I, _I, _I],  # logits, targets, loss, n, V, threads
     # model, kv caches, x, B, T, pos, max_len, mask, rope, logits, all_logits, threads
-    "gl_decode_step": [_P, _P, _P, _I, _I, _I, _I, _P, _P, _P, _I, _I],
+    "gl_decode_step": [_P, _P, _P, _P, _I, _I, _I, _I, _P, _P, _P, _I, _I],
 }
 _huge_paged: set[int] = set()  # weights already moved to huge pages (their data pointers)
 
@@ -234,7 +234,9 @@ def use_variant(variant: str):
     if variant not in VARIANTS:
         raise ValueError(f"unknown kernel variant {variant!r}: expected one of {', '.join(VARIANTS)}")
     if missing_features(variant):
-        raise RuntimeError(f"this CPU cannot run the {variant} kernels: it lacks {', '.join(missing_features(variant))}")
+        raise RuntimeError(
+            f"this CPU cannot run the {variant} kernels: it lacks {', '.join(missing_features(variant))}"
+        )
     before = getattr(_forced, "variant", "env")
     _forced.variant = variant
     try:

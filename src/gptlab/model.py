@@ -90,6 +90,7 @@ class KVCache:
         ]
         self.pos = 0
         self.max_len = max_len
+        self.checked_plan = None  # the model's gptlab.fused_step plan, as checked at this cache's last prompt
 
     def advance(self, n: int) -> None:
         """Move the write position past n newly written slots."""
@@ -284,19 +285,20 @@ class GPT(nn.Module):
         start = kv_cache.pos if kv_cache is not None else 0  # int, or a 0-dim tensor (compiled decoding)
         if positions is None:
             positions = (start + torch.arange(T, device=idx.device)).expand(B, T)  # (B, T)
-        x = self.transformer.wte(idx)  # (B, T, C)
-        rope = None
-        if self.config.pos_embedding == "learned":
-            if not torch.compiler.is_compiling() and int(positions.max()) >= self.config.block_size:
-                raise ValueError(f"position {int(positions.max())} exceeds block_size {self.config.block_size}")
-            x = x + self.transformer.wpe(positions)  # (B, T, C)
-        else:
-            rope = rope_cos_sin(positions, self.config.head_size, self.config.rope_theta, x.dtype)
-        x = self.transformer.drop(x)
+        learned = self.config.pos_embedding == "learned"
+        dtype = getattr(self.transformer.wte, "dtype", None) or self.transformer.wte.weight.dtype  # of wte's rows
+        rope = None if learned else rope_cos_sin(positions, self.config.head_size, self.config.rope_theta, dtype)
+        if learned and not torch.compiler.is_compiling() and int(positions.max()) >= self.config.block_size:
+            raise ValueError(f"position {int(positions.max())} exceeds block_size {self.config.block_size}")
         if kv_cache is not None and targets is None and attn_probs is None and fused_step.applies(self, idx, kv_cache):
-            logits = fused_step.step(self, x, rope, kv_cache, key_mask, last_only)  # (B, T|1, V): one C call
+            # (B, T|1, V), embedding included: one C call
+            logits = fused_step.step(self, idx, positions, dtype, rope, kv_cache, key_mask, last_only)
             if logits is not None:
                 return logits, None
+        x = self.transformer.wte(idx)  # (B, T, C)
+        if learned:
+            x = x + self.transformer.wpe(positions)  # (B, T, C)
+        x = self.transformer.drop(x)
         mask = self._attention_mask(T, start, kv_cache, key_mask, idx.device)
         for i, block in enumerate(self.transformer.h):
             kv = kv_cache.layers[i] if kv_cache is not None else None

@@ -9,7 +9,7 @@
 
 #include "simd.h"
 
-#define GL_ABI 6 /* gptlab/kernels.py refuses a library of another ABI */
+#define GL_ABI 7 /* gptlab/kernels.py refuses a library of another ABI */
 
 /* Rows of W at a time (ROWS memory streams in flight) and rows of x at a time (MROWS, their
  * products kept in registers: 4 x 4 vectors fit AVX-512's 32 registers, 4 x 2 AVX2's 16). */
@@ -115,6 +115,8 @@ typedef struct {
     const gl_block_t *blocks;
     const void *lnf_w, *lnf_b;
     gl_linear_t head;
+    gl_linear_t wte;  /* the token embedding (V, C), described as a layer: its table, or a tied head's */
+    const void *wpe;  /* learned positions (block_size, C), the activations' dtype; NULL for rotary */
 } gl_model_t;
 
 #endif /* GL_COMMON_H */

@@ -114,6 +114,52 @@ static void rope_rows(float *qkv, const float *cs, int M, int C, int nh, int bf1
 #undef RB
 }
 
+/* Row t of an embedding table described as a layer, (V, C), in fp32 as gptlab's modules compute
+ * it: fp32 and bf16 rows as stored; int8 q * scale; int4 (q - 8) * scale + zero in two roundings
+ * (gptlab.quantize.dequantize_int4's order: no fused multiply-add, hence the attribute). */
+#if defined(__GNUC__) && !defined(__clang__)
+__attribute__((optimize("fp-contract=off")))
+#endif
+static void embedding_row(const gl_linear_t *e, int64_t t, float *out) {
+    const int K = e->K;
+    const size_t row = (size_t)t * K;
+    switch (e->kind) {
+    case GL_F32: memcpy(out, (const float *)e->w + row, sizeof(float) * K); break;
+    case GL_BF16: from_bf16((const uint16_t *)e->w + row, out, (size_t)K); break;
+    case GL_I8: {
+        const int8_t *q = (const int8_t *)e->w + row;
+        const float s = bf16_to_f32(((const uint16_t *)e->a)[t]);
+        for (int k = 0; k < K; k++) out[k] = (float)q[k] * s;
+        break;
+    }
+    case GL_I4: {
+        const uint8_t *q = (const uint8_t *)e->w + row / 2;
+        const int G = K / e->g;
+        for (int k = 0; k < K; k++) {
+            const size_t j = (size_t)t * G + (size_t)(k / e->g);
+            const int v = k & 1 ? q[k / 2] >> 4 : q[k / 2] & 15;
+            const float scaled = (float)(v - 8) * bf16_to_f32(((const uint16_t *)e->a)[j]);
+            out[k] = scaled + bf16_to_f32(((const uint16_t *)e->b)[j]);
+        }
+        break;
+    }
+    }
+}
+
+/* x (M, C) = the embeddings of tokens (M), plus rows positions (M) of the learned position table
+ * when the model has one; each sum rounded to bf16, as PyTorch's bf16 add, for a bf16 model. */
+static void embed(const gl_model_t *m, const int64_t *tokens, const int64_t *positions, float *x, int M) {
+    const int C = m->n_embd;
+    for (int r = 0; r < M; r++) {
+        float *xr = x + (size_t)r * C;
+        embedding_row(&m->wte, tokens[r], xr);
+        if (m->bf16) round_bf16(xr, (size_t)C); /* a quantized table's rows, cast to the activations' dtype */
+        if (!m->wpe) continue;
+        for (int i = 0; i < C; i++) xr[i] += param(m->wpe, (size_t)positions[r] * C + i, m->bf16);
+        if (m->bf16) round_bf16(xr, (size_t)C);
+    }
+}
+
 /* Self-attention of T new tokens per row, qkv (B*T, 3C) -> att (B*T, C): token t of each row
  * writes its key and value to slot pos + t and sees the slots up to its own (causal), where mask
  * (B, pos + T) allows. A bf16 model's caches are bf16: its qkv and att go through bf16 buffers. */
@@ -165,19 +211,23 @@ static int block_step(const gl_model_t *m, const gl_block_t *blk, void *const kv
     return 0;
 }
 
-/* A forward of T new tokens per row over the KV cache: x (B*T, C) fp32, the embedded tokens (bf16
- * values for a bf16 model), runs through every block (token t's keys and values written to slot
- * pos + t of each layer's cache: kv holds layer l's key and value caches (B, nh, max_len, hs) at
- * 2l and 2l + 1, in the activations' dtype), the final norm and the head into logits: (B*T, V) when
- * all_logits, else (B, V) for each row's last token; fp32 (bf16 values for a bf16 model).
- * mask (B, pos + T) bytes, False at slots a row may not see, or NULL. rope (B*T, hs): each new
- * token's rotary cos then sin (see rope_rows), or NULL for a model without rotary positions.
- * x is overwritten. Returns 0, -1 out of memory, -2 a layer kind it does not know. */
-int gl_decode_step(const gl_model_t *m, void *const *kv, float *x, int B, int T, int pos, int max_len,
-                   const uint8_t *mask, const float *rope, float *logits, int all_logits, int nthreads) {
+/* A forward of T new tokens per row over the KV cache: the tokens (B*T ids, and their positions
+ * for learned position embeddings), embedded as the model's embedding modules do, run through
+ * every block (token t's keys and values written to slot pos + t of each layer's cache: kv holds
+ * layer l's key and value caches (B, nh, max_len, hs) at 2l and 2l + 1, in the activations'
+ * dtype), the final norm and the head into logits: (B*T, V) when all_logits, else (B, V) for each
+ * row's last token; fp32 (bf16 values for a bf16 model). mask (B, pos + T) bytes, False at slots
+ * a row may not see, or NULL. rope (B*T, hs): each new token's rotary cos then sin (see
+ * rope_rows), or NULL for a model without rotary positions. The caller checked that the ids and
+ * positions are in range. Returns 0, -1 out of memory, -2 a layer kind it does not know. */
+int gl_decode_step(const gl_model_t *m, void *const *kv, const int64_t *tokens, const int64_t *positions, int B, int T,
+                   int pos, int max_len, const uint8_t *mask, const float *rope, float *logits, int all_logits,
+                   int nthreads) {
     const int C = m->n_embd, Hfc = (m->mlp == GL_SWIGLU ? 2 : 1) * m->hidden, M = B * T;
-    float *work = malloc(sizeof(float) * (size_t)M * (7 * C + Hfc + m->hidden) + 64);
-    if (!work) return -1;
+    float *x = malloc(sizeof(float) * (size_t)M * (8 * C + Hfc + m->hidden) + 64); /* x (M, C), then the work */
+    if (!x) return -1;
+    float *work = x + (size_t)M * C;
+    embed(m, tokens, positions, x, M);
     int s = 0;
     for (int l = 0; l < m->n_layer && !s; l++)
         s = block_step(m, &m->blocks[l], kv + 2 * l, x, work, B, T, pos, max_len, mask, rope, nthreads);
@@ -188,7 +238,7 @@ int gl_decode_step(const gl_model_t *m, void *const *kv, float *x, int B, int T,
         norm_rows(m, x, m->lnf_w, m->lnf_b, work, rows);
         s = run_linear(&m->head, work, logits, rows, m->bf16, nthreads);
     }
-    free(work);
+    free(x);
     return s;
 }
 
