@@ -93,4 +93,4 @@ def test_a_target_outside_the_vocabulary_is_refused(c_kernels):
 def test_the_c_softmax_refuses_a_target_outside_the_vocabulary():
     """Called directly (linear_cross_entropy checks first), the kernel never writes past a row."""
     with pytest.raises(ValueError, match="target 10 outside the vocabulary"):
-        kernels.softmax_xent_(torch.randn(3, 10), torch.tensor([1, 10, -100]))
+        kernels.softmax_xent_(torch.randn(10, 3), torch.tensor([1, 10, -100]))  # (V, n)

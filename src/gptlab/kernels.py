@@ -59,7 +59,7 @@ _SIGNATURES = {  # name: argument types; each returns 0, or -1 when out of memor
     "gl_dequantize_i8": [_P, _P, _P, _I, _I, _I],
     "gl_attend_one": [_P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _I],
     "gl_argmax_f32": [_P, _P, _I, _I],
-    "gl_softmax_xent": [_P, _P, _P, _I, _I, _I],  # logits, targets, loss, n, V, threads
+    "gl_softmax_xent": [_P, _P, _P, _I, _I, _I],  # logits (V, n), targets, loss, n, V, threads
     # model, kv caches, x, B, T, pos, max_len, mask, rope, logits, all_logits, threads
     "gl_decode_step": [_P, _P, _P, _P, _I, _I, _I, _I, _P, _P, _P, _I, _I],
 }
@@ -438,22 +438,28 @@ def decode_attention(qkv: torch.Tensor, kv, cache_pos: int, mask: torch.Tensor |
     return out
 
 
-def softmax_xent_(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
-    """Training's softmax cross-entropy over rows of logits (n, V) fp32, in place: logits become
-    d(sum of losses)/d(logits), softmax - onehot (zero rows where the target is IGNORE_INDEX, -100);
-    returns the rows' losses (n,) (0 where ignored). None where the kernel does not run (not
-    built, off, not CPU fp32): the caller computes it with PyTorch. Raises ValueError for a
-    target outside [0, V)."""
-    if not (_enabled and logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.is_contiguous()):
+def softmax_xent_(logits_t: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
+    """Training's softmax cross-entropy over n rows of logits stored transposed, logits_t (V, n)
+    fp32 (row r's logits in column r), in place: they become d(sum of losses)/d(logits), softmax -
+    onehot (zero columns where the target is IGNORE_INDEX, -100); returns the rows' losses (n,)
+    (0 where ignored). None where the kernel does not run (not built, off, not CPU fp32): the
+    caller computes it with PyTorch. Raises ValueError for a target outside [0, V)."""
+    if not (
+        _enabled and logits_t.device.type == "cpu" and logits_t.dtype == torch.float32 and logits_t.is_contiguous()
+    ):
         return None
     if torch.compiler.is_compiling() or not _library().float_ok:  # compiled graphs cannot trace ctypes
         return None
-    n, V = logits.shape
+    V, n = logits_t.shape
     t = targets.to(torch.int64).contiguous()
     loss = torch.empty(n)
-    if _library().lib.gl_softmax_xent(logits.data_ptr(), t.data_ptr(), loss.data_ptr(), n, V, torch.get_num_threads()):
+    status = _library().lib.gl_softmax_xent(
+        logits_t.data_ptr(), t.data_ptr(), loss.data_ptr(), n, V, torch.get_num_threads()
+    )
+    if status == -3:
         bad = t[(t != -100) & ((t < 0) | (t >= V))]
         raise ValueError(f"target {int(bad[0])} outside the vocabulary [0, {V}) (and not the ignore index -100)")
+    check(status)
     return loss
 
 

@@ -1,39 +1,68 @@
-/* Training's softmax cross-entropy and its gradient over rows of logits (gptlab.chunked_loss). */
+/* Training's softmax cross-entropy and its gradient over a chunk of logits (gptlab.chunked_loss). */
+#include <omp.h>
+
 #include "common.h"
 
-/* For each of n rows of logits z (n, V), in place: z = softmax(z) - onehot(t) (the gradient of the
- * row's cross-entropy with respect to its logits) and loss[r] = logsumexp(z) - z[t]; a row whose
- * target is -100 (ignored) gets zeros and loss 0. Three passes over each row (max; exp and sum;
- * scale) where PyTorch's ops take five. Returns 0, or -3 when a target is outside [0, V) and not -100. */
+/* The first min(n, VW) values of p, the rest `fill`. */
+static inline vf load_or(const float *p, int n, float fill) { return n >= VW ? vf_load(p) : vf_load_part(p, n, fill); }
+
+/* For n rows of logits stored transposed, z (V, n) (column r holds row r's logits: the layout
+ * W x^T gives, whose matrix products run faster here than x W^T, see gptlab.chunked_loss), in
+ * place: z = softmax - onehot(t) (the gradient of each row's cross-entropy with respect to its
+ * logits) and loss[r] = logsumexp - z[t]; a row whose target is -100 (ignored) gets zeros and
+ * loss 0. Three passes (max; exp and sum; scale) where PyTorch's ops take five. Each thread
+ * streams its own range of the V rows, vectorized across the n columns, keeping its own maxima
+ * and sums per column, merged in thread order (so a result depends only on nthreads). Returns 0,
+ * -1 out of memory, or -3 when a target is outside [0, V) and not -100 (nothing written then). */
 int gl_softmax_xent(float *z, const int64_t *t, float *loss, int n, int V, int nthreads) {
-    int bad = 0;
-#pragma omp parallel for num_threads(nthreads) schedule(static) reduction(| : bad)
-    for (int r = 0; r < n; r++) {
-        float *row = z + (size_t)r * V;
-        if (t[r] < 0 || t[r] >= V) { /* -100: an ignored position (IGNORE_INDEX); else an error */
-            bad |= t[r] != -100;
-            memset(row, 0, sizeof(float) * V);
-            loss[r] = 0.0f;
-            continue;
+    for (int r = 0; r < n; r++)
+        if ((t[r] < 0 || t[r] >= V) && t[r] != -100) return -3;
+    const int np = (n + VW - 1) / VW * VW; /* columns padded to whole vectors */
+    float *part = malloc(sizeof(float) * (size_t)np * (2 * (size_t)nthreads + 4)); /* each thread's max, sum */
+    if (!part) return -1;
+    float *peak = part + (size_t)2 * nthreads * np, *total = peak + np, *scale = total + np, *target = scale + np;
+    for (int r = 0; r < n; r++) target[r] = t[r] == -100 ? 0.0f : z[(size_t)t[r] * n + r];
+#pragma omp parallel num_threads(nthreads)
+    {
+        const int nt = omp_get_num_threads(), id = omp_get_thread_num();
+        const size_t v0 = (size_t)V * id / nt, v1 = (size_t)V * (id + 1) / nt;
+        float *pmax = part + (size_t)id * np, *psum = part + (size_t)(nthreads + id) * np;
+        for (int r = 0; r < np; r += VW) {
+            vf_store(pmax + r, vf_set1(-INFINITY));
+            vf_store(psum + r, vf_zero());
         }
-        const float target = row[t[r]];
-        const int full = V - V % VW;
-        vf vmax = vf_set1(-INFINITY);
-        for (int i = 0; i < full; i += VW) vmax = vf_max(vmax, vf_load(row + i));
-        if (full < V) vmax = vf_max(vmax, vf_load_part(row + full, V - full, -INFINITY));
-        const float peak = vf_hmax(vmax);
-        const vf vpeak = vf_set1(peak);
-        vf vsum = vf_zero();
-        for (int i = 0; i < V; i += VW) { /* the tail's missing lanes load as peak - 104: e^-104 = 0 in fp32 */
-            vf e = vf_exp(vf_sub(V - i >= VW ? vf_load(row + i) : vf_load_part(row + i, V - i, peak - 104.0f), vpeak));
-            vf_store_n(row + i, e, V - i);
-            vsum = vf_add(vsum, e);
+        for (size_t v = v0; v < v1; v++)
+            for (int r = 0; r < n; r += VW)
+                vf_store(pmax + r, vf_max(vf_load(pmax + r), load_or(z + v * n + r, n - r, -INFINITY)));
+#pragma omp barrier
+#pragma omp single
+        for (int r = 0; r < np; r++) {
+            float m = -INFINITY;
+            for (int i = 0; i < nt; i++) m = fmaxf(m, part[(size_t)i * np + r]);
+            peak[r] = r < n ? m : 0.0f; /* padding lanes: exp(0 - 0), summed and never read */
         }
-        const float total = vf_sum(vsum);
-        const vf inv = vf_set1(1.0f / total);
-        for (int i = 0; i < V; i += VW) vf_store_n(row + i, vf_mul(vf_load_n(row + i, V - i), inv), V - i);
-        row[t[r]] -= 1.0f;
-        loss[r] = logf(total) + peak - target;
+        for (size_t v = v0; v < v1; v++)
+            for (int r = 0; r < n; r += VW) {
+                vf e = vf_exp(vf_sub(load_or(z + v * n + r, n - r, 0.0f), vf_load(peak + r)));
+                vf_store_n(z + v * n + r, e, n - r);
+                vf_store(psum + r, vf_add(vf_load(psum + r), e));
+            }
+#pragma omp barrier
+#pragma omp single
+        for (int r = 0; r < np; r++) {
+            float sum = 0.0f;
+            for (int i = 0; i < nt; i++) sum += part[(size_t)(nthreads + i) * np + r];
+            total[r] = sum;
+            scale[r] = r < n && t[r] != -100 ? 1.0f / sum : 0.0f; /* an ignored row's gradient is 0 */
+        }
+        for (size_t v = v0; v < v1; v++)
+            for (int r = 0; r < n; r += VW)
+                vf_store_n(z + v * n + r, vf_mul(load_or(z + v * n + r, n - r, 0.0f), vf_load(scale + r)), n - r);
     }
-    return bad ? -3 : 0;
+    for (int r = 0; r < n; r++) {
+        loss[r] = t[r] == -100 ? 0.0f : logf(total[r]) + peak[r] - target[r];
+        if (t[r] != -100) z[(size_t)t[r] * n + r] -= 1.0f;
+    }
+    free(part);
+    return 0;
 }
