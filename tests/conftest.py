@@ -1,9 +1,13 @@
 """Shared fixtures: tiny configs and seeded models, so every test runs in seconds on a CPU."""
 
+import hashlib
+
 import pytest
+import tiktoken
 import torch
 
 from gptlab import kernels
+from gptlab import tokenizer as tokmod
 from gptlab.config import GPTConfig
 from gptlab.model import GPT
 
@@ -54,3 +58,20 @@ def kernel_variant(request):
     `pytestmark = pytest.mark.usefixtures("kernel_variant")` runs a module's tests once per variant."""
     with kernels.use_variant(request.param):
         yield request.param
+
+
+@pytest.fixture(scope="session")
+def tiktoken_gpt2(tmp_path_factory):
+    """tiktoken's own gpt2 constructor, fed the same files through its download cache."""
+    cache = tmp_path_factory.mktemp("tiktoken-cache")
+    files = tokmod.gpt2_files()
+    base = "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/"
+    for name, path in files.items():
+        key = hashlib.sha1((base + name).encode()).hexdigest()
+        (cache / key).write_bytes(open(path, "rb").read())
+    mp = pytest.MonkeyPatch()
+    mp.setenv("TIKTOKEN_CACHE_DIR", str(cache))
+    try:
+        yield tiktoken.get_encoding("gpt2")
+    finally:
+        mp.undo()

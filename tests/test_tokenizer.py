@@ -1,8 +1,6 @@
-import hashlib
 import socket
 
 import pytest
-import tiktoken
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -13,23 +11,6 @@ from gptlab.tokenizer import get_tokenizer
 @pytest.fixture(scope="module")
 def tok():
     return get_tokenizer("gpt2")
-
-
-@pytest.fixture(scope="module")
-def tiktoken_gpt2(tmp_path_factory):
-    """tiktoken's own gpt2 constructor, fed the same files through its download cache."""
-    cache = tmp_path_factory.mktemp("tiktoken-cache")
-    files = tokmod.gpt2_files()
-    base = "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/"
-    for name, path in files.items():
-        key = hashlib.sha1((base + name).encode()).hexdigest()
-        (cache / key).write_bytes(open(path, "rb").read())
-    mp = pytest.MonkeyPatch()
-    mp.setenv("TIKTOKEN_CACHE_DIR", str(cache))
-    try:
-        yield tiktoken.get_encoding("gpt2")
-    finally:
-        mp.undo()
 
 
 def test_known_ids(tok):

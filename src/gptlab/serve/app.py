@@ -1,4 +1,5 @@
-"""The FastAPI application: OpenAI-compatible completions, the explorer page and its JSON API.
+"""The FastAPI application: OpenAI-compatible completions, /tokenize and /detokenize, the explorer
+page and its JSON API.
 
 `create_app(model, tokenizer, name=...)` builds it; the scheduler's worker thread starts and stops
 with the app's lifespan. `gptlab serve` runs it under uvicorn.
@@ -19,6 +20,7 @@ from gptlab.serve.completions import Completions
 from gptlab.serve.errors import APIError, BodyLimit, declare_errors, install_error_handlers
 from gptlab.serve.explorer import Explorer
 from gptlab.serve.scheduler import Scheduler
+from gptlab.serve.tokenize import Tokenization
 
 MAX_BODY_BYTES = 1 << 20
 # The error statuses each operation answers besides 413 and 500 (which any can), for the OpenAPI
@@ -29,6 +31,8 @@ ERRORS = {
     "/api/next": (400,),
     "/api/tokens": (400,),
     "/api/attention": (400,),
+    "/tokenize": (400, 404),
+    "/detokenize": (400, 404),
 }
 
 
@@ -80,6 +84,7 @@ def create_app(
     install_error_handlers(app)
     app.include_router(Completions(state).router)
     app.include_router(Explorer(state).router)
+    app.include_router(Tokenization(state).router)
 
     @app.get("/v1/models")
     async def models():
