@@ -72,3 +72,18 @@ def test_bad_requests_get_openai_errors(url, path, body, status, param):
     assert (
         error["message"] and error["param"] == param and error["type"] in ("invalid_request_error", "not_found_error")
     )
+
+
+def test_echoed_prompt_offsets_count_characters_not_tokens(url, tiktoken_gpt2):
+    """lm-eval splits context from continuation by `text_offset`: each prompt token's start, in
+    characters of the echoed text (GPT-2's tokens span several characters; a token that ends
+    inside a character, as in 日本語, moves the offset once the character is whole)."""
+    text = "The naïve café served 日本語 tea."
+    body = {"model": "tiny-gpt2", "prompt": text, "max_tokens": 0, "echo": True, "logprobs": 0}
+    lp = httpx.post(f"{url}/v1/completions", json=body, timeout=30).json()["choices"][0]["logprobs"]
+    ids = tiktoken_gpt2.encode(text)
+    whole = [len(tiktoken_gpt2.decode_bytes(ids[:i]).decode("utf-8", errors="ignore")) for i in range(len(ids))]
+    assert lp["text_offset"] == whole and lp["text_offset"][:4] == [0, 3, 9, 14]  # "The", " na", "ïve", " caf"
+    assert all(
+        text[o:].startswith(t) for o, t in zip(lp["text_offset"], lp["tokens"], strict=True) if "\ufffd" not in t
+    )

@@ -19,6 +19,7 @@ tokens plus the chosen one.
 from __future__ import annotations
 
 import asyncio
+import codecs
 import json
 import time
 import uuid
@@ -176,9 +177,11 @@ class Completions:
         if body.n > max_batch:
             raise APIError(400, f"n must be at most {max_batch} (the batch size)", param="n", code="invalid_value")
         longest = max(len(p) for p in prompts)
-        if longest >= block:
+        limit = block + 1 if body.echo else block - 1  # echo scores a prompt up to one past the context
+        if longest > limit:
             raise APIError(400, f"This model's maximum context length is {block} tokens, however your prompt has {longest} tokens", param="prompt", code="context_length_exceeded")  # fmt: skip
         max_tokens = 16 if body.max_tokens is None else body.max_tokens
+        longest = max((len(p) for p in prompts if not fills_context(body, p, block)), default=0)
         if longest + max_tokens > block:
             raise APIError(400, f"This model's maximum context length is {block} tokens, however you requested {longest + max_tokens} tokens ({longest} in your prompt; {max_tokens} for the completion). Please reduce max_tokens to at most {block - longest}.", param="max_tokens", code="context_length_exceeded")  # fmt: skip
         if body.prompt_lookup and (body.logprobs is not None or max_tokens == 0):
@@ -209,6 +212,13 @@ class Completions:
         finally:
             watcher.cancel()
             run.cancel()
+
+
+def fills_context(body: CompletionRequest, prompt: list[int], block: int) -> bool:
+    """An echoed prompt that fills the context (block tokens, or block + 1: the last one only a
+    target) is scored and nothing is generated, finish_reason "length": lm-eval's API client asks
+    for one token more than the window it scores (max_tokens 1 with echo)."""
+    return body.echo and len(prompt) >= block
 
 
 async def _cancel_on_disconnect(request: Request, run: CompletionRun) -> None:
@@ -247,7 +257,7 @@ class CompletionRun:
                 eos_id=self.eos_id,
                 logprobs=body.logprobs,
                 prompt_logprobs=self.prompt_logprobs,
-                prompt_only=body.max_tokens == 0,
+                prompt_only=body.max_tokens == 0 or fills_context(body, p, state.model.config.block_size),
                 prompt_lookup=body.prompt_lookup,
             )  # fmt: skip
             for i, p in enumerate(prompts)
@@ -276,9 +286,12 @@ class CompletionRun:
         if self.prompt_logprobs:
             prompt, scores, offset = self.prompts[i], self.prompt_entries[i] or [], 0
             choice = self.choices[i * self.n]
+            # Offsets count characters of the echoed text: a token that ends inside a character
+            # moves the offset only once the character is whole (as a generated token's offset).
+            text = codecs.getincrementaldecoder("utf-8")(errors="replace")
             for token, (lp, top) in zip(prompt, scores, strict=False):
                 entries.append(choice.entry(token, lp, top, offset))
-                offset += len(self.state.tokenizer.decode([token]))
+                offset += len(text.decode(self.state.tokenizer.decode_bytes([token])))
         return self.prompt_texts[i], entries
 
     async def pieces(self) -> AsyncIterator[tuple[int, str, list, str | None]]:

@@ -64,7 +64,7 @@ class GenerationRequest:
     eos_id: int | None = None  # a row ends when it produces this token
     logprobs: int | None = None  # also report this many top alternatives per token (0: the chosen one only)
     prompt_logprobs: bool = False  # also score the prompt's own tokens (echo with logprobs)
-    prompt_only: bool = False  # score the prompt and generate nothing (echo with max_tokens 0)
+    prompt_only: bool = False  # score the prompt and generate nothing (echo with max_tokens 0, or a full context)
     prompt_lookup: int = 0  # speculative decoding by prompt lookup with n-grams of up to this many tokens
     cancelled: bool = False
     stopped_rows: set = field(default_factory=set)
@@ -250,11 +250,13 @@ class Scheduler:
     def submit(self, request: GenerationRequest) -> None:
         """Queue a request; raises QueueFull when max_queue requests already wait."""
         p, block = request.params, self.model.config.block_size
-        new = 0 if request.prompt_only else p.max_new_tokens
+        # Scoring a prompt needs no forward of its last token (it only is a target), so a prompt
+        # to score may be one token longer than the context.
+        new = -1 if request.prompt_only else p.max_new_tokens
         if p.num_samples > self.max_batch:
             raise ValueError(f"num_samples={p.num_samples} exceeds the batch size {self.max_batch}")
         if not request.prompt or len(request.prompt) + new > block:
-            raise ValueError(f"prompt of {len(request.prompt)} tokens + {new} new ones must be 1..{block}")
+            raise ValueError(f"prompt of {len(request.prompt)} tokens + {max(new, 0)} new ones must fit {block}")
         with self._cond:
             if len(self.waiting) >= self.max_queue:  # first drop requests whose clients left
                 kept = deque(r for r in self.waiting if not r.cancelled)
@@ -330,9 +332,11 @@ class Scheduler:
         if self.speculates(request):
             return self._admit_speculative(request)
         n, scored = request.params.num_samples, request.prompt_logprobs
-        start, logits = self.cache.prefill(request.prompt, n, all_logits=scored)  # (T|1, V)
+        # Scoring only: the last token's logits would predict nothing asked for, so it is not fed.
+        fed = request.prompt[:-1] if request.prompt_only and len(request.prompt) > 1 else request.prompt
+        start, logits = self.cache.prefill(fed, n, all_logits=scored)  # (len(fed)|1, V)
         if scored:
-            request.emit("prompt", request.index, self._prompt_scores(request.prompt, logits[:-1], request.logprobs or 0))  # fmt: skip
+            request.emit("prompt", request.index, self._prompt_scores(request.prompt, logits[: len(request.prompt) - 1], request.logprobs or 0))  # fmt: skip
         vocab = self.model.config.vocab_size
         generator = request.params.generator(self.device, fresh=True)  # unseeded: random, not the global RNG
         sampler = TokenSampler(
