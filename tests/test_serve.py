@@ -298,28 +298,29 @@ def test_logprobs_and_echo(client, model, tok):
     assert all(len(t) > 5 for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.top_logprobs)
 
 
-def test_an_echoed_prompt_that_fills_the_context_is_scored(client, url, model, tok):
-    """lm-eval's local-completions asks for one token more than the window it scores: a prompt
-    of block_size + 1 tokens with echo, max_tokens 1. It gets every prompt token's logprob (the
-    last one predicted from the first block_size), no new token, finish_reason "length"."""
+def test_a_prompt_that_fills_the_context_still_gets_its_scores_and_a_token(client, url, model, tok):
+    """lm-eval's local-completions scores a window with echo and max_tokens 1, dropping the new
+    token's logprob: a prompt of block_size tokens must still get one new token (its logits come
+    from the last prompt position; it is never fed). A prompt only scored (max_tokens 0) may be
+    block_size + 1 tokens: its last token is only a target."""
     block = model.config.block_size  # 512 byte tokens
     text = ("To be, or not to be, that is the question: " * 20)[: block + 1]
     ids = tok.encode(text)
-    assert len(ids) == block + 1
-    out = client.completions.create(model=NAME, prompt=text, max_tokens=1, echo=True, logprobs=1, temperature=0)
-    choice = out.choices[0]
-    assert choice.text == text and choice.finish_reason == "length" and out.usage.completion_tokens == 0
     with torch.no_grad():
         logp = torch.log_softmax(model(torch.tensor([ids[:block]]))[0][0], dim=-1)  # (block, V)
+    scores = logp[torch.arange(block), torch.tensor(ids[1:])].tolist()  # tokens 1..block
+    out = client.completions.create(model=NAME, prompt=ids[:block], max_tokens=1, echo=True, logprobs=1, temperature=0)
+    choice, new = out.choices[0], int(logp[-1].argmax())
+    assert choice.text == text[:block] + tok.decode([new]) and choice.finish_reason == "length"
     lp = choice.logprobs
     assert lp.token_logprobs[0] is None and len(lp.token_logprobs) == block + 1
-    expected = logp[torch.arange(block), torch.tensor(ids[1:])].tolist()
-    assert lp.token_logprobs[1:] == pytest.approx(expected, abs=1e-4)
-    assert lp.text_offset == list(range(block + 1))  # characters (one byte token per character here)
-    # The same prompt scored by max_tokens=0; without echo it has no room; one token more is too long.
-    zero = client.completions.create(model=NAME, prompt=ids, max_tokens=0, echo=True, logprobs=0)
-    assert zero.choices[0].logprobs.token_logprobs == pytest.approx(lp.token_logprobs, abs=1e-5)
-    for body in ({"prompt": ids, "max_tokens": 1}, {"prompt": ids + [65], "max_tokens": 0, "echo": True}):
+    assert lp.token_logprobs[1:] == pytest.approx([*scores[: block - 1], logp[-1, new].item()], abs=1e-4)
+    assert lp.text_offset == list(range(block + 1))  # one character per byte token
+    scored = client.completions.create(model=NAME, prompt=ids, max_tokens=0, echo=True, logprobs=0)
+    assert scored.choices[0].logprobs.token_logprobs[1:] == pytest.approx(scores, abs=1e-4)
+    plain = client.completions.create(model=NAME, prompt=ids[:block], max_tokens=1, temperature=0)
+    assert plain.choices[0].text == tok.decode(reference(model, ids[:block], 1, temperature=0)[0])
+    for body in ({"prompt": ids, "max_tokens": 1, "echo": True}, {"prompt": ids[:block], "max_tokens": 2}):
         r = post(url, {"model": NAME, **body})
         assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
 

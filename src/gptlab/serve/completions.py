@@ -176,14 +176,17 @@ class Completions:
             raise APIError(400, f"at most {self.state.scheduler.max_queue} prompts per request", param="prompt", code="invalid_value")  # fmt: skip
         if body.n > max_batch:
             raise APIError(400, f"n must be at most {max_batch} (the batch size)", param="n", code="invalid_value")
-        longest = max(len(p) for p in prompts)
-        limit = block + 1 if body.echo else block - 1  # echo scores a prompt up to one past the context
-        if longest > limit:
-            raise APIError(400, f"This model's maximum context length is {block} tokens, however your prompt has {longest} tokens", param="prompt", code="context_length_exceeded")  # fmt: skip
         max_tokens = 16 if body.max_tokens is None else body.max_tokens
-        longest = max((len(p) for p in prompts if not fills_context(body, p, block)), default=0)
-        if longest + max_tokens > block:
-            raise APIError(400, f"This model's maximum context length is {block} tokens, however you requested {longest + max_tokens} tokens ({longest} in your prompt; {max_tokens} for the completion). Please reduce max_tokens to at most {block - longest}.", param="max_tokens", code="context_length_exceeded")  # fmt: skip
+        # What must fit the context is what the model is fed: the prompt and every new token but
+        # the last (its logits come from the token before it), and a prompt only scored is fed
+        # without its last token (only a target). So a full-context prompt still gets one new
+        # token, as lm-eval's local-completions asks (echo, max_tokens 1: it drops that token's
+        # logprob), and may be one token longer when only scored (echo, max_tokens 0).
+        longest = max(len(p) for p in prompts)
+        if longest > (block + 1 if body.echo and max_tokens == 0 else block):
+            raise APIError(400, f"This model's maximum context length is {block} tokens, however your prompt has {longest} tokens", param="prompt", code="context_length_exceeded")  # fmt: skip
+        if longest + max_tokens - 1 > block:
+            raise APIError(400, f"This model's maximum context length is {block} tokens, however you requested {longest + max_tokens} tokens ({longest} in your prompt; {max_tokens} for the completion). Please reduce max_tokens to at most {block + 1 - longest}.", param="max_tokens", code="context_length_exceeded")  # fmt: skip
         if body.prompt_lookup and (body.logprobs is not None or max_tokens == 0):
             raise APIError(400, "prompt_lookup (speculative decoding) reports no logprobs and needs max_tokens >= 1", param="prompt_lookup", code="unsupported")  # fmt: skip
         if max_tokens == 0 and not body.echo:
@@ -212,13 +215,6 @@ class Completions:
         finally:
             watcher.cancel()
             run.cancel()
-
-
-def fills_context(body: CompletionRequest, prompt: list[int], block: int) -> bool:
-    """An echoed prompt that fills the context (block tokens, or block + 1: the last one only a
-    target) is scored and nothing is generated, finish_reason "length": lm-eval's API client asks
-    for one token more than the window it scores (max_tokens 1 with echo)."""
-    return body.echo and len(prompt) >= block
 
 
 async def _cancel_on_disconnect(request: Request, run: CompletionRun) -> None:
@@ -257,7 +253,7 @@ class CompletionRun:
                 eos_id=self.eos_id,
                 logprobs=body.logprobs,
                 prompt_logprobs=self.prompt_logprobs,
-                prompt_only=body.max_tokens == 0 or fills_context(body, p, state.model.config.block_size),
+                prompt_only=body.max_tokens == 0,
                 prompt_lookup=body.prompt_lookup,
             )  # fmt: skip
             for i, p in enumerate(prompts)

@@ -64,7 +64,7 @@ class GenerationRequest:
     eos_id: int | None = None  # a row ends when it produces this token
     logprobs: int | None = None  # also report this many top alternatives per token (0: the chosen one only)
     prompt_logprobs: bool = False  # also score the prompt's own tokens (echo with logprobs)
-    prompt_only: bool = False  # score the prompt and generate nothing (echo with max_tokens 0, or a full context)
+    prompt_only: bool = False  # score the prompt and generate nothing (echo with max_tokens 0)
     prompt_lookup: int = 0  # speculative decoding by prompt lookup with n-grams of up to this many tokens
     cancelled: bool = False
     stopped_rows: set = field(default_factory=set)
@@ -250,13 +250,15 @@ class Scheduler:
     def submit(self, request: GenerationRequest) -> None:
         """Queue a request; raises QueueFull when max_queue requests already wait."""
         p, block = request.params, self.model.config.block_size
-        # Scoring a prompt needs no forward of its last token (it only is a target), so a prompt
-        # to score may be one token longer than the context.
-        new = -1 if request.prompt_only else p.max_new_tokens
+        # What is fed must fit: the last new token is never fed, nor a scored prompt's last token
+        # (only a target), so either may sit one past the context.
+        new = -1 if request.prompt_only else p.max_new_tokens - 1
         if p.num_samples > self.max_batch:
             raise ValueError(f"num_samples={p.num_samples} exceeds the batch size {self.max_batch}")
         if not request.prompt or len(request.prompt) + new > block:
-            raise ValueError(f"prompt of {len(request.prompt)} tokens + {max(new, 0)} new ones must fit {block}")
+            raise ValueError(
+                f"prompt of {len(request.prompt)} tokens + {max(new + 1, 0)} new ones must fit {block} (+1)"
+            )
         with self._cond:
             if len(self.waiting) >= self.max_queue:  # first drop requests whose clients left
                 kept = deque(r for r in self.waiting if not r.cancelled)
