@@ -65,14 +65,16 @@ def write_task(tmp_path) -> str:
     return str(tasks)
 
 
-def evaluate(model: str, model_args: str, include_path: str) -> dict:
+def evaluate(model: str, model_args: str, include_path: str, tasks=("tiny_rolling",), batch_size: int = 1) -> dict:
+    """{"task/metric": value} for the tasks' metrics (word/byte perplexity, accuracy)."""
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
-    out = simple_evaluate(model=model, model_args=model_args, tasks=["tiny_rolling"], batch_size=1,
+    out = simple_evaluate(model=model, model_args=model_args, tasks=list(tasks), batch_size=batch_size,
                           task_manager=TaskManager(include_path=include_path), device="cpu")  # fmt: skip
-    metrics = out["results"]["tiny_rolling"]
-    return {name: metrics[f"{name},none"] for name in ("word_perplexity", "byte_perplexity")}
+    wanted = ("word_perplexity", "byte_perplexity", "acc")
+    return {f"{task}/{name}": out["results"][task][f"{name},none"] for task in tasks for name in wanted
+            if f"{name},none" in out["results"][task]}  # fmt: skip
 
 
 def test_local_completions_against_gptlab_serve_equals_model_hf(tmp_path, offline):

@@ -1,0 +1,116 @@
+"""An lm-evaluation-harness backend: `import gptlab.harness` registers the model name `gptlab`.
+
+    lm_eval --model gptlab --model_args pretrained=SPEC,dtype=float32,batch_size=8,max_length=1024 \\
+        --tasks lambada_openai --include_path DIR
+
+`pretrained` is any `--model` spec (`gptlab.loading.load_model`: gptlab checkpoints, quantized
+models, Hugging Face directories or Hub ids, nanoGPT and llm.c files). Scoring follows lm-eval's
+Hugging Face backend token for token, so the two agree on the same weights:
+- loglikelihood: lm-eval splits context and continuation (TemplateLM._encode_pair; an empty
+  context becomes <|endoftext|>); each request is (context + continuation) left-truncated to
+  max_length + 1 tokens, its last token dropped, scored in batches, longest first;
+- loglikelihood_rolling: lm-eval's disjoint windows of max_length tokens after <|endoftext|>;
+- generate_until: greedy (or sampled with `temperature`/`do_sample`) through gptlab's one decode
+  engine (`generation.generate_text`, so the C kernels), stopping at the `until` strings.
+
+Text is tokenized as lm-eval's HF backend does with GPT-2's tokenizer: `<|endoftext|>` in the
+text is the special token.
+"""
+
+from __future__ import annotations
+
+import lm_eval.models  # noqa: F401  (lm-eval's own backends first: it loads them only into an empty registry)
+import torch
+import torch.nn.functional as F
+from lm_eval import utils
+from lm_eval.api.model import TemplateLM
+from lm_eval.api.registry import register_model
+from tqdm import tqdm
+
+from gptlab.generation import generate_text
+from gptlab.loading import load_model, tokenizer_name
+from gptlab.tokenizer import get_tokenizer
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": None}
+
+
+@register_model("gptlab")
+class GptlabLM(TemplateLM):
+    """lm-eval's view of one gptlab model (see the module docstring)."""
+
+    def __init__(self, pretrained: str, dtype: str = "auto", batch_size: int | str = 1, max_length: int | None = None,
+                 device: str = "cpu", **kwargs):  # fmt: skip
+        super().__init__()
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+        self.model = load_model(pretrained, device=device, dtype=DTYPES[dtype]).eval()
+        self.tok = get_tokenizer(tokenizer_name(pretrained))
+        self.batch_size = int(batch_size)
+        self.max_length = int(max_length or self.model.config.block_size)
+        if not 1 <= self.max_length <= self.model.config.block_size:
+            raise ValueError(f"max_length must be in [1, {self.model.config.block_size}], got {self.max_length}")
+        self._device = torch.device(device)
+
+    @property
+    def eot_token_id(self) -> int:
+        return self.tok.eot_token
+
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
+        return self.tok.encode(string, allowed_special="all")
+
+    def tok_decode(self, tokens) -> str:
+        return self.tok.decode(tokens)
+
+    @torch.no_grad()
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
+        """(sum of the continuation's logprobs, whether it is the greedy continuation) per request."""
+        rows = []
+        for _, context, continuation in requests:
+            inp = (context + continuation)[-(self.max_length + 1) :][:-1]  # fed; predicts what follows each
+            rows.append((inp, continuation))
+        order = sorted(range(len(rows)), key=lambda i: -len(rows[i][0]))  # longest first
+        out: list[tuple[float, bool] | None] = [None] * len(rows)
+        for start in tqdm(range(0, len(order), self.batch_size), disable=disable_tqdm):
+            batch = order[start : start + self.batch_size]
+            longest = len(rows[batch[0]][0])
+            idx = torch.full((len(batch), longest), self.eot_token_id, dtype=torch.long)  # right-padded
+            for b, i in enumerate(batch):
+                idx[b, : len(rows[i][0])] = torch.tensor(rows[i][0])
+            logits, _ = self.model(idx.to(self._device))  # (B, T, V): padding only follows real tokens
+            logp = F.log_softmax(logits.float(), dim=-1)
+            for b, i in enumerate(batch):
+                inp, continuation = rows[i]
+                n = len(continuation)
+                span = logp[b, len(inp) - n : len(inp)]  # (n, V): the positions predicting the continuation
+                target = torch.tensor(continuation, device=span.device)
+                score = span.gather(1, target[:, None]).sum().item()
+                out[i] = (score, bool((span.argmax(-1) == target).all()))
+        return out
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        """Each text's total logprob over lm-eval's disjoint windows of max_length tokens."""
+        scores = []
+        for (text,) in tqdm([r.args for r in requests], disable=disable_tqdm):
+            windows = map(utils.make_disjoint_window, utils.get_rolling_token_windows(
+                token_list=self.tok_encode(text), prefix_token=self.prefix_token_id, max_seq_len=self.max_length,
+                context_len=1,
+            ))  # fmt: skip
+            scores.append(
+                sum(s for s, _ in self._loglikelihood_tokens([(None, *w) for w in windows], disable_tqdm=True))
+            )
+        return scores
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        """Each context's continuation up to the first `until` string (not included)."""
+        out = []
+        for context, gen_kwargs in tqdm([r.args for r in requests], disable=disable_tqdm):
+            kwargs = dict(gen_kwargs)
+            until = kwargs.pop("until", None) or []
+            until = [until] if isinstance(until, str) else list(until)
+            max_new = int(kwargs.pop("max_gen_toks", 256))
+            sampled = kwargs.pop("do_sample", False)
+            temperature = float(kwargs.pop("temperature", 1.0 if sampled else 0.0))
+            text = generate_text(self.model, self.tok, context, max_new, temperature=temperature if sampled else 0.0,
+                                 stop=until, seed=kwargs.pop("seed", None))  # fmt: skip
+            out.append(text)
+        return out
