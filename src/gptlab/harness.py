@@ -108,9 +108,8 @@ class GptlabLM(TemplateLM):
             until = kwargs.pop("until", None) or []
             until = [until] if isinstance(until, str) else list(until)
             max_new = int(kwargs.pop("max_gen_toks", 256))
-            sampled = kwargs.pop("do_sample", False)
-            temperature = float(kwargs.pop("temperature", 1.0 if sampled else 0.0))
-            text = generate_text(self.model, self.tok, context, max_new, temperature=temperature if sampled else 0.0,
-                                 stop=until, seed=kwargs.pop("seed", None))  # fmt: skip
+            temperature = float(kwargs.pop("temperature", 1.0)) if kwargs.pop("do_sample", False) else 0.0  # greedy
+            text = generate_text(self.model, self.tok, context, max_new, temperature=temperature, stop=until,
+                                 seed=kwargs.pop("seed", None))  # fmt: skip
             out.append(text)
         return out

@@ -252,13 +252,12 @@ class Scheduler:
         p, block = request.params, self.model.config.block_size
         # What is fed must fit: the last new token is never fed, nor a scored prompt's last token
         # (only a target), so either may sit one past the context.
-        new = -1 if request.prompt_only else p.max_new_tokens - 1
+        new = 0 if request.prompt_only else p.max_new_tokens
+        fed = len(request.prompt) + new - 1
         if p.num_samples > self.max_batch:
             raise ValueError(f"num_samples={p.num_samples} exceeds the batch size {self.max_batch}")
-        if not request.prompt or len(request.prompt) + new > block:
-            raise ValueError(
-                f"prompt of {len(request.prompt)} tokens + {max(new + 1, 0)} new ones must fit {block} (+1)"
-            )
+        if not request.prompt or fed > block:
+            raise ValueError(f"prompt of {len(request.prompt)} tokens + {new} new ones feeds {fed}, past the context {block}")  # fmt: skip
         with self._cond:
             if len(self.waiting) >= self.max_queue:  # first drop requests whose clients left
                 kept = deque(r for r in self.waiting if not r.cancelled)
