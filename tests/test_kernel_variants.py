@@ -167,10 +167,13 @@ def test_attention_argmax_and_softmax_agree_with_portable(dtype):
         return kernels.softmax_xent_(z, targets), z
 
     soft = on_each(softmax)
+    scored = on_each(lambda: kernels.cross_entropy_t(logits.t().contiguous(), targets))  # (losses, peaks)
     top = on_each(lambda: kernels.argmax(logits))
     for variant in SIMD:
         assert rel(att[variant], att["portable"]) <= (1e-6 if dtype == torch.float32 else 2**-8), variant
         assert rel(soft[variant][0], soft["portable"][0]) <= 1e-6 and rel(soft[variant][1], soft["portable"][1]) <= 1e-6
+        assert rel(scored[variant][0], scored["portable"][0]) <= 1e-6
+        assert torch.equal(scored[variant][1], scored["portable"][1])  # the maxima: exact
         assert torch.equal(top[variant], top["portable"])
 
 

@@ -232,3 +232,16 @@ def test_gelu_erf_mlp_is_the_exact_gelu_and_survives_a_native_round_trip(tmp_pat
     idx = torch.tensor([[1, 2, 3]])
     with torch.no_grad():
         assert torch.equal(load_model(str(tmp_path / "m"))(idx)[0], exact(idx)[0])
+
+
+@pytest.mark.parametrize("variant", ["gpt2", "llama"])
+def test_head_false_returns_what_the_head_reads(variant):
+    model = tiny_model(**VARIANTS[variant])
+    idx = torch.randint(0, model.config.vocab_size, (2, 9))
+    with torch.no_grad():
+        logits, _ = model(idx)
+        hidden, _ = model(idx, head=False)  # (2, 9, C)
+        assert hidden.shape == (2, 9, model.config.n_embd)
+        torch.testing.assert_close(model.lm_head(hidden), logits, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="not a loss"):
+        model(idx, targets=idx, head=False)

@@ -10,6 +10,9 @@ the autocast dtype (bf16 logits under bf16 autocast); the softmax runs in fp32.
 
 The same value as `F.cross_entropy(x @ weight.T, targets, ignore_index=-100)` (mean over the
 non-ignored targets), to float rounding.
+
+`token_logprobs` is the same pass for scoring (evaluation, lm-eval's loglikelihood): each row's
+log-probability of its target and whether the target is the greedy token, with no gradient.
 """
 
 from __future__ import annotations
@@ -144,3 +147,35 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.T
         compute_dtype = x.dtype
     with torch.autocast(device_type, enabled=False):
         return _LinearCrossEntropy.apply(x, weight, targets, compute_dtype, chunk_rows)
+
+
+@torch.no_grad()
+def token_logprobs(x: torch.Tensor, head: torch.nn.Module, targets: torch.Tensor, chunk_rows: int = CHUNK_ROWS):
+    """For rows x (N, C) under the output head (a Linear, or a quantized one) and targets (N,):
+    (log p(target) (N,) fp32, whether the target has the largest logit (N,) bool), chunk by chunk,
+    never holding (N, V) logits. A tie for the largest logit counts as greedy (torch.argmax would
+    pick the first of them).
+    """
+    logprob = torch.empty(x.size(0), dtype=torch.float32, device=x.device)
+    greedy = torch.empty(x.size(0), dtype=torch.bool, device=x.device)
+    for s in range(0, x.size(0), chunk_rows):
+        x_c, t_c = x[s : s + chunk_rows], targets[s : s + chunk_rows]  # (n, C), (n,)
+        logits = _head_t(head, x_c)  # (V, n) fp32
+        scored = kernels.cross_entropy_t(logits, t_c)
+        if scored is None:  # PyTorch: another device, or no kernels
+            loss = torch.logsumexp(logits, dim=0) - logits.gather(0, t_c[None, :]).squeeze(0)
+            scored = loss, logits.amax(dim=0)
+        loss, peak = scored
+        logprob[s : s + chunk_rows] = -loss
+        greedy[s : s + chunk_rows] = logits.gather(0, t_c[None, :]).squeeze(0) >= peak
+    return logprob, greedy
+
+
+def _head_t(head: torch.nn.Module, x_c: torch.Tensor) -> torch.Tensor:
+    """The head's logits for rows x_c (n, C), transposed: (V, n) fp32 and contiguous."""
+    weight = getattr(head, "weight", None)
+    if not (isinstance(head, torch.nn.Linear) and head.bias is None and weight.dtype == x_c.dtype):
+        return head(x_c).float().t().contiguous()  # a quantized head computes (n, V) its own way
+    if x_c.dtype != torch.float32:
+        return (weight @ x_c.t()).float()
+    return torch.mm(weight, x_c.t(), out=_workspace(x_c.size(0), weight.size(0), x_c.device))

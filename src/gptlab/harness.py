@@ -21,14 +21,15 @@ from __future__ import annotations
 
 import lm_eval.models  # noqa: F401  (lm-eval's own backends first: it loads them only into an empty registry)
 import torch
-import torch.nn.functional as F
 from lm_eval import utils
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from tqdm import tqdm
 
+from gptlab.chunked_loss import token_logprobs
 from gptlab.generation import generate_text
 from gptlab.loading import load_model, tokenizer_name
+from gptlab.quantize import quantize_model
 from gptlab.tokenizer import get_tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": None}
@@ -36,15 +37,24 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 @register_model("gptlab")
 class GptlabLM(TemplateLM):
-    """lm-eval's view of one gptlab model (see the module docstring)."""
+    """lm-eval's view of one gptlab model (see the module docstring). `pretrained` is a `--model`
+    spec or a GPT already loaded; `quantize` (int8, int4) quantizes it after loading."""
 
-    def __init__(self, pretrained: str, dtype: str = "auto", batch_size: int | str = 1, max_length: int | None = None,
-                 device: str = "cpu", **kwargs):  # fmt: skip
+    def __init__(self, pretrained, dtype: str = "auto", batch_size: int | str = 1, max_length: int | None = None,
+                 device: str = "cpu", quantize: str | None = None, adapter: str | None = None, **kwargs):  # fmt: skip
         super().__init__()
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-        self.model = load_model(pretrained, device=device, dtype=DTYPES[dtype]).eval()
-        self.tok = get_tokenizer(tokenizer_name(pretrained))
+        if adapter:
+            raise ValueError(f"adapter={adapter}: gptlab has no fine-tuning adapters yet, so none can be applied")
+        if isinstance(pretrained, str):
+            self.model = load_model(pretrained, device=device, dtype=DTYPES[dtype])
+            self.tok = get_tokenizer(tokenizer_name(pretrained))
+        else:
+            self.model, self.tok = pretrained, get_tokenizer("gpt2")
+        if quantize:
+            self.model = quantize_model(self.model, quantize)
+        self.model.eval()
         self.batch_size = int(batch_size)
         self.max_length = int(max_length or self.model.config.block_size)
         if not 1 <= self.max_length <= self.model.config.block_size:
@@ -63,10 +73,17 @@ class GptlabLM(TemplateLM):
 
     @torch.no_grad()
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
-        """(sum of the continuation's logprobs, whether it is the greedy continuation) per request."""
+        """(sum of the continuation's logprobs, whether it is the greedy continuation) per request.
+
+        Each batch runs the model without its head; the head runs only on the positions that
+        predict a continuation token (gptlab.chunked_loss.token_logprobs, no (B, T, V) logits)."""
         rows = []
         for _, context, continuation in requests:
             inp = (context + continuation)[-(self.max_length + 1) :][:-1]  # fed; predicts what follows each
+            if len(continuation) > len(inp):
+                raise ValueError(
+                    f"a continuation of {len(continuation)} tokens does not fit max_length {self.max_length}"
+                )
             rows.append((inp, continuation))
         order = sorted(range(len(rows)), key=lambda i: -len(rows[i][0]))  # longest first
         out: list[tuple[float, bool] | None] = [None] * len(rows)
@@ -76,28 +93,29 @@ class GptlabLM(TemplateLM):
             idx = torch.full((len(batch), longest), self.eot_token_id, dtype=torch.long)  # right-padded
             for b, i in enumerate(batch):
                 idx[b, : len(rows[i][0])] = torch.tensor(rows[i][0])
-            logits, _ = self.model(idx.to(self._device))  # (B, T, V): padding only follows real tokens
-            logp = F.log_softmax(logits.float(), dim=-1)
-            for b, i in enumerate(batch):
-                inp, continuation = rows[i]
-                n = len(continuation)
-                span = logp[b, len(inp) - n : len(inp)]  # (n, V): the positions predicting the continuation
-                target = torch.tensor(continuation, device=span.device)
-                score = span.gather(1, target[:, None]).sum().item()
-                out[i] = (score, bool((span.argmax(-1) == target).all()))
+            hidden, _ = self.model(idx.to(self._device), head=False)  # (B, T, C): padding only follows real tokens
+            spans = [(b, len(rows[i][0]), len(rows[i][1])) for b, i in enumerate(batch)]  # (row, fed, scored)
+            b_idx = torch.cat([torch.full((n,), b) for b, _, n in spans])  # (N,)
+            t_idx = torch.cat([torch.arange(fed - n, fed) for _, fed, n in spans])  # (N,) predicting each target
+            targets = torch.tensor([t for i in batch for t in rows[i][1]], device=hidden.device)  # (N,)
+            logprob, greedy = token_logprobs(hidden[b_idx, t_idx], self.model.lm_head, targets)
+            lengths = [n for _, _, n in spans]
+            for i, lp, g in zip(batch, logprob.split(lengths), greedy.split(lengths), strict=True):
+                out[i] = (lp.sum().item(), bool(g.all()))
         return out
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
-        """Each text's total logprob over lm-eval's disjoint windows of max_length tokens."""
-        scores = []
-        for (text,) in tqdm([r.args for r in requests], disable=disable_tqdm):
-            windows = map(utils.make_disjoint_window, utils.get_rolling_token_windows(
-                token_list=self.tok_encode(text), prefix_token=self.prefix_token_id, max_seq_len=self.max_length,
-                context_len=1,
-            ))  # fmt: skip
-            scores.append(
-                sum(s for s, _ in self._loglikelihood_tokens([(None, *w) for w in windows], disable_tqdm=True))
-            )
+        """Each text's total logprob over lm-eval's disjoint windows of max_length tokens (the
+        windows of all texts batched together)."""
+        windows, owner = [], []
+        for n, (text,) in enumerate(r.args for r in requests):
+            for w in utils.get_rolling_token_windows(token_list=self.tok_encode(text), prefix_token=self.prefix_token_id,
+                                                     max_seq_len=self.max_length, context_len=1):  # fmt: skip
+                windows.append((None, *utils.make_disjoint_window(w)))
+                owner.append(n)
+        scores = [0.0] * len(requests)
+        for n, (score, _) in zip(owner, self._loglikelihood_tokens(windows, disable_tqdm=disable_tqdm), strict=True):
+            scores[n] += score
         return scores
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:

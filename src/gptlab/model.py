@@ -269,6 +269,7 @@ class GPT(nn.Module):
         attn_probs=None,
         last_only=False,
         return_logits=True,
+        head=True,
     ):
         """Next-token logits (B, T, vocab_size) and, given targets (B, T), the mean cross-entropy.
 
@@ -279,6 +280,8 @@ class GPT(nn.Module):
         third of GPT-2 small's weights, so decoding should not run it for the prompt.
         `return_logits=False` with targets returns (None, loss), computing the head and the loss
         chunk by chunk (faster training, far less memory); the loss is the same.
+        `head=False` returns what the head would read instead of logits: the final norm's output
+        (B, T, n_embd) (scoring runs the head on the positions it needs, gptlab.chunked_loss).
         """
         self._check_input(idx, targets, kv_cache)
         B, T = idx.shape
@@ -290,7 +293,10 @@ class GPT(nn.Module):
         rope = None if learned else rope_cos_sin(positions, self.config.head_size, self.config.rope_theta, dtype)
         if learned and not torch.compiler.is_compiling() and int(positions.max()) >= self.config.block_size:
             raise ValueError(f"position {int(positions.max())} exceeds block_size {self.config.block_size}")
-        if kv_cache is not None and targets is None and attn_probs is None and fused_step.applies(self, idx, kv_cache):
+        if targets is not None and not head:
+            raise ValueError("head=False returns hidden states, not a loss: pass no targets")
+        fused = head and kv_cache is not None and targets is None and attn_probs is None
+        if fused and fused_step.applies(self, idx, kv_cache):
             # (B, T|1, V), embedding included: one C call
             logits = fused_step.step(self, idx, positions, dtype, rope, kv_cache, key_mask, last_only)
             if logits is not None:
@@ -306,6 +312,8 @@ class GPT(nn.Module):
         if last_only:
             x = x[:, -1:]  # (B, 1, C)
         x = self.transformer.ln_f(x)
+        if not head:
+            return x, None
         if targets is not None and not return_logits:
             # Training: head and loss in row chunks, never holding all (B*T, V) logits (chunked_loss.py).
             return None, linear_cross_entropy(x, self.lm_head.weight, targets)

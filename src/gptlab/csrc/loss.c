@@ -1,4 +1,5 @@
-/* Training's softmax cross-entropy and its gradient over a chunk of logits (gptlab.chunked_loss). */
+/* The softmax cross-entropy over a chunk of logits: training's, with its gradient
+ * (gptlab.chunked_loss), and scoring's, without (gptlab.chunked_loss.token_logprobs). */
 #include <omp.h>
 
 #include "common.h"
@@ -12,9 +13,12 @@ static inline vf load_or(const float *p, int n, float fill) { return n >= VW ? v
  * logits) and loss[r] = logsumexp - z[t]; a row whose target is -100 (ignored) gets zeros and
  * loss 0. Three passes (max; exp and sum; scale) where PyTorch's ops take five. Each thread
  * streams its own range of the V rows, vectorized across the n columns, keeping its own maxima
- * and sums per column, merged in thread order (so a result depends only on nthreads). Returns 0,
- * -1 out of memory, or -3 when a target is outside [0, V) and not -100 (nothing written then). */
-int gl_softmax_xent(float *z, const int64_t *t, float *loss, int n, int V, int nthreads) {
+ * and sums per column, merged in thread order (so a result depends only on nthreads).
+ * With grad 0 (scoring) z is only read: two passes (max; exp and sum), no gradient. peak, when
+ * not NULL, gets each row's largest logit (its target is the greedy token where z[t] equals it).
+ * Returns 0, -1 out of memory, or -3 when a target is outside [0, V) and not -100 (nothing
+ * written then). */
+int gl_softmax_xent(float *z, const int64_t *t, float *loss, float *peak_out, int n, int V, int grad, int nthreads) {
     for (int r = 0; r < n; r++)
         if ((t[r] < 0 || t[r] >= V) && t[r] != -100) return -3;
     const int np = (n + VW - 1) / VW * VW; /* columns padded to whole vectors */
@@ -44,7 +48,7 @@ int gl_softmax_xent(float *z, const int64_t *t, float *loss, int n, int V, int n
         for (size_t v = v0; v < v1; v++)
             for (int r = 0; r < n; r += VW) {
                 vf e = vf_exp(vf_sub(load_or(z + v * n + r, n - r, 0.0f), vf_load(peak + r)));
-                vf_store_n(z + v * n + r, e, n - r);
+                if (grad) vf_store_n(z + v * n + r, e, n - r);
                 vf_store(psum + r, vf_add(vf_load(psum + r), e));
             }
 #pragma omp barrier
@@ -55,13 +59,15 @@ int gl_softmax_xent(float *z, const int64_t *t, float *loss, int n, int V, int n
             total[r] = sum;
             scale[r] = r < n && t[r] != -100 ? 1.0f / sum : 0.0f; /* an ignored row's gradient is 0 */
         }
-        for (size_t v = v0; v < v1; v++)
-            for (int r = 0; r < n; r += VW)
-                vf_store_n(z + v * n + r, vf_mul(load_or(z + v * n + r, n - r, 0.0f), vf_load(scale + r)), n - r);
+        if (grad)
+            for (size_t v = v0; v < v1; v++)
+                for (int r = 0; r < n; r += VW)
+                    vf_store_n(z + v * n + r, vf_mul(load_or(z + v * n + r, n - r, 0.0f), vf_load(scale + r)), n - r);
     }
     for (int r = 0; r < n; r++) {
         loss[r] = t[r] == -100 ? 0.0f : logf(total[r]) + peak[r] - target[r];
-        if (t[r] != -100) z[(size_t)t[r] * n + r] -= 1.0f;
+        if (peak_out) peak_out[r] = peak[r];
+        if (grad && t[r] != -100) z[(size_t)t[r] * n + r] -= 1.0f;
     }
     free(part);
     return 0;
