@@ -41,6 +41,8 @@ LOSS_TESTS = ("tests/test_model.py", "tests/test_chunked_loss.py", "tests/test_f
 HF_TESTS = ("tests/test_hf.py", "-k", "parity or round_trip or layouts or to_gptlab")
 QUANTIZE_TESTS = ("tests/test_quantize.py",)
 FUSED_TESTS = ("tests/test_fused_step.py", "tests/test_kernels.py")
+HARNESS_TESTS = ("tests/test_harness.py", "-k", "equals")
+SERVE_LMEVAL_TESTS = ("tests/test_serve_tokenize.py", "tests/test_serve.py", "-k", "offset or logprobs or echo")
 
 
 @dataclass(frozen=True)
@@ -160,6 +162,18 @@ MUTANTS = [
     Mutant("quantize/int8-zeroes-weights", "quantize.py",
            "q = (w / scales.float()[:, None]).round().clamp(-127, 127).to(torch.int8)",
            "q = torch.zeros_like(w, dtype=torch.int8)", QUANTIZE_TESTS),
+    # lm-eval: the backend (harness.py) and what local-completions reads from the server
+    Mutant("harness/continuation-split-one-early", "harness.py",
+           "torch.arange(fed - n, fed)", "torch.arange(fed - n - 1, fed - 1)", HARNESS_TESTS),
+    Mutant("harness/rolling-windows-overlap", "harness.py",
+           "max_seq_len=self.max_length, context_len=1", "max_seq_len=self.max_length, context_len=16",
+           HARNESS_TESTS),
+    Mutant("harness/no-prefix-token", "harness.py",
+           "token_list=self.tok_encode(text), prefix_token=self.prefix_token_id",
+           "token_list=self.tok_encode(text)[1:], prefix_token=self.tok_encode(text)[0]", HARNESS_TESTS),
+    Mutant("serve/text-offset-in-tokens", "serve/completions.py",
+           "offset += len(text.decode(self.state.tokenizer.decode_bytes([token])))", "offset += 1",
+           SERVE_LMEVAL_TESTS),
 ]
 # fmt: on
 # The swapped-name mutant needs its table in the module: appended to hf.py with it.

@@ -75,3 +75,22 @@ def tiktoken_gpt2(tmp_path_factory):
         yield tiktoken.get_encoding("gpt2")
     finally:
         mp.undo()
+
+
+@pytest.fixture
+def lmeval_workdir(tmp_path, monkeypatch):
+    """lm-eval (and the datasets library under it) offline, caching in tmp_path, in a working
+    directory holding the data of tests/lmeval_tasks."""
+    import lmeval_data
+
+    for name in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.setenv(name, "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets"))
+    import datasets
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "datasets")
+    lmeval_data.write_data(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    return tmp_path

@@ -1,5 +1,6 @@
 """gptlab's lm-eval backend (`--model gptlab`, gptlab.harness) against lm-eval's own `--model hf`
-on the same weights: a rolling-perplexity and a multiple-choice task (local JSON, offline)."""
+on the same weights, over the four kinds of request (tests/lmeval_tasks, local JSON, offline):
+rolling perplexity, multiple choice, a target's loglikelihood, generate_until with stops."""
 
 import json
 from types import SimpleNamespace
@@ -8,28 +9,14 @@ import pytest
 import torch
 
 import gptlab.harness  # noqa: F401  (registers --model gptlab)
+from gptlab.cli import main
 from gptlab.config import GPTConfig
 from gptlab.generation import generate_text
 from gptlab.model import GPT
-from test_serve_lmeval import SHAKESPEARE, evaluate, offline, write_task  # noqa: F401  (offline: a fixture)
+from lmeval_data import TASKS, evaluate
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-CHOICE_TASK = """task: tiny_choice
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {data}
-test_split: test
-output_type: multiple_choice
-doc_to_text: "{{{{context}}}}"
-doc_to_choice: "{{{{choices}}}}"
-doc_to_target: "{{{{gold}}}}"
-metric_list:
-  - metric: acc
-metadata:
-  version: 1.0
-"""
+ALL = ["tiny_rolling", "tiny_choice", "tiny_target", "tiny_until"]
 
 
 @pytest.fixture
@@ -40,30 +27,26 @@ def saved(tmp_path):
     return model, str(tmp_path / "model")
 
 
-def write_choice_task(tmp_path, include: str) -> None:
-    lines = SHAKESPEARE.read_text().split("\n")[:400]
-    with open(tmp_path / "choices.jsonl", "w") as f:
-        for i in range(0, 40, 2):
-            context, words = " ".join(lines[i : i + 2])[:120], lines[i + 3].split()[:4] or ["nothing"]
-            choices = [" " + w for w in words + ["thee", "and", "King"]][:4]
-            f.write(json.dumps({"context": context, "choices": choices, "gold": i % 4}) + "\n")
-    (tmp_path / "tasks" / "tiny_choice.yaml").write_text(CHOICE_TASK.format(data=tmp_path / "choices.jsonl"))
-
-
-def test_model_gptlab_equals_model_hf(tmp_path, offline, saved):  # noqa: F811
-    _, path = saved
-    include = write_task(tmp_path)
-    write_choice_task(tmp_path, include)
-    tasks = ["tiny_rolling", "tiny_choice"]
-    ours = evaluate("gptlab", f"pretrained={path},dtype=float32,max_length=64", include, tasks, batch_size=4)
-    hf = evaluate("hf", f"pretrained={path},dtype=float32,max_length=64", include, tasks, batch_size=4)
-    # measured: word perplexity 34,654,645.9 against 34,654,642.7 (9e-8 relative; fp32 both ways),
-    # accuracy 0.3 both; the continuation's span one position early fails here
+def assert_same(ours: dict, hf: dict) -> None:
+    """Accuracy and generated text exact, perplexities within 1e-4 relative."""
+    assert set(ours) == set(hf)
     for name, value in hf.items():
-        if name.startswith("tiny_choice"):
-            assert ours[name] == value, name
-        else:
+        if "perplexity" in name:
             assert ours[name] == pytest.approx(value, rel=1e-4), name
+        else:
+            assert ours[name] == value, name
+
+
+def test_model_gptlab_equals_model_hf(lmeval_workdir, saved):
+    _, path = saved
+    args = f"pretrained={path},dtype=float32,max_length=64"
+    ours = evaluate("gptlab", args, ALL, batch_size=4, responses=["tiny_until"])
+    hf = evaluate("hf", args, ALL, batch_size=4, responses=["tiny_until"])
+    # measured: word perplexity 34,654,645.9 against 34,654,642.7 (9e-8 relative; fp32 both
+    # ways), accuracies equal; the generated texts equal. The continuation's span one position
+    # early, overlapping rolling windows, or no <|endoftext|> before a window fail here.
+    assert_same(ours, hf)
+    assert any(r[0] for r in hf["tiny_until/responses"])  # something was generated
 
 
 def test_generate_until_is_gptlabs_greedy_text_cut_at_the_stop(saved):
@@ -75,3 +58,22 @@ def test_generate_until_is_gptlabs_greedy_text_cut_at_the_stop(saved):
     req = SimpleNamespace(args=(context, {"until": [stop], "max_gen_toks": 24, "do_sample": False}))
     (text,) = lm.generate_until([req], disable_tqdm=True)
     assert text == free[: free.index(stop)]
+
+
+def test_gptlab_eval_harness_prints_lm_evals_table_and_writes_its_results(lmeval_workdir, saved, capsys):
+    _, path = saved
+    out = lmeval_workdir / "results.json"
+    code = main(["eval", "--model", path, "--harness", "tiny_choice,tiny_rolling", "--include-path", str(TASKS),
+                 "--limit", "6", "--batch-size", "4", "--json", str(out), "--no-progress"])  # fmt: skip
+    assert code in (0, None)
+    assert "|tiny_choice |" in capsys.readouterr().out  # lm-eval's own table
+    result = json.loads(out.read_text())
+    assert result["n-samples"]["tiny_choice"]["effective"] == 6
+    direct = evaluate(gptlab.harness.GptlabLM(pretrained=path, batch_size=4), None, ["tiny_choice"])
+    assert 0 <= result["results"]["tiny_choice"]["acc,none"] <= 1 and "tiny_choice/acc" in direct
+
+
+def test_an_unknown_harness_task_is_a_clear_error(lmeval_workdir, saved, capsys):
+    _, path = saved
+    assert main(["eval", "--model", path, "--harness", "tiny_choice,no_such_task", "--include-path", str(TASKS)]) == 2
+    assert "no task no_such_task" in capsys.readouterr().err

@@ -10,14 +10,17 @@ Hugging Face backend token for token, so the two agree on the same weights:
   context becomes <|endoftext|>); each request is (context + continuation) left-truncated to
   max_length + 1 tokens, its last token dropped, scored in batches, longest first;
 - loglikelihood_rolling: lm-eval's disjoint windows of max_length tokens after <|endoftext|>;
-- generate_until: greedy (or sampled with `temperature`/`do_sample`) through gptlab's one decode
-  engine (`generation.generate_text`, so the C kernels), stopping at the `until` strings.
+- generate_until: greedy (or sampled with `do_sample`/`temperature`) through gptlab's one decode
+  engine (`generation.generate_tokens`, so the C kernels), in batches of requests that share
+  their settings, longest first, each stopping at <|endoftext|> or its first `until` string.
 
 Text is tokenized as lm-eval's HF backend does with GPT-2's tokenizer: `<|endoftext|>` in the
 text is the special token.
 """
 
 from __future__ import annotations
+
+import json
 
 import lm_eval.models  # noqa: F401  (lm-eval's own backends first: it loads them only into an empty registry)
 import torch
@@ -27,7 +30,7 @@ from lm_eval.api.registry import register_model
 from tqdm import tqdm
 
 from gptlab.chunked_loss import token_logprobs
-from gptlab.generation import generate_text
+from gptlab.generation import SamplingParams, TextDecoder, generate_tokens, sampling_params
 from gptlab.loading import load_model, tokenizer_name
 from gptlab.quantize import quantize_model
 from gptlab.tokenizer import get_tokenizer
@@ -118,16 +121,60 @@ class GptlabLM(TemplateLM):
             scores[n] += score
         return scores
 
+    @torch.no_grad()
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        """Each context's continuation up to the first `until` string (not included)."""
-        out = []
-        for context, gen_kwargs in tqdm([r.args for r in requests], disable=disable_tqdm):
-            kwargs = dict(gen_kwargs)
-            until = kwargs.pop("until", None) or []
-            until = [until] if isinstance(until, str) else list(until)
-            max_new = int(kwargs.pop("max_gen_toks", 256))
-            temperature = float(kwargs.pop("temperature", 1.0)) if kwargs.pop("do_sample", False) else 0.0  # greedy
-            text = generate_text(self.model, self.tok, context, max_new, temperature=temperature, stop=until,
-                                 seed=kwargs.pop("seed", None))  # fmt: skip
-            out.append(text)
+        """Each context's continuation up to the first `until` string (not included), as lm-eval's
+        HF backend makes it: requests grouped by their generation settings, batched longest first
+        (left-padded), each context cut to its last max_length - max_gen_toks tokens."""
+        groups: dict[str, list[int]] = {}
+        for i, (_, gen_kwargs) in enumerate(r.args for r in requests):
+            groups.setdefault(json.dumps(gen_kwargs, sort_keys=True, default=str), []).append(i)
+        out: list[str | None] = [None] * len(requests)
+        progress = tqdm(total=len(requests), disable=disable_tqdm)
+        for members in groups.values():
+            params, until = self._generation_settings(requests[members[0]].args[1])
+            keep = self.max_length - params.max_new_tokens
+            rows = {i: self.tok_encode(requests[i].args[0])[-keep:] for i in members}
+            order = sorted(members, key=lambda i: -len(rows[i]))
+            for start in range(0, len(order), self.batch_size):
+                batch = order[start : start + self.batch_size]
+                for i, text in zip(batch, self._generate([rows[i] for i in batch], params, until), strict=True):
+                    out[i] = text
+                progress.update(len(batch))
+        progress.close()
         return out
+
+    def _generation_settings(self, gen_kwargs: dict) -> tuple[SamplingParams, list[str]]:
+        """lm-eval's generation_kwargs as (SamplingParams, stop strings): greedy unless do_sample."""
+        kwargs = dict(gen_kwargs)
+        until = kwargs.pop("until", None) or []
+        until = [until] if isinstance(until, str) else list(until)
+        max_new = int(kwargs.pop("max_gen_toks", 256))
+        if not 1 <= max_new < self.max_length:
+            raise ValueError(f"max_gen_toks must be in [1, max_length {self.max_length}), got {max_new}")
+        temperature = float(kwargs.pop("temperature", 1.0)) if kwargs.pop("do_sample", False) else 0.0
+        seed = kwargs.pop("seed", None)
+        return sampling_params(None, max_new, temperature=temperature, seed=seed), until
+
+    def _generate(self, rows: list[list[int]], params: SamplingParams, until: list[str]) -> list[str]:
+        """The continuations of token rows (one batch through gptlab's decode engine), each cut at
+        <|endoftext|> or the first `until` string."""
+        texts = [TextDecoder(self.tok, until) for _ in rows]
+        done = [False] * len(rows)
+        steps = generate_tokens(self.model, [list(r) for r in rows], params, eos_id=self.eot_token_id,
+                                bos_id=self.eot_token_id)  # fmt: skip
+        for step in steps:
+            for b, token in enumerate(step.tolist()):
+                if done[b]:
+                    continue
+                if token == self.eot_token_id:
+                    done[b] = True
+                else:
+                    texts[b].add(token)
+                    done[b] = texts[b].stopped
+            if all(done):
+                break
+        for text in texts:
+            if not text.stopped:
+                text.finish()
+        return [text.text for text in texts]

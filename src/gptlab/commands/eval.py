@@ -1,5 +1,7 @@
-"""gptlab eval: perplexity / bits per byte, HellaSwag, LAMBADA; a table on screen and a JSON file."""
+"""gptlab eval: perplexity / bits per byte, HellaSwag, LAMBADA, or any lm-evaluation-harness task
+(--harness, through gptlab.harness); a table on screen and a JSON file."""
 
+import json
 import time
 
 from gptlab.commands._model_args import add_json_argument, add_model_arguments, load, write_json
@@ -9,7 +11,14 @@ TASKS = ("perplexity", "hellaswag", "lambada")
 
 def add_arguments(parser):
     add_model_arguments(parser, prompt=False)
-    parser.add_argument("--task", required=True, choices=TASKS)
+    which = parser.add_mutually_exclusive_group(required=True)
+    which.add_argument("--task", choices=TASKS, help="a built-in task")
+    which.add_argument(
+        "--harness",
+        metavar="TASK[,TASK...]",
+        help="lm-evaluation-harness tasks (needs lm-eval: pip install gptlab[harness])",
+    )
+    parser.add_argument("--include-path", default=None, help="--harness: a directory of lm-eval task YAML files")
     parser.add_argument(
         "--data",
         default=None,
@@ -20,8 +29,13 @@ def add_arguments(parser):
     parser.add_argument(
         "--batch-size", type=int, default=None, help="windows (perplexity, default 4) or rows (default 16)"
     )
-    parser.add_argument("--limit", type=int, default=None, help="only the first N examples (hellaswag, lambada)")
-    add_json_argument(parser, help="the results as JSON (default eval-TASK.json)")
+    parser.add_argument(
+        "--limit", type=int, default=None, help="only the first N examples (hellaswag, lambada, --harness)"
+    )
+    parser.add_argument(
+        "--max-length", type=int, default=None, help="--harness: tokens per window (default block_size)"
+    )
+    add_json_argument(parser, help="the results as JSON (default eval-TASK.json, eval-harness.json)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -32,6 +46,8 @@ def run(args):
         raise ValueError(f"--batch-size must be at least 1, got {args.batch_size}")
     if args.limit is not None and args.limit < 1:
         raise ValueError(f"--limit must be at least 1, got {args.limit}")
+    if args.harness:
+        return run_harness(args)
     model, tokenizer = load(args)
     progress = not args.no_progress
     start = time.perf_counter()
@@ -56,6 +72,39 @@ def run(args):
     out = args.json or f"eval-{args.task}.json"
     write_json(out, result)
     print(f"results written to {out}")
+
+
+def run_harness(args):
+    """lm-eval's tasks on args.model through gptlab's backend: lm-eval's table, and its results as JSON."""
+    try:
+        from lm_eval import simple_evaluate
+        from lm_eval.tasks import TaskManager
+        from lm_eval.utils import make_table
+
+        from gptlab.harness import GptlabLM
+    except ImportError as e:
+        raise ValueError(
+            f"--harness needs lm-evaluation-harness ({e.name} is missing): pip install 'gptlab[harness]'"
+        ) from e
+    from gptlab.commands._model_args import resolve_device
+
+    tasks = [t.strip() for t in args.harness.split(",") if t.strip()]
+    manager = TaskManager(include_path=args.include_path)
+    unknown = [t for t in tasks if t not in manager.all_tasks]
+    if unknown:
+        where = f" (nor in --include-path {args.include_path})" if args.include_path else ""
+        raise ValueError(f"--harness: lm-eval has no task {', '.join(unknown)}{where}")
+    lm = GptlabLM(pretrained=args.model, dtype=args.dtype, batch_size=args.batch_size or 16,
+                  max_length=args.max_length, device=resolve_device(args.device))  # fmt: skip
+    start = time.perf_counter()
+    out = simple_evaluate(model=lm, tasks=tasks, limit=args.limit, task_manager=manager, log_samples=False)
+    print(make_table(out))
+    result = {"model": args.model, "dtype": args.dtype, "tasks": tasks, "limit": args.limit,
+              "results": out["results"], "n-samples": out.get("n-samples"), "versions": out.get("versions"),
+              "seconds": round(time.perf_counter() - start, 2)}  # fmt: skip
+    path = args.json or "eval-harness.json"
+    write_json(path, json.loads(json.dumps(result, default=str)))  # lm-eval's values include numpy scalars
+    print(f"results written to {path}")
 
 
 def print_table(result: dict) -> None:
