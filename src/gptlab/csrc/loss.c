@@ -22,18 +22,21 @@ int gl_softmax_xent(float *z, const int64_t *t, float *loss, float *peak_out, in
     for (int r = 0; r < n; r++)
         if ((t[r] < 0 || t[r] >= V) && t[r] != -100) return -3;
     const int np = (n + VW - 1) / VW * VW; /* columns padded to whole vectors */
-    float *part = malloc(sizeof(float) * (size_t)np * (2 * (size_t)nthreads + 4)); /* each thread's max, sum */
+    /* each thread's max, sum and the sum's compensation */
+    float *part = malloc(sizeof(float) * (size_t)np * (3 * (size_t)nthreads + 4));
     if (!part) return -1;
-    float *peak = part + (size_t)2 * nthreads * np, *total = peak + np, *scale = total + np, *target = scale + np;
+    float *peak = part + (size_t)3 * nthreads * np, *total = peak + np, *scale = total + np, *target = scale + np;
     for (int r = 0; r < n; r++) target[r] = t[r] == -100 ? 0.0f : z[(size_t)t[r] * n + r];
 #pragma omp parallel num_threads(nthreads)
     {
         const int nt = omp_get_num_threads(), id = omp_get_thread_num();
         const size_t v0 = (size_t)V * id / nt, v1 = (size_t)V * (id + 1) / nt;
         float *pmax = part + (size_t)id * np, *psum = part + (size_t)(nthreads + id) * np;
+        float *pcomp = part + (size_t)(2 * nthreads + id) * np;
         for (int r = 0; r < np; r += VW) {
             vf_store(pmax + r, vf_set1(-INFINITY));
             vf_store(psum + r, vf_zero());
+            vf_store(pcomp + r, vf_zero());
         }
         for (size_t v = v0; v < v1; v++)
             for (int r = 0; r < n; r += VW)
@@ -49,14 +52,18 @@ int gl_softmax_xent(float *z, const int64_t *t, float *loss, float *peak_out, in
             for (int r = 0; r < n; r += VW) {
                 vf e = vf_exp(vf_sub(load_or(z + v * n + r, n - r, 0.0f), vf_load(peak + r)));
                 if (grad) vf_store_n(z + v * n + r, e, n - r);
-                vf_store(psum + r, vf_add(vf_load(psum + r), e));
+                /* Kahan: a trained model's tens of thousands of tiny tail terms would otherwise
+                 * fall below the sum's last bit (measured: log-probabilities ~5e-5 too high) */
+                vf sum = vf_load(psum + r), y = vf_sub(e, vf_load(pcomp + r)), next = vf_add(sum, y);
+                vf_store(pcomp + r, vf_sub(vf_sub(next, sum), y));
+                vf_store(psum + r, next);
             }
 #pragma omp barrier
 #pragma omp single
         for (int r = 0; r < np; r++) {
-            float sum = 0.0f;
-            for (int i = 0; i < nt; i++) sum += part[(size_t)(nthreads + i) * np + r];
-            total[r] = sum;
+            double sum = 0.0;
+            for (int i = 0; i < nt; i++) sum += (double)part[(size_t)(nthreads + i) * np + r] - part[(size_t)(2 * nthreads + i) * np + r];
+            total[r] = (float)sum;
             scale[r] = r < n && t[r] != -100 ? 1.0f / sum : 0.0f; /* an ignored row's gradient is 0 */
         }
         if (grad)
