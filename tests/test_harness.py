@@ -13,7 +13,7 @@ from gptlab.cli import main
 from gptlab.config import GPTConfig
 from gptlab.generation import generate_text
 from gptlab.model import GPT
-from lmeval_data import TASKS, evaluate
+from lmeval_data import SHAKESPEARE, TASKS, evaluate
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 ALL = ["tiny_rolling", "tiny_choice", "tiny_target", "tiny_until"]
@@ -77,3 +77,23 @@ def test_an_unknown_harness_task_is_a_clear_error(lmeval_workdir, saved, capsys)
     _, path = saved
     assert main(["eval", "--model", path, "--harness", "tiny_choice,no_such_task", "--include-path", str(TASKS)]) == 2
     assert "no task no_such_task" in capsys.readouterr().err
+
+
+def test_bench_harness_runs_both_backends_on_the_same_tasks(lmeval_workdir, saved, capsys):
+    """gptlab bench harness on a tiny model: hf, gptlab and gptlab-int8 rows, the same accuracy
+    and perplexity for hf and gptlab (fp32 both), speedups and int8's change recorded."""
+    from gptlab.bench.harness import main as bench
+
+    _, path = saved
+    out = lmeval_workdir / "results"
+    args = ["--model", path, "--data", str(SHAKESPEARE), "--choices", "8", "--docs", "2", "--batch-size", "4",
+            "--threads", "1", "--out", str(out)]  # fmt: skip
+    assert bench(args) == 0
+    (result,) = (json.loads(p.read_text()) for p in out.glob("harness-*.json"))
+    rows = result["rows"]
+    assert set(rows) == {"hf", "gptlab", "gptlab-int8"}
+    assert rows["gptlab"]["bench_choice"]["metric"] == rows["hf"]["bench_choice"]["metric"]
+    assert rows["gptlab"]["bench_rolling"]["metric"] == pytest.approx(rows["hf"]["bench_rolling"]["metric"], rel=1e-4)
+    assert rows["hf"]["bench_choice"]["requests"] == 32 and rows["hf"]["bench_rolling"]["requests"] == 2
+    assert result["bench_choice_speedup"] > 0 and "int8_accuracy_change_points" in result
+    assert "gptlab-int8" in capsys.readouterr().out

@@ -19,7 +19,7 @@ from importlib import import_module
 
 COMMANDS = {
     "info": "parameters per component, FLOPs per token, KV-cache and weight memory of a model",
-    "eval": "perplexity / bits per byte, HellaSwag or LAMBADA; a table and a JSON file",
+    "eval": "perplexity / bits per byte, HellaSwag, LAMBADA or lm-eval tasks (--harness); a table and a JSON file",
     "trace": "one forward pass step by step: tokens, shapes, residual stream, next tokens",
     "attention": "heatmap (PNG) of a layer's attention probabilities, one head or all",
     "lens": "logit lens: the top token read from each layer's residual stream",

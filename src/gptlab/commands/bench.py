@@ -10,6 +10,7 @@ BENCHMARKS = {
     "nanogpt": "gptlab's trainer vs nanoGPT's train.py: same data, model, batch and wall time (tokens/s, val loss)",
     "quantize": "int8/int4 quality (logits cosine, perplexity rise) and checkpoint sizes",
     "speculative": "speculative decoding (prompt lookup, a draft model) vs plain decoding: speedup and acceptance",
+    "harness": "lm-evaluation-harness: --model gptlab (fp32, int8) vs --model hf, requests/s and agreement",
     "formats": "nanoGPT/GGUF readers and writers against nanoGPT's model.py, llama.cpp's converter and llama-perplexity",
 }
 
