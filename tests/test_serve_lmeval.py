@@ -1,6 +1,6 @@
 """lm-evaluation-harness itself against `gptlab serve`: its `local-completions` client scores a
-rolling-perplexity and a multiple-choice task (tests/lmeval_tasks, local JSON, offline) through
-the server and gets what its `--model hf` backend gets on the same weights (a `save_pretrained`
+rolling-perplexity, a multiple-choice, a target-loglikelihood and a generate_until task
+(tests/lmeval_tasks, local JSON, offline) through the server and gets what its `--model hf` backend gets on the same weights (a `save_pretrained`
 directory).
 
 lm-eval's client sends each window with echo and max_tokens 1, drops that token's logprob, and
@@ -26,18 +26,19 @@ def test_local_completions_against_gptlab_serve_equals_model_hf(lmeval_workdir):
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=50257, block_size=BLOCK, n_layer=2, n_head=2, n_embd=64)).eval()
     model.save_pretrained(lmeval_workdir / "model")
-    tasks = ["tiny_rolling", "tiny_choice"]
-    hf = evaluate("hf", f"pretrained={lmeval_workdir / 'model'},dtype=float32,max_length={BLOCK - 1}", tasks)
+    tasks = ["tiny_rolling", "tiny_choice", "tiny_target", "tiny_until"]
+    hf_args = f"pretrained={lmeval_workdir / 'model'},dtype=float32,max_length={BLOCK - 1}"
+    hf = evaluate("hf", hf_args, tasks, responses=["tiny_until"])
     with running(create_app(model, get_tokenizer("gpt2"), name="tiny")) as url:
         args = (f"model=tiny,base_url={url}/v1/completions,tokenizer_backend=huggingface,"
                 f"tokenizer={lmeval_workdir / 'model'},max_length={BLOCK + 1},num_concurrent=1,max_retries=1,"
                 "tokenized_requests=True")  # fmt: skip
-        served = evaluate("local-completions", args, tasks)
-    # measured: word perplexity 2.3e-7 apart (~2.4e7: the same windows, fp32 both ways); accuracy
-    # 0.25 and acc_norm 0.3 both
+        served = evaluate("local-completions", args, tasks, responses=["tiny_until"])
+    # measured: word perplexity 2.3e-7 apart (~2.4e7: the same windows, fp32 both ways);
+    # accuracies equal, the generated texts equal
     assert set(served) == set(hf)
     for name, value in hf.items():
-        if name.startswith("tiny_choice"):
-            assert served[name] == value, name
-        else:
+        if "perplexity" in name:
             assert served[name] == pytest.approx(value, rel=1e-4), name
+        else:
+            assert served[name] == value, name
