@@ -42,6 +42,7 @@ HF_TESTS = ("tests/test_hf.py", "-k", "parity or round_trip or layouts or to_gpt
 QUANTIZE_TESTS = ("tests/test_quantize.py",)
 FUSED_TESTS = ("tests/test_fused_step.py", "tests/test_kernels.py")
 HARNESS_TESTS = ("tests/test_harness.py", "-k", "equals")
+HOOKS_TESTS = ("tests/test_hooks.py",)
 SERVE_LMEVAL_TESTS = ("tests/test_serve_tokenize.py", "tests/test_serve.py", "-k", "offset or logprobs or echo")
 
 
@@ -162,6 +163,21 @@ MUTANTS = [
     Mutant("quantize/int8-zeroes-weights", "quantize.py",
            "q = (w / scales.float()[:, None]).round().clamp(-127, 127).to(torch.int8)",
            "q = torch.zeros_like(w, dtype=torch.int8)", QUANTIZE_TESTS),
+    # hook points (hooks.py, model.py)
+    Mutant("hooks/scores-before-the-mask", "model.py",
+           """    att = att.masked_fill(~mask, float("-inf"))
+    if hook_scores is not None:
+        att = hook_scores(att)""",
+           """    if hook_scores is not None:
+        att = hook_scores(att)
+    att = att.masked_fill(~mask, float("-inf"))""", HOOKS_TESTS),
+    Mutant("hooks/z-in-the-head-major-layout", "model.py",
+           "y = self.hook_z(y.transpose(1, 2)).contiguous().view(B, T, C)",
+           "y = self.hook_z(y).transpose(1, 2).contiguous().view(B, T, C)", HOOKS_TESTS),
+    Mutant("hooks/normalized-after-the-gain", "model.py",
+           "        x = self.hook_normalized(centred / scale)  # (B, T, C)\n        return x * self.weight + self.bias if",
+           "        x = centred / scale * self.weight  # (B, T, C)\n        return self.hook_normalized(x) + self.bias if",
+           HOOKS_TESTS),
     # lm-eval: the backend (harness.py) and what local-completions reads from the server
     Mutant("harness/continuation-split-one-early", "harness.py",
            "torch.arange(fed - n, fed)", "torch.arange(fed - n - 1, fed - 1)", HARNESS_TESTS),

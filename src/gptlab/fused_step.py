@@ -149,7 +149,9 @@ class Plan:
         return t.data_ptr()
 
     def _norm(self, norm: nn.Module) -> tuple[int, int | None]:
-        if type(norm) not in (nn.LayerNorm, nn.RMSNorm):
+        from gptlab.model import LayerNorm, RMSNorm  # the model's own (with hook points; unhooked here)
+
+        if type(norm) not in (nn.LayerNorm, nn.RMSNorm, LayerNorm, RMSNorm):
             raise Unsupported(f"norm {type(norm).__name__}")
         weight = self._get(norm, "weight")
         if weight is None:

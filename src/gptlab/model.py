@@ -13,17 +13,50 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from gptlab import fused_step, kernels
+from gptlab import fused_step, hooks, kernels
 from gptlab.chunked_loss import linear_cross_entropy
 from gptlab.config import GPTConfig
+from gptlab.hooks import HookPoint
 from gptlab.kernels import Linear
+
+
+class LayerNorm(nn.LayerNorm):
+    """nn.LayerNorm with TransformerLens's hook points: hook_scale (B, T, 1), the standard
+    deviation, and hook_normalized (B, T, C), before the weight and bias. Computed step by step
+    only when one is hooked."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.hook_scale, self.hook_normalized = HookPoint(), HookPoint()
+
+    def forward(self, x):
+        if not (self.hook_scale.active or self.hook_normalized.active):
+            return super().forward(x)
+        centred = x - x.mean(-1, keepdim=True)
+        scale = self.hook_scale((centred.pow(2).mean(-1, keepdim=True) + self.eps).sqrt())  # (B, T, 1)
+        x = self.hook_normalized(centred / scale)  # (B, T, C)
+        return x * self.weight + self.bias if self.bias is not None else x * self.weight
+
+
+class RMSNorm(nn.RMSNorm):
+    """nn.RMSNorm with hook_scale (the root mean square) and hook_normalized, as LayerNorm's."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.hook_scale, self.hook_normalized = HookPoint(), HookPoint()
+
+    def forward(self, x):
+        if not (self.hook_scale.active or self.hook_normalized.active):
+            return super().forward(x)
+        scale = self.hook_scale((x.pow(2).mean(-1, keepdim=True) + self.eps).sqrt())  # (B, T, 1)
+        return self.hook_normalized(x / scale) * self.weight
 
 
 def make_norm(config: GPTConfig) -> nn.Module:
     """LayerNorm (GPT-2) or RMSNorm (Zhang & Sennrich 2019), as the config asks."""
     if config.norm == "rmsnorm":
-        return nn.RMSNorm(config.n_embd, eps=config.layer_norm_eps)
-    return nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps, bias=config.bias)
+        return RMSNorm(config.n_embd, eps=config.layer_norm_eps)
+    return LayerNorm(config.n_embd, eps=config.layer_norm_eps, bias=config.bias)
 
 
 def rope_cos_sin(positions: torch.Tensor, head_size: int, theta: float, dtype: torch.dtype):
@@ -41,14 +74,19 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
 
 
-def explicit_attention(q, k, v, mask):
+def explicit_attention(q, k, v, mask, hook_scores=None, hook_pattern=None):
     """softmax(q k^T / sqrt(hs) + mask) v, spelled out; also returns the probabilities.
 
-    q (B, nh, T, hs), k and v (B, nh, S, hs), mask bool broadcastable to (B, nh, T, S).
+    q (B, nh, T, hs), k and v (B, nh, S, hs), mask bool broadcastable to (B, nh, T, S). The
+    masked scores and the probabilities pass through the hook points when given.
     """
     att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.size(-1)))  # (B, nh, T, S)
     att = att.masked_fill(~mask, float("-inf"))
+    if hook_scores is not None:
+        att = hook_scores(att)
     probs = F.softmax(att, dim=-1)
+    if hook_pattern is not None:
+        probs = hook_pattern(probs)
     return probs @ v, probs  # (B, nh, T, hs), (B, nh, T, S)
 
 
@@ -133,6 +171,12 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.dropout = config.dropout
         self.resid_dropout = nn.Dropout(config.dropout)
+        for name in ("q", "k", "v", "rot_q", "rot_k", "attn_scores", "pattern", "z"):
+            setattr(self, f"hook_{name}", HookPoint())  # gptlab.hooks: TransformerLens's names
+
+    def hooked(self) -> bool:
+        """Whether a hook is registered on one of this layer's hook points (gptlab.hooks)."""
+        return any(m._forward_hooks for m in self.children() if isinstance(m, HookPoint))
 
     def forward(self, x, rope=None, kv=None, cache_pos=0, mask=None, probs_out=None):
         """x (B, T, C) -> (B, T, C).
@@ -143,23 +187,24 @@ class CausalSelfAttention(nn.Module):
         """
         B, T, C = x.size()
         qkv = self.c_attn(x)  # (B, T, 3C)
-        one_step = rope is None and kv is not None and probs_out is None
+        one_step = rope is None and kv is not None and probs_out is None and not self.hooked()
         if one_step and kernels.decode_attention_applies(qkv, kv, cache_pos):
             y = kernels.decode_attention(qkv, kv, cache_pos, mask, self.n_head)  # (B, 1, C): one step, in C
             return self.resid_dropout(self.c_proj(y))
-        q, k, v = qkv.split(self.n_embd, dim=2)
-        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
-        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
-        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
-        if rope is not None:
-            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        hs = C // self.n_head
+        q, k, v = (t.view(B, T, self.n_head, hs) for t in qkv.split(self.n_embd, dim=2))  # (B, T, nh, hs)
+        q, k, v = self.hook_q(q).transpose(1, 2), self.hook_k(k).transpose(1, 2), self.hook_v(v).transpose(1, 2)
+        if rope is not None:  # (B, nh, T, hs); the rotated ones hooked as (B, T, nh, hs)
+            q = self.hook_rot_q(apply_rope(q, *rope).transpose(1, 2)).transpose(1, 2)
+            k = self.hook_rot_k(apply_rope(k, *rope).transpose(1, 2)).transpose(1, 2)
         if kv is not None:
             k, v = write_kv(kv, cache_pos, k, v)  # (B, nh, S, hs)
-        if probs_out is not None:
+        if probs_out is not None or self.hook_attn_scores.active or self.hook_pattern.active:
             if mask is None:
                 mask = causal_mask(T, k.size(2), x.device)
-            y, probs = explicit_attention(q, k, v, mask)
-            probs_out.append(probs)
+            y, probs = explicit_attention(q, k, v, mask, self.hook_attn_scores, self.hook_pattern)
+            if probs_out is not None:
+                probs_out.append(probs)
         elif T == 1 and q.dtype != torch.float32 and q.device.type == "cpu":
             y = single_query_attention(q, k, v, mask)  # (B, nh, 1, hs)
         else:
@@ -171,7 +216,7 @@ class CausalSelfAttention(nn.Module):
                 is_causal=mask is None and T > 1,
                 dropout_p=self.dropout if self.training else 0.0,
             )  # (B, nh, T, hs)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)  # re-assemble heads side by side
+        y = self.hook_z(y.transpose(1, 2)).contiguous().view(B, T, C)  # (B, T, nh, hs): heads side by side
         return self.resid_dropout(self.c_proj(y))
 
 
@@ -187,15 +232,18 @@ class MLP(nn.Module):
         self.c_fc = Linear(config.n_embd, (2 if self.swiglu else 1) * hidden, bias=config.bias)
         self.c_proj = Linear(hidden, config.n_embd, bias=config.bias)
         self.dropout = nn.Dropout(config.dropout)
+        self.hook_pre, self.hook_post = HookPoint(), HookPoint()  # (B, T, hidden) before/after the activation
+        if self.swiglu:
+            self.hook_pre_linear = HookPoint()  # SwiGLU's up projection (hook_pre is its gate)
 
     def forward(self, x):
         h = self.c_fc(x)  # (B, T, hidden) or (B, T, 2*hidden)
         if self.swiglu:
             gate, up = h.chunk(2, dim=-1)
-            h = F.silu(gate) * up
+            h = F.silu(self.hook_pre(gate)) * self.hook_pre_linear(up)
         else:
-            h = F.gelu(h, approximate=self.gelu_approximate)
-        return self.dropout(self.c_proj(h))  # (B, T, C)
+            h = F.gelu(self.hook_pre(h), approximate=self.gelu_approximate)
+        return self.dropout(self.c_proj(self.hook_post(h)))  # (B, T, C)
 
 
 class Block(nn.Module):
@@ -207,10 +255,13 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(config)
         self.ln_2 = make_norm(config)
         self.mlp = MLP(config)
+        for name in ("resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post"):
+            setattr(self, f"hook_{name}", HookPoint())  # (B, T, C) each
 
     def forward(self, x, rope=None, kv=None, cache_pos=0, mask=None, probs_out=None):
-        x = x + self.attn(self.ln_1(x), rope, kv, cache_pos, mask, probs_out)
-        return x + self.mlp(self.ln_2(x))
+        x = self.hook_resid_pre(x)
+        x = self.hook_resid_mid(x + self.hook_attn_out(self.attn(self.ln_1(x), rope, kv, cache_pos, mask, probs_out)))
+        return self.hook_resid_post(x + self.hook_mlp_out(self.mlp(self.ln_2(x))))
 
 
 class GPT(nn.Module):
@@ -227,6 +278,7 @@ class GPT(nn.Module):
         modules["ln_f"] = make_norm(config)
         self.transformer = nn.ModuleDict(modules)
         self.lm_head = Linear(config.n_embd, config.vocab_size, bias=False)
+        self.hook_embed, self.hook_pos_embed = HookPoint(), HookPoint()  # (B, T, C) each
         self.tie_weights()
         self.apply(self._init_weights)
         # GPT-2 paper: scale the residual projections' init by 1/sqrt(N) for N residual additions.
@@ -246,6 +298,22 @@ class GPT(nn.Module):
         from gptlab.hf import save_pretrained
 
         save_pretrained(self, directory)
+
+    def hook_points(self):
+        """{TransformerLens name: HookPoint} (gptlab.hooks)."""
+        return hooks.hook_points(self)
+
+    def run_with_cache(self, idx, names_filter=None, stop_at_layer=None, device=None, **forward_kwargs):
+        """(logits, {hook name: activation}), as TransformerLens's (gptlab.hooks.run_with_cache)."""
+        return hooks.run_with_cache(self, idx, names_filter, stop_at_layer, device, **forward_kwargs)
+
+    def run_with_hooks(self, idx, fwd_hooks=(), **forward_kwargs):
+        """Logits with (name or predicate, fn(tensor, hook)) hooks for one forward (gptlab.hooks)."""
+        return hooks.run_with_hooks(self, idx, fwd_hooks, **forward_kwargs)
+
+    def hooks(self, fwd_hooks=()):
+        """A context manager holding (name or predicate, fn) hooks (gptlab.hooks.hooks)."""
+        return hooks.hooks(self, fwd_hooks)
 
     def tie_weights(self) -> None:
         """Share lm_head's matrix with the token embedding when the config ties them."""
@@ -301,9 +369,9 @@ class GPT(nn.Module):
             logits = fused_step.step(self, idx, positions, dtype, rope, kv_cache, key_mask, last_only)
             if logits is not None:
                 return logits, None
-        x = self.transformer.wte(idx)  # (B, T, C)
+        x = self.hook_embed(self.transformer.wte(idx))  # (B, T, C)
         if learned:
-            x = x + self.transformer.wpe(positions)  # (B, T, C)
+            x = x + self.hook_pos_embed(self.transformer.wpe(positions))  # (B, T, C)
         x = self.transformer.drop(x)
         mask = self._attention_mask(T, start, kv_cache, key_mask, idx.device)
         for i, block in enumerate(self.transformer.h):

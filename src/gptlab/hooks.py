@@ -1,0 +1,139 @@
+"""Hook points with TransformerLens's names on gptlab's GPT: caching and editing activations.
+
+Every activation TransformerLens names on GPT-2 passes through a `HookPoint` (an identity module)
+in gptlab's forward: `hook_embed`, `hook_pos_embed`, `blocks.{L}.hook_resid_pre`,
+`blocks.{L}.ln1.hook_scale` / `hook_normalized`, `blocks.{L}.attn.hook_q` / `hook_k` / `hook_v`
+(batch, pos, head, d_head), `hook_attn_scores` / `hook_pattern` (batch, head, query, key),
+`hook_z` (batch, pos, head, d_head), `blocks.{L}.hook_attn_out`, `hook_resid_mid`, `ln2.*`,
+`mlp.hook_pre` / `hook_post`, `hook_mlp_out`, `hook_resid_post`, `ln_final.hook_scale` /
+`hook_normalized`. Variants add `attn.hook_rot_q` / `hook_rot_k` (after rotation) and, for
+SwiGLU, `mlp.hook_pre_linear` (the up projection; `hook_pre` is the gate).
+
+A HookPoint with no hook costs one dict check, and the decoding step stays in C until a hook is
+registered (gptlab.fused_step then runs the modules). Attention scores and patterns exist only
+when hooked: a hook on either makes that layer take the explicit attention path. Masked scores
+are -inf (TransformerLens's HookedTransformer; its TransformerBridge writes the dtype's minimum).
+Values are the model's own: no LayerNorm folding, no centring.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable
+
+import torch
+import torch.nn as nn
+
+HookFn = Callable[[torch.Tensor, "HookPoint"], torch.Tensor | None]
+# gptlab's module paths -> TransformerLens's names (applied in order)
+_RENAMES = (("transformer.h.", "blocks."), (".ln_1.", ".ln1."), (".ln_2.", ".ln2."), ("transformer.ln_f.", "ln_final."))
+
+
+class HookPoint(nn.Module):
+    """An identity on one activation, where hooks can read or replace it."""
+
+    def __init__(self):
+        super().__init__()
+        self.name = ""  # TransformerLens's name, set by hook_points()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return super().__call__(x) if self._forward_hooks else x  # no hook: no module call
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    @property
+    def active(self) -> bool:
+        return bool(self._forward_hooks)
+
+    def add_hook(self, fn: HookFn):
+        """Call fn(activation, self) at each forward; a tensor it returns replaces the activation.
+        Returns the handle (`.remove()`)."""
+
+        def hook(module, args, output):
+            out = fn(output, self)
+            return output if out is None else out
+
+        return self.register_forward_hook(hook)
+
+
+def tl_name(path: str) -> str:
+    """gptlab's module path of a hook point -> TransformerLens's name for it."""
+    for old, new in _RENAMES:
+        path = path.replace(old, new)
+    return path
+
+
+def hook_points(model: nn.Module) -> dict[str, HookPoint]:
+    """{TransformerLens name: HookPoint} for every hook point of the model, in forward order
+    per block (each point's `name` is set on the way)."""
+    points = {}
+    for path, module in model.named_modules():
+        if isinstance(module, HookPoint):
+            module.name = tl_name(path)
+            points[module.name] = module
+    return points
+
+
+def _select(points: dict[str, HookPoint], names) -> list[HookPoint]:
+    """names: None (all), a name, a list of names, or a predicate on names."""
+    if names is None:
+        return list(points.values())
+    if callable(names):
+        return [p for n, p in points.items() if names(n)]
+    names = [names] if isinstance(names, str) else list(names)
+    unknown = [n for n in names if n not in points]
+    if unknown:
+        raise ValueError(f"no hook point {', '.join(unknown)}; the model has e.g. {', '.join(list(points)[:4])}")
+    return [points[n] for n in names]
+
+
+@contextlib.contextmanager
+def hooks(model: nn.Module, fwd_hooks: Iterable[tuple] = ()):
+    """Register (name or predicate, fn) pairs for the duration of a `with` block."""
+    points = hook_points(model)
+    handles = []
+    try:
+        for names, fn in fwd_hooks:
+            handles += [p.add_hook(fn) for p in _select(points, names)]
+        yield model
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def run_with_hooks(model: nn.Module, idx: torch.Tensor, fwd_hooks: Iterable[tuple] = (), **forward_kwargs):
+    """The model's logits (B, T, V) with the hooks in place for this one forward."""
+    with hooks(model, fwd_hooks):
+        return model(idx, **forward_kwargs)[0]
+
+
+class _Stop(Exception):
+    pass
+
+
+def run_with_cache(model: nn.Module, idx: torch.Tensor, names_filter=None, stop_at_layer: int | None = None,
+                   device=None, **forward_kwargs):  # fmt: skip
+    """(logits, cache): cache[name] is the activation at each selected hook point (all by default;
+    names_filter: a name, names or a predicate), detached, on `device` when given. With
+    stop_at_layer=L the forward stops as block L starts (logits None; blocks 0..L-1 cached)."""
+    cache: dict[str, torch.Tensor] = {}
+
+    def save(x, hook):
+        cache[hook.name] = x.detach() if device is None else x.detach().to(device)
+
+    fwd = [(names_filter, save)]
+    if stop_at_layer is not None:
+        if not 0 <= stop_at_layer < model.config.n_layer:
+            raise ValueError(f"stop_at_layer must be in [0, {model.config.n_layer}), got {stop_at_layer}")
+
+        def stop(x, hook):
+            raise _Stop
+
+        fwd.append((f"blocks.{stop_at_layer}.hook_resid_pre", stop))
+    try:
+        with torch.no_grad(), hooks(model, fwd):
+            logits = model(idx, **forward_kwargs)[0]
+    except _Stop:
+        logits = None
+    return logits, cache
