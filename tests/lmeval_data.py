@@ -4,6 +4,8 @@ working directory, where the tasks' data_files point), and running lm-eval on th
 import json
 from pathlib import Path
 
+import pytest
+
 TASKS = Path(__file__).resolve().parent / "lmeval_tasks"
 SHAKESPEARE = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "tinyshakespeare.txt"
 
@@ -44,3 +46,13 @@ def evaluate(model, model_args: str | None, tasks, batch_size: int = 1, response
             rows = sorted(out["samples"][task], key=lambda s: s["doc_id"])
             metrics[f"{task}/responses"] = [s["filtered_resps"] for s in rows]
     return metrics
+
+
+def assert_same(ours: dict, reference: dict) -> None:
+    """Accuracies and generated texts exact, perplexities within 1e-4 relative."""
+    assert set(ours) == set(reference)
+    for name, value in reference.items():
+        if "perplexity" in name:
+            assert ours[name] == pytest.approx(value, rel=1e-4), name
+        else:
+            assert ours[name] == value, name

@@ -13,7 +13,7 @@ from gptlab.cli import main
 from gptlab.config import GPTConfig
 from gptlab.generation import generate_text
 from gptlab.model import GPT
-from lmeval_data import SHAKESPEARE, TASKS, evaluate
+from lmeval_data import SHAKESPEARE, TASKS, assert_same, evaluate
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 ALL = ["tiny_rolling", "tiny_choice", "tiny_target", "tiny_until"]
@@ -25,16 +25,6 @@ def saved(tmp_path):
     model = GPT(GPTConfig(vocab_size=50257, block_size=64, n_layer=2, n_head=2, n_embd=64)).eval()
     model.save_pretrained(tmp_path / "model")
     return model, str(tmp_path / "model")
-
-
-def assert_same(ours: dict, hf: dict) -> None:
-    """Accuracy and generated text exact, perplexities within 1e-4 relative."""
-    assert set(ours) == set(hf)
-    for name, value in hf.items():
-        if "perplexity" in name:
-            assert ours[name] == pytest.approx(value, rel=1e-4), name
-        else:
-            assert ours[name] == value, name
 
 
 def test_model_gptlab_equals_model_hf(lmeval_workdir, saved):

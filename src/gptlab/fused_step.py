@@ -149,9 +149,8 @@ class Plan:
         return t.data_ptr()
 
     def _norm(self, norm: nn.Module) -> tuple[int, int | None]:
-        from gptlab.model import LayerNorm, RMSNorm  # the model's own (with hook points; unhooked here)
-
-        if type(norm) not in (nn.LayerNorm, nn.RMSNorm, LayerNorm, RMSNorm):
+        plain = type(norm) in (nn.LayerNorm, nn.RMSNorm) or getattr(norm, "plain_when_unhooked", False)
+        if not (plain and isinstance(norm, (nn.LayerNorm, nn.RMSNorm))):  # the model's own: unhooked here
             raise Unsupported(f"norm {type(norm).__name__}")
         weight = self._get(norm, "weight")
         if weight is None:

@@ -20,10 +20,12 @@ from gptlab.hooks import HookPoint
 from gptlab.kernels import Linear
 
 
-class LayerNorm(nn.LayerNorm):
-    """nn.LayerNorm with TransformerLens's hook points: hook_scale (B, T, 1), the standard
-    deviation, and hook_normalized (B, T, C), before the weight and bias. Computed step by step
-    only when one is hooked."""
+class _HookedNorm:
+    """A norm with TransformerLens's hook points: hook_scale (B, T, 1), the divisor, and
+    hook_normalized (B, T, C), before the gain. Unhooked, it is the torch norm it extends (so
+    gptlab.fused_step may run it in C); hooked, it is computed step by step (`_stepwise`)."""
+
+    plain_when_unhooked = True
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -32,23 +34,20 @@ class LayerNorm(nn.LayerNorm):
     def forward(self, x):
         if not (self.hook_scale.active or self.hook_normalized.active):
             return super().forward(x)
+        return self._stepwise(x)
+
+
+class LayerNorm(_HookedNorm, nn.LayerNorm):
+    def _stepwise(self, x):
         centred = x - x.mean(-1, keepdim=True)
         scale = self.hook_scale((centred.pow(2).mean(-1, keepdim=True) + self.eps).sqrt())  # (B, T, 1)
         x = self.hook_normalized(centred / scale)  # (B, T, C)
         return x * self.weight + self.bias if self.bias is not None else x * self.weight
 
 
-class RMSNorm(nn.RMSNorm):
-    """nn.RMSNorm with hook_scale (the root mean square) and hook_normalized, as LayerNorm's."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.hook_scale, self.hook_normalized = HookPoint(), HookPoint()
-
-    def forward(self, x):
-        if not (self.hook_scale.active or self.hook_normalized.active):
-            return super().forward(x)
-        scale = self.hook_scale((x.pow(2).mean(-1, keepdim=True) + self.eps).sqrt())  # (B, T, 1)
+class RMSNorm(_HookedNorm, nn.RMSNorm):
+    def _stepwise(self, x):
+        scale = self.hook_scale((x.pow(2).mean(-1, keepdim=True) + self.eps).sqrt())  # (B, T, 1): the RMS
         return self.hook_normalized(x / scale) * self.weight
 
 
