@@ -178,6 +178,11 @@ MUTANTS = [
            "        x = self.hook_normalized(centred / scale)  # (B, T, C)\n        return x * self.weight + self.bias if",
            "        x = centred / scale * self.weight  # (B, T, C)\n        return self.hook_normalized(x) + self.bias if",
            HOOKS_TESTS),
+    Mutant("patching/patch-at-the-next-position", "patching.py",
+           "x[units, units] = src[units, units]", "x[units, (units + 1) % x.size(1)] = src[units, units]",
+           ("tests/test_patching.py",)),
+    Mutant("patching/attribution-sign", "patching.py",
+           "(clean_cache[n] - acts[n].detach())", "(acts[n].detach() - clean_cache[n])", ("tests/test_patching.py",)),
     # lm-eval: the backend (harness.py) and what local-completions reads from the server
     Mutant("harness/continuation-split-one-early", "harness.py",
            "torch.arange(fed - n, fed)", "torch.arange(fed - n - 1, fed - 1)", HARNESS_TESTS),

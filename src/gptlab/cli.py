@@ -24,6 +24,7 @@ COMMANDS = {
     "attention": "heatmap (PNG) of a layer's attention probabilities, one head or all",
     "lens": "logit lens: the top token read from each layer's residual stream",
     "next": "the most likely next tokens after a prompt, with probabilities",
+    "patch": "activation and attribution patching: clean vs corrupted prompt, a layers x positions/heads grid",
     "prepare": "tokenize text files into train.bin / val.bin token files and a manifest",
     "train": "train or fine-tune (TOML config + --set key=value; resumes exactly; DDP/FSDP under torchrun)",
     "generate": "continue a prompt with sampling controls, streaming; -i for an interactive session",

@@ -393,3 +393,26 @@ def plot_logit_lens(lens: dict, tokenizer: Tokenizer, path, *, title: str) -> No
     ax.set_title(title)
     _save_figure(fig, path)
     plt.close(fig)
+
+
+def plot_patching(patched: torch.Tensor, attribution: torch.Tensor, columns: list[str], path, *, title: str) -> None:
+    """Write a PNG of two grids side by side, (layers, columns) each: activation patching and
+    attribution patching's estimate of it, on one colour scale (0 corrupted, 1 clean)."""
+    plt = _pyplot()
+    L, U = patched.shape
+    fig, axes = plt.subplots(1, 2, figsize=(2 * max(4.0, 0.6 * U + 2), max(3.0, 0.4 * L + 1.5)), layout="constrained")
+    limit = max(float(patched.abs().max()), float(attribution.abs().max()), 1e-6)
+    for ax, grid, name in zip(
+        axes, (patched, attribution), ("activation patching", "attribution patching"), strict=True
+    ):
+        image = ax.imshow(
+            grid.float().cpu().numpy(), cmap="RdBu", vmin=-limit, vmax=limit, aspect="auto", origin="lower"
+        )
+        ax.set_xticks(range(U), [_visible(c) for c in columns], rotation=90, fontsize=8)
+        ax.set_yticks(range(L), [str(i) for i in range(L)], fontsize=8)
+        ax.set_ylabel("layer")
+        ax.set_title(name)
+    fig.colorbar(image, ax=list(axes), label="share of the clean-corrupted difference restored")
+    fig.suptitle(title)
+    _save_figure(fig, path)
+    plt.close(fig)

@@ -1,0 +1,58 @@
+"""gptlab patch: activation patching of a clean prompt into a corrupted one, with attribution
+patching's estimate of the same grid (gptlab.patching); a table, a PNG and a JSON file."""
+
+from gptlab.commands._model_args import add_json_argument, add_model_arguments, load, write_json
+
+
+def add_arguments(parser):
+    add_model_arguments(parser, prompt=False)
+    parser.add_argument("--clean", required=True, help="the clean prompt")
+    parser.add_argument("--corrupt", required=True, help="the corrupted prompt (the same number of tokens)")
+    parser.add_argument("--answers", nargs=2, required=True, metavar=("RIGHT", "WRONG"),
+                        help='the clean and the corrupted answer, one token each (e.g. " Mary" " John")')  # fmt: skip
+    parser.add_argument("--metric", default="logit-diff", choices=["logit-diff"],
+                        help="logit(RIGHT) - logit(WRONG) at the last position")  # fmt: skip
+    parser.add_argument("--over", default="layer-pos", choices=["layer-pos", "layer-head"])
+    parser.add_argument("--out", default=None, help="draw the patching and attribution grids as a PNG")
+    add_json_argument(parser, help="also write the grids as JSON")
+
+
+def single_token(tokenizer, text: str) -> int:
+    ids = tokenizer.encode(text)
+    if len(ids) != 1:
+        raise ValueError(f"--answers {text!r} is {len(ids)} tokens; each answer must be one token")
+    return ids[0]
+
+
+def run(args):
+    import torch
+
+    from gptlab.inspect import plot_patching, token_label
+    from gptlab.patching import activation_patching, attribution_patching, logit_diff
+
+    model, tokenizer = load(args)
+    device = next(model.parameters()).device
+    clean, corrupt = (torch.tensor([tokenizer.encode(p)], device=device) for p in (args.clean, args.corrupt))
+    if clean.shape != corrupt.shape:
+        raise ValueError(f"--clean is {clean.size(1)} tokens, --corrupt {corrupt.size(1)}: they must be as long")
+    metric = logit_diff(*(single_token(tokenizer, a) for a in args.answers))
+    result = activation_patching(model, clean, corrupt, metric, over=args.over)
+    attribution = attribution_patching(model, clean, corrupt, metric, over=args.over)
+    span = result["clean"] - result["corrupt"]
+    normalized = (result["grid"] - result["corrupt"]) / span if abs(span) > 1e-9 else result["grid"] * 0
+    columns = ([token_label(tokenizer, int(t)) for t in clean[0]] if args.over == "layer-pos"
+               else [f"head {h}" for h in range(model.config.n_head)])  # fmt: skip
+    print(f"logit difference: clean {result['clean']:.4f}, corrupted {result['corrupt']:.4f}")
+    print(f"patched ({args.over}), as a share of the way from corrupted (0) to clean (1):")
+    print(f"{'layer':<7}" + "".join(f"{c[:9]!r:>12}" for c in columns))
+    for layer, row in enumerate(normalized.tolist()):
+        print(f"{layer:<7}" + "".join(f"{v:>12.3f}" for v in row))
+    data = {"over": args.over, "columns": columns, "clean": result["clean"], "corrupt": result["corrupt"],
+            "grid": result["grid"].tolist(), "normalized": normalized.tolist(),
+            "attribution": attribution.tolist()}  # fmt: skip
+    if args.out:
+        plot_patching(normalized, attribution / span if abs(span) > 1e-9 else attribution, columns, args.out,
+                      title=f"{args.model}: {args.clean!r} -> {args.corrupt!r}")  # fmt: skip
+        print(f"wrote {args.out}")
+    if args.json:
+        write_json(args.json, data)

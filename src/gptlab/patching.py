@@ -1,0 +1,159 @@
+"""Activation patching, ablation and attribution patching over gptlab's hook points (gptlab.hooks).
+
+Activation patching (Meng et al. 2022; Wang et al. 2022's indirect-object identification): run
+the corrupted prompt with one activation taken from the clean run, and see how far the metric
+moves back towards the clean value. Grids:
+- "layer-pos": blocks.L.hook_resid_pre at one position, for every layer L and position;
+- "layer-head": blocks.L.attn.hook_z of one head at every position, for every layer and head.
+
+All patched runs of one layer go in one batch (a row per position or head), so a grid costs
+n_layer forwards, not n_layer x T. Attribution patching (Nanda 2023) approximates the same grid
+from one forward and one backward on the corrupted prompt: the metric's gradient at each
+activation times (clean - corrupted) activation, summed over the patched dimensions.
+
+Clean and corrupted prompts must have the same number of tokens. Metrics take the logits (B, T, V)
+and return one value per row, (B,); `logit_diff` is the usual one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+Metric = Callable[[torch.Tensor], torch.Tensor]
+OVER = {"layer-pos": "hook_resid_pre", "layer-head": "attn.hook_z"}
+
+
+def logit_diff(right: int, wrong: int) -> Metric:
+    """logit(right) - logit(wrong) at the last position, per row."""
+    return lambda logits: logits[:, -1, right] - logits[:, -1, wrong]
+
+
+def _check(model, clean: torch.Tensor, corrupt: torch.Tensor, over: str) -> None:
+    if over not in OVER:
+        raise ValueError(f"over must be one of {', '.join(OVER)}, got {over!r}")
+    if clean.shape != corrupt.shape or clean.dim() != 2 or clean.size(0) != 1:
+        raise ValueError(
+            f"clean and corrupted prompts must be one row each of the same length, got {tuple(clean.shape)} and "
+            f"{tuple(corrupt.shape)} tokens"
+        )
+
+
+def _units(model, T: int, over: str) -> int:
+    return T if over == "layer-pos" else model.config.n_head
+
+
+def _patch_one(over: str, unit: int, source: torch.Tensor) -> Callable:
+    """A hook that writes source's values at one position (layer-pos) or head (layer-head) into row 0."""
+
+    def hook(x, _):
+        x = x.clone()
+        if over == "layer-pos":
+            x[:, unit] = source[:, unit]  # x (B, T, C)
+        else:
+            x[:, :, unit] = source[:, :, unit]  # x (B, T, nh, hs)
+        return x
+
+    return hook
+
+
+def _patch_rows(over: str, source: torch.Tensor) -> Callable:
+    """A hook that writes, into row u of a batch, source's values at position or head u."""
+
+    def hook(x, _):
+        x, src = x.clone(), source.expand_as(x)
+        units = torch.arange(x.size(0), device=x.device)
+        if over == "layer-pos":
+            x[units, units] = src[units, units]  # x (U, T, C): row u patched at position u
+        else:
+            x[units, :, units] = src[units, :, units]  # x (U, T, nh, hs): row u patched at head u
+        return x
+
+    return hook
+
+
+@torch.no_grad()
+def activation_patching(model, clean: torch.Tensor, corrupt: torch.Tensor, metric: Metric, over: str = "layer-pos"):
+    """{"grid": (n_layer, T or n_head) metric of each patched run, "clean": float, "corrupt": float}.
+
+    clean, corrupt: (1, T) token ids. One batched forward per layer."""
+    _check(model, clean, corrupt, over)
+    names = [f"blocks.{layer}.{OVER[over]}" for layer in range(model.config.n_layer)]
+    clean_logits, cache = model.run_with_cache(clean, names_filter=names)
+    U = _units(model, clean.size(1), over)
+    rows = corrupt.expand(U, -1)  # (U, T): one corrupted run per position or head
+    grid = torch.stack([
+        metric(model.run_with_hooks(rows, fwd_hooks=[(name, _patch_rows(over, cache[name]))])) for name in names
+    ])  # fmt: skip
+    return {"grid": grid, "clean": float(metric(clean_logits)[0]), "corrupt": float(metric(model(corrupt)[0])[0])}
+
+
+@torch.no_grad()
+def activation_patching_loop(model, clean, corrupt, metric: Metric, over: str = "layer-pos") -> torch.Tensor:
+    """The same grid as activation_patching, one forward per cell (the reference it is tested against)."""
+    _check(model, clean, corrupt, over)
+    _, cache = model.run_with_cache(clean)
+    grid = torch.empty(model.config.n_layer, _units(model, clean.size(1), over))
+    for layer in range(model.config.n_layer):
+        name = f"blocks.{layer}.{OVER[over]}"
+        for unit in range(grid.size(1)):
+            grid[layer, unit] = metric(
+                model.run_with_hooks(corrupt, fwd_hooks=[(name, _patch_one(over, unit, cache[name]))])
+            )[0]
+    return grid
+
+
+def attribution_patching(model, clean: torch.Tensor, corrupt: torch.Tensor, metric: Metric, over: str = "layer-pos"):
+    """The gradient estimate of activation_patching's grid minus its corrupted baseline:
+    (n_layer, T or n_head) = sum over the patched dimensions of d metric / d activation (at the
+    corrupted run) x (clean - corrupted activation). One forward and one backward."""
+    _check(model, clean, corrupt, over)
+    names = [f"blocks.{layer}.{OVER[over]}" for layer in range(model.config.n_layer)]
+    _, clean_cache = model.run_with_cache(clean, names_filter=names)
+    acts = {}
+
+    def keep(x, hook):
+        x.retain_grad()
+        acts[hook.name] = x
+
+    def embed(e, hook):  # the graph starts at the embeddings: no weight needs a gradient
+        return e.detach().requires_grad_(True)
+
+    flags = [(p, p.requires_grad) for p in model.parameters()]
+    was_training = model.training
+    model.eval()
+    try:
+        for p, _ in flags:
+            p.requires_grad_(False)
+        with torch.enable_grad(), model.hooks([("hook_embed", embed), (names, keep)]):
+            metric(model(corrupt)[0]).sum().backward()
+    finally:
+        for p, flag in flags:
+            p.requires_grad_(flag)
+        model.train(was_training)
+    dims = (-1,) if over == "layer-pos" else (-1, 1)  # sum over d_model, or over d_head and positions
+    return torch.stack([
+        (acts[n].grad * (clean_cache[n] - acts[n].detach())).sum(dims)[0] for n in names
+    ])  # fmt: skip
+
+
+@torch.no_grad()
+def ablate(model, idx: torch.Tensor, name: str, *, head: int | None = None, how: str = "zero", mean_over=None):
+    """Logits with the activation at hook point `name` (one head of a (B, T, nh, hs) point when
+    `head` is given) replaced by zeros, or by its mean over positions of `mean_over` (token ids,
+    default idx) for how="mean"."""
+    if how not in ("zero", "mean"):
+        raise ValueError(f"how must be zero or mean, got {how!r}")
+    mean = None
+    if how == "mean":
+        _, cache = model.run_with_cache(idx if mean_over is None else mean_over, names_filter=name)
+        mean = cache[name].mean(dim=(0, 1), keepdim=True)  # (1, 1, ...)
+
+    def hook(x, _):
+        x = x.clone()
+        part = (slice(None), slice(None), head) if head is not None else (Ellipsis,)
+        x[part] = 0.0 if mean is None else mean.expand_as(x)[part]
+        return x
+
+    return model.run_with_hooks(idx, fwd_hooks=[(name, hook)])
