@@ -21,13 +21,14 @@ than `block_size` is cropped from the left, with a warning.
 from __future__ import annotations
 
 import codecs
+import contextlib
 import dataclasses
 import logging
 from collections.abc import Iterator, Sequence
 
 import torch
 
-from gptlab import speculative
+from gptlab import hooks, speculative
 from gptlab.model import KVCache, model_device_dtype
 from gptlab.sampling import SamplingParams, sample_next, seen_tokens
 
@@ -264,10 +265,12 @@ def generate_tokens(
     draft_model=None,
     prompt_lookup: int = 0,
     num_draft_tokens: int = 4,
+    feed_last: bool = False,
 ) -> Iterator[torch.Tensor]:
     """Yield the new token of every row, (B * num_samples,), one step at a time; rows that have
     produced `eos_id` keep yielding `eos_id`, and the iterator ends once all have (or after
-    params.max_new_tokens steps). Arguments as in `generate`."""
+    params.max_new_tokens steps). Arguments as in `generate`; `feed_last` also runs the model on
+    the last tokens (for hooks that read their activations: generate's cache_names)."""
     config = model.config
     bos_id = eos_id if bos_id is None else bos_id
     rows = _prepare_prompts(idx, params.num_samples, bos_id, config.vocab_size, config.block_size)
@@ -282,13 +285,15 @@ def generate_tokens(
                                                num_draft_tokens=num_draft_tokens)  # fmt: skip
         return
     device, _ = model_device_dtype(model)
-    decoder = _Decoder(model, rows, params.max_new_tokens, keep, compiled_step)
+    decoder = _Decoder(model, rows, params.max_new_tokens + feed_last, keep, compiled_step)
     sampler = TokenSampler(params, rows, config.vocab_size, device, eos_id=eos_id, generator=generator)
     logits = decoder.start(rows)
     while True:
         tokens = sampler.next_tokens(logits)
         yield tokens
         if sampler.done:
+            if feed_last:
+                decoder.step(tokens)
             return
         for r, t in zip(rows, tokens.tolist(), strict=True):
             r.append(t)
@@ -328,6 +333,7 @@ def generate(
     draft_model=None,
     prompt_lookup: int = 0,
     num_draft_tokens: int = 4,
+    cache_names=None,
 ):
     """Continue token-id prompts with a KV cache.
 
@@ -352,22 +358,52 @@ def generate(
     when sampling): `prompt_lookup=N` proposes what followed the last n-gram (n <= N) earlier in
     the context; `draft_model`, a smaller model over the same vocabulary, proposes by decoding;
     up to `num_draft_tokens` per verification, fewer when they are rejected.
+
+    `cache_names` (hook point names or a predicate, gptlab.hooks) also returns, per row, the
+    activations at every token of the returned sequence: (output, [{name: tensor}]), each tensor
+    (T_row, ...) (attention patterns (heads, T_row, T_row)), padding removed, as a full forward
+    over the row would give them.
     """
     generator, seed = _generator_and_seed(generator, seed)
     params = sampling_params(sampling, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                              min_p=min_p, repetition_penalty=repetition_penalty, seed=seed, num_samples=num_samples)  # fmt: skip
     if params.stop:
         raise ValueError("stop strings need text: use generate_text or stream_text with a tokenizer")
+    recorder = contextlib.nullcontext({})
+    if cache_names is not None:
+        if draft_model is not None or prompt_lookup or compiled_step is not None:
+            raise ValueError("cache_names runs plain decoding: no draft_model, prompt_lookup or compiled_step")
+        longest = max(len(r) for r in _prepare_prompts(idx, 1, eos_id if bos_id is None else bos_id,
+                                                        model.config.vocab_size, model.config.block_size))  # fmt: skip
+        if longest + params.max_new_tokens > model.config.block_size:
+            raise ValueError(f"cache_names needs prompt + max_new_tokens <= block_size {model.config.block_size} "
+                             f"(got {longest} + {params.max_new_tokens}): a refilled cache would repeat positions")  # fmt: skip
+        recorder = hooks.recording(model, cache_names)
     was_training = model.training
     model.eval()
     try:
-        steps = list(generate_tokens(model, idx, params, eos_id=eos_id, bos_id=bos_id, generator=generator,
-                                     window_keep=window_keep, compiled_step=compiled_step, draft_model=draft_model,
-                                     prompt_lookup=prompt_lookup, num_draft_tokens=num_draft_tokens))  # fmt: skip
+        with recorder as records:
+            steps = list(generate_tokens(model, idx, params, eos_id=eos_id, bos_id=bos_id, generator=generator,
+                                         window_keep=window_keep, compiled_step=compiled_step,
+                                         draft_model=draft_model, prompt_lookup=prompt_lookup,
+                                         num_draft_tokens=num_draft_tokens, feed_last=cache_names is not None))  # fmt: skip
     finally:
         model.train(was_training)
     new = torch.stack(steps, dim=1)  # (B * num_samples, new)
+    out = _with_prompts(idx, new, params.num_samples, eos_id)
+    if cache_names is None:
+        return out
+    fed = _prepare_prompts(idx, params.num_samples, eos_id if bos_id is None else bos_id, model.config.vocab_size,
+                           model.config.block_size)  # fmt: skip
     n = params.num_samples
+    added = (
+        [len(o) - len(idx[i // n]) for i, o in enumerate(out)] if isinstance(out, list) else [new.size(1)] * len(fed)
+    )
+    return out, hooks.per_row(records, [len(p) for p in fed], [len(p) + k for p, k in zip(fed, added, strict=True)])
+
+
+def _with_prompts(idx, new: torch.Tensor, n: int, eos_id: int | None):
+    """generate's output: the prompts (each repeated n times) followed by their new tokens."""
     if isinstance(idx, torch.Tensor):
         prompt = idx if idx.dim() == 2 else idx[None]
         prompt = prompt.repeat_interleave(n, dim=0)

@@ -137,3 +137,39 @@ def run_with_cache(model: nn.Module, idx: torch.Tensor, names_filter=None, stop_
     except _Stop:
         logits = None
     return logits, cache
+
+
+_KEYED = ("hook_attn_scores", "hook_pattern")  # (B, nh, query, key): positions on dim 2, keys on dim 3
+
+
+@contextlib.contextmanager
+def recording(model: nn.Module, names):
+    """{name: [activation of each forward]} filled while the `with` block runs (generate's cache_names)."""
+    records: dict[str, list[torch.Tensor]] = {}
+
+    def record(x, hook):
+        records.setdefault(hook.name, []).append(x.detach())
+
+    with hooks(model, [(names, record)]):
+        yield records
+
+
+def per_row(records: dict[str, list[torch.Tensor]], prompt_lengths: list[int], lengths: list[int]) -> list[dict]:
+    """A batched generation's recorded activations (a left-padded prefill, then one step per
+    token) as one {name: (length, ...)} per row, its padding removed; attention patterns and
+    scores become (heads, length, length), the keys a step had not seen yet 0 (scores -inf)."""
+    pad = [max(prompt_lengths) - n for n in prompt_lengths]
+    rows: list[dict] = [{} for _ in prompt_lengths]
+    for name, chunks in records.items():
+        if name.endswith(_KEYED):
+            fill = float("-inf") if name.endswith("hook_attn_scores") else 0.0
+            S = chunks[0].size(2) + len(chunks) - 1  # every key
+            chunks = [torch.nn.functional.pad(c, (0, S - c.size(3)), value=fill) for c in chunks]
+            full = torch.cat(chunks, dim=2)  # (B, nh, S, S)
+            for b, row in enumerate(rows):
+                row[name] = full[b, :, pad[b] : pad[b] + lengths[b], pad[b] : pad[b] + lengths[b]]
+        else:
+            full = torch.cat(chunks, dim=1)  # (B, S, ...)
+            for b, row in enumerate(rows):
+                row[name] = full[b, pad[b] : pad[b] + lengths[b]]
+    return rows

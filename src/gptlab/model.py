@@ -31,10 +31,12 @@ class _HookedNorm:
         super().__init__(*args, **kwargs)
         self.hook_scale, self.hook_normalized = HookPoint(), HookPoint()
 
+    @property
+    def hooked(self) -> bool:
+        return self.hook_scale.active or self.hook_normalized.active
+
     def forward(self, x):
-        if not (self.hook_scale.active or self.hook_normalized.active):
-            return super().forward(x)
-        return self._stepwise(x)
+        return self._stepwise(x) if self.hooked else super().forward(x)
 
 
 class LayerNorm(_HookedNorm, nn.LayerNorm):
@@ -376,9 +378,10 @@ class GPT(nn.Module):
         for i, block in enumerate(self.transformer.h):
             kv = kv_cache.layers[i] if kv_cache is not None else None
             x = block(x, rope, kv, start, mask, attn_probs)
-        if last_only:
+        ln_f = self.transformer.ln_f
+        if last_only and not getattr(ln_f, "hooked", False):  # a hooked final norm sees every position
             x = x[:, -1:]  # (B, 1, C)
-        x = self.transformer.ln_f(x)
+        x = ln_f(x)[:, -1:] if last_only else ln_f(x)
         if not head:
             return x, None
         if targets is not None and not return_logits:
