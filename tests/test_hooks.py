@@ -35,6 +35,15 @@ GPT2_POINTS = {"hook_embed", "hook_pos_embed", "ln_final.hook_scale", "ln_final.
 }
 
 
+@pytest.fixture(scope="module", autouse=True)
+def offline():
+    """The Bridge boots from local directories only: no Hub lookups."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HF_HUB_OFFLINE", "1")
+        mp.setenv("TRANSFORMERS_OFFLINE", "1")
+        yield
+
+
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     """(gptlab's model, TransformerBridge on its HF export), the same random weights."""
@@ -159,3 +168,18 @@ def test_generation_caches_equal_a_full_forward_over_each_row(variant):
             torch.testing.assert_close(ours, ref, rtol=0, atol=1e-5, msg=name)
     with pytest.raises(ValueError, match="block_size"):
         generate(model, prompts, model.config.block_size, temperature=0, cache_names=names)
+
+
+def test_bench_hooks_runs_both_sides_and_their_grids_agree(tmp_path, capsys):
+    from gptlab.bench.hooks import main as bench
+
+    assert (
+        bench(["--preset", "gpt2-tiny", "--tokens", "16", "--repeats", "1", "--threads", "1", "--out", str(tmp_path)])
+        == 0
+    )
+    (path,) = tmp_path.glob("hooks-*.json")
+    rows = __import__("json").loads(path.read_text())["rows"]
+    assert rows["run_with_cache"]["gptlab_points"] == 38 and rows["run_with_cache"]["speedup"] > 0
+    assert rows["patching_grid"]["tokens"] == 20 and rows["patching_grid"]["cells"] == 40
+    assert rows["patching_grid"]["max_abs_difference"] < 1e-4  # the same grid both ways
+    assert "patching_grid" in capsys.readouterr().out

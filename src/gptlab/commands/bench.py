@@ -11,6 +11,7 @@ BENCHMARKS = {
     "quantize": "int8/int4 quality (logits cosine, perplexity rise) and checkpoint sizes",
     "speculative": "speculative decoding (prompt lookup, a draft model) vs plain decoding: speedup and acceptance",
     "harness": "lm-evaluation-harness: --model gptlab (fp32, int8) vs --model hf, requests/s and agreement",
+    "hooks": "hook points vs TransformerLens's TransformerBridge: run_with_cache and the patching grid",
     "formats": "nanoGPT/GGUF readers and writers against nanoGPT's model.py, llama.cpp's converter and llama-perplexity",
 }
 

@@ -1,0 +1,115 @@
+"""gptlab bench hooks: gptlab's hook points against TransformerLens 4's TransformerBridge.
+
+The same random weights (a `--preset`-shaped GPT written by gptlab's save_pretrained, which the
+Bridge boots with `boot_transformers`), 2 threads by default, in one process:
+- run_with_cache of every hook point on a --tokens prompt: seconds (median of --repeats) and the
+  bytes the cache holds;
+- the layers x positions activation-patching grid of the 20-token IOI prompt pair: gptlab's
+  batched `activation_patching` against the loop of single patches through the Bridge's
+  `run_with_hooks` (one forward per cell), and the largest difference between the two grids.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+
+import torch
+
+from gptlab.bench.common import write_results
+
+CLEAN = "Then, Mary and John had a long and happy day at the beach. John gave a drink to"  # 20 tokens
+CORRUPT = "Then, Mary and John had a long and happy day at the beach. Mary gave a drink to"
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="gptlab bench hooks", description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="gpt2", help="model shape (random weights)")
+    p.add_argument("--tokens", type=int, default=128, help="prompt length for run_with_cache")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--no-patching", action="store_true", help="skip the patching grid")
+    p.add_argument("--out", default="bench/results", help="results directory ('' to skip writing)")
+    return p.parse_args(argv)
+
+
+def median_seconds(fn, repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def cache_bytes(cache) -> int:
+    return sum(t.numel() * t.element_size() for t in (cache[k] for k in cache.keys()))
+
+
+def patching_loop(bridge, clean, corrupt, metric, n_layer: int) -> torch.Tensor:
+    """The layers x positions grid, one Bridge forward per cell."""
+    _, cache = bridge.run_with_cache(clean)
+    grid = torch.empty(n_layer, clean.size(1))
+    for layer in range(n_layer):
+        name = f"blocks.{layer}.hook_resid_pre"
+        for pos in range(clean.size(1)):
+
+            def patch(x, hook, pos=pos, name=name):
+                x = x.clone()
+                x[:, pos] = cache[name][:, pos]
+                return x
+
+            with torch.no_grad():
+                grid[layer, pos] = metric(bridge.run_with_hooks(corrupt, fwd_hooks=[(name, patch)]))[0]
+    return grid
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv or [])
+    torch.set_num_threads(args.threads)
+    from transformer_lens.model_bridge import TransformerBridge
+
+    from gptlab.loading import random_model
+    from gptlab.patching import activation_patching, logit_diff
+    from gptlab.tokenizer import get_tokenizer
+
+    torch.manual_seed(0)
+    model = random_model(args.preset).eval()
+    rows = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp)
+        bridge = TransformerBridge.boot_transformers(tmp, device="cpu")
+    idx = torch.randint(0, model.config.vocab_size, (1, args.tokens), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours = median_seconds(lambda: model.run_with_cache(idx), args.repeats)
+        theirs = median_seconds(lambda: bridge.run_with_cache(idx), args.repeats)
+        _, our_cache = model.run_with_cache(idx)
+        _, their_cache = bridge.run_with_cache(idx)
+    rows["run_with_cache"] = {
+        "tokens": args.tokens, "gptlab_s": round(ours, 4), "bridge_s": round(theirs, 4),
+        "speedup": round(theirs / ours, 2), "gptlab_points": len(our_cache), "bridge_points": len(their_cache.keys()),
+        "gptlab_cache_mib": round(cache_bytes(our_cache) / 2**20, 1),
+        "bridge_cache_mib": round(cache_bytes(their_cache) / 2**20, 1),
+    }  # fmt: skip
+    if not args.no_patching:
+        tok = get_tokenizer("gpt2")
+        clean, corrupt = (torch.tensor([tok.encode(p)]) for p in (CLEAN, CORRUPT))
+        metric = logit_diff(tok.encode(" Mary")[0], tok.encode(" John")[0])
+        t0 = time.perf_counter()
+        grid = activation_patching(model, clean, corrupt, metric)["grid"]
+        ours = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        loop = patching_loop(bridge, clean, corrupt, metric, model.config.n_layer)
+        theirs = time.perf_counter() - t0
+        rows["patching_grid"] = {
+            "tokens": clean.size(1), "cells": grid.numel(), "gptlab_s": round(ours, 3), "bridge_loop_s": round(theirs, 3),
+            "speedup": round(theirs / ours, 2), "max_abs_difference": float((grid - loop).abs().max()),
+        }  # fmt: skip
+    for name, row in rows.items():
+        print(f"{name}: " + ", ".join(f"{k} {v}" for k, v in row.items()))
+    if args.out:
+        print(f"results: {write_results('hooks', {'settings': vars(args), 'rows': rows}, args.out)}")
+    return 0
