@@ -3,7 +3,7 @@
 The same random weights (a `--preset`-shaped GPT written by gptlab's save_pretrained, which the
 Bridge boots with `boot_transformers`), 2 threads by default, in one process:
 - run_with_cache of every hook point on a --tokens prompt: seconds (median of --repeats) and the
-  bytes the cache holds;
+  bytes the cache holds; and of one hook point against a plain forward (gptlab's overhead);
 - the layers x positions activation-patching grid of the 20-token IOI prompt pair: gptlab's
   batched `activation_patching` against the loop of single patches through the Bridge's
   `run_with_hooks` (one forward per cell), and the largest difference between the two grids.
@@ -83,11 +83,16 @@ def main(argv=None) -> int:
         model.save_pretrained(tmp)
         bridge = TransformerBridge.boot_transformers(tmp, device="cpu")
     idx = torch.randint(0, model.config.vocab_size, (1, args.tokens), generator=torch.Generator().manual_seed(1))
+    one = f"blocks.{model.config.n_layer // 2}.hook_resid_post"
     with torch.no_grad():
+        plain = median_seconds(lambda: model(idx), args.repeats)
+        single = median_seconds(lambda: model.run_with_cache(idx, names_filter=one), args.repeats)
         ours = median_seconds(lambda: model.run_with_cache(idx), args.repeats)
         theirs = median_seconds(lambda: bridge.run_with_cache(idx), args.repeats)
         _, our_cache = model.run_with_cache(idx)
         _, their_cache = bridge.run_with_cache(idx)
+    rows["one_hook"] = {"hook": one, "plain_forward_s": round(plain, 4), "cached_s": round(single, 4),
+                        "overhead": round(single / plain - 1, 3)}  # fmt: skip
     rows["run_with_cache"] = {
         "tokens": args.tokens, "gptlab_s": round(ours, 4), "bridge_s": round(theirs, 4),
         "speedup": round(theirs / ours, 2), "gptlab_points": len(our_cache), "bridge_points": len(their_cache.keys()),
