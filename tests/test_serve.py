@@ -509,6 +509,33 @@ def test_explorer_attention(url, model, tok):
     assert (info["n_layer"], info["n_head"]) == (2, 4)
 
 
+def test_explorer_logit_lens(url, model, tok):
+    from gptlab.inspect import logit_lens
+
+    data = httpx.post(f"{url}/api/lens", json={"prompt": "hello", "top": 2}).json()
+    lens = logit_lens(model, torch.tensor([tok.encode("hello")]), top=2)
+    assert data["tokens"] == list("hello") and data["layers"] == lens["layers"]
+    assert [[[c["id"] for c in pos] for pos in layer] for layer in data["top"]] == lens["top_ids"]
+
+
+def test_explorer_patching(url, model, tok):
+    from gptlab.patching import activation_patching, logit_diff, patched_logits
+
+    body = {"clean": "abcdef", "corrupt": "abXdef", "right": "g", "wrong": "h"}
+    data = httpx.post(f"{url}/api/patch", json=body).json()
+    clean, corrupt = torch.tensor([tok.encode("abcdef")]), torch.tensor([tok.encode("abXdef")])
+    ref = activation_patching(model, clean, corrupt, logit_diff(tok.encode("g")[0], tok.encode("h")[0]))
+    normalized = (ref["grid"] - ref["corrupt"]) / (ref["clean"] - ref["corrupt"])
+    assert data["columns"] == list("abcdef")
+    torch.testing.assert_close(torch.tensor(data["grid"]), normalized, rtol=0, atol=1e-4)
+    cell = httpx.post(f"{url}/api/patch/cell", json={**body, "layer": 1, "unit": 2, "top": 5}).json()
+    probs = torch.softmax(patched_logits(model, clean, corrupt, 1, 2)[0, -1], dim=-1)
+    assert [c["id"] for c in cell["patched"]] == probs.topk(5).indices.tolist()
+    for bad, param in (({"corrupt": "abX"}, "corrupt"), ({"right": "gg"}, "right"), ({"layer": 7, "unit": 0}, "unit")):
+        r = httpx.post(f"{url}/api/patch/cell", json={**body, "layer": 0, "unit": 0, **bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, bad
+
+
 def test_explorer_page_is_self_contained(url):
     page = httpx.get(f"{url}/")
     assert page.status_code == 200 and "gptlab explorer" in page.text

@@ -103,3 +103,48 @@ def test_explorer_in_chromium(browser, tmp_path):
     assert shown["status"].endswith("tokens")
     assert errors == [] and outside == [], (errors, outside)
     assert shot.stat().st_size > 10_000
+
+
+def test_logit_lens_and_patching_panels_in_chromium(browser, tmp_path):
+    """The lens table shows the API's top tokens; the patching grid appears, and a click on a
+    cell lists that cell's patched next tokens as the API gives them."""
+    import httpx
+
+    torch.set_num_threads(1)
+    model = serve_model()
+    app = create_app(model, get_tokenizer("byte"), name=NAME)
+    clean, corrupt = "Hello world", "Hello worle"
+    with running(app) as url:
+        page = browser.new_page(viewport={"width": 1100, "height": 1400})
+        errors = []
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.goto(url)
+        page.wait_for_selector(".candidate")
+        page.fill("#prompt", clean)
+        page.click("#go")
+        rows = model.config.n_layer + 2  # a header row, the embeddings, each block
+        page.wait_for_function("([r, n]) => document.querySelectorAll('#lens tr').length === r && "
+                               "document.querySelectorAll('#lens tr:last-child td').length === n", arg=[rows, len(clean)])  # fmt: skip
+        shown = page.eval_on_selector_all("#lens tr:last-child td", "els => els.map(e => e.dataset.prob)")
+        lens = httpx.post(f"{url}/api/lens", json={"prompt": clean}).json()
+        assert [float(p) for p in shown] == pytest.approx([pos[0]["prob"] for pos in lens["top"][-1]], abs=1e-6)
+        page.fill("#corrupt", corrupt)
+        page.fill("#right", "d")
+        page.fill("#wrong", "e")
+        page.click("#patch-go")
+        page.wait_for_function("n => document.querySelector('#patchmap').dataset.cols === String(n)", arg=len(clean))
+        size = page.evaluate("""() => { const c = document.querySelector('#patchmap');
+            return [c.width / c.getBoundingClientRect().width, +c.dataset.left, +c.dataset.top, +c.dataset.cell]; }""")
+        scale, left, top, cell = size
+        layer, unit = 1, 10  # the position that differs, after block 0
+        page.click(
+            "#patchmap", position={"x": (left + (unit + 0.5) * cell) / scale, "y": (top + (layer + 0.5) * cell) / scale}
+        )
+        page.wait_for_function("document.querySelectorAll('#patch-cell .candidate').length === 10")
+        assert page.get_attribute("#patchmap", "data-selected") == f"{layer},{unit}"
+        listed = page.eval_on_selector_all("#patch-cell .candidate", "els => els.map(e => e.dataset.text)")
+        body = {"clean": clean, "corrupt": corrupt, "right": "d", "wrong": "e", "layer": layer, "unit": unit, "top": 10}
+        expected = httpx.post(f"{url}/api/patch/cell", json=body).json()["patched"]
+        page.screenshot(path=str(tmp_path / "panels.png"), full_page=True)
+    assert listed == [c["text"] for c in expected]
+    assert errors == [], errors

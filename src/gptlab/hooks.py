@@ -19,6 +19,7 @@ Values are the model's own: no LayerNorm folding, no centring.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Iterable
 
 import torch
@@ -90,12 +91,18 @@ def _select(points: dict[str, HookPoint], names) -> list[HookPoint]:
 
 @contextlib.contextmanager
 def hooks(model: nn.Module, fwd_hooks: Iterable[tuple] = ()):
-    """Register (name or predicate, fn) pairs for the duration of a `with` block."""
+    """Register (name or predicate, fn) pairs for the duration of a `with` block. They fire only
+    in the thread that entered it, so a server decoding in another thread is never touched."""
     points = hook_points(model)
     handles = []
+    thread = threading.get_ident()
+
+    def this_thread(fn):
+        return lambda x, hook: fn(x, hook) if threading.get_ident() == thread else None
+
     try:
         for names, fn in fwd_hooks:
-            handles += [p.add_hook(fn) for p in _select(points, names)]
+            handles += [p.add_hook(this_thread(fn)) for p in _select(points, names)]
         yield model
     finally:
         for h in handles:

@@ -164,10 +164,9 @@ def _check_idx(model: GPT, idx: torch.Tensor) -> torch.Tensor:
 def residual_streams(model: GPT, idx: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Logits and the residual stream entering block 0 and leaving each block: n_layer + 1 tensors (B, T, C)."""
     idx = _check_idx(model, idx)
-    blocks = {f"h.{i}": b for i, b in enumerate(model.transformer.h)}
-    with capture_outputs({"embed": model.transformer.drop, **blocks}) as out:
-        logits, _ = model(idx)
-    return logits, [out["embed"]] + [out[name] for name in blocks]
+    names = ["blocks.0.hook_resid_pre"] + [f"blocks.{i}.hook_resid_post" for i in range(model.config.n_layer)]
+    logits, cache = model.run_with_cache(idx, names_filter=names)  # hooks of this thread only (gptlab.hooks)
+    return logits, [cache[name] for name in names]
 
 
 def _top(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

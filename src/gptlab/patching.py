@@ -17,6 +17,7 @@ and return one value per row, (B,); `logit_diff` is the usual one.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 
 import torch
@@ -90,17 +91,22 @@ def activation_patching(model, clean: torch.Tensor, corrupt: torch.Tensor, metri
 
 
 @torch.no_grad()
+def patched_logits(model, clean, corrupt, layer: int, unit: int, over: str = "layer-pos") -> torch.Tensor:
+    """The corrupted run's logits (1, T, V) with one cell of the grid patched in from the clean run."""
+    _check(model, clean, corrupt, over)
+    units = _units(model, clean.size(1), over)
+    if not (0 <= layer < model.config.n_layer and 0 <= unit < units):
+        raise ValueError(f"cell ({layer}, {unit}) outside the {model.config.n_layer} x {units} grid")
+    name = f"blocks.{layer}.{OVER[over]}"
+    _, cache = model.run_with_cache(clean, names_filter=name)
+    return model.run_with_hooks(corrupt, fwd_hooks=[(name, _patch_one(over, unit, cache[name]))])
+
+
 def activation_patching_loop(model, clean, corrupt, metric: Metric, over: str = "layer-pos") -> torch.Tensor:
     """The same grid as activation_patching, one forward per cell (the reference it is tested against)."""
-    _check(model, clean, corrupt, over)
-    _, cache = model.run_with_cache(clean)
     grid = torch.empty(model.config.n_layer, _units(model, clean.size(1), over))
-    for layer in range(model.config.n_layer):
-        name = f"blocks.{layer}.{OVER[over]}"
-        for unit in range(grid.size(1)):
-            grid[layer, unit] = metric(
-                model.run_with_hooks(corrupt, fwd_hooks=[(name, _patch_one(over, unit, cache[name]))])
-            )[0]
+    for layer, unit in itertools.product(range(grid.size(0)), range(grid.size(1))):
+        grid[layer, unit] = metric(patched_logits(model, clean, corrupt, layer, unit, over))[0]
     return grid
 
 

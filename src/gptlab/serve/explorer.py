@@ -1,4 +1,5 @@
-"""The explorer's JSON endpoints: next-token candidates, per-token surprisal, attention maps.
+"""The explorer's JSON endpoints: next-token candidates, per-token surprisal, attention maps, the
+logit lens and activation patching.
 
 All take {"prompt": str, ...} by POST; an empty prompt means <|endoftext|> alone. The model runs
 in FastAPI's thread pool (these are plain `def` routes), beside the scheduler's thread.
@@ -7,6 +8,7 @@ in FastAPI's thread pool (these are plain `def` routes), beside the scheduler's 
 from __future__ import annotations
 
 import math
+from typing import Literal
 
 import torch
 from fastapi import APIRouter
@@ -30,6 +32,26 @@ class AttentionBody(PromptBody):
     head: int = 0
 
 
+class LensBody(PromptBody):
+    top: int = Field(1, ge=1, le=10)
+
+
+class PatchBody(BaseModel):
+    model_config = ConfigDict(strict=True)
+
+    clean: str
+    corrupt: str
+    right: str  # the clean prompt's answer, one token
+    wrong: str  # the corrupted prompt's answer, one token
+    over: Literal["layer-pos", "layer-head"] = "layer-pos"
+
+
+class PatchCellBody(PatchBody):
+    layer: int
+    unit: int  # a position (layer-pos) or a head (layer-head)
+    top: int = Field(10, ge=1, le=100)
+
+
 class Explorer:
     """Routes under /api for one model and tokenizer."""
 
@@ -40,6 +62,9 @@ class Explorer:
         self.router.add_api_route("/next", self.next_tokens, methods=["POST"])
         self.router.add_api_route("/tokens", self.tokens, methods=["POST"])
         self.router.add_api_route("/attention", self.attention, methods=["POST"])
+        self.router.add_api_route("/lens", self.lens, methods=["POST"])
+        self.router.add_api_route("/patch", self.patch, methods=["POST"])
+        self.router.add_api_route("/patch/cell", self.patch_cell, methods=["POST"])
 
     def _ids(self, prompt: str) -> list[int]:
         tok, block = self.state.tokenizer, self.state.model.config.block_size
@@ -99,3 +124,66 @@ class Explorer:
         device = self.state.model.transformer.wte.weight.device
         weights = self.state.model.attention(torch.tensor([ids], device=device), body.layer, body.head)[0]  # (T, T)
         return dict(tokens=self._texts(ids), layer=body.layer, head=body.head, weights=weights.float().tolist())
+
+    def _tensor(self, ids: list[int]) -> torch.Tensor:
+        return torch.tensor([ids], device=self.state.model.transformer.wte.weight.device)  # (1, T)
+
+    def _candidates(self, logits: torch.Tensor, top: int) -> list[dict]:
+        probs = torch.softmax(logits.float(), dim=-1)  # (V,)
+        p, idx = torch.topk(probs, min(top, probs.numel()))
+        return [dict(id=i, text=self.state.tokenizer.decode([i]), prob=v) for i, v in zip(idx.tolist(), p.tolist(), strict=True)]  # fmt: skip
+
+    def lens(self, body: LensBody) -> dict:
+        """The logit lens (gptlab.inspect.logit_lens): for the residual stream before block 0 and
+        after each block, the top tokens the final norm and head read at each position."""
+        from gptlab.inspect import logit_lens
+
+        ids = self._ids(body.prompt)
+        lens = logit_lens(self.state.model, self._tensor(ids), top=body.top)
+        decode = self.state.tokenizer.decode
+        top = [[[dict(id=i, text=decode([i]), prob=p) for i, p in zip(pos_ids, pos_probs, strict=True)]
+                for pos_ids, pos_probs in zip(layer_ids, layer_probs, strict=True)]
+               for layer_ids, layer_probs in zip(lens["top_ids"], lens["top_probs"], strict=True)]  # fmt: skip
+        return dict(tokens=self._texts(ids), layers=lens["layers"], top=top)
+
+    def _patch_inputs(self, body: PatchBody):
+        clean, corrupt = self._ids(body.clean), self._ids(body.corrupt)
+        if len(clean) != len(corrupt):
+            raise APIError(400, f"clean has {len(clean)} tokens, corrupt {len(corrupt)}: they must be as long", param="corrupt", code="invalid_value")  # fmt: skip
+        answers = []
+        for param in ("right", "wrong"):
+            answer = self.state.tokenizer.encode(getattr(body, param))
+            if len(answer) != 1:
+                raise APIError(400, f"{param} must be one token, got {len(answer)}", param=param, code="invalid_value")  # fmt: skip
+            answers += answer
+        return self._tensor(clean), self._tensor(corrupt), answers
+
+    def patch(self, body: PatchBody) -> dict:
+        """Activation patching of clean into corrupt (gptlab.patching): the grid as a share of the
+        way from the corrupted logit difference (0) to the clean one (1)."""
+        from gptlab.patching import activation_patching, logit_diff
+
+        clean, corrupt, (right, wrong) = self._patch_inputs(body)
+        result = activation_patching(self.state.model, clean, corrupt, logit_diff(right, wrong), over=body.over)
+        span = result["clean"] - result["corrupt"]
+        grid = (result["grid"] - result["corrupt"]) / span if abs(span) > 1e-9 else result["grid"] * 0
+        columns = (self._texts(clean[0].tolist()) if body.over == "layer-pos"
+                   else [f"head {h}" for h in range(self.state.model.config.n_head)])  # fmt: skip
+        return dict(over=body.over, columns=columns, clean=result["clean"], corrupt=result["corrupt"],
+                    grid=grid.tolist())  # fmt: skip
+
+    def patch_cell(self, body: PatchCellBody) -> dict:
+        """The next-token distribution of the corrupted prompt with one cell patched in, beside
+        the clean and corrupted prompts' own."""
+        from gptlab.patching import patched_logits
+
+        clean, corrupt, _ = self._patch_inputs(body)
+        try:
+            logits = patched_logits(self.state.model, clean, corrupt, body.layer, body.unit, body.over)
+        except ValueError as e:
+            raise APIError(400, str(e), param="unit", code="invalid_value") from e
+        with torch.no_grad():
+            clean_logits, corrupt_logits = self._logits(clean[0].tolist()), self._logits(corrupt[0].tolist())
+        return dict(layer=body.layer, unit=body.unit, patched=self._candidates(logits[0, -1], body.top),
+                    clean=self._candidates(clean_logits[-1], body.top),
+                    corrupt=self._candidates(corrupt_logits[-1], body.top))  # fmt: skip

@@ -1,5 +1,6 @@
-// gptlab explorer: next-token candidates, surprisal colouring and attention heatmaps, all from
-// the server's /api endpoints. No dependencies; everything is served by the same process.
+// gptlab explorer: next-token candidates, surprisal colouring, attention heatmaps, the logit lens
+// and activation patching, all from the server's /api endpoints. No dependencies; everything is
+// served by the same process.
 "use strict";
 
 const $ = (id) => document.getElementById(id);
@@ -20,8 +21,7 @@ async function api(path, body) {
   return data;
 }
 
-function renderCandidates(candidates) {
-  const list = $("candidates");
+function renderCandidates(candidates, list = $("candidates"), onChoose = choose) {
   list.replaceChildren();
   const top = candidates.length ? candidates[0].prob : 1;
   for (const c of candidates) {
@@ -43,7 +43,7 @@ function renderCandidates(candidates) {
     pct.className = "pct";
     pct.textContent = `${(100 * c.prob).toFixed(1)}%`;
     button.append(tok, bar, pct);
-    button.addEventListener("click", () => choose(c.text));
+    button.addEventListener("click", () => onChoose(c.text));
     item.append(button);
     list.append(item);
   }
@@ -113,6 +113,108 @@ function renderAttention(data) {
   };
 }
 
+function renderLens(data) {
+  const table = $("lens");
+  table.replaceChildren();
+  const head = document.createElement("tr");
+  head.append(document.createElement("th"));
+  for (const t of data.tokens) {
+    const th = document.createElement("th");
+    th.textContent = show(t);
+    head.append(th);
+  }
+  table.append(head);
+  data.layers.forEach((name, layer) => {
+    const row = document.createElement("tr");
+    const th = document.createElement("th");
+    th.textContent = name;
+    row.append(th);
+    for (const cell of data.top[layer]) {
+      const td = document.createElement("td");
+      const best = cell[0];
+      td.textContent = show(best.text);
+      td.title = `p = ${best.prob.toFixed(4)}`;
+      td.dataset.prob = String(best.prob);
+      td.style.background = `rgba(59, 111, 216, ${0.1 + 0.8 * best.prob})`;
+      if (best.prob > 0.55) td.style.color = "#fff";
+      row.append(td);
+    }
+    table.append(row);
+  });
+}
+
+// Activation patching: the grid as a heatmap (blue: restores the clean answer, red: the
+// opposite); a click on a cell shows the corrupted prompt's next tokens with that cell patched.
+function patchRequest() {
+  return {
+    clean: $("prompt").value, corrupt: $("corrupt").value, right: $("right").value, wrong: $("wrong").value,
+    over: $("over").value,
+  };
+}
+
+function renderPatch(data) {
+  const canvas = $("patchmap");
+  const rows = data.grid.length, cols = data.columns.length;
+  const ctx = canvas.getContext("2d");
+  ctx.font = "12px ui-monospace, Menlo, Consolas, monospace";
+  const labels = data.columns.map(show);
+  const pad = Math.min(120, 12 + Math.max(...labels.map((l) => ctx.measureText(l).width)));
+  const cell = Math.max(10, Math.min(36, Math.floor((Math.min(1100, canvas.parentElement.clientWidth - 30) - 40) / cols)));
+  canvas.width = 40 + cols * cell + 4;
+  canvas.height = pad + rows * cell + 4;
+  ctx.font = "12px ui-monospace, Menlo, Consolas, monospace";
+  ctx.fillStyle = "#fff";
+  ctx.fillRect(0, 0, canvas.width, canvas.height);
+  for (let layer = 0; layer < rows; layer++) {
+    for (let u = 0; u < cols; u++) {
+      const v = Math.max(-1, Math.min(1, data.grid[layer][u]));
+      ctx.fillStyle = v >= 0 ? `rgba(40, 90, 200, ${v})` : `rgba(210, 50, 40, ${-v})`;
+      ctx.fillRect(40 + u * cell, pad + layer * cell, cell - 1, cell - 1);
+    }
+    ctx.fillStyle = "#1d2330";
+    ctx.textAlign = "right";
+    ctx.textBaseline = "middle";
+    ctx.fillText(String(layer), 34, pad + layer * cell + cell / 2);
+  }
+  for (let u = 0; u < cols; u++) {
+    ctx.save();
+    ctx.translate(40 + u * cell + cell / 2, pad - 6);
+    ctx.rotate(-Math.PI / 2);
+    ctx.textAlign = "left";
+    ctx.fillText(labels[u], 0, 0, pad - 8);
+    ctx.restore();
+  }
+  Object.assign(canvas.dataset, { rows: String(rows), cols: String(cols), left: "40", top: String(pad), cell: String(cell) });
+  canvas.onclick = async (e) => {
+    const r = canvas.getBoundingClientRect();
+    const scale = canvas.width / r.width;
+    const layer = Math.floor(((e.clientY - r.top) * scale - pad) / cell);
+    const unit = Math.floor(((e.clientX - r.left) * scale - 40) / cell);
+    if (layer < 0 || unit < 0 || layer >= rows || unit >= cols) return;
+    try {
+      const out = await api("/api/patch/cell", { ...patchRequest(), layer, unit, top: 10 });
+      $("patch-cell-title").textContent =
+        `layer ${layer}, ${data.over === "layer-pos" ? "position" : "head"} ${unit} (${data.grid[layer][unit].toFixed(3)}): next tokens of the patched run`;
+      canvas.dataset.selected = `${layer},${unit}`;
+      renderCandidates(out.patched, $("patch-cell"), () => {});
+    } catch (err) {
+      $("patch-status").textContent = `error: ${err.message}`;
+    }
+  };
+}
+
+async function runPatch() {
+  $("patch-status").textContent = "\u2026";
+  try {
+    const data = await api("/api/patch", patchRequest());
+    renderPatch(data);
+    $("patch-status").textContent =
+      `logit difference: clean ${data.clean.toFixed(3)}, corrupted ${data.corrupt.toFixed(3)}`;
+  } catch (err) {
+    $("patch-status").textContent = `error: ${err.message}`;
+  }
+}
+
 async function refresh() {
   const generation = ++state.generation;
   const prompt = $("prompt").value;
@@ -120,15 +222,17 @@ async function refresh() {
   try {
     const layer = Number($("layer").value || 0);
     const head = Number($("head").value || 0);
-    const [next, tokens, attention] = await Promise.all([
+    const [next, tokens, attention, lens] = await Promise.all([
       api("/api/next", { prompt, top: 10 }),
       api("/api/tokens", { prompt }),
       api("/api/attention", { prompt, layer, head }),
+      api("/api/lens", { prompt }),
     ]);
     if (generation !== state.generation) return; // a newer prompt is on its way
     renderCandidates(next.candidates);
     renderTokens(tokens.tokens);
     renderAttention(attention);
+    renderLens(lens);
     $("status").textContent = `${tokens.tokens.length} tokens`;
   } catch (err) {
     if (generation === state.generation) $("status").textContent = `error: ${err.message}`;
@@ -210,6 +314,7 @@ async function main() {
   $("back").addEventListener("click", () => {
     if (state.current > 0) goTo(state.current - 1);
   });
+  $("patch-go").addEventListener("click", runPatch);
   $("layer").addEventListener("change", refreshAttention);
   $("head").addEventListener("change", refreshAttention);
   record($("prompt").value);
