@@ -183,3 +183,34 @@ def test_bench_hooks_runs_both_sides_and_their_grids_agree(tmp_path, capsys):
     assert rows["patching_grid"]["tokens"] == 20 and rows["patching_grid"]["cells"] == 40
     assert rows["patching_grid"]["max_abs_difference"] < 1e-4  # the same grid both ways
     assert "patching_grid" in capsys.readouterr().out
+
+
+def test_a_cache_streamed_to_a_safetensors_file_equals_run_with_cache(tmp_path):
+    from safetensors import safe_open
+
+    model = tiny_model()
+    idx = torch.randint(0, model.config.vocab_size, (2, 9))
+    names = lambda n: "resid" in n or n.endswith("hook_pattern")  # noqa: E731
+    path = tmp_path / "cache.safetensors"
+    logits = model.cache_to_file(idx, path, names_filter=names)
+    ref_logits, ref = model.run_with_cache(idx, names_filter=names)
+    assert torch.equal(logits, ref_logits)
+    with safe_open(str(path), framework="pt") as f:
+        assert set(f.keys()) == set(ref)
+        for name in ref:
+            assert torch.equal(f.get_tensor(name), ref[name]), name
+    assert [p.name for p in tmp_path.iterdir()] == ["cache.safetensors"]  # no temporary left behind
+
+
+def test_hooks_fire_only_in_the_thread_that_registered_them():
+    import threading
+
+    model = tiny_model()
+    idx = torch.randint(0, model.config.vocab_size, (1, 4))
+    seen = []
+    with model.hooks([("hook_embed", lambda x, hook: seen.append(threading.get_ident()))]):
+        worker = threading.Thread(target=lambda: model(idx))
+        worker.start()
+        worker.join()
+        model(idx)
+    assert seen == [threading.get_ident()]  # the other thread's forward did not call it

@@ -19,6 +19,10 @@ Values are the model's own: no LayerNorm folding, no centring.
 from __future__ import annotations
 
 import contextlib
+import json
+import os
+import shutil
+import tempfile
 import threading
 from collections.abc import Callable, Iterable
 
@@ -113,6 +117,43 @@ def run_with_hooks(model: nn.Module, idx: torch.Tensor, fwd_hooks: Iterable[tupl
     """The model's logits (B, T, V) with the hooks in place for this one forward."""
     with hooks(model, fwd_hooks):
         return model(idx, **forward_kwargs)[0]
+
+
+_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64"}
+
+
+def cache_to_file(model: nn.Module, idx: torch.Tensor, path, names_filter=None, **forward_kwargs) -> torch.Tensor:
+    """Run the model and stream each selected activation to a safetensors file as it is
+    computed, so only one is in memory at a time (for inputs whose whole cache would not fit);
+    returns the logits. The file is written beside `path` and renamed into place when complete;
+    `safetensors.safe_open` reads one tensor at a time back."""
+    path = os.fspath(path)
+    header: dict[str, dict] = {}
+    directory = os.path.dirname(os.path.abspath(path))
+    with tempfile.TemporaryFile(dir=directory) as raw:
+
+        def save(x, hook):
+            data = x.detach().to("cpu").contiguous()
+            start = raw.tell()
+            raw.write(data.reshape(-1).view(torch.uint8).numpy().tobytes())
+            header[hook.name] = {"dtype": _SAFETENSORS_DTYPES[data.dtype], "shape": list(data.shape),
+                                 "data_offsets": [start, raw.tell()]}  # fmt: skip
+
+        with torch.no_grad(), hooks(model, [(names_filter, save)]):
+            logits = model(idx, **forward_kwargs)[0]
+        blob = json.dumps(header, separators=(",", ":")).encode()
+        blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned
+        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
+        try:
+            with os.fdopen(fd, "wb") as out:
+                out.write(len(blob).to_bytes(8, "little") + blob)
+                raw.seek(0)
+                shutil.copyfileobj(raw, out, 16 << 20)
+            os.replace(tmp, path)
+        except BaseException:
+            os.unlink(tmp)
+            raise
+    return logits
 
 
 class _Stop(Exception):
