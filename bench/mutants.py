@@ -178,6 +178,8 @@ MUTANTS = [
            "        x = self.hook_normalized(centred / scale)  # (B, T, C)\n        return x * self.weight + self.bias if",
            "        x = centred / scale * self.weight  # (B, T, C)\n        return self.hook_normalized(x) + self.bias if",
            HOOKS_TESTS),
+    Mutant("hooks/fold-ln-drops-the-norms-bias", "hooks.py",
+           "        linear.bias.add_(linear.weight @ norm.bias)\n", "", HOOKS_TESTS),
     Mutant("hooks/generation-cache-keeps-padding", "hooks.py",
            "row[name] = full[b, pad[b] : pad[b] + lengths[b]]", "row[name] = full[b, : lengths[b]]", HOOKS_TESTS),
     Mutant("patching/patch-at-the-next-position", "patching.py",

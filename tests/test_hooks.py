@@ -214,3 +214,41 @@ def test_hooks_fire_only_in_the_thread_that_registered_them():
         worker.join()
         model(idx)
     assert seen == [threading.get_ident()]  # the other thread's forward did not call it
+
+
+def test_processed_weights_equal_transformer_bridges_compatibility_mode(tmp_path):
+    """Folding LayerNorm, centring the writing weights and the unembedding, folding value biases
+    (hooks.process_weights, only when asked) against the Bridge's enable_compatibility_mode on the
+    same weights: every hook point within 1e-5 (measured: logits 3.6e-7 apart), and the same
+    function as the unprocessed model up to a constant per position."""
+    from transformer_lens.model_bridge import TransformerBridge
+
+    from gptlab.hooks import process_weights
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=50257, block_size=64, n_layer=2, n_head=2, n_embd=64)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".ln_" in name or "ln_f" in name or name.endswith(".bias"):
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(tmp_path / "model")
+    bridge = TransformerBridge.boot_transformers(str(tmp_path / "model"), device="cpu")
+    bridge.enable_compatibility_mode(disable_warnings=True)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    processed = process_weights(model)
+    idx = torch.randint(0, 50257, (2, 9), generator=torch.Generator().manual_seed(3))
+    logits, cache = processed.run_with_cache(idx)
+    theirs_logits, theirs = bridge.run_with_cache(idx)
+    torch.testing.assert_close(logits, theirs_logits, rtol=0, atol=1e-5)
+    for name, ours in cache.items():
+        other = theirs[name]
+        assert ours.shape == other.shape, name
+        if name.endswith("hook_attn_scores"):  # masked: -inf here, -inf or the dtype's minimum there
+            visible = torch.isfinite(ours)
+            ours, other = ours[visible], other[visible]
+        torch.testing.assert_close(ours, other, rtol=0, atol=1e-5, msg=name)
+    with torch.no_grad():
+        plain = model(idx)[0]
+    centred = lambda x: x - x.mean(-1, keepdim=True)  # noqa: E731
+    torch.testing.assert_close(centred(logits), centred(plain), rtol=0, atol=1e-5)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # a copy was processed

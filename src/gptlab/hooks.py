@@ -19,6 +19,7 @@ Values are the model's own: no LayerNorm folding, no centring.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import shutil
@@ -154,6 +155,61 @@ def cache_to_file(model: nn.Module, idx: torch.Tensor, path, names_filter=None, 
             os.unlink(tmp)
             raise
     return logits
+
+
+@torch.no_grad()
+def process_weights(
+    model: nn.Module,
+    *,
+    fold_ln: bool = True,
+    center_writing_weights: bool = True,
+    center_unembed: bool = True,
+    fold_value_biases: bool = True,
+) -> nn.Module:
+    """A copy of a GPT-2-style model (LayerNorm, learned positions, biases) with TransformerLens's
+    weight processing, the same function (logits equal up to a constant per position when the
+    unembedding is centred): LayerNorm gains and biases folded into the layers that read them
+    (the norms keep only their normalization), the weights writing to the residual stream
+    centred, the unembedding centred over the vocabulary, value biases folded into the output
+    bias. The head becomes a separate matrix with a bias. Never applied unless asked for."""
+    import copy
+
+    c = model.config
+    if c.norm != "layernorm" or c.pos_embedding != "learned" or not c.bias or c.mlp == "swiglu":
+        raise ValueError("process_weights handles GPT-2's architecture (LayerNorm, learned positions, biases, GELU)")
+    m = copy.deepcopy(model)
+    head = nn.Linear(c.n_embd, c.vocab_size, bias=True, device=m.lm_head.weight.device, dtype=m.lm_head.weight.dtype)
+    head.weight.copy_(m.lm_head.weight)
+    head.bias.zero_()
+    m.lm_head, m.config = head, dataclasses.replace(c, tie_weights=False)
+
+    def fold(norm, linear):  # linear(norm(x)) = linear'(normalized x)
+        linear.bias.add_(linear.weight @ norm.bias)
+        linear.weight.mul_(norm.weight[None, :])
+        norm.weight.fill_(1.0)
+        norm.bias.zero_()
+
+    for block in m.transformer.h:
+        if fold_ln:
+            fold(block.ln_1, block.attn.c_attn)
+            fold(block.ln_2, block.mlp.c_fc)
+        if fold_value_biases:  # a pattern's rows sum to 1: the value bias adds W_O b_v at every position
+            b_v = block.attn.c_attn.bias[2 * c.n_embd :]
+            block.attn.c_proj.bias.add_(block.attn.c_proj.weight @ b_v)
+            b_v.zero_()
+        if center_writing_weights:  # every reader of the residual stream subtracts its mean first
+            for proj in (block.attn.c_proj, block.mlp.c_proj):
+                proj.weight.sub_(proj.weight.mean(0, keepdim=True))
+                proj.bias.sub_(proj.bias.mean())
+    if fold_ln:
+        fold(m.transformer.ln_f, m.lm_head)
+    if center_writing_weights:
+        for table in (m.transformer.wte, m.transformer.wpe):
+            table.weight.sub_(table.weight.mean(-1, keepdim=True))
+    if center_unembed:
+        m.lm_head.weight.sub_(m.lm_head.weight.mean(0, keepdim=True))
+        m.lm_head.bias.sub_(m.lm_head.bias.mean())
+    return m
 
 
 class _Stop(Exception):
