@@ -90,41 +90,18 @@ def test_gptlab_patch_writes_the_grids_and_checks_its_prompts(tmp_path, capsys):
     clean = "When Mary and John went to the store, John gave a drink to"
     corrupt = "When Mary and John went to the store, Mary gave a drink to"
     out, png = tmp_path / "grid.json", tmp_path / "grid.png"
-    args = [
-        "patch",
-        "--model",
-        "preset:gpt2-tiny",
-        "--clean",
-        clean,
-        "--corrupt",
-        corrupt,
-        "--answers",
-        " Mary",
-        " John",
-    ]
-    assert main([*args, "--out", str(png), "--json", str(out)]) in (0, None)
+
+    def patch(clean=clean, corrupt=corrupt, answers=(" Mary", " John"), *extra):
+        return main(["patch", "--model", "preset:gpt2-tiny", "--clean", clean, "--corrupt", corrupt,
+                     "--answers", *answers, *extra])  # fmt: skip
+
+    assert patch(clean, corrupt, (" Mary", " John"), "--out", str(png), "--json", str(out)) in (0, None)
     data = __import__("json").loads(out.read_text())
     assert data["columns"][9] == " John" and len(data["grid"]) == 2 and len(data["attribution"][0]) == 14
     # layer 0 before the block: patching the one differing position restores the clean run exactly
     assert data["normalized"][0] == pytest.approx([1.0 if p == 9 else 0.0 for p in range(14)], abs=1e-4)
     assert png.stat().st_size > 0 and "patched (layer-pos)" in capsys.readouterr().out
-    assert main([*args[:-2], " Mary Ann", " John"]) == 2
+    assert patch(answers=(" Mary Ann", " John")) == 2
     assert "each answer must be one token" in capsys.readouterr().err
-    assert (
-        main(
-            [
-                "patch",
-                "--model",
-                "preset:gpt2-tiny",
-                "--clean",
-                clean,
-                "--corrupt",
-                "When",
-                "--answers",
-                " Mary",
-                " John",
-            ]
-        )
-        == 2
-    )
+    assert patch(corrupt="When") == 2
     assert "must be as long" in capsys.readouterr().err

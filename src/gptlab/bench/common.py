@@ -64,6 +64,17 @@ def timed(fn, *, sync=None) -> tuple[object, float]:
     return out, time.perf_counter() - t0
 
 
+def repeat_seconds(fn, repeats: int) -> list[float]:
+    """fn() once to warm up, then the seconds of each of `repeats` further calls."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
 def write_results(name: str, results: dict, out_dir: str | os.PathLike = "bench/results") -> Path:
     """Write results (with the machine and a timestamp) to out_dir/NAME-YYYYmmdd-HHMMSS.json."""
     stamp = datetime.now(timezone.utc)

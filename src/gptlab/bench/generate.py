@@ -29,7 +29,7 @@ import time
 import torch
 
 from gptlab import kernels
-from gptlab.bench.common import machine, write_results
+from gptlab.bench.common import machine, repeat_seconds, write_results
 from gptlab.config import GPTConfig
 from gptlab.model import GPT
 
@@ -73,13 +73,7 @@ class BandwidthProbe:
         """{"read_gbs", "gemv_gbs", "bandwidth_gbs"}, each the best of `repeats` passes."""
 
         def best(fn) -> float:
-            fn()
-            times = []
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                fn()
-                times.append(time.perf_counter() - t0)
-            return round(self.nbytes / min(times) / 1e9, 2)
+            return round(self.nbytes / min(repeat_seconds(fn, repeats)) / 1e9, 2)
 
         out = {"read_gbs": best(self.flat.sum), "gemv_gbs": best(self._gemv)}
         out["bandwidth_gbs"] = max(out.values())

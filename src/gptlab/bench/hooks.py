@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from gptlab.bench.common import write_results
+from gptlab.bench.common import repeat_seconds, write_results
 
 CLEAN = "Then, Mary and John had a long and happy day at the beach. John gave a drink to"  # 20 tokens
 CORRUPT = "Then, Mary and John had a long and happy day at the beach. Mary gave a drink to"
@@ -36,13 +36,7 @@ def parse_args(argv):
 
 
 def median_seconds(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return statistics.median(repeat_seconds(fn, repeats))
 
 
 def cache_bytes(cache) -> int:

@@ -331,18 +331,11 @@ def load_gptlab(hf_dir, mode: str):
 def time_gptlab(model, prompt, repeats: int) -> dict:
     """Best-of-`repeats` decode tok/s (DECODE_TOKENS new tokens from [[EOT]], greedy, the whole
     generate call) and prefill tok/s (`prompt` (1, T) with one new token: T / time), after a warm-up."""
-    import time
-
+    from gptlab.bench.common import repeat_seconds
     from gptlab.generation import generate
 
     def best_seconds(fn) -> float:
-        fn()  # warm-up
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return min(times)
+        return min(repeat_seconds(fn, repeats))
 
     decode = best_seconds(lambda: generate(model, [[EOT]], DECODE_TOKENS, temperature=0))
     prefill = best_seconds(lambda: generate(model, prompt, 1, temperature=0))
