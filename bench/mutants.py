@@ -187,6 +187,13 @@ MUTANTS = [
            ("tests/test_patching.py",)),
     Mutant("patching/attribution-sign", "patching.py",
            "(clean_cache[n] - acts[n].detach())", "(acts[n].detach() - clean_cache[n])", ("tests/test_patching.py",)),
+    # LoRA (lora.py)
+    Mutant("lora/qkv-blocks-misplaced", "lora.py",
+           "B[start:end, j * rank : (j + 1) * rank] = layer.lora_B[s]", "B[start:end, 0:rank] = layer.lora_B[s]",
+           ("tests/test_lora.py",)),
+    Mutant("lora/scale-ignored", "lora.py",
+           "parts.append((start, end, (h @ self.lora_A[name].t()) @ self.lora_B[name].t() * self.scale))",
+           "parts.append((start, end, (h @ self.lora_A[name].t()) @ self.lora_B[name].t()))", ("tests/test_lora.py",)),
     # lm-eval: the backend (harness.py) and what local-completions reads from the server
     Mutant("harness/continuation-split-one-early", "harness.py",
            "torch.arange(fed - n, fed)", "torch.arange(fed - n - 1, fed - 1)", HARNESS_TESTS),

@@ -3,7 +3,7 @@
     lm_eval --model gptlab --model_args pretrained=SPEC,dtype=float32,batch_size=8,max_length=1024 \\
         --tasks lambada_openai --include_path DIR
 
-`pretrained` is any `--model` spec (`gptlab.loading.load_model`: gptlab checkpoints, quantized
+`pretrained` is any `--model` spec (with `adapter=DIR`, a PEFT LoRA directory on top) (`gptlab.loading.load_model`: gptlab checkpoints, quantized
 models, Hugging Face directories or Hub ids, nanoGPT and llm.c files). Scoring follows lm-eval's
 Hugging Face backend token for token, so the two agree on the same weights:
 - loglikelihood: lm-eval splits context and continuation (TemplateLM._encode_pair; an empty
@@ -48,13 +48,15 @@ class GptlabLM(TemplateLM):
         super().__init__()
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-        if adapter:
-            raise ValueError(f"adapter={adapter}: gptlab has no fine-tuning adapters yet, so none can be applied")
         if isinstance(pretrained, str):
-            self.model = load_model(pretrained, device=device, dtype=DTYPES[dtype])
+            self.model = load_model(pretrained, device=device, dtype=DTYPES[dtype], adapter=adapter)
             self.tok = get_tokenizer(tokenizer_name(pretrained))
         else:
             self.model, self.tok = pretrained, get_tokenizer("gpt2")
+            if adapter:
+                from gptlab.lora import load_adapter
+
+                load_adapter(self.model, adapter)
         if quantize:
             self.model = quantize_model(self.model, quantize)
         self.model.eval()

@@ -29,12 +29,22 @@ from gptlab.quantize import load_quantized
 HUB_MODELS = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")  # presets that are also OpenAI's Hub ids
 
 
-def load_model(spec: str, *, device=None, dtype=None) -> GPT:
+def load_model(spec: str, *, device=None, dtype=None, adapter=None) -> GPT:
     """The model a --model spec names, in eval mode on `device` (default cpu).
 
     `dtype` converts float weights (None keeps the stored dtype; HF and fresh presets: float32);
-    a quantized model keeps its stored scheme. Raises ValueError for a spec that names no model.
+    a quantized model keeps its stored scheme. `adapter`, a PEFT LoRA directory (gptlab.lora),
+    is applied on top. Raises ValueError for a spec that names no model.
     """
+    model = _load_base(spec, device=device, dtype=dtype)
+    if adapter:
+        from gptlab.lora import load_adapter
+
+        load_adapter(model, adapter)
+    return model
+
+
+def _load_base(spec: str, *, device=None, dtype=None) -> GPT:
     path = Path(spec)
     if is_preset(spec):
         return random_model(spec.removeprefix("preset:"), device=device, dtype=dtype)

@@ -17,6 +17,9 @@ def add_model_arguments(parser, *, prompt: bool = True, dtype_default: str | Non
     )
     default = f"default {dtype_default}" if dtype_default else "default: as stored"
     parser.add_argument("--dtype", default=dtype_default, choices=DTYPES, help=f"weights' dtype ({default})")
+    parser.add_argument(
+        "--adapter", default=None, metavar="DIR", help="a LoRA adapter (PEFT's format) applied to the model"
+    )
     if prompt:
         parser.add_argument("--prompt", required=True, help="the text to run through the model")
 
@@ -50,7 +53,9 @@ def model_from_args(args):
     from gptlab.loading import load_model
 
     dtype = getattr(torch, args.dtype) if args.dtype else None
-    return load_model(args.model, device=resolve_device(args.device), dtype=dtype).eval()
+    return load_model(
+        args.model, device=resolve_device(args.device), dtype=dtype, adapter=getattr(args, "adapter", None)
+    ).eval()
 
 
 def load(args):

@@ -20,6 +20,9 @@ def add_arguments(parser):
         help="hf (default), gguf (llama.cpp) or llmc (llm.c); by default .gguf and .bin outputs pick gguf and llmc",
     )
     parser.add_argument("--outtype", choices=GGUF_OUTTYPES, default="f32", help="gguf: tensor type (default f32)")
+    parser.add_argument(
+        "--merge", action="store_true", help="with --adapter: fold the adapter into the weights written"
+    )
 
 
 def run(args):
@@ -32,9 +35,17 @@ def run(args):
         raise ValueError("--outtype is for --format gguf; use --dtype for hf and llmc")
     if fmt == "gguf" and args.dtype:
         raise ValueError("--dtype is for --format hf and llmc; use --outtype for gguf")
+    if args.adapter and not args.merge:
+        raise ValueError("--adapter: the formats hold plain weights; pass --merge to fold the adapter into them")
+    if args.merge and not args.adapter:
+        raise ValueError("--merge needs --adapter DIR")
     dtype = getattr(torch, args.dtype) if args.dtype else None
     tokenizer = tokenizer_name(args.model)
     model = model_from_args(args)
+    if args.merge:
+        from gptlab.lora import merge
+
+        merge(model)
     if fmt == "hf":
         from gptlab.hf import save_pretrained
 

@@ -67,7 +67,9 @@ def run(args):
     compiled_step = compile_decode(model) if args.compile else None
     speculation = dict(prompt_lookup=args.prompt_lookup, num_draft_tokens=args.num_draft_tokens)
     if args.draft_model:
-        speculation["draft_model"] = model_from_args(argparse.Namespace(**{**vars(args), "model": args.draft_model}))
+        speculation["draft_model"] = model_from_args(
+            argparse.Namespace(**{**vars(args), "model": args.draft_model, "adapter": None})
+        )
     check_speculation(model, speculation.get("draft_model"), args.prompt_lookup, args.num_draft_tokens)
 
     def continue_text(prompt: str) -> str:

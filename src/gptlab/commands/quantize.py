@@ -25,6 +25,10 @@ def run(args):
     if args.activations is not None and args.mode != "int8":
         raise ValueError("--activations applies to --mode int8 only")
     model = model_from_args(args)
+    if args.adapter:  # a quantized file holds plain weights: the adapter is folded in first
+        from gptlab.lora import merge
+
+        merge(model)
     if getattr(model, "quantization", None):
         raise ValueError(f"{args.model} is already quantized ({model.quantization['mode']}); quantize a float model")
     float_bytes = weight_bytes(model)

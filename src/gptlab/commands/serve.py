@@ -35,7 +35,9 @@ def run(args):
     model, tokenizer = load(args)
     name = args.name or Path(args.model.rstrip("/")).name
     draft = (
-        model_from_args(argparse.Namespace(**{**vars(args), "model": args.draft_model})) if args.draft_model else None
+        model_from_args(argparse.Namespace(**{**vars(args), "model": args.draft_model, "adapter": None}))
+        if args.draft_model
+        else None
     )
     app = create_app(
         model, tokenizer, name=name, max_batch=args.max_batch, max_queue=args.max_queue, max_body_bytes=args.max_body,
