@@ -31,6 +31,9 @@ ERRORS = {
     "/api/next": (400,),
     "/api/tokens": (400,),
     "/api/attention": (400,),
+    "/api/lens": (400,),
+    "/api/patch": (400,),
+    "/api/patch/cell": (400,),
     "/tokenize": (400, 404),
     "/detokenize": (400, 404),
 }
