@@ -194,6 +194,9 @@ MUTANTS = [
     Mutant("lora/scale-ignored", "lora.py",
            "parts.append((start, end, (h @ self.lora_A[name].t()) @ self.lora_B[name].t() * self.scale))",
            "parts.append((start, end, (h @ self.lora_A[name].t()) @ self.lora_B[name].t()))", ("tests/test_lora.py",)),
+    Mutant("lora/resume-skips-the-adapters", "train/checkpointing.py",
+           "            for name, tensor in weights.items():\n                own[name].copy_(tensor)\n        return",
+           "            pass\n        return", ("tests/test_lora.py", "-k", "training")),
     # lm-eval: the backend (harness.py) and what local-completions reads from the server
     Mutant("harness/continuation-split-one-early", "harness.py",
            "torch.arange(fed - n, fed)", "torch.arange(fed - n - 1, fed - 1)", HARNESS_TESTS),

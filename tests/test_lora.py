@@ -150,3 +150,49 @@ def test_every_command_takes_adapter_and_export_merges_it(tmp_path, idx):
     torch.testing.assert_close(merged, adapted, rtol=0, atol=1e-5)
     assert main(["export", "--model", base, "--adapter", adapter, "--out", str(tmp_path / "x")]) == 2
     assert main(["next", "--model", base, "--adapter", adapter, "--prompt", "Hello"]) in (0, None)
+
+
+def test_lora_training_trains_adapters_only_and_resumes_exactly(tmp_path):
+    """TrainConfig's lora_* settings: the base stays as it was, checkpoints hold the adapters (not
+    the base), load_model(checkpoint) is the trained model, and a run cut at step 6 and resumed
+    equals the same run straight, bit for bit."""
+    from gptlab.checkpoint import save_model
+    from gptlab.data import prepare
+    from gptlab.loading import load_model
+    from gptlab.run_files import latest_checkpoint
+    from gptlab.train import TrainConfig, Trainer
+    from test_data import corpus
+    from test_train import TINY, losses
+
+    (tmp_path / "corpus.txt").write_text(corpus(1500, 7))
+    prepare(tmp_path / "corpus.txt", tmp_path / "tokens", tokenizer="byte", progress=False)
+    torch.manual_seed(0)
+    base = GPT(GPTConfig(vocab_size=257, block_size=32, n_layer=2, n_head=2, n_embd=32))
+    save_model(base, tmp_path / "base", tokenizer="byte")
+    lora = dict(
+        lora_rank=4, lora_alpha=8.0, lora_targets="c_attn.q,c_attn.v,mlp.c_fc", init_from=str(tmp_path / "base")
+    )
+
+    def run(out, max_steps, resume=False):
+        shape = {k: v for k, v in TINY.items() if k not in ("n_layer", "n_head", "n_embd")}
+        cfg = TrainConfig(data_dir=str(tmp_path / "tokens"), out_dir=str(out), **shape, **lora, max_steps=max_steps,
+                          eval_interval=3, schedule="constant", resume=resume)  # fmt: skip
+        trainer = Trainer(cfg)
+        trainer.run()
+        return trainer
+
+    straight = run(tmp_path / "straight", 12)
+    run(tmp_path / "cut", 6)
+    resumed = run(tmp_path / "cut", 12, resume=True)
+    assert losses(tmp_path / "straight") == losses(tmp_path / "cut")  # exact float equality
+    ckpt = latest_checkpoint(tmp_path / "cut")
+    assert not (ckpt / "model.safetensors").exists() and (ckpt / "adapter_model.safetensors").exists()
+    trained = {k: v for k, v in resumed.raw_model.state_dict().items() if ".lora_" in k}
+    assert all(torch.equal(v, straight.raw_model.state_dict()[k]) for k, v in trained.items())
+    frozen = {k.replace(".base.", "."): v for k, v in resumed.raw_model.state_dict().items() if ".lora_" not in k}
+    assert all(torch.equal(frozen[k], v) for k, v in base.state_dict().items())  # the base did not move
+    idx = torch.randint(0, 257, (1, 9))
+    with torch.no_grad():
+        torch.testing.assert_close(load_model(str(ckpt))(idx)[0], resumed.raw_model.eval()(idx)[0], rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="set init_from"):
+        TrainConfig(lora_rank=4)

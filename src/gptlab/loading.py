@@ -49,6 +49,8 @@ def _load_base(spec: str, *, device=None, dtype=None) -> GPT:
     if is_preset(spec):
         return random_model(spec.removeprefix("preset:"), device=device, dtype=dtype)
     if (path / META_FILE).is_file():
+        if base := read_meta(path).get("lora_base"):  # a LoRA run's checkpoint: its base, then its adapters
+            return load_model(base, device=device, dtype=dtype, adapter=str(path))
         if read_meta(path).get("quantization"):
             return load_quantized(path, device=device)
         return load_native(path, device=device, dtype=dtype)

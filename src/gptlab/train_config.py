@@ -37,6 +37,14 @@ class TrainConfig:
     bias: bool | None = None
     vocab_multiple: int = 1  # pad the vocabulary of a scratch model to a multiple of this (64 for GPUs)
     init_from: str = "scratch"  # "scratch", a gptlab checkpoint/run directory, an HF directory or Hub id
+    # LoRA (gptlab.lora): lora_rank > 0 trains adapters on the init_from model, its weights frozen;
+    # checkpoints then hold the adapters and their optimizer state, not the base.
+    lora_rank: int = 0
+    lora_alpha: float = 16.0
+    lora_dropout: float = 0.0
+    lora_targets: str = (
+        "c_attn.q,c_attn.v"  # comma-separated: c_attn.q/k/v, c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj, lm_head
+    )
     # Batch: batch_size x block_size tokens per micro-step and rank; grad_accum micro-steps per update.
     batch_size: int = 16
     block_size: int = 128
@@ -94,6 +102,19 @@ class TrainConfig:
         parse_duration(self.max_time)
         if not 0 < self.decay_fraction <= 1:
             raise ValueError(f"TrainConfig.decay_fraction must be in (0, 1], got {self.decay_fraction}")
+        if isinstance(self.lora_rank, bool) or not isinstance(self.lora_rank, int) or self.lora_rank < 0:
+            raise ValueError(f"TrainConfig.lora_rank must be a non-negative integer, got {self.lora_rank!r}")
+        if self.lora_rank:
+            if self.init_from == "scratch":
+                raise ValueError("lora_rank: LoRA adapts a trained model; set init_from to it")
+            self.lora_settings()  # validates alpha, dropout and the targets
+
+    def lora_settings(self):
+        """The LoRASettings these fields describe (gptlab.lora)."""
+        from gptlab.lora import LoRASettings
+
+        targets = tuple(t.strip() for t in self.lora_targets.split(",") if t.strip())
+        return LoRASettings(rank=self.lora_rank, alpha=self.lora_alpha, dropout=self.lora_dropout, targets=targets)
 
     @property
     def save_every(self) -> int:

@@ -2,7 +2,10 @@
 
 A checkpoint directory holds the native model (model.safetensors + gptlab.json), optimizer.pt
 (optimizer and GradScaler), rng.pt (every rank's RNG states) and train_state.json (step, data
-cursor, guard window, time spent, configs). See gptlab.run_files for the atomic write.
+cursor, guard window, time spent, configs). See gptlab.run_files for the atomic write. A LoRA run
+(lora_rank > 0) writes its adapters instead of the model: lora.safetensors (their exact
+parameters, for resuming), the same adapters in PEFT's format, and a gptlab.json naming the base,
+so `load_model(checkpoint)` gives the adapted model.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from gptlab.checkpoint import load_state_strict, save_model
 from gptlab.model import GPT
 
 log = logging.getLogger(__name__)
+LORA_FILE = "lora.safetensors"
 
 
 def full_state_dicts(trainer) -> tuple[dict, dict]:
@@ -46,12 +50,15 @@ def save_checkpoint(trainer) -> None:
 
 def _write(trainer, directory: Path, model_state: dict, optim_state: dict, rng: dict, elapsed: float) -> None:
     model = trainer.raw_model
-    if trainer.sharded:  # a plain module around the gathered tensors, for save_model
+    if trainer.cfg.lora_rank:
+        _write_adapters(trainer, directory, model_state)
+    elif trainer.sharded:  # a plain module around the gathered tensors, for save_model
         with torch.device("meta"):
             model = GPT(trainer.raw_model.config)
         load_state_strict(model, model_state, "gathered state")
         model.tie_weights()
-    save_model(model, directory, tokenizer=trainer.tokenizer_name, extra={"train_step": trainer.step_num})
+    if not trainer.cfg.lora_rank:
+        save_model(model, directory, tokenizer=trainer.tokenizer_name, extra={"train_step": trainer.step_num})
     scaler = trainer.scaler.state_dict() if trainer.scaler else None
     run_files.save_torch(directory / run_files.OPTIMIZER_FILE, {"optimizer": optim_state, "scaler": scaler})
     run_files.save_torch(directory / run_files.RNG_FILE, rng)
@@ -61,6 +68,20 @@ def _write(trainer, directory: Path, model_state: dict, optim_state: dict, rng: 
                  world_size=trainer.dist.world_size, grad_accum=trainer.grad_accum,
                  model_config=trainer.raw_model.config.to_dict(), config=trainer.cfg.to_dict())  # fmt: skip
     run_files.save_json(directory / run_files.STATE_FILE, state)
+
+
+def _write_adapters(trainer, directory: Path, model_state: dict) -> None:
+    from safetensors.torch import save_file
+
+    from gptlab.checkpoint import META_FILE
+    from gptlab.lora import save_adapter
+
+    adapters = {k: v.detach().contiguous() for k, v in model_state.items() if ".lora_" in k}
+    save_file(adapters, directory / LORA_FILE)
+    save_adapter(trainer.raw_model, directory, base_model=trainer.cfg.init_from)
+    meta = {"format": "gptlab", "lora_base": trainer.cfg.init_from, "config": trainer.raw_model.config.to_dict(),
+            "tokenizer": trainer.tokenizer_name, "train_step": trainer.step_num}  # fmt: skip
+    run_files.save_json(directory / META_FILE, meta)
 
 
 def _gather_rng(dist_info) -> dict:
@@ -123,6 +144,15 @@ def _load_optimizer(trainer, optim: dict) -> None:
 def _load_weights(trainer, ckpt: Path) -> None:
     from safetensors.torch import load_file
 
+    if trainer.cfg.lora_rank:  # the base came from init_from again; the adapters come from here
+        weights = load_file(ckpt / LORA_FILE, device=str(trainer.device))
+        own = {k: v for k, v in trainer.raw_model.state_dict().items() if ".lora_" in k}
+        if set(weights) != set(own):
+            raise ValueError(f"{ckpt}: its adapters do not match lora_targets {trainer.cfg.lora_targets!r}")
+        with torch.no_grad():
+            for name, tensor in weights.items():
+                own[name].copy_(tensor)
+        return
     weights = load_file(ckpt / "model.safetensors", device=str(trainer.device))
     if trainer.raw_model.config.tie_weights:
         weights["lm_head.weight"] = weights["transformer.wte.weight"]

@@ -76,6 +76,10 @@ def build_model(cfg: TrainConfig, vocab_size: int, device: torch.device) -> GPT:
         raise ValueError(f"block_size {cfg.block_size} exceeds the model's context length {model.config.block_size}")
     if model.config.vocab_size < vocab_size:
         raise ValueError(f"{spec} has a {model.config.vocab_size}-token vocabulary; the data uses {vocab_size} tokens")
+    if cfg.lora_rank:
+        from gptlab.lora import apply_lora
+
+        apply_lora(model, cfg.lora_settings())  # freezes the base: the optimizer sees the adapters only
     return model
 
 
