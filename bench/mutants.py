@@ -197,6 +197,9 @@ MUTANTS = [
     Mutant("lora/resume-skips-the-adapters", "train/checkpointing.py",
            "            for name, tensor in weights.items():\n                own[name].copy_(tensor)\n        return",
            "            pass\n        return", ("tests/test_lora.py", "-k", "training")),
+    Mutant("lora/quantized-base-stops-gradients", "quantize.py",
+           "return grad_y @ weight, None  # (..., K)", "return torch.zeros_like(grad_y @ weight), None",
+           ("tests/test_lora.py",)),
     # lm-eval: the backend (harness.py) and what local-completions reads from the server
     Mutant("harness/continuation-split-one-early", "harness.py",
            "torch.arange(fed - n, fed)", "torch.arange(fed - n - 1, fed - 1)", HARNESS_TESTS),

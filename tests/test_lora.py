@@ -152,10 +152,12 @@ def test_every_command_takes_adapter_and_export_merges_it(tmp_path, idx):
     assert main(["next", "--model", base, "--adapter", adapter, "--prompt", "Hello"]) in (0, None)
 
 
-def test_lora_training_trains_adapters_only_and_resumes_exactly(tmp_path):
-    """TrainConfig's lora_* settings: the base stays as it was, checkpoints hold the adapters (not
-    the base), load_model(checkpoint) is the trained model, and a run cut at step 6 and resumed
-    equals the same run straight, bit for bit."""
+@pytest.mark.parametrize("precision", ["fp32", "int8"])
+def test_lora_training_trains_adapters_only_and_resumes_exactly(tmp_path, precision):
+    """TrainConfig's lora_* settings, on a float or an int8 base (QLoRA: its kernels run forward,
+    gradients pass through its dequantized weight): the base stays as it was, checkpoints hold the
+    adapters (not the base), load_model(checkpoint) is the trained model, and a run cut at step 6
+    and resumed equals the same run straight, bit for bit."""
     from gptlab.checkpoint import save_model
     from gptlab.data import prepare
     from gptlab.loading import load_model
@@ -168,7 +170,13 @@ def test_lora_training_trains_adapters_only_and_resumes_exactly(tmp_path):
     prepare(tmp_path / "corpus.txt", tmp_path / "tokens", tokenizer="byte", progress=False)
     torch.manual_seed(0)
     base = GPT(GPTConfig(vocab_size=257, block_size=32, n_layer=2, n_head=2, n_embd=32))
-    save_model(base, tmp_path / "base", tokenizer="byte")
+    if precision == "int8":
+        from gptlab.quantize import save_quantized
+
+        base = quantize_model(base, "int8")
+        save_quantized(base, tmp_path / "base", tokenizer="byte")
+    else:
+        save_model(base, tmp_path / "base", tokenizer="byte")
     lora = dict(
         lora_rank=4, lora_alpha=8.0, lora_targets="c_attn.q,c_attn.v,mlp.c_fc", init_from=str(tmp_path / "base")
     )
@@ -185,6 +193,8 @@ def test_lora_training_trains_adapters_only_and_resumes_exactly(tmp_path):
     run(tmp_path / "cut", 6)
     resumed = run(tmp_path / "cut", 12, resume=True)
     assert losses(tmp_path / "straight") == losses(tmp_path / "cut")  # exact float equality
+    steps = losses(tmp_path / "straight")
+    assert steps[12] < steps[1] - 0.05  # it learns
     ckpt = latest_checkpoint(tmp_path / "cut")
     assert not (ckpt / "model.safetensors").exists() and (ckpt / "adapter_model.safetensors").exists()
     trained = {k: v for k, v in resumed.raw_model.state_dict().items() if ".lora_" in k}
@@ -196,3 +206,23 @@ def test_lora_training_trains_adapters_only_and_resumes_exactly(tmp_path):
         torch.testing.assert_close(load_model(str(ckpt))(idx)[0], resumed.raw_model.eval()(idx)[0], rtol=0, atol=1e-6)
     with pytest.raises(ValueError, match="set init_from"):
         TrainConfig(lora_rank=4)
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_a_quantized_layer_passes_its_input_the_dequantized_gradient(mode):
+    layer = torch.nn.Linear(64, 48)
+    q = quantize_model_layer(layer, mode)
+    x = torch.randn(5, 64, requires_grad=True)
+    q(x).pow(2).sum().backward()
+    with torch.no_grad():
+        y = q(x)
+    torch.testing.assert_close(x.grad, (2 * y) @ q.dequantize(), rtol=1e-5, atol=1e-5)
+    assert all(p.grad is None for p in q.parameters())
+
+
+def quantize_model_layer(layer, mode):
+    from gptlab.quantize import Int4Linear, Int8Linear
+
+    q = Int8Linear.from_linear(layer) if mode == "int8" else Int4Linear.from_linear(layer, group_size=32)
+    q.prepare()
+    return q

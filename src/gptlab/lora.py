@@ -119,6 +119,9 @@ def apply_lora(model: nn.Module, settings: LoRASettings) -> nn.Module:
         raise ValueError("an adapter on lm_head would also change the tied token embedding: untie it or drop lm_head")
     for p in model.parameters():
         p.requires_grad_(False)
+    for m in model.modules():  # quantized layers pass gradients back to the adapters before them (QLoRA)
+        if hasattr(m, "passes_gradients"):
+            m.passes_gradients = True
     wanted: dict[str, dict[str, tuple[int, int]]] = {}
     for target in settings.targets:
         for name, slices in _module_slices(model, target):

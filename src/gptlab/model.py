@@ -388,7 +388,7 @@ class GPT(nn.Module):
         x = ln_f(x)[:, -1:] if last_only else ln_f(x)
         if not head:
             return x, None
-        if targets is not None and not return_logits:
+        if targets is not None and not return_logits and isinstance(self.lm_head, nn.Linear):
             # Training: head and loss in row chunks, never holding all (B*T, V) logits (chunked_loss.py).
             return None, linear_cross_entropy(x, self.lm_head.weight, targets)
         logits = self.lm_head(x)  # (B, T, vocab_size)

@@ -150,12 +150,19 @@ class QuantizedLinear(nn.Module):
         self.use_kernel = True
         self.training = False  # for inference; model.train() still reaches it (and forward then refuses)
 
+    passes_gradients = False  # set by gptlab.lora.apply_lora: a frozen base under trained adapters
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.training and torch.is_grad_enabled():
+        if self.training and torch.is_grad_enabled() and not self.passes_gradients:
             raise RuntimeError(
                 "quantized layers are for inference (their weights are not parameters): train the float "
-                "model, or dequantize_model(model) and train that"
+                "model, or dequantize_model(model) and train that, or train LoRA adapters on it"
             )
+        if torch.is_grad_enabled() and x.requires_grad:
+            return _InputGradient.apply(x, self)
+        return self._infer(x)
+
+    def _infer(self, x: torch.Tensor) -> torch.Tensor:
         if self._decode is not None and self.use_kernel and kernels.int_kernels_apply(x, self._decode_rows):
             y = self._decode(x)  # decoding: gptlab's kernel, fp32 (..., N), bias included
             return y if x.dtype is torch.float32 else y.to(x.dtype)
@@ -185,6 +192,22 @@ class QuantizedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+class _InputGradient(torch.autograd.Function):
+    """y = layer(x) by the quantized layer's own kernels; the gradient flows to x only, through
+    the dequantized weight (dx = dy W): what a frozen base passes back to the layers before it."""
+
+    @staticmethod
+    def forward(ctx, x, layer):
+        ctx.layer = layer
+        with torch.no_grad():
+            return layer._infer(x)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        weight = ctx.layer.dequantize().to(grad_y.dtype)  # (N, K)
+        return grad_y @ weight, None  # (..., K)
 
 
 class Int8Linear(QuantizedLinear):
