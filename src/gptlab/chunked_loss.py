@@ -161,13 +161,13 @@ def token_logprobs(x: torch.Tensor, head: torch.nn.Module, targets: torch.Tensor
     for s in range(0, x.size(0), chunk_rows):
         x_c, t_c = x[s : s + chunk_rows], targets[s : s + chunk_rows]  # (n, C), (n,)
         logits = _head_t(head, x_c)  # (V, n) fp32
+        target = logits.gather(0, t_c[None, :]).squeeze(0)  # (n,)
         scored = kernels.cross_entropy_t(logits, t_c)
         if scored is None:  # PyTorch: another device, or no kernels
-            loss = torch.logsumexp(logits, dim=0) - logits.gather(0, t_c[None, :]).squeeze(0)
-            scored = loss, logits.amax(dim=0)
+            scored = torch.logsumexp(logits, dim=0) - target, logits.amax(dim=0)
         loss, peak = scored
         logprob[s : s + chunk_rows] = -loss
-        greedy[s : s + chunk_rows] = logits.gather(0, t_c[None, :]).squeeze(0) >= peak
+        greedy[s : s + chunk_rows] = target >= peak
     return logprob, greedy
 
 

@@ -373,8 +373,9 @@ def generate(
     if cache_names is not None:
         if draft_model is not None or prompt_lookup or compiled_step is not None:
             raise ValueError("cache_names runs plain decoding: no draft_model, prompt_lookup or compiled_step")
-        longest = max(len(r) for r in _prepare_prompts(idx, 1, eos_id if bos_id is None else bos_id,
-                                                        model.config.vocab_size, model.config.block_size))  # fmt: skip
+        bos = eos_id if bos_id is None else bos_id
+        fed = _prepare_prompts(idx, params.num_samples, bos, model.config.vocab_size, model.config.block_size)  # as fed
+        longest = max(len(r) for r in fed)
         if longest + params.max_new_tokens > model.config.block_size:
             raise ValueError(f"cache_names needs prompt + max_new_tokens <= block_size {model.config.block_size} "
                              f"(got {longest} + {params.max_new_tokens}): a refilled cache would repeat positions")  # fmt: skip
@@ -393,8 +394,6 @@ def generate(
     out = _with_prompts(idx, new, params.num_samples, eos_id)
     if cache_names is None:
         return out
-    fed = _prepare_prompts(idx, params.num_samples, eos_id if bos_id is None else bos_id, model.config.vocab_size,
-                           model.config.block_size)  # fmt: skip
     n = params.num_samples
     added = (
         [len(o) - len(idx[i // n]) for i, o in enumerate(out)] if isinstance(out, list) else [new.size(1)] * len(fed)

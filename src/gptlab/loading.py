@@ -49,9 +49,10 @@ def _load_base(spec: str, *, device=None, dtype=None) -> GPT:
     if is_preset(spec):
         return random_model(spec.removeprefix("preset:"), device=device, dtype=dtype)
     if (path / META_FILE).is_file():
-        if base := read_meta(path).get("lora_base"):  # a LoRA run's checkpoint: its base, then its adapters
-            return load_model(base, device=device, dtype=dtype, adapter=str(path))
-        if read_meta(path).get("quantization"):
+        meta = read_meta(path)
+        if meta.get("lora_base"):  # a LoRA run's checkpoint: its base, then its adapters
+            return load_model(meta["lora_base"], device=device, dtype=dtype, adapter=str(path))
+        if meta.get("quantization"):
             return load_quantized(path, device=device)
         return load_native(path, device=device, dtype=dtype)
     if (read_foreign := reader_for(path)) is not None:  # nanoGPT's ckpt.pt, llm.c's .bin

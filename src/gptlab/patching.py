@@ -76,7 +76,9 @@ def _patch_rows(over: str, source: torch.Tensor) -> Callable:
 
 @torch.no_grad()
 def activation_patching(model, clean: torch.Tensor, corrupt: torch.Tensor, metric: Metric, over: str = "layer-pos"):
-    """{"grid": (n_layer, T or n_head) metric of each patched run, "clean": float, "corrupt": float}.
+    """{"grid": (n_layer, T or n_head) metric of each patched run, "clean": float, "corrupt": float,
+    "normalized": the grid as a share of the way from corrupt (0) to clean (1), zeros when the two
+    are equal}.
 
     clean, corrupt: (1, T) token ids. One batched forward per layer."""
     _check(model, clean, corrupt, over)
@@ -87,7 +89,10 @@ def activation_patching(model, clean: torch.Tensor, corrupt: torch.Tensor, metri
     grid = torch.stack([
         metric(model.run_with_hooks(rows, fwd_hooks=[(name, _patch_rows(over, cache[name]))])) for name in names
     ])  # fmt: skip
-    return {"grid": grid, "clean": float(metric(clean_logits)[0]), "corrupt": float(metric(model(corrupt)[0])[0])}
+    clean_value, corrupt_value = float(metric(clean_logits)[0]), float(metric(model(corrupt)[0])[0])
+    span = clean_value - corrupt_value
+    normalized = (grid - corrupt_value) / span if abs(span) > 1e-9 else torch.zeros_like(grid)
+    return {"grid": grid, "clean": clean_value, "corrupt": corrupt_value, "normalized": normalized}
 
 
 @torch.no_grad()

@@ -139,6 +139,7 @@ class QuantizedLinear(nn.Module):
     """
 
     mode = ""
+    passes_gradients = False  # set by gptlab.lora.apply_lora: a frozen base under trained adapters
 
     def __init__(self, in_features: int, out_features: int, bias: bool, device=None):
         super().__init__()
@@ -149,8 +150,6 @@ class QuantizedLinear(nn.Module):
         self._decode_rows = kernels.MAX_ROWS  # up to this many rows take it
         self.use_kernel = True
         self.training = False  # for inference; model.train() still reaches it (and forward then refuses)
-
-    passes_gradients = False  # set by gptlab.lora.apply_lora: a frozen base under trained adapters
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.training and torch.is_grad_enabled() and not self.passes_gradients:

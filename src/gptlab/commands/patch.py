@@ -38,8 +38,7 @@ def run(args):
     metric = logit_diff(*(single_token(tokenizer, a) for a in args.answers))
     result = activation_patching(model, clean, corrupt, metric, over=args.over)
     attribution = attribution_patching(model, clean, corrupt, metric, over=args.over)
-    span = result["clean"] - result["corrupt"]
-    normalized = (result["grid"] - result["corrupt"]) / span if abs(span) > 1e-9 else result["grid"] * 0
+    normalized, span = result["normalized"], result["clean"] - result["corrupt"]
     columns = ([token_label(tokenizer, int(t)) for t in clean[0]] if args.over == "layer-pos"
                else [f"head {h}" for h in range(model.config.n_head)])  # fmt: skip
     print(f"logit difference: clean {result['clean']:.4f}, corrupted {result['corrupt']:.4f}")

@@ -76,10 +76,12 @@ class Explorer:
     def _texts(self, ids: list[int]) -> list[str]:
         return [self.state.tokenizer.decode([t]) for t in ids]
 
+    def _tensor(self, ids: list[int]) -> torch.Tensor:
+        return torch.tensor([ids], device=self.state.model.transformer.wte.weight.device)  # (1, T)
+
     @torch.no_grad()
     def _logits(self, ids: list[int]) -> torch.Tensor:
-        device = self.state.model.transformer.wte.weight.device
-        logits, _ = self.state.model(torch.tensor([ids], device=device))  # (1, T, V)
+        logits, _ = self.state.model(self._tensor(ids))  # (1, T, V)
         return logits[0].float()  # (T, V)
 
     def info(self) -> dict:
@@ -90,13 +92,7 @@ class Explorer:
     def next_tokens(self, body: NextBody) -> dict:
         """The `top` most likely next tokens after the prompt, with their probabilities."""
         ids = self._ids(body.prompt)
-        probs = torch.softmax(self._logits(ids)[-1], dim=-1)  # (V,)
-        p, idx = torch.topk(probs, min(body.top, probs.numel()))
-        candidates = [
-            dict(id=i, text=self.state.tokenizer.decode([i]), prob=v, logprob=math.log(max(v, 1e-45)))
-            for i, v in zip(idx.tolist(), p.tolist(), strict=True)
-        ]
-        return dict(prompt_tokens=self._texts(ids), candidates=candidates)
+        return dict(prompt_tokens=self._texts(ids), candidates=self._candidates(self._logits(ids)[-1], body.top))
 
     def tokens(self, body: PromptBody) -> dict:
         """Each prompt token with the probability the model gave it and its surprisal in bits
@@ -121,17 +117,15 @@ class Explorer:
         if not 0 <= body.head < c.n_head:
             raise APIError(400, f"head must be in [0, {c.n_head})", param="head", code="invalid_value")
         ids = self._ids(body.prompt)
-        device = self.state.model.transformer.wte.weight.device
-        weights = self.state.model.attention(torch.tensor([ids], device=device), body.layer, body.head)[0]  # (T, T)
+        weights = self.state.model.attention(self._tensor(ids), body.layer, body.head)[0]  # (T, T)
         return dict(tokens=self._texts(ids), layer=body.layer, head=body.head, weights=weights.float().tolist())
 
-    def _tensor(self, ids: list[int]) -> torch.Tensor:
-        return torch.tensor([ids], device=self.state.model.transformer.wte.weight.device)  # (1, T)
-
     def _candidates(self, logits: torch.Tensor, top: int) -> list[dict]:
+        """The `top` most likely tokens for next-token logits (V,), with probabilities."""
         probs = torch.softmax(logits.float(), dim=-1)  # (V,)
         p, idx = torch.topk(probs, min(top, probs.numel()))
-        return [dict(id=i, text=self.state.tokenizer.decode([i]), prob=v) for i, v in zip(idx.tolist(), p.tolist(), strict=True)]  # fmt: skip
+        return [dict(id=i, text=self.state.tokenizer.decode([i]), prob=v, logprob=math.log(max(v, 1e-45)))
+                for i, v in zip(idx.tolist(), p.tolist(), strict=True)]  # fmt: skip
 
     def lens(self, body: LensBody) -> dict:
         """The logit lens (gptlab.inspect.logit_lens): for the residual stream before block 0 and
@@ -165,12 +159,10 @@ class Explorer:
 
         clean, corrupt, (right, wrong) = self._patch_inputs(body)
         result = activation_patching(self.state.model, clean, corrupt, logit_diff(right, wrong), over=body.over)
-        span = result["clean"] - result["corrupt"]
-        grid = (result["grid"] - result["corrupt"]) / span if abs(span) > 1e-9 else result["grid"] * 0
         columns = (self._texts(clean[0].tolist()) if body.over == "layer-pos"
                    else [f"head {h}" for h in range(self.state.model.config.n_head)])  # fmt: skip
         return dict(over=body.over, columns=columns, clean=result["clean"], corrupt=result["corrupt"],
-                    grid=grid.tolist())  # fmt: skip
+                    grid=result["normalized"].tolist())  # fmt: skip
 
     def patch_cell(self, body: PatchCellBody) -> dict:
         """The next-token distribution of the corrupted prompt with one cell patched in, beside

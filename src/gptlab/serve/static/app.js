@@ -70,46 +70,62 @@ function renderTokens(tokens) {
   }
 }
 
-function renderAttention(data) {
-  const canvas = $("heatmap");
-  const labels = data.tokens.map(show);
-  const n = labels.length;
+const FONT = "12px ui-monospace, Menlo, Consolas, monospace";
+
+// A heatmap: rows x columns of cells coloured by colour(i, j), row labels at the left and column
+// labels rotated above, each margin as wide as its longest label (at most maxLabel; the left one
+// at least minLeft). Returns the geometry, for cellAt.
+function drawGrid(canvas, rowLabels, colLabels, colour, { minLeft = 0, maxLabel, minCell, maxCell }) {
   const ctx = canvas.getContext("2d");
-  ctx.font = "12px ui-monospace, Menlo, Consolas, monospace";
-  const pad = Math.min(140, 12 + Math.max(...labels.map((l) => ctx.measureText(l).width)));
-  const cell = Math.max(8, Math.min(28, Math.floor((Math.min(1100, canvas.parentElement.clientWidth - 30) - pad) / n)));
-  canvas.width = pad + n * cell + 4;
-  canvas.height = pad + n * cell + 4;
-  ctx.font = "12px ui-monospace, Menlo, Consolas, monospace";
+  ctx.font = FONT;
+  const side = (labels) => Math.min(maxLabel, 12 + Math.max(...labels.map((l) => ctx.measureText(l).width)));
+  const left = Math.max(minLeft, side(rowLabels)), top = side(colLabels);
+  const rows = rowLabels.length, cols = colLabels.length;
+  const cell = Math.max(minCell, Math.min(maxCell, Math.floor((Math.min(1100, canvas.parentElement.clientWidth - 30) - left) / cols)));
+  canvas.width = left + cols * cell + 4;
+  canvas.height = top + rows * cell + 4;
+  ctx.font = FONT;
   ctx.fillStyle = "#fff";
   ctx.fillRect(0, 0, canvas.width, canvas.height);
-  for (let i = 0; i < n; i++) {
-    for (let j = 0; j < n; j++) {
-      const w = data.weights[i][j];
-      ctx.fillStyle = j > i ? "#f7f7f9" : `rgba(59, 111, 216, ${Math.sqrt(w)})`;
-      ctx.fillRect(pad + j * cell, pad + i * cell, cell - 1, cell - 1);
+  for (let i = 0; i < rows; i++) {
+    for (let j = 0; j < cols; j++) {
+      ctx.fillStyle = colour(i, j);
+      ctx.fillRect(left + j * cell, top + i * cell, cell - 1, cell - 1);
     }
   }
   ctx.fillStyle = "#1d2330";
   ctx.textBaseline = "middle";
-  for (let i = 0; i < n; i++) {
-    ctx.textAlign = "right";
-    ctx.fillText(labels[i], pad - 6, pad + i * cell + cell / 2, pad - 8);
+  ctx.textAlign = "right";
+  rowLabels.forEach((label, i) => ctx.fillText(label, left - 6, top + i * cell + cell / 2, left - 8));
+  ctx.textAlign = "left";
+  colLabels.forEach((label, j) => {
     ctx.save();
-    ctx.translate(pad + i * cell + cell / 2, pad - 6);
+    ctx.translate(left + j * cell + cell / 2, top - 6);
     ctx.rotate(-Math.PI / 2);
-    ctx.textAlign = "left";
-    ctx.fillText(labels[i], 0, 0, pad - 8);
+    ctx.fillText(label, 0, 0, top - 8);
     ctx.restore();
-  }
-  canvas.dataset.tokens = String(n);
+  });
+  return { left, top, cell, rows, cols };
+}
+
+// The [row, column] of a drawGrid cell under a mouse event, or null.
+function cellAt(canvas, grid, e) {
+  const r = canvas.getBoundingClientRect();
+  const scale = canvas.width / r.width;
+  const i = Math.floor(((e.clientY - r.top) * scale - grid.top) / grid.cell);
+  const j = Math.floor(((e.clientX - r.left) * scale - grid.left) / grid.cell);
+  return i >= 0 && j >= 0 && i < grid.rows && j < grid.cols ? [i, j] : null;
+}
+
+function renderAttention(data) {
+  const canvas = $("heatmap");
+  const labels = data.tokens.map(show);
+  const colour = (i, j) => (j > i ? "#f7f7f9" : `rgba(59, 111, 216, ${Math.sqrt(data.weights[i][j])})`);
+  const grid = drawGrid(canvas, labels, labels, colour, { maxLabel: 140, minCell: 8, maxCell: 28 });
+  canvas.dataset.tokens = String(labels.length);
   canvas.onmousemove = (e) => {
-    const r = canvas.getBoundingClientRect();
-    const scale = canvas.width / r.width;
-    const i = Math.floor(((e.clientY - r.top) * scale - pad) / cell);
-    const j = Math.floor(((e.clientX - r.left) * scale - pad) / cell);
-    $("cell").textContent = i >= 0 && j >= 0 && i < n && j < n
-      ? `${labels[i]} \u2192 ${labels[j]}: ${data.weights[i][j].toFixed(3)}` : "";
+    const hit = cellAt(canvas, grid, e);
+    $("cell").textContent = hit ? `${labels[hit[0]]} \u2192 ${labels[hit[1]]}: ${data.weights[hit[0]][hit[1]].toFixed(3)}` : "";
   };
 }
 
@@ -154,43 +170,19 @@ function patchRequest() {
 
 function renderPatch(data) {
   const canvas = $("patchmap");
-  const rows = data.grid.length, cols = data.columns.length;
-  const ctx = canvas.getContext("2d");
-  ctx.font = "12px ui-monospace, Menlo, Consolas, monospace";
-  const labels = data.columns.map(show);
-  const pad = Math.min(120, 12 + Math.max(...labels.map((l) => ctx.measureText(l).width)));
-  const cell = Math.max(10, Math.min(36, Math.floor((Math.min(1100, canvas.parentElement.clientWidth - 30) - 40) / cols)));
-  canvas.width = 40 + cols * cell + 4;
-  canvas.height = pad + rows * cell + 4;
-  ctx.font = "12px ui-monospace, Menlo, Consolas, monospace";
-  ctx.fillStyle = "#fff";
-  ctx.fillRect(0, 0, canvas.width, canvas.height);
-  for (let layer = 0; layer < rows; layer++) {
-    for (let u = 0; u < cols; u++) {
-      const v = Math.max(-1, Math.min(1, data.grid[layer][u]));
-      ctx.fillStyle = v >= 0 ? `rgba(40, 90, 200, ${v})` : `rgba(210, 50, 40, ${-v})`;
-      ctx.fillRect(40 + u * cell, pad + layer * cell, cell - 1, cell - 1);
-    }
-    ctx.fillStyle = "#1d2330";
-    ctx.textAlign = "right";
-    ctx.textBaseline = "middle";
-    ctx.fillText(String(layer), 34, pad + layer * cell + cell / 2);
-  }
-  for (let u = 0; u < cols; u++) {
-    ctx.save();
-    ctx.translate(40 + u * cell + cell / 2, pad - 6);
-    ctx.rotate(-Math.PI / 2);
-    ctx.textAlign = "left";
-    ctx.fillText(labels[u], 0, 0, pad - 8);
-    ctx.restore();
-  }
-  Object.assign(canvas.dataset, { rows: String(rows), cols: String(cols), left: "40", top: String(pad), cell: String(cell) });
+  const layers = data.grid.map((_, layer) => String(layer));
+  const colour = (layer, u) => {
+    const v = Math.max(-1, Math.min(1, data.grid[layer][u]));
+    return v >= 0 ? `rgba(40, 90, 200, ${v})` : `rgba(210, 50, 40, ${-v})`;
+  };
+  const grid = drawGrid(canvas, layers, data.columns.map(show), colour, { minLeft: 40, maxLabel: 120, minCell: 10, maxCell: 36 });
+  Object.assign(canvas.dataset, {
+    rows: String(grid.rows), cols: String(grid.cols), left: String(grid.left), top: String(grid.top), cell: String(grid.cell),
+  });
   canvas.onclick = async (e) => {
-    const r = canvas.getBoundingClientRect();
-    const scale = canvas.width / r.width;
-    const layer = Math.floor(((e.clientY - r.top) * scale - pad) / cell);
-    const unit = Math.floor(((e.clientX - r.left) * scale - 40) / cell);
-    if (layer < 0 || unit < 0 || layer >= rows || unit >= cols) return;
+    const hit = cellAt(canvas, grid, e);
+    if (!hit) return;
+    const [layer, unit] = hit;
     try {
       const out = await api("/api/patch/cell", { ...patchRequest(), layer, unit, top: 10 });
       $("patch-cell-title").textContent =
