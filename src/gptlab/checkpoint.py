@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from gptlab.classifier import model_for
 from gptlab.config import GPTConfig
 from gptlab.model import GPT
 
@@ -60,7 +61,7 @@ def save_model(model: GPT, directory: str | os.PathLike, *, tokenizer: str = "gp
     """Write `model` as a native gptlab directory (weights first, then the metadata)."""
     directory = Path(directory)
     state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
-    if model.config.tie_weights:
+    if model.config.ties_head:
         state.pop("lm_head.weight", None)  # the same tensor as wte; stored once
     atomic_write(directory / WEIGHTS_FILE, lambda tmp: save_file(state, tmp))
     meta = {"format": "gptlab", "config": model.config.to_dict(), "tokenizer": tokenizer, **(extra or {})}
@@ -88,12 +89,12 @@ def load_native(directory: str | os.PathLike, *, device=None, dtype=None) -> GPT
         )
     config = GPTConfig.from_dict(meta["config"])
     with torch.device("meta"):
-        model = GPT(config)
+        model = model_for(config)
     try:
         state = load_file(directory / WEIGHTS_FILE, device=str(device or "cpu"))
     except Exception as e:  # safetensors raises its own error types for damaged files
         raise ValueError(f"{directory / WEIGHTS_FILE}: cannot read weights ({e})") from e
-    if config.tie_weights:
+    if config.ties_head:
         state["lm_head.weight"] = state["transformer.wte.weight"]
     load_state_strict(model, state, str(directory))
     model.tie_weights()

@@ -140,6 +140,9 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.T
     x (..., C), weight (V, C), targets (...) with IGNORE_INDEX (-100) for positions to skip.
     Under autocast the matmuls run in the autocast dtype.
     """
+    keep = targets != IGNORE_INDEX
+    if not bool(keep.all()):  # masked fine-tuning: the head runs on the rows that count only
+        x, targets = x.reshape(-1, x.size(-1))[keep.reshape(-1)], targets.reshape(-1)[keep.reshape(-1)]  # (n, C), (n,)
     device_type = x.device.type
     if torch.is_autocast_enabled(device_type):
         compute_dtype = torch.get_autocast_dtype(device_type)

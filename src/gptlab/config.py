@@ -13,6 +13,7 @@ from typing import Any
 POS_EMBEDDINGS = ("learned", "rope")
 NORMS = ("layernorm", "rmsnorm")
 MLPS = ("gelu", "gelu_erf", "swiglu")
+CLASSIFIER_FIELDS = ("num_labels", "labels", "pad_token_id")
 
 
 @dataclass
@@ -34,6 +35,11 @@ class GPTConfig:
     norm: str = "layernorm"  # "layernorm" or "rmsnorm"
     mlp: str = "gelu"  # "gelu" (tanh approximation, 4x), "gelu_erf" (exact GELU, 4x) or "swiglu" (Shazeer 2020)
     n_inner: int | None = None  # MLP hidden width; None: 4*n_embd (gelu) or ~8/3*n_embd (swiglu)
+    # Sequence classification (gptlab.classifier): num_labels > 0 puts a `score` head (num_labels
+    # x n_embd) where the LM head was, read at each row's last non-padding token.
+    num_labels: int = 0
+    labels: list[str] | None = None  # label names in id order
+    pad_token_id: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
@@ -53,6 +59,14 @@ class GPTConfig:
             raise ValueError(f"GPTConfig.n_embd/n_head must be even for rope, got {self.head_size}")
         if self.n_inner is not None and (not isinstance(self.n_inner, int) or self.n_inner <= 0):
             raise ValueError(f"GPTConfig.n_inner must be a positive integer or None, got {self.n_inner!r}")
+        if isinstance(self.num_labels, bool) or not isinstance(self.num_labels, int) or self.num_labels < 0:
+            raise ValueError(f"GPTConfig.num_labels must be a non-negative integer, got {self.num_labels!r}")
+        if self.labels is not None:
+            self.labels = [str(name) for name in self.labels]
+            if len(self.labels) != self.num_labels or len(set(self.labels)) != len(self.labels):
+                raise ValueError(
+                    f"GPTConfig.labels must name each of the {self.num_labels} labels once, got {self.labels}"
+                )
 
     @property
     def head_size(self) -> int:
@@ -66,6 +80,11 @@ class GPTConfig:
         if self.mlp == "swiglu":  # 2/3 of 4x keeps the parameter count of a 4x GELU MLP (Llama)
             return _round_up(8 * self.n_embd // 3, 64)
         return 4 * self.n_embd
+
+    @property
+    def ties_head(self) -> bool:
+        """True when lm_head is the token embedding's matrix (a classifier has no lm_head)."""
+        return self.tie_weights and not self.num_labels
 
     @property
     def is_gpt2(self) -> bool:
@@ -86,7 +105,12 @@ class GPTConfig:
         return cls.from_dict({**PRESETS[name], **overrides})
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """Every field; a language model's leaves out the classification fields (their defaults)."""
+        d = dataclasses.asdict(self)
+        if not self.num_labels:
+            for name in CLASSIFIER_FIELDS:
+                d.pop(name)
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> GPTConfig:

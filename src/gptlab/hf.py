@@ -29,6 +29,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from gptlab.checkpoint import atomic_write, atomic_write_text
+from gptlab.classifier import model_for
 from gptlab.config import GPTConfig
 from gptlab.model import GPT
 
@@ -59,6 +60,8 @@ BLOCK_TENSORS = {
     "mlp.c_proj.bias": False,
 }
 HEAD_TENSOR = "lm_head.weight"
+SCORE_TENSOR = "score.weight"  # GPT2ForSequenceClassification's head (num_labels, n_embd)
+CLASSIFIER = "GPT2ForSequenceClassification"
 # Causal-mask buffers that old GPT2Model/GPT2LMHeadModel files carry; they hold no learned values.
 MASK_BUFFER = re.compile(r"^(transformer\.)?h\.\d+\.attn\.(bias|masked_bias)$")
 
@@ -99,7 +102,9 @@ def name_table(config: GPTConfig) -> dict[str, tuple[str, bool]]:
     table = {PREFIX + name: (PREFIX + name, t) for name, t in GLOBAL_TENSORS.items()}
     for i in range(config.n_layer):
         table.update({f"{PREFIX}h.{i}.{name}": (f"{PREFIX}h.{i}.{name}", t) for name, t in BLOCK_TENSORS.items()})
-    if not config.tie_weights:
+    if config.num_labels:
+        table[SCORE_TENSOR] = (SCORE_TENSOR, False)
+    elif not config.tie_weights:
         table[HEAD_TENSOR] = (HEAD_TENSOR, False)
     return table
 
@@ -145,16 +150,33 @@ def config_from_hf(hf: dict, source: str) -> GPTConfig:
             layer_norm_eps=hf.get("layer_norm_epsilon", defaults.layer_norm_eps),
             tie_weights=hf.get("tie_word_embeddings", True),
             dropout=0.0,  # HF's *_pdrop are training settings; gptlab loads for inference
+            **classifier_from_hf(hf),
         )
     except ValueError as e:
         raise ValueError(f"{source}: {e}") from e
 
 
+def classifier_from_hf(hf: dict) -> dict:
+    """GPTConfig's classification fields for a GPT2ForSequenceClassification config, else none."""
+    if CLASSIFIER not in hf.get("architectures", []):
+        return {}
+    id2label = hf.get("id2label") or {str(i): f"LABEL_{i}" for i in range(hf.get("num_labels", 2))}
+    labels = [id2label[str(i)] for i in range(len(id2label))]
+    return dict(num_labels=len(labels), labels=labels, pad_token_id=hf.get("pad_token_id"))
+
+
 def config_to_hf(config: GPTConfig, dtype: torch.dtype) -> dict:
-    """The config.json that transformers' GPT2LMHeadModel reads for `config`."""
+    """The config.json that transformers' GPT2LMHeadModel (GPT2ForSequenceClassification for a
+    classifier) reads for `config`."""
     eot = 50256 if config.vocab_size > 50256 else None  # GPT-2's <|endoftext|>, when the vocab has it
+    labels = {}
+    if config.num_labels:
+        names = config.labels or [f"LABEL_{i}" for i in range(config.num_labels)]
+        labels = dict(id2label={str(i): n for i, n in enumerate(names)}, label2id={n: i for i, n in enumerate(names)},
+                      pad_token_id=config.pad_token_id)  # fmt: skip
     return {
-        "architectures": ["GPT2LMHeadModel"],
+        **labels,
+        "architectures": [CLASSIFIER if config.num_labels else "GPT2LMHeadModel"],
         "model_type": "gpt2",
         "vocab_size": config.vocab_size,
         "n_positions": config.block_size,
@@ -329,7 +351,7 @@ def load_pretrained(name_or_path: str | os.PathLike, *, device=None, dtype=None)
     files = weight_files(directory)
     plan = _plan(config, files, str(directory))  # gptlab name -> (file name, file, transpose)
     with torch.device("meta"):
-        model = GPT(config)
+        model = model_for(config)
     _check_shapes(plan, model.state_dict(), str(directory))
     file_name, file, _ = plan[PREFIX + "wte.weight"]
     dtype = dtype or file.dtype(file_name)  # None: the checkpoint's dtype
@@ -337,7 +359,7 @@ def load_pretrained(name_or_path: str | os.PathLike, *, device=None, dtype=None)
         name: file.read(file_name, transpose=transpose, dtype=dtype, device=device)
         for name, (file_name, file, transpose) in plan.items()
     }
-    if config.tie_weights:
+    if config.ties_head:
         state[HEAD_TENSOR] = state[PREFIX + "wte.weight"]
     model.load_state_dict(state, strict=True, assign=True)
     model.tie_weights()
@@ -348,7 +370,7 @@ def load_pretrained(name_or_path: str | os.PathLike, *, device=None, dtype=None)
 def _plan(config: GPTConfig, files: dict, source: str) -> dict[str, tuple[str, object, bool]]:
     """Match the file's tensors against the name table; any mismatch is an error naming tensors."""
     table = name_table(config)
-    modern = to_modern_names(files, config.tie_weights)  # file name -> modern HF name
+    modern = to_modern_names(files, config.ties_head)  # file name -> modern HF name
     by_modern = {m: f for f, m in modern.items()}
     legacy = not any(n.startswith(PREFIX) for n in files)
     missing = sorted(

@@ -26,6 +26,7 @@ from gptlab.hf import load_pretrained
 from gptlab.model import GPT
 from gptlab.quantize import load_quantized
 
+LORA_FILE = "lora.safetensors"  # a LoRA run's trained tensors (gptlab.train.checkpointing)
 HUB_MODELS = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")  # presets that are also OpenAI's Hub ids
 
 
@@ -51,7 +52,7 @@ def _load_base(spec: str, *, device=None, dtype=None) -> GPT:
     if (path / META_FILE).is_file():
         meta = read_meta(path)
         if meta.get("lora_base"):  # a LoRA run's checkpoint: its base, then its adapters
-            return load_model(meta["lora_base"], device=device, dtype=dtype, adapter=str(path))
+            return _lora_run(path, meta, device=device, dtype=dtype)
         if meta.get("quantization"):
             return load_quantized(path, device=device)
         return load_native(path, device=device, dtype=dtype)
@@ -62,6 +63,27 @@ def _load_base(spec: str, *, device=None, dtype=None) -> GPT:
             f"{spec}: directory holds neither {META_FILE} (gptlab), config.json (Hugging Face) nor ckpt.pt (nanoGPT)"
         )
     return load_pretrained(spec, device=device, dtype=dtype)
+
+
+def _lora_run(path: Path, meta: dict, *, device=None, dtype=None) -> GPT:
+    """A LoRA run's checkpoint: the base it named, made a classifier if the run was one, its
+    adapters, and the other tensors it trained (a classifier's head) from lora.safetensors."""
+    from safetensors.torch import load_file
+
+    from gptlab.classifier import from_language_model
+    from gptlab.lora import load_adapter
+
+    model = _load_base(meta["lora_base"], device=device, dtype=dtype)
+    config = GPTConfig.from_dict(meta["config"])
+    if config.num_labels and not model.config.num_labels:
+        model = from_language_model(model, config.labels, config.pad_token_id).eval()
+    load_adapter(model, path)
+    trained = {k: v for k, v in load_file(path / LORA_FILE, device=str(device or "cpu")).items() if ".lora_" not in k}
+    state = model.state_dict()
+    with torch.no_grad():
+        for name, tensor in trained.items():
+            state[name].copy_(tensor)
+    return model
 
 
 def is_preset(spec: str) -> bool:

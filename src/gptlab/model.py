@@ -111,6 +111,15 @@ def causal_mask(T: int, S: int, device) -> torch.Tensor:
     return torch.ones(T, S, dtype=torch.bool, device=device).tril(diagonal=S - T)
 
 
+def segment_positions(segments: torch.Tensor) -> torch.Tensor:
+    """(B, T) ids of packed examples -> each token's position inside its example, (B, T)."""
+    T = segments.size(1)
+    t = torch.arange(T, device=segments.device).expand_as(segments)  # (B, T)
+    starts = torch.ones_like(segments, dtype=torch.bool)
+    starts[:, 1:] = segments[:, 1:] != segments[:, :-1]  # True where an example begins
+    return t - torch.cummax(torch.where(starts, t, 0), dim=1).values
+
+
 class KVCache:
     """Preallocated keys and values, one (k, v) pair of tensors per layer, (B, nh, max_len, hs).
 
@@ -339,6 +348,7 @@ class GPT(nn.Module):
         positions=None,
         kv_cache=None,
         key_mask=None,
+        segments=None,
         attn_probs=None,
         last_only=False,
         return_logits=True,
@@ -347,7 +357,9 @@ class GPT(nn.Module):
         """Next-token logits (B, T, vocab_size) and, given targets (B, T), the mean cross-entropy.
 
         Generation passes `kv_cache` (a KVCache; new keys go to slots kv_cache.pos...), per-row
-        `positions` (B, T) and `key_mask` (B, S_max) bool, False at padding slots. `attn_probs`,
+        `positions` (B, T) and `key_mask` (B, S_max) bool, False at padding slots. `segments`
+        (B, T) int marks packed examples (gptlab.sft): attention stays inside each run of equal
+        ids and positions restart at each run, as if every example had its own row. `attn_probs`,
         a list, collects each layer's attention probabilities through the explicit path.
         `last_only` computes logits for the last position only, (B, 1, vocab_size): the head is a
         third of GPT-2 small's weights, so decoding should not run it for the prompt.
@@ -359,6 +371,10 @@ class GPT(nn.Module):
         self._check_input(idx, targets, kv_cache)
         B, T = idx.shape
         start = kv_cache.pos if kv_cache is not None else 0  # int, or a 0-dim tensor (compiled decoding)
+        if segments is not None:
+            if kv_cache is not None or positions is not None or segments.shape != idx.shape:
+                raise ValueError("segments (B, T) packs examples for a full pass: no kv_cache, no positions")
+            positions = segment_positions(segments)  # (B, T)
         if positions is None:
             positions = (start + torch.arange(T, device=idx.device)).expand(B, T)  # (B, T)
         learned = self.config.pos_embedding == "learned"
@@ -379,6 +395,8 @@ class GPT(nn.Module):
             x = x + self.hook_pos_embed(self.transformer.wpe(positions))  # (B, T, C)
         x = self.transformer.drop(x)
         mask = self._attention_mask(T, start, kv_cache, key_mask, idx.device)
+        if segments is not None:  # (B, 1, T, T): causal, and only within the query's own example
+            mask = causal_mask(T, T, idx.device) & (segments[:, None, :, None] == segments[:, None, None, :])
         for i, block in enumerate(self.transformer.h):
             kv = kv_cache.layers[i] if kv_cache is not None else None
             x = block(x, rope, kv, start, mask, attn_probs)
@@ -457,7 +475,7 @@ class GPT(nn.Module):
         if not any(hasattr(m, "in_features") and not isinstance(m, nn.Linear) for m in self.modules()):
             return self
         with torch.device("meta"):
-            return GPT(self.config)
+            return type(self)(self.config)
 
     def num_params(self, non_embedding: bool = False) -> int:
         """Parameter count, tied weights once; non_embedding drops the position table (nanoGPT).
@@ -487,15 +505,13 @@ class GPT(nn.Module):
             dict(component="norms in blocks", params=count([*(b.ln_1 for b in t.h), *(b.ln_2 for b in t.h)]), note=""),
             dict(component="final norm (ln_f)", params=count([t.ln_f]), note=""),
         ]
-        tied = self.lm_head.weight is t.wte.weight
-        rows.append(
-            dict(
-                component="head (lm_head)",
-                params=0 if tied else self.lm_head.weight.numel(),
-                note="tied to wte, counted once" if tied else "",
-            )
-        )
+        rows.append(self._head_row())
         return rows
+
+    def _head_row(self) -> dict:
+        tied = self.lm_head.weight is self.transformer.wte.weight
+        return dict(component="head (lm_head)", params=0 if tied else self.lm_head.weight.numel(),
+                    note="tied to wte, counted once" if tied else "")  # fmt: skip
 
 
 def _describe(x) -> str:

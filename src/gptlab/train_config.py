@@ -45,6 +45,12 @@ class TrainConfig:
     lora_targets: str = (
         "c_attn.q,c_attn.v"  # comma-separated: c_attn.q/k/v, c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj, lm_head
     )
+    # Which parameters train: all, head (the head and the final norm) or last:N (those and the
+    # last N blocks); with lora_rank, the adapters (and a classifier's head).
+    trainable: str = "all"
+    # Instruction tuning data (gptlab prepare on Alpaca/chat records): "pack" several examples
+    # per row, attention kept inside each, or "pad" each to its own row.
+    sft_layout: str = "pack"
     # Batch: batch_size x block_size tokens per micro-step and rank; grad_accum micro-steps per update.
     batch_size: int = 16
     block_size: int = 128
@@ -100,6 +106,12 @@ class TrainConfig:
         if self.precision not in PRECISIONS:
             raise ValueError(f"TrainConfig.precision must be one of {PRECISIONS}, got {self.precision!r}")
         parse_duration(self.max_time)
+        if not (self.trainable in ("all", "head") or re.fullmatch(r"last:\d+", self.trainable)):
+            raise ValueError(f"TrainConfig.trainable must be all, head or last:N, got {self.trainable!r}")
+        if self.lora_rank and self.trainable != "all":
+            raise ValueError("trainable and lora_rank exclude each other: LoRA trains the adapters")
+        if self.sft_layout not in ("pack", "pad"):
+            raise ValueError(f"TrainConfig.sft_layout must be 'pack' or 'pad', got {self.sft_layout!r}")
         if not 0 < self.decay_fraction <= 1:
             raise ValueError(f"TrainConfig.decay_fraction must be in (0, 1], got {self.decay_fraction}")
         if isinstance(self.lora_rank, bool) or not isinstance(self.lora_rank, int) or self.lora_rank < 0:

@@ -6,7 +6,7 @@ import time
 
 from gptlab.commands._model_args import add_json_argument, add_model_arguments, load, write_json
 
-TASKS = ("perplexity", "hellaswag", "lambada")
+TASKS = ("perplexity", "hellaswag", "lambada", "classify")
 
 
 def add_arguments(parser):
@@ -23,7 +23,7 @@ def add_arguments(parser):
         "--data",
         default=None,
         help="perplexity: a text file, a token file (val.bin) or a directory with val.bin; hellaswag/lambada: "
-        "the official jsonl (downloaded to the cache when omitted)",
+        "the official jsonl (downloaded to the cache when omitted); classify: JSONL/CSV records with text and label",
     )
     parser.add_argument("--stride", type=int, default=None, help="perplexity window stride (default block_size/2)")
     parser.add_argument(
@@ -59,6 +59,8 @@ def run(args):
         metrics = evaluate.perplexity(
             model, tokens, tokenizer, stride=args.stride, batch_size=args.batch_size or 4, progress=progress
         )
+    elif args.task == "classify":
+        metrics, data = classify_metrics(model, tokenizer, args), args.data
     else:
         data = evaluate.task_data(args.task, args.data)
         read = evaluate.hellaswag_examples if args.task == "hellaswag" else evaluate.lambada_examples
@@ -72,6 +74,26 @@ def run(args):
     out = args.json or f"eval-{args.task}.json"
     write_json(out, result)
     print(f"results written to {out}")
+
+
+def classify_metrics(model, tokenizer, args) -> dict:
+    """Accuracy and the confusion matrix of a classifier over --data's text/label records."""
+    from gptlab.classify_data import evaluate_classifier
+    from gptlab.sft import read_records
+
+    if not args.data:
+        raise ValueError("--task classify needs --data (JSONL/JSON/CSV records with text and label)")
+    if not model.config.num_labels:
+        raise ValueError(f"--task classify: {args.model} is a language model, not a classifier")
+    records = read_records(args.data)[: args.limit]
+    metrics = evaluate_classifier(model, tokenizer, records, batch_size=args.batch_size or 16)
+    names = metrics["labels"]
+    width = max(len(n) for n in names)
+    print("confusion (rows: true label, columns: predicted)")
+    print(" " * width + "  " + "  ".join(f"{n:>{max(len(n), 5)}}" for n in names))
+    for name, row in zip(names, metrics["confusion"], strict=True):
+        print(f"{name:<{width}}  " + "  ".join(f"{c:>{max(len(n), 5)}}" for n, c in zip(names, row, strict=True)))
+    return metrics
 
 
 def run_harness(args):
@@ -108,7 +130,7 @@ def run_harness(args):
 
 
 def print_table(result: dict) -> None:
-    rows = [(k, v) for k, v in result.items() if k != "per_example"]
+    rows = [(k, v) for k, v in result.items() if k not in ("per_example", "confusion")]
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         if isinstance(value, float):

@@ -1,18 +1,52 @@
-"""gptlab prepare: text files -> train.bin / val.bin token files plus manifest.json."""
+"""gptlab prepare: text files -> train.bin / val.bin token files plus manifest.json; instruction
+records (Alpaca or chat JSON/JSONL) -> the same plus a loss mask (gptlab.sft); text/label
+records -> a classification set (gptlab.classify_data)."""
+
+import sys
+
+FORMATS = ("auto", "text", "sft", "classify")
 
 
 def add_arguments(parser):
-    parser.add_argument(
-        "--input", required=True, nargs="+", help="text FILE, DIR or GLOB (several allowed), or a `datasets` name"
-    )
+    parser.add_argument("--input", nargs="+", help="text FILE, DIR or GLOB (several allowed), or a `datasets` name")
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--tokenizer", default="gpt2", help="gpt2 (default) or byte")
     parser.add_argument("--val-fraction", type=float, default=0.1, help="the last fraction of tokens for validation")
     parser.add_argument("--workers", type=int, default=None, help="encoding processes (default: by input size)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    sft = parser.add_argument_group("instruction data (Alpaca: instruction/input/output; chat: messages)")
+    sft.add_argument("--format", choices=FORMATS, default="auto",
+                     help="auto (default): sft for Alpaca or chat records, classify for text/label records "
+                     "(.json/.jsonl/.csv), else text")  # fmt: skip
+    sft.add_argument("--labels", help="classify: label names in id order, comma-separated (default: sorted)")
+    sft.add_argument("--template", help="prompt template: alpaca (default) or a JSON file (see gptlab.sft.Template)")
+    sft.add_argument("--train-on", choices=("response", "all"), default="response",
+                     help="tokens the loss covers: the responses / assistant turns (default), or all")  # fmt: skip
+    sft.add_argument("--seed", type=int, default=0, help="seed of the validation examples' draw")
+    sft.add_argument("--show", type=int, default=0, metavar="N",
+                     help="print the first N prepared examples, trained-on tokens marked [[...]] "
+                     "(with --out alone: of an existing directory)")  # fmt: skip
 
 
 def run(args):
+    from gptlab import sft
+
+    if not args.input:
+        if not args.show:
+            raise ValueError("prepare needs --input (or --show N to look at a prepared SFT directory)")
+    else:
+        fmt = args.format if args.format != "auto" else sft.record_format(args.input) or "text"
+        if fmt == "sft":
+            _prepare_sft(args)
+        elif fmt == "classify":
+            _prepare_classify(args)
+        else:
+            _prepare_text(args)
+    for i in range(args.show):
+        print(sft.render_example(args.out, i, color=sys.stdout.isatty()), end="\n\n")
+
+
+def _prepare_text(args):
     from gptlab.data import prepare
 
     inputs = args.input[0] if len(args.input) == 1 else args.input
@@ -22,3 +56,30 @@ def run(args):
     print(
         f"{args.out}: {t['train']:,} train + {t['val']:,} val tokens ({manifest['dtype']}, tokenizer {manifest['tokenizer']})"
     )
+    if args.show:
+        raise ValueError("--show marks the trained-on tokens of instruction data; this input is plain text")
+
+
+def _prepare_sft(args):
+    from gptlab.sft import prepare_sft
+
+    m = prepare_sft(args.input, args.out, tokenizer=args.tokenizer, template=args.template,
+                    train_on=args.train_on, val_fraction=args.val_fraction, seed=args.seed)  # fmt: skip
+    e, t, trained = m["examples"], m["tokens"], m["trained_tokens"]
+    print(
+        f"{args.out}: {e['train']:,} train + {e['val']:,} val examples, {t['train']:,} + {t['val']:,} tokens, "
+        f"{trained['train'] / t['train']:.0%} trained on ({m['train_on']}); longest {m['max_example_tokens']} tokens"
+    )
+
+
+def _prepare_classify(args):
+    from gptlab.classify_data import prepare_classify
+
+    labels = [x.strip() for x in args.labels.split(",")] if args.labels else None
+    m = prepare_classify(args.input, args.out, tokenizer=args.tokenizer, labels=labels,
+                         val_fraction=args.val_fraction, seed=args.seed)  # fmt: skip
+    e = m["examples"]
+    counts = ", ".join(f"{n} {c}" for n, c in zip(m["labels"], m["per_label"]["train"], strict=True))
+    print(f"{args.out}: {e['train']:,} train + {e['val']:,} val texts; labels (train): {counts}")
+    if args.show:
+        raise ValueError("--show marks the trained-on tokens of instruction data; this is a classification set")

@@ -17,10 +17,10 @@ import torch
 
 from gptlab import run_files
 from gptlab.checkpoint import load_state_strict, save_model
-from gptlab.model import GPT
+from gptlab.classifier import model_for
+from gptlab.loading import LORA_FILE  # a LoRA run's trained tensors
 
 log = logging.getLogger(__name__)
-LORA_FILE = "lora.safetensors"
 
 
 def full_state_dicts(trainer) -> tuple[dict, dict]:
@@ -54,7 +54,7 @@ def _write(trainer, directory: Path, model_state: dict, optim_state: dict, rng: 
         _write_adapters(trainer, directory, model_state)
     elif trainer.sharded:  # a plain module around the gathered tensors, for save_model
         with torch.device("meta"):
-            model = GPT(trainer.raw_model.config)
+            model = model_for(trainer.raw_model.config)
         load_state_strict(model, model_state, "gathered state")
         model.tie_weights()
     if not trainer.cfg.lora_rank:
@@ -76,12 +76,18 @@ def _write_adapters(trainer, directory: Path, model_state: dict) -> None:
     from gptlab.checkpoint import META_FILE
     from gptlab.lora import save_adapter
 
-    adapters = {k: v.detach().contiguous() for k, v in model_state.items() if ".lora_" in k}
+    names = trained_names(trainer.raw_model)
+    adapters = {k: v.detach().contiguous() for k, v in model_state.items() if k in names}
     save_file(adapters, directory / LORA_FILE)
     save_adapter(trainer.raw_model, directory, base_model=trainer.cfg.init_from)
     meta = {"format": "gptlab", "lora_base": trainer.cfg.init_from, "config": trainer.raw_model.config.to_dict(),
             "tokenizer": trainer.tokenizer_name, "train_step": trainer.step_num}  # fmt: skip
     run_files.save_json(directory / META_FILE, meta)
+
+
+def trained_names(model) -> set[str]:
+    """Names of the parameters a LoRA run trains: the adapters, and a classifier's new head."""
+    return {name for name, p in model.named_parameters() if p.requires_grad}
 
 
 def _gather_rng(dist_info) -> dict:
@@ -146,7 +152,8 @@ def _load_weights(trainer, ckpt: Path) -> None:
 
     if trainer.cfg.lora_rank:  # the base came from init_from again; the adapters come from here
         weights = load_file(ckpt / LORA_FILE, device=str(trainer.device))
-        own = {k: v for k, v in trainer.raw_model.state_dict().items() if ".lora_" in k}
+        names = trained_names(trainer.raw_model)
+        own = {k: v for k, v in trainer.raw_model.state_dict().items() if k in names}
         if set(weights) != set(own):
             raise ValueError(f"{ckpt}: its adapters do not match lora_targets {trainer.cfg.lora_targets!r}")
         with torch.no_grad():
@@ -154,7 +161,7 @@ def _load_weights(trainer, ckpt: Path) -> None:
                 own[name].copy_(tensor)
         return
     weights = load_file(ckpt / "model.safetensors", device=str(trainer.device))
-    if trainer.raw_model.config.tie_weights:
+    if trainer.raw_model.config.ties_head:
         weights["lm_head.weight"] = weights["transformer.wte.weight"]
     if trainer.sharded:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict

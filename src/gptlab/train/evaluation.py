@@ -1,4 +1,5 @@
-"""Evaluation during training: validation loss over fixed batches of val.bin, and a text sample."""
+"""Evaluation during training: validation loss over fixed batches of val.bin, and a text sample
+(a classifier: its validation accuracy instead of a sample)."""
 
 from __future__ import annotations
 
@@ -15,16 +16,30 @@ def evaluate(trainer) -> dict:
     cfg = trainer.cfg
     trainer.model.eval()
     total = torch.zeros((), device=trainer.device)
+    correct = torch.zeros((), device=trainer.device)
+    classifier = bool(trainer.raw_model.config.num_labels)
     for k in range(cfg.eval_steps):
-        x, y = (t.to(trainer.device) for t in trainer.val_loader.batch(k))
+        batch = trainer.val_loader.batch(k)
         with autocast(trainer.device, trainer.precision):
-            _, loss = trainer.model(x, y, return_logits=False)
+            logits, loss = forward_loss(trainer.model, batch, trainer.device)
         total += loss.float()
+        if classifier:  # logits (B, num_labels) against the labels (B,)
+            correct += (logits.argmax(-1).cpu() == batch[1]).float().mean().to(trainer.device)
     val_loss = trainer.mean_over_ranks(total / cfg.eval_steps)
-    text = sample(trainer) if (trainer.dist.is_main or trainer.sharded) else ""
+    extra = {"val_accuracy": trainer.mean_over_ranks(correct / cfg.eval_steps)} if classifier else {}
+    text = sample(trainer) if (trainer.dist.is_main or trainer.sharded) and not classifier else ""
     trainer.model.train()
     return dict(step=trainer.step_num, tokens=trainer.tokens_seen, val_loss=val_loss,
-                val_ppl=math.exp(min(val_loss, 50.0)), sample=text)  # fmt: skip
+                val_ppl=math.exp(min(val_loss, 50.0)), sample=text, **extra)  # fmt: skip
+
+
+def forward_loss(model, batch, device, **kwargs):
+    """(logits or None, mean loss) of one batch: (x, y) from a TokenLoader, or (x, y, extra) whose
+    extra holds more forward arguments (packed examples' segments, a classifier's padding mask)."""
+    x, y, *extra = batch
+    more = {k: v.to(device, non_blocking=True) for k, v in (extra[0] if extra else {}).items()}
+    return model(x.to(device, non_blocking=True), y.to(device, non_blocking=True), return_logits=False,
+                 **more, **kwargs)  # fmt: skip
 
 
 def sample(trainer) -> str:

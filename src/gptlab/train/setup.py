@@ -58,8 +58,32 @@ def resolve_device(cfg: TrainConfig, dist: Dist) -> torch.device:
     return torch.device("cpu")
 
 
-def build_model(cfg: TrainConfig, vocab_size: int, device: torch.device) -> GPT:
-    """A fresh model from the preset and overrides, or the weights named by init_from."""
+def build_model(cfg: TrainConfig, vocab_size: int, device: torch.device, labels: list[str] | None = None) -> GPT:
+    """A fresh model from the preset and overrides, or the weights named by init_from; with
+    `labels` (classification data), a classifier over them on that body. Then freezes what
+    cfg.trainable or LoRA (cfg.lora_rank) leaves out of training."""
+    model = _base_model(cfg, vocab_size, device)
+    if labels is not None:
+        from gptlab.classifier import from_language_model
+
+        if not model.config.num_labels:
+            model = from_language_model(model, labels)
+        elif model.config.labels != list(labels):
+            raise ValueError(f"{cfg.init_from} classifies {model.config.labels}; the data's labels are {labels}")
+    if cfg.lora_rank:
+        from gptlab.lora import apply_lora
+
+        apply_lora(model, cfg.lora_settings())  # freezes the base: the optimizer sees the adapters only
+        if model.config.num_labels:
+            model.score.weight.requires_grad_(True)  # a new head trains with the adapters
+    elif cfg.trainable != "all":
+        from gptlab.classifier import set_trainable
+
+        set_trainable(model, cfg.trainable)
+    return model
+
+
+def _base_model(cfg: TrainConfig, vocab_size: int, device: torch.device) -> GPT:
     if cfg.init_from == "scratch":
         shape = {k: getattr(cfg, k) for k in ("n_layer", "n_head", "n_embd", "bias") if getattr(cfg, k) is not None}
         padded = -(-vocab_size // cfg.vocab_multiple) * cfg.vocab_multiple
@@ -76,10 +100,6 @@ def build_model(cfg: TrainConfig, vocab_size: int, device: torch.device) -> GPT:
         raise ValueError(f"block_size {cfg.block_size} exceeds the model's context length {model.config.block_size}")
     if model.config.vocab_size < vocab_size:
         raise ValueError(f"{spec} has a {model.config.vocab_size}-token vocabulary; the data uses {vocab_size} tokens")
-    if cfg.lora_rank:
-        from gptlab.lora import apply_lora
-
-        apply_lora(model, cfg.lora_settings())  # freezes the base: the optimizer sees the adapters only
     return model
 
 
@@ -108,9 +128,21 @@ def build_optimizer(model: GPT, cfg: TrainConfig, device: torch.device, fused_ok
     return torch.optim.AdamW(groups, foreach=True, **kwargs)
 
 
-def build_loaders(cfg: TrainConfig, manifest: dict, dist: Dist) -> tuple[TokenLoader, TokenLoader]:
-    """Random training windows and the fixed sequential validation batches, this rank's rows."""
+def build_loaders(cfg: TrainConfig, manifest: dict, dist: Dist):
+    """Random training batches and the fixed sequential validation batches, this rank's rows:
+    windows of a token stream, or whole examples of an SFT directory (gptlab.sft)."""
     common = dict(dtype=manifest["dtype"], rank=dist.rank, world_size=dist.world_size, seed=cfg.seed)
+    if manifest.get("kind") == "classify":
+        from gptlab.classify_data import ClassifyLoader
+
+        return tuple(ClassifyLoader(cfg.data_dir, split, cfg.batch_size, cfg.block_size, mode=mode, **common)
+                     for split, mode in (("train", "random"), ("val", "sequential")))  # fmt: skip
+    if manifest.get("kind") == "sft":
+        from gptlab.sft import ExampleLoader
+
+        loaders = [ExampleLoader(cfg.data_dir, split, cfg.batch_size, cfg.block_size, layout=cfg.sft_layout,
+                                 mode=mode, **common) for split, mode in (("train", "random"), ("val", "sequential"))]  # fmt: skip
+        return tuple(loaders)
     train = TokenLoader(Path(cfg.data_dir) / "train.bin", cfg.batch_size, cfg.block_size, mode="random", **common)
     val = TokenLoader(Path(cfg.data_dir) / "val.bin", cfg.batch_size, cfg.block_size, mode="sequential", **common)
     return train, val

@@ -13,6 +13,7 @@ import torch
 from gptlab import run_files
 from gptlab.data import read_manifest
 from gptlab.train import checkpointing, evaluation, setup
+from gptlab.train.evaluation import forward_loss
 from gptlab.train.guards import SpikeGuard
 from gptlab.train.precision import autocast, resolve_precision
 from gptlab.train.schedule import TimeBudget, lr_at, parse_duration
@@ -37,7 +38,8 @@ class Trainer:
         self.device = setup.resolve_device(cfg, self.dist)
         setup.check_out_dir(self.out_dir, cfg.resume)
         torch.manual_seed(cfg.seed)  # the same initial weights on every rank
-        self.raw_model = setup.build_model(cfg, manifest["vocab_size"], self.device).train()
+        labels = manifest["labels"] if manifest.get("kind") == "classify" else None
+        self.raw_model = setup.build_model(cfg, manifest["vocab_size"], self.device, labels).train()
         setup.check_tokens(cfg.data_dir, manifest, self.raw_model.config.vocab_size)
         self.precision, why = resolve_precision(cfg.precision, self.device, self.raw_model,
                                                 (cfg.batch_size, cfg.block_size))  # fmt: skip
@@ -69,11 +71,11 @@ class Trainer:
             group["lr"] = lr
         loss_sum = torch.zeros((), device=self.device)
         for micro in range(self.grad_accum):
-            x, y = (t.to(self.device, non_blocking=True) for t in self.train_loader.next_batch())
+            batch = self.train_loader.next_batch()
             sync = self._no_sync() if micro < self.grad_accum - 1 else nullcontext()
             with sync:
                 with autocast(self.device, self.precision):
-                    _, loss = self.model(x, y, return_logits=False)
+                    _, loss = forward_loss(self.model, batch, self.device)
                 loss = loss / self.grad_accum
                 (self.scaler.scale(loss) if self.scaler else loss).backward()
             loss_sum += loss.detach().float()
@@ -168,6 +170,7 @@ class Trainer:
         last_eval = last_eval or {}
         return dict(step=self.step_num, tokens=self.tokens_seen, train_loss=record.get("loss"),
                     val_loss=last_eval.get("val_loss"), sample=last_eval.get("sample"),
+                    val_accuracy=last_eval.get("val_accuracy"),
                     precision=str(self.precision).removeprefix("torch."),
                     checkpoint=str(self.last_checkpoint) if self.last_checkpoint else None,
                     metrics=str(self.out_dir / run_files.METRICS), plot=str(plot) if plot else None,
@@ -179,6 +182,10 @@ class Trainer:
             self.best_val = result["val_loss"] if self.best_val is None else min(self.best_val, result["val_loss"])
             metrics.write({**result, "elapsed_s": self.budget.elapsed()})
             message = f"step {result['step']}: val loss {result['val_loss']:.4f} (ppl {result['val_ppl']:.1f})"
+            if "val_accuracy" in result:
+                message = (
+                    f"step {result['step']}: val loss {result['val_loss']:.4f}, accuracy {result['val_accuracy']:.1%}"
+                )
             if self.cfg.progress:
                 bar.write(message)  # tqdm.write keeps the bar intact
             else:

@@ -1,0 +1,137 @@
+"""Classification data: `text`/`label` records -> token files, batches, and scoring.
+
+`prepare_classify` reads JSON/JSONL/CSV records with `text` and `label` into, per split,
+{split}.bin (token ids back to back), {split}.offsets.bin and {split}.labels.bin (int64), with
+the label names in the manifest (`"kind": "classify"`). `ClassifyLoader` gives (x, labels,
+{"attention_mask"}) batches, right-padded, texts longer than block_size cut to their start.
+`evaluate_classifier` gives accuracy and a confusion matrix.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from gptlab.checkpoint import atomic_write, atomic_write_text
+from gptlab.classifier import GPTForSequenceClassification, pad_rows
+from gptlab.data import MANIFEST, resolve_inputs, token_dtype
+from gptlab.tokenizer import get_tokenizer
+
+
+def prepare_classify(inputs, out_dir, *, tokenizer: str = "gpt2", labels: list[str] | None = None,
+                     val_fraction: float = 0.1, seed: int = 0) -> dict:  # fmt: skip
+    """Tokenize `text`/`label` records into out_dir (see the module docstring); returns the manifest.
+
+    Label names are `labels` in that order, else the records' labels sorted."""
+    from gptlab.sft import read_records, split_mask
+
+    records, tok = read_records(inputs), get_tokenizer(tokenizer)
+    names = list(labels) if labels else sorted({str(r.get("label")) for r in records})
+    index = {name: i for i, name in enumerate(names)}
+    ids, ys = [], []
+    for i, r in enumerate(records):
+        if not isinstance(r.get("text"), str) or str(r.get("label")) not in index:
+            raise ValueError(f"record {i}: needs a string `text` and a `label` among {names}, got {r!r}")
+        ids.append(tok.encode(r["text"]) or [tok.eot_token])
+        ys.append(index[str(r["label"])])
+    is_val = split_mask(len(records), val_fraction, seed)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    dtype, counts = token_dtype(tok.n_vocab), {}
+    for split, chosen in (("train", ~is_val), ("val", is_val)):
+        rows = [r for r, c in zip(ids, chosen, strict=True) if c]
+        tokens = np.concatenate([np.asarray(r, dtype=dtype) for r in rows])
+        arrays = {".bin": tokens, ".offsets.bin": np.cumsum([0] + [len(r) for r in rows], dtype=np.int64),
+                  ".labels.bin": np.asarray([y for y, c in zip(ys, chosen, strict=True) if c], dtype=np.int64)}  # fmt: skip
+        for suffix, array in arrays.items():
+            atomic_write(out_dir / f"{split}{suffix}", lambda tmp, a=array: a.tofile(tmp))
+        counts[split] = dict(tokens=int(len(tokens)), examples=len(rows),
+                             per_label=np.bincount(arrays[".labels.bin"], minlength=len(names)).tolist())  # fmt: skip
+    manifest = {"kind": "classify", "tokenizer": tokenizer, "vocab_size": tok.n_vocab, "dtype": dtype.name,
+                "labels": names, "val_fraction": val_fraction, "seed": seed,
+                "tokens": {s: c["tokens"] for s, c in counts.items()},
+                "examples": {s: c["examples"] for s, c in counts.items()},
+                "per_label": {s: c["per_label"] for s, c in counts.items()},
+                "sources": [str(p) for p in resolve_inputs(inputs)]}  # fmt: skip
+    atomic_write_text(out_dir / MANIFEST, json.dumps(manifest, indent=2))
+    return manifest
+
+
+class ClassifyLoader:
+    """(x, labels, {"attention_mask"}) batches: B texts right-padded to the longest (at most
+    block_size), their label ids (B,). mode "random" reshuffles each epoch, seeded by (seed,
+    epoch); "sequential" goes in order, wrapping. The state is the batch counter."""
+
+    def __init__(self, data_dir, split, batch_size, block_size, *, dtype="uint16", mode="random", seed=0,
+                 rank=0, world_size=1, pad_id=50256):  # fmt: skip
+        data_dir = Path(data_dir)
+        try:
+            self.tokens = np.memmap(data_dir / f"{split}.bin", dtype=np.dtype(dtype), mode="r")
+            self.offsets = np.fromfile(data_dir / f"{split}.offsets.bin", dtype=np.int64)
+            self.labels = np.fromfile(data_dir / f"{split}.labels.bin", dtype=np.int64)
+        except OSError as e:
+            raise ValueError(f"{data_dir}: not a prepared classification split {split!r} ({e})") from e
+        if len(self.labels) != len(self.offsets) - 1:
+            raise ValueError(f"{data_dir}: {split}.labels.bin and .offsets.bin disagree")
+        self.batch_size, self.block_size, self.mode, self.seed = batch_size, block_size, mode, seed
+        self.rank, self.world_size, self.pad_id = rank, world_size, pad_id
+        self.batch_index = 0
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def indices(self, k: int) -> np.ndarray:
+        """This rank's example indices in batch k."""
+        n, G = len(self), self.batch_size * self.world_size
+        flat = k * G + np.arange(G)  # positions in the endless stream of epochs
+        if self.mode == "sequential":
+            chosen = flat % n
+        else:
+            epochs = {}
+            for e in np.unique(flat // n):
+                g = torch.Generator().manual_seed(self.seed * 1_000_003 + int(e))
+                epochs[e] = torch.randperm(n, generator=g).numpy()
+            chosen = np.asarray([epochs[f // n][f % n] for f in flat])
+        return chosen[self.rank * self.batch_size : (self.rank + 1) * self.batch_size]
+
+    def batch(self, k: int):
+        rows = [self.tokens[self.offsets[i] : self.offsets[i + 1]][: self.block_size].tolist() for i in self.indices(k)]
+        x, mask = pad_rows(rows, self.pad_id)
+        return x, torch.from_numpy(self.labels[self.indices(k)]), {"attention_mask": mask}
+
+    def next_batch(self):
+        out = self.batch(self.batch_index)
+        self.batch_index += 1
+        return out
+
+    def state_dict(self) -> dict:
+        return {"batch_index": self.batch_index, "mode": self.mode, "seed": self.seed}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("mode", self.mode) != self.mode or state.get("seed", self.seed) != self.seed:
+            raise ValueError(f"loader state {state} does not match this loader")
+        self.batch_index = int(state["batch_index"])
+
+
+@torch.no_grad()
+def evaluate_classifier(model: GPTForSequenceClassification, tok, records: list[dict], batch_size: int = 16) -> dict:
+    """Accuracy and confusion matrix (rows: true label, columns: predicted) over text/label records."""
+    names = model.label_names()
+    index = {n: i for i, n in enumerate(names)}
+    bad = [r for r in records if str(r.get("label")) not in index or not isinstance(r.get("text"), str)]
+    if bad:
+        raise ValueError(f"records need a string `text` and a `label` among {names}; got {bad[0]!r}")
+    truth = [index[str(r["label"])] for r in records]
+    preds = []
+    for s in range(0, len(records), batch_size):
+        probs = model.classify(tok, [r["text"] for r in records[s : s + batch_size]])
+        preds += probs.argmax(-1).tolist()
+    confusion = np.zeros((len(names), len(names)), dtype=np.int64)
+    for t, p in zip(truth, preds, strict=True):
+        confusion[t, p] += 1
+    majority = max(np.bincount(truth, minlength=len(names))) / len(truth)
+    return dict(labels=names, examples=len(truth), accuracy=float(np.trace(confusion) / len(truth)),
+                majority_baseline=float(majority), confusion=confusion.tolist())  # fmt: skip

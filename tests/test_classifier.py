@@ -1,0 +1,189 @@
+"""gptlab.classifier: GPT2ForSequenceClassification's logits both ways (transformers writes a
+random one, gptlab reads it; gptlab writes, transformers reads), pooling at the last real token
+with right and left padding, which parameters train, and the classification data."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from gptlab.classifier import GPTForSequenceClassification, from_language_model, set_trainable
+from gptlab.classify_data import ClassifyLoader, evaluate_classifier, prepare_classify
+from gptlab.config import GPTConfig
+from gptlab.hf import load_pretrained, save_pretrained
+from gptlab.model import GPT
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+PAD = 50256
+LABELS = ["neg", "neutral", "pos"]
+
+
+def hf_classifier(directory):
+    """A random GPT2ForSequenceClassification written by transformers itself, norms off their init."""
+    from transformers import GPT2Config, GPT2ForSequenceClassification
+
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=50257, n_positions=32, n_layer=2, n_head=2, n_embd=32, pad_token_id=PAD,
+                        id2label=dict(enumerate(LABELS)), label2id={n: i for i, n in enumerate(LABELS)})  # fmt: skip
+    model = GPT2ForSequenceClassification(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "ln" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(directory)
+    return model
+
+
+def rows(lengths, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 50000, (n,), generator=g) for n in lengths]
+
+
+def test_reads_transformers_classifier_with_its_logits_right_padded(tmp_path):
+    hf = hf_classifier(tmp_path)
+    ours = load_pretrained(tmp_path)
+    assert isinstance(ours, GPTForSequenceClassification)
+    assert ours.config.labels == LABELS and ours.config.pad_token_id == PAD
+    seqs = rows([7, 4, 1])
+    x = torch.full((3, 7), PAD)
+    for i, s in enumerate(seqs):
+        x[i, : len(s)] = s
+    with torch.no_grad():
+        want = hf(input_ids=x).logits  # transformers pools at the last non-pad token
+        got = ours(x)[0]
+    assert got.shape == (3, 3)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)  # measured 6e-8
+
+
+def test_writes_a_classifier_transformers_reads(tmp_path):
+    from transformers import GPT2ForSequenceClassification
+
+    torch.manual_seed(2)
+    config = GPTConfig(vocab_size=50257, block_size=32, n_layer=2, n_head=2, n_embd=32, num_labels=3, labels=LABELS,
+                       pad_token_id=PAD)  # fmt: skip
+    ours = GPTForSequenceClassification(config).eval()
+    save_pretrained(ours, tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["architectures"] == ["GPT2ForSequenceClassification"] and saved["id2label"]["2"] == "pos"
+    hf = GPT2ForSequenceClassification.from_pretrained(tmp_path).eval()
+    assert hf.config.pad_token_id == PAD and hf.config.num_labels == 3
+    x = torch.stack([torch.cat([s, torch.full((7 - len(s),), PAD)]) for s in rows([7, 3])])
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x)[0], hf(input_ids=x).logits, atol=1e-5, rtol=0)
+
+
+def test_left_padding_pools_the_last_token_and_equals_the_unpadded_text(tmp_path):
+    hf_classifier(tmp_path)
+    ours = load_pretrained(tmp_path)
+    seqs = rows([6, 2, 4], seed=3)
+    right = torch.full((3, 6), PAD)
+    left = torch.full((3, 6), PAD)
+    for i, s in enumerate(seqs):
+        right[i, : len(s)] = s
+        left[i, 6 - len(s) :] = s
+    with torch.no_grad():
+        alone = torch.cat([ours(s[None])[0] for s in seqs])
+        torch.testing.assert_close(ours(right)[0], alone, atol=1e-5, rtol=0)
+        torch.testing.assert_close(ours(left, attention_mask=left != PAD)[0], alone, atol=1e-5, rtol=0)
+        # and through transformers, with the positions counted from each row's first token
+        from transformers import GPT2ForSequenceClassification
+
+        hf = GPT2ForSequenceClassification.from_pretrained(tmp_path).eval()
+        mask = (left != PAD).long()
+        want = hf(input_ids=left, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0)).logits
+        torch.testing.assert_close(ours(left, attention_mask=mask)[0], want, atol=1e-5, rtol=0)
+
+
+def test_an_explicit_mask_wins_over_pad_ids_inside_the_text(tmp_path):
+    """pad_token_id is <|endoftext|> by default; a text that holds one still pools at its end."""
+    hf_classifier(tmp_path)
+    ours = load_pretrained(tmp_path)
+    s = rows([5])[0]
+    s[-1] = PAD
+    x = torch.cat([s, torch.full((2,), PAD)])[None]
+    with torch.no_grad():
+        by_mask = ours(x, attention_mask=torch.tensor([[1] * 5 + [0, 0]]))[0]
+        torch.testing.assert_close(by_mask, ours(s[None], attention_mask=torch.ones(1, 5))[0])
+
+
+def test_from_language_model_shares_the_body_and_trains_what_it_is_told():
+    torch.manual_seed(0)
+    lm = GPT(GPTConfig(vocab_size=300, block_size=16, n_layer=3, n_head=2, n_embd=16)).train()
+    clf = from_language_model(lm, ["a", "b"], pad_token_id=0)
+    assert clf.transformer is lm.transformer and clf.score.weight.shape == (2, 16)
+    x = torch.randint(1, 300, (4, 9))
+    y = torch.tensor([0, 1, 1, 0])
+    for spec, expected in [("head", {"score", "transformer.ln_f"}),
+                           ("last:1", {"score", "transformer.ln_f", "transformer.h.2"})]:  # fmt: skip
+        for p in clf.parameters():
+            p.requires_grad_(True)
+        set_trainable(clf, spec)
+        clf.zero_grad()
+        clf(x, y)[1].backward()
+        got = {n.rsplit(".", 1)[0] for n, p in clf.named_parameters() if p.grad is not None}
+        got = {g if not g.startswith("transformer.h.") else ".".join(g.split(".")[:3]) for g in got}
+        assert got == expected, spec
+
+
+def test_loss_is_cross_entropy_of_the_pooled_logits():
+    torch.manual_seed(0)
+    clf = GPTForSequenceClassification(GPTConfig(vocab_size=100, block_size=16, n_layer=1, n_head=2, n_embd=16,
+                                                 num_labels=4, pad_token_id=0))  # fmt: skip
+    x = torch.randint(1, 100, (3, 5))
+    x[1, 3:] = 0
+    y = torch.tensor([3, 0, 2])
+    logits, loss = clf(x, y)
+    torch.testing.assert_close(loss, torch.nn.functional.cross_entropy(logits, y))
+    with pytest.raises(ValueError, match="label ids"):
+        clf(x, torch.zeros(3, 5, dtype=torch.long))
+
+
+def write_records(path, n=40):
+    rng = np.random.default_rng(0)
+    with open(path, "w") as f:
+        for i in range(n):
+            label = LABELS[i % 3]
+            f.write(
+                json.dumps({"text": f"{label} " + " ".join(rng.choice(["x", "y", "z"], 3 + i % 5)), "label": label})
+                + "\n"
+            )
+
+
+def test_prepared_data_loads_as_labelled_right_padded_batches(tmp_path):
+    write_records(tmp_path / "d.jsonl")
+    m = prepare_classify(tmp_path / "d.jsonl", tmp_path / "out", labels=LABELS, val_fraction=0.25)
+    assert m["kind"] == "classify" and m["labels"] == LABELS
+    assert m["examples"] == {"train": 30, "val": 10}
+    loader = ClassifyLoader(tmp_path / "out", "train", 4, 8, mode="random", seed=3)
+    x, y, extra = loader.batch(5)
+    mask = extra["attention_mask"]
+    from gptlab.tokenizer import get_tokenizer
+
+    tok = get_tokenizer("gpt2")
+    for row, label, m_row in zip(x, y, mask, strict=True):
+        text = tok.decode(row[m_row].tolist())
+        assert text.split()[0] == LABELS[int(label)]  # the label goes with its own text
+        assert not m_row[int(m_row.sum()) :].any()  # right-padded
+    assert torch.equal(loader.batch(5)[0], x)  # batch k is a pure function of k
+    seen = np.concatenate([loader.indices(k) for k in range(30 // 4 * 2)])
+    assert sorted(seen[:28].tolist()) == sorted(set(seen[:28].tolist()))  # an epoch repeats nothing
+
+
+def test_evaluate_classifier_counts_a_confusion_matrix(tmp_path):
+    torch.manual_seed(0)
+    clf = GPTForSequenceClassification(GPTConfig(vocab_size=50257, block_size=32, n_layer=1, n_head=2, n_embd=16,
+                                                 num_labels=3, labels=LABELS, pad_token_id=PAD)).eval()  # fmt: skip
+    from gptlab.sft import read_records
+    from gptlab.tokenizer import get_tokenizer
+
+    write_records(tmp_path / "d.jsonl", n=12)
+    records = read_records(tmp_path / "d.jsonl")
+    result = evaluate_classifier(clf, get_tokenizer("gpt2"), records, batch_size=5)
+    confusion = np.asarray(result["confusion"])
+    tok = get_tokenizer("gpt2")
+    preds = clf.classify(tok, [r["text"] for r in records]).argmax(-1)
+    truth = torch.tensor([LABELS.index(r["label"]) for r in records])
+    assert confusion.sum() == 12 and confusion.sum(1).tolist() == [4, 4, 4]
+    assert result["accuracy"] == pytest.approx(float((preds == truth).float().mean()))
+    assert confusion[0].tolist() == [int(((truth == 0) & (preds == k)).sum()) for k in range(3)]
