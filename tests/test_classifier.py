@@ -187,3 +187,94 @@ def test_evaluate_classifier_counts_a_confusion_matrix(tmp_path):
     assert confusion.sum() == 12 and confusion.sum(1).tolist() == [4, 4, 4]
     assert result["accuracy"] == pytest.approx(float((preds == truth).float().mean()))
     assert confusion[0].tolist() == [int(((truth == 0) & (preds == k)).sum()) for k in range(3)]
+
+
+def lm_base(directory):
+    """A small random GPT-2 over GPT-2's vocabulary, saved natively (a --base to fine-tune)."""
+    from gptlab.checkpoint import save_model
+
+    torch.manual_seed(0)
+    save_model(GPT(GPTConfig(vocab_size=50257, block_size=64, n_layer=2, n_head=2, n_embd=32)), directory)
+    return str(directory)
+
+
+def cls_config(tmp_path, out, max_steps, resume=False, **overrides):
+    from gptlab.train import TrainConfig
+
+    return TrainConfig(data_dir=str(tmp_path / "data"), out_dir=str(out), init_from=lm_base(tmp_path / "base"),
+                       block_size=32, batch_size=4, max_steps=max_steps, lr=3e-3, warmup_steps=0, schedule="constant",
+                       eval_interval=3, eval_steps=2, progress=False, precision="float32", resume=resume,
+                       **overrides)  # fmt: skip
+
+
+def test_lora_classifier_trains_resumes_loads_and_exports(tmp_path, capsys):
+    """LoRA with a new score head: the checkpoint holds adapters + head; resume is exact;
+    load_model rebuilds it; export --merge gives transformers' GPT2ForSequenceClassification
+    the same logits; classify and eval --task classify print what the model computes."""
+    from transformers import GPT2ForSequenceClassification
+
+    from gptlab.cli import main
+    from gptlab.loading import load_model
+    from gptlab.tokenizer import get_tokenizer
+    from gptlab.train import Trainer
+
+    write_records(tmp_path / "d.jsonl")
+    prepare_classify(tmp_path / "d.jsonl", tmp_path / "data", labels=LABELS, val_fraction=0.25)
+    lora = dict(lora_rank=4, lora_alpha=8.0, lora_targets="c_attn.q,c_attn.v,mlp.c_fc")
+
+    def run(out, steps, resume=False):
+        trainer = Trainer(cls_config(tmp_path, out, steps, resume, **lora))
+        summary = trainer.run()
+        return trainer, summary
+
+    straight, summary = run(tmp_path / "a", 6)
+    trained = {n for n, p in straight.raw_model.named_parameters() if p.requires_grad}
+    assert "score.weight" in trained and all(".lora_" in n for n in trained - {"score.weight"})
+    run(tmp_path / "b", 3)
+    resumed, _ = run(tmp_path / "b", 6, resume=True)
+    for (name, p), q in zip(straight.raw_model.named_parameters(), resumed.raw_model.parameters(), strict=True):
+        assert torch.equal(p, q), name
+    assert "val_accuracy" in summary and 0 <= summary["val_accuracy"] <= 1
+
+    ckpt = summary["checkpoint"]
+    loaded = load_model(ckpt)
+    x = torch.randint(0, 50000, (3, 9), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        want = straight.raw_model.eval()(x)[0]
+        torch.testing.assert_close(loaded(x)[0], want, atol=1e-6, rtol=0)
+
+    assert main(["export", "--model", ckpt, "--merge", "--out", str(tmp_path / "hf")]) == 0
+    hf = GPT2ForSequenceClassification.from_pretrained(tmp_path / "hf").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(hf(input_ids=x).logits, want, atol=1e-5, rtol=0)
+
+    tok = get_tokenizer("gpt2")
+    text = "pos x y z"
+    assert main(["classify", "--model", ckpt, "--text", text, "--json", str(tmp_path / "c.json")]) == 0
+    got = json.loads((tmp_path / "c.json").read_text())
+    assert got["labels"] == LABELS
+    torch.testing.assert_close(torch.tensor(got["probabilities"]), loaded.classify(tok, [text])[0], atol=1e-6, rtol=0)
+    assert main(["eval", "--task", "classify", "--model", ckpt, "--data", str(tmp_path / "d.jsonl"),
+                 "--json", str(tmp_path / "e.json")]) == 0  # fmt: skip
+    result = json.loads((tmp_path / "e.json").read_text())
+    from gptlab.sft import read_records
+
+    expected = evaluate_classifier(loaded, tok, read_records(tmp_path / "d.jsonl"))
+    assert result["accuracy"] == expected["accuracy"] and result["confusion"] == expected["confusion"]
+    assert "confusion (rows: true label" in capsys.readouterr().out
+
+
+def test_head_only_classifier_saves_natively_and_a_language_model_is_refused(tmp_path):
+    from gptlab.cli import main
+    from gptlab.loading import load_model
+    from gptlab.train import train
+
+    write_records(tmp_path / "d.jsonl")
+    prepare_classify(tmp_path / "d.jsonl", tmp_path / "data", labels=LABELS, val_fraction=0.25)
+    summary = train(cls_config(tmp_path, tmp_path / "run", 3, trainable="head"))
+    base, tuned = load_model(str(tmp_path / "base")), load_model(summary["checkpoint"])
+    assert isinstance(tuned, GPTForSequenceClassification) and tuned.config.labels == LABELS
+    assert torch.equal(tuned.transformer.h[0].attn.c_attn.weight, base.transformer.h[0].attn.c_attn.weight)
+    assert not torch.equal(tuned.transformer.ln_f.weight, base.transformer.ln_f.weight)  # the head trains
+    assert main(["classify", "--model", str(tmp_path / "base"), "--text", "hi"]) == 2  # a clear error, exit 2
+    assert main(["export", "--model", summary["checkpoint"], "--out", str(tmp_path / "m.gguf")]) == 2

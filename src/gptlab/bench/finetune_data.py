@@ -42,7 +42,7 @@ def speaker_records(text: str, n_speakers: int = 4) -> list[dict]:
     return [{"text": speech, "label": speaker} for speaker, speech in pairs if speaker in top]
 
 
-def words(text: str, n: int = 400) -> list[str]:
+def words(text: str, n: int = 3000) -> list[str]:
     """The n most frequent lower-case words of 3-8 letters."""
     counts = collections.Counter(w for w in re.findall(r"[a-z]+", text.lower()) if 3 <= len(w) <= 8)
     return [w for w, _ in counts.most_common(n)]

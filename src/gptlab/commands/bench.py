@@ -12,6 +12,7 @@ BENCHMARKS = {
     "speculative": "speculative decoding (prompt lookup, a draft model) vs plain decoding: speedup and acceptance",
     "harness": "lm-evaluation-harness: --model gptlab (fp32, int8) vs --model hf, requests/s and agreement",
     "hooks": "hook points vs TransformerLens's TransformerBridge: run_with_cache and the patching grid",
+    "finetune": "the fine-tuning recipes: speaker classification 4 ways, masked vs unmasked instruction tuning",
     "formats": "nanoGPT/GGUF readers and writers against nanoGPT's model.py, llama.cpp's converter and llama-perplexity",
 }
 

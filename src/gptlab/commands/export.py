@@ -37,21 +37,24 @@ def run(args):
         raise ValueError("--dtype is for --format hf and llmc; use --outtype for gguf")
     if args.adapter and not args.merge:
         raise ValueError("--adapter: the formats hold plain weights; pass --merge to fold the adapter into them")
-    if args.merge and not args.adapter:
-        raise ValueError("--merge needs --adapter DIR")
     dtype = getattr(torch, args.dtype) if args.dtype else None
     tokenizer = tokenizer_name(args.model)
     model = model_from_args(args)
-    if args.merge:
-        from gptlab.lora import merge
+    if model.config.num_labels and fmt != "hf":
+        raise ValueError(f"{args.model} is a classifier: --format {fmt} holds language models; use --format hf")
+    if args.merge:  # the adapter of --adapter, or of a LoRA run's checkpoint
+        from gptlab.lora import lora_layers, merge
 
+        if not lora_layers(model):
+            raise ValueError(f"--merge: {args.model} carries no adapter (pass --adapter DIR)")
         merge(model)
     if fmt == "hf":
         from gptlab.hf import save_pretrained
 
         save_pretrained(model, args.out, tokenizer=tokenizer)
+        kind = "GPT2ForSequenceClassification" if model.config.num_labels else "GPT2LMHeadModel"
         print(f"wrote {args.out}: {model.num_params():,} parameters, {next(model.parameters()).dtype}")
-        print(f"load it with transformers.GPT2LMHeadModel.from_pretrained({args.out!r})")
+        print(f"load it with transformers.{kind}.from_pretrained({args.out!r})")
     elif fmt == "gguf":
         from gptlab.formats.gguf import export_gguf
 
