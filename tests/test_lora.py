@@ -152,9 +152,9 @@ def test_every_command_takes_adapter_and_export_merges_it(tmp_path, idx):
     assert main(["next", "--model", base, "--adapter", adapter, "--prompt", "Hello"]) in (0, None)
 
 
-@pytest.mark.parametrize("precision", ["fp32", "int8"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "int8", "int4"])
 def test_lora_training_trains_adapters_only_and_resumes_exactly(tmp_path, precision):
-    """TrainConfig's lora_* settings, on a float or an int8 base (QLoRA: its kernels run forward,
+    """TrainConfig's lora_* settings, on an fp32, bf16, int8 or int4 base (QLoRA: its kernels run forward,
     gradients pass through its dequantized weight): the base stays as it was, checkpoints hold the
     adapters (not the base), load_model(checkpoint) is the trained model, and a run cut at step 6
     and resumed equals the same run straight, bit for bit."""
@@ -170,11 +170,13 @@ def test_lora_training_trains_adapters_only_and_resumes_exactly(tmp_path, precis
     prepare(tmp_path / "corpus.txt", tmp_path / "tokens", tokenizer="byte", progress=False)
     torch.manual_seed(0)
     base = GPT(GPTConfig(vocab_size=257, block_size=32, n_layer=2, n_head=2, n_embd=32))
-    if precision == "int8":
+    if precision in ("int8", "int4"):
         from gptlab.quantize import save_quantized
 
-        base = quantize_model(base, "int8")
+        base = quantize_model(base, precision, **({"group_size": 32} if precision == "int4" else {}))
         save_quantized(base, tmp_path / "base", tokenizer="byte")
+    elif precision == "bf16":
+        save_model(base.to(torch.bfloat16), tmp_path / "base", tokenizer="byte")
     else:
         save_model(base, tmp_path / "base", tokenizer="byte")
     lora = dict(

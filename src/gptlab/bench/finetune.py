@@ -8,7 +8,8 @@
   for --sft-epochs passes over the training examples with the loss on the responses only
   (packed rows, then padded rows) and on every token; each model, and --base itself, answers
   the held-out prompts greedily. Scored: exact answers, and "format followed" (the answer ends
-  with <|endoftext|> within 24 tokens and starts no new "###" section). Packed against padded:
+  with <|endoftext|> within 24 tokens and starts no new "###" section), and the cross-entropy
+  of the held-out responses' tokens under each model. Packed against padded:
   the same epochs, so the same examples; steps, seconds and trained tokens per second.
 
 Data and runs go to --work; the figures to bench/results/finetune-*.json.
@@ -114,7 +115,13 @@ def instruct_recipe(args, work: Path) -> dict:
     for train_on in ("response", "all"):
         prepare_sft(files["train"], work / f"sft-{train_on}", train_on=train_on)
     heldout = read_records(files["heldout"])
-    rows = {"base (no tuning)": score_answers(load_model(args.base), heldout)}
+    prepare_sft(files["heldout"], work / "sft-heldout", val_fraction=0.5)  # both halves score the responses
+    held = [
+        ExampleLoader(work / "sft-heldout", split, 25, 128, layout="pad", mode="sequential")
+        for split in ("train", "val")
+    ]
+    base = load_model(args.base)
+    rows = {"base (no tuning)": {**score_answers(base, heldout), "response_loss": response_loss(base, held)}}
     print(_answer_line("base (no tuning)", rows["base (no tuning)"]))
     for name, (data, layout) in SFT_RUNS.items():
         out = work / "runs" / ("sft-" + name.replace(", ", "-"))
@@ -123,8 +130,9 @@ def instruct_recipe(args, work: Path) -> dict:
         run = train_run(args.base, work / data, out, steps, args.batch_size, args.sft_lr, sft_layout=layout)
         trained = int(sum((loader.batch(k)[1] != -100).sum() for k in range(8))) / 8  # per batch
         step_s = run["seconds"] / run["steps_run"]
-        rows[name] = dict(**score_answers(load_model(run["checkpoint"]), heldout), steps=steps, train_s=run["seconds"],
-                          step_s=step_s, trained_tokens_per_s=trained / step_s)  # fmt: skip
+        tuned = load_model(run["checkpoint"])
+        rows[name] = dict(**score_answers(tuned, heldout), response_loss=response_loss(tuned, held), steps=steps,
+                          train_s=run["seconds"], step_s=step_s, trained_tokens_per_s=trained / step_s)  # fmt: skip
         print(
             _answer_line(name, rows[name])
             + f"  {steps} steps, {run['seconds']:.0f} s, {trained / step_s:,.0f} trained tok/s"
@@ -154,8 +162,25 @@ def score_answers(model, records: list[dict], max_new_tokens: int = 24) -> dict:
     return dict(exact=exact / len(records), format_followed=followed / len(records))
 
 
+@torch.no_grad()
+def response_loss(model, loaders) -> float:
+    """Mean cross-entropy over the held-out responses' tokens (and their <|endoftext|>)."""
+    total = count = 0.0
+    for loader in loaders:
+        examples = len(loader.examples)
+        for k in range(-(-examples // loader.batch_size)):
+            x, y, _ = loader.batch(k)
+            rows = min(loader.batch_size, examples - k * loader.batch_size)  # the last batch wraps around
+            x, y = x[:rows], y[:rows]
+            logits, _ = model(x)
+            total += float(torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum"))
+            count += int((y != -100).sum())
+    return total / count
+
+
 def _answer_line(name: str, row: dict) -> str:
-    return f"instruct  {name:<17} exact {row['exact']:.1%}  format followed {row['format_followed']:.1%}"
+    return (f"instruct  {name:<17} exact {row['exact']:.1%}  format followed {row['format_followed']:.1%}  "
+            f"held-out response loss {row['response_loss']:.3f}")  # fmt: skip
 
 
 def main(argv=None) -> None:
