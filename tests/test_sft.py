@@ -168,13 +168,14 @@ def test_bad_records_name_the_problem(tmp_path):
         prepare_sft(tmp_path / "b.jsonl", tmp_path / "d")
 
 
-def test_sft_training_learns_the_responses_and_resumes_exactly(tmp_path):
+@pytest.mark.parametrize("layout", ["pad", "pack"])
+def test_sft_training_learns_the_responses_and_resumes_exactly(tmp_path, layout):
     """gptlab train on an SFT directory: the response loss falls, and a run cut at step 4 and
     resumed equals the straight run bit for bit (the loader's state is its batch counter)."""
     from gptlab.train import TrainConfig, train
 
     prepare_sft(write_jsonl(tmp_path / "a.jsonl", alpaca(40)), tmp_path / "d", val_fraction=0.25)
-    common = dict(data_dir=str(tmp_path / "d"), model="gpt2-tiny", block_size=64, batch_size=4, lr=3e-3,
+    common = dict(data_dir=str(tmp_path / "d"), model="gpt2-tiny", block_size=128, batch_size=4, lr=3e-3, sft_layout=layout,
                   warmup_steps=0, schedule="constant", eval_interval=4, eval_steps=2, progress=False, sample_tokens=0,
                   precision="float32")  # fmt: skip
     straight = train(TrainConfig(out_dir=str(tmp_path / "a"), max_steps=8, **common))

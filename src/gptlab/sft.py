@@ -277,7 +277,7 @@ class ExampleLoader:
     Ranks take their own rows of each global batch; the state is the batch counter.
     """
 
-    def __init__(self, data_dir, split, batch_size, block_size, *, dtype="uint16", layout="pack",
+    def __init__(self, data_dir, split, batch_size, block_size, *, dtype="uint16", layout="pad",
                  mode="random", seed=0, rank=0, world_size=1, pad_id=50256):  # fmt: skip
         if layout not in LAYOUTS:
             raise ValueError(f"sft_layout must be one of {LAYOUTS}, got {layout!r}")

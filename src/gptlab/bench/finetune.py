@@ -11,6 +11,8 @@
   with <|endoftext|> within 24 tokens and starts no new "###" section), and the cross-entropy
   of the held-out responses' tokens under each model. Packed against padded:
   the same epochs, so the same examples; steps, seconds and trained tokens per second.
+- layouts: the seconds per epoch of packed and padded rows on examples of varied lengths
+  (tiny-shakespeare's speeches as responses).
 
 Data and runs go to --work; the figures to bench/results/finetune-*.json.
 """
@@ -50,7 +52,8 @@ def parse_args(argv):
     p = argparse.ArgumentParser(prog="gptlab bench finetune", description=__doc__.split("\n\n")[0])
     p.add_argument("--base", default=DEFAULT_BASE, help=f"model to fine-tune (default {DEFAULT_BASE}, from make demo)")
     p.add_argument("--work", default="runs/finetune", help="data and runs (default runs/finetune)")
-    p.add_argument("--recipes", nargs="+", default=["classify", "instruct"], choices=["classify", "instruct"])
+    p.add_argument("--recipes", nargs="+", default=["classify", "instruct", "layouts"],
+                   choices=["classify", "instruct", "layouts"])  # fmt: skip
     p.add_argument("--cls-steps", type=int, default=200)
     p.add_argument("--sft-epochs", type=float, default=4.0)
     p.add_argument("--sft-lr", type=float, default=2e-3)
@@ -140,6 +143,40 @@ def instruct_recipe(args, work: Path) -> dict:
     return dict(heldout_prompts=len(heldout), epochs=args.sft_epochs, runs=rows)
 
 
+def layout_speed(args, work: Path, steps: int = 6) -> dict:
+    """Packed against padded rows on examples of varied lengths (tiny-shakespeare's speeches as
+    responses, 20-130 tokens): seconds per training step (forward and backward, --base's weights)
+    and per epoch of the examples."""
+    import json
+
+    from gptlab.bench import finetune_data
+    from gptlab.loading import load_model
+    from gptlab.sft import ExampleLoader, prepare_sft
+    from gptlab.train.evaluation import forward_loss
+
+    text = Path(finetune_data.CORPUS).read_text(encoding="utf-8")
+    records = [{"instruction": f"Speak as {who}.", "output": speech} for who, speech in finetune_data.speeches(text)]
+    (work / "data").mkdir(parents=True, exist_ok=True)
+    (work / "data" / "speeches.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records[:2000]))
+    prepare_sft(work / "data" / "speeches.jsonl", work / "sft-speeches")
+    model = load_model(args.base).train()
+    out = {}
+    for layout in ("pack", "pad"):
+        loader = ExampleLoader(work / "sft-speeches", "train", args.batch_size, 128, layout=layout)
+        times = []
+        for k in range(steps + 1):
+            t0 = time.perf_counter()
+            forward_loss(model, loader.batch(k), "cpu")[1].backward()
+            times.append(time.perf_counter() - t0)
+        step_s = sorted(times[1:])[len(times[1:]) // 2]  # median, the first (warm-up) step left out
+        epoch_s = len(loader._epoch_rows(0)) / args.batch_size * step_s
+        out[layout] = dict(step_s=step_s, rows_per_epoch=len(loader._epoch_rows(0)), epoch_s=epoch_s)
+        print(
+            f"instruct  varied lengths, {layout}: {step_s:.3f} s/step, {len(loader._epoch_rows(0))} rows, epoch {epoch_s:.0f} s"
+        )
+    return out
+
+
 @torch.no_grad()
 def score_answers(model, records: list[dict], max_new_tokens: int = 24) -> dict:
     """Greedy answers to Alpaca records under the default template: exact and format-following rates."""
@@ -193,4 +230,6 @@ def main(argv=None) -> None:
         results["classify"] = classify_recipe(args, work)
     if "instruct" in args.recipes:
         results["instruct"] = instruct_recipe(args, work)
+    if "layouts" in args.recipes:
+        results["layouts_varied_lengths"] = layout_speed(args, work)
     print(f"results: {write_results('finetune', results)}")

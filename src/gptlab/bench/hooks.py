@@ -6,7 +6,9 @@ Bridge boots with `boot_transformers`), 2 threads by default, in one process:
   bytes the cache holds; and of one hook point against a plain forward (gptlab's overhead);
 - the layers x positions activation-patching grid of the 20-token IOI prompt pair: gptlab's
   batched `activation_patching` against the loop of single patches through the Bridge's
-  `run_with_hooks` (one forward per cell), and the largest difference between the two grids.
+  `run_with_hooks` (one forward per cell), and the largest difference between the two grids;
+- peak memory of run_with_cache of every hook point, each side in a fresh process (Linux): the
+  resident set with the model loaded and warm, and its peak during the call.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ def parse_args(argv):
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--no-patching", action="store_true", help="skip the patching grid")
+    p.add_argument("--no-memory", action="store_true", help="skip the peak-memory processes")
+    p.add_argument("--memory-side", choices=("gptlab", "bridge"), help=argparse.SUPPRESS)  # one side's process
     p.add_argument("--out", default="bench/results", help="results directory ('' to skip writing)")
     return p.parse_args(argv)
 
@@ -61,9 +65,64 @@ def patching_loop(bridge, clean, corrupt, metric, n_layer: int) -> torch.Tensor:
     return grid
 
 
+def peak_memory(args) -> dict:
+    """Peak RSS (MiB) of run_with_cache of every hook point, each side in its own fresh process."""
+    import json
+    import subprocess
+    import sys
+
+    out = {}
+    for side in ("gptlab", "bridge"):
+        cmd = [sys.executable, "-m", "gptlab.bench.hooks", "--memory-side", side, "--preset", args.preset,
+               "--tokens", str(args.tokens), "--threads", str(args.threads)]  # fmt: skip
+        done = subprocess.run(cmd, capture_output=True, text=True, check=True)
+        out[side] = json.loads(done.stdout.strip().splitlines()[-1])
+    return {"loaded_mib": {k: v["loaded_mib"] for k, v in out.items()},
+            "peak_mib": {k: v["peak_mib"] for k, v in out.items()},
+            "added_by_the_call_mib": {k: round(v["peak_mib"] - v["loaded_mib"], 1) for k, v in out.items()}}  # fmt: skip
+
+
+def _one_side(args) -> None:
+    """In a fresh process: load one side, reset the peak RSS (Linux's clear_refs), run_with_cache
+    every hook point, and print the resident set before and its peak during the call."""
+    import json
+
+    from gptlab.loading import random_model
+
+    torch.manual_seed(0)
+    model = random_model(args.preset).eval()
+    idx = torch.randint(0, model.config.vocab_size, (1, args.tokens), generator=torch.Generator().manual_seed(1))
+    if args.memory_side == "bridge":
+        from transformer_lens.model_bridge import TransformerBridge
+
+        with tempfile.TemporaryDirectory() as tmp:
+            model.save_pretrained(tmp)
+            del model
+            runner = TransformerBridge.boot_transformers(tmp, device="cpu")
+    else:
+        runner = model
+    with torch.no_grad():
+        runner(idx)  # warm: allocator pools and lazy set-up belong to "loaded", not to the cache
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # the peak (VmHWM) starts again from the current resident set
+        loaded = _status_mib("VmRSS")
+        runner.run_with_cache(idx)
+    print(json.dumps({"loaded_mib": loaded, "peak_mib": _status_mib("VmHWM")}))
+
+
+def _status_mib(key: str) -> float:
+    for line in open("/proc/self/status"):
+        if line.startswith(key + ":"):
+            return round(int(line.split()[1]) / 1024, 1)  # kB
+    raise ValueError(f"/proc/self/status has no {key}")
+
+
 def main(argv=None) -> int:
     args = parse_args(argv or [])
     torch.set_num_threads(args.threads)
+    if args.memory_side:
+        _one_side(args)
+        return 0
     from transformer_lens.model_bridge import TransformerBridge
 
     from gptlab.loading import random_model
@@ -107,8 +166,14 @@ def main(argv=None) -> int:
             "tokens": clean.size(1), "cells": grid.numel(), "gptlab_s": round(ours, 3), "bridge_loop_s": round(theirs, 3),
             "speedup": round(theirs / ours, 2), "max_abs_difference": float((grid - loop).abs().max()),
         }  # fmt: skip
+    if not args.no_memory:
+        rows["run_with_cache_memory"] = peak_memory(args)
     for name, row in rows.items():
         print(f"{name}: " + ", ".join(f"{k} {v}" for k, v in row.items()))
     if args.out:
         print(f"results: {write_results('hooks', {'settings': vars(args), 'rows': rows}, args.out)}")
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(__import__("sys").argv[1:]))
