@@ -208,6 +208,12 @@ MUTANTS = [
            "base.weight.add_(layer.delta_weight().to(base.weight.dtype))",
            "base.weight.add_(layer.delta_weight().t().reshape(base.weight.shape).to(base.weight.dtype))",
            ("tests/test_lora.py",)),
+    Mutant("lora/classifier-head-left-out", "lora.py",
+           '        tensors[f"{PREFIX}score.weight"] = model.score.weight.detach().float().contiguous()\n', "",
+           ("tests/test_classifier.py", "-k", "peft")),
+    Mutant("lora/modules-to-save-not-loaded", "lora.py",
+           "        for name, tensor in saved.items():\n            own[name].copy_(tensor)",
+           "        for name, tensor in saved.items():\n            pass", ("tests/test_classifier.py", "-k", "peft")),
     # Instruction tuning (sft.py, the segments in model.py) and classification (classifier.py)
     Mutant("sft/mask-off-by-one", "sft.py",
            "np.where(mask[1 : n + 1], ids[1 : n + 1], IGNORE)", "np.where(mask[0:n], ids[1 : n + 1], IGNORE)",

@@ -278,3 +278,42 @@ def test_head_only_classifier_saves_natively_and_a_language_model_is_refused(tmp
     assert not torch.equal(tuned.transformer.ln_f.weight, base.transformer.ln_f.weight)  # the head trains
     assert main(["classify", "--model", str(tmp_path / "base"), "--text", "hi"]) == 2  # a clear error, exit 2
     assert main(["export", "--model", summary["checkpoint"], "--out", str(tmp_path / "m.gguf")]) == 2
+
+
+def test_classifier_adapters_in_peft_format_both_ways(tmp_path):
+    """SEQ_CLS adapters: gptlab's (body adapters + the score head as modules_to_save) load in PEFT
+    on GPT2ForSequenceClassification with gptlab's logits, and PEFT's load in gptlab with PEFT's."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import GPT2ForSequenceClassification
+
+    from gptlab.loading import load_model
+    from gptlab.lora import LoRASettings, apply_lora, lora_layers, save_adapter
+
+    hf_classifier(tmp_path / "base")
+    x = torch.randint(0, 50000, (2, 6), generator=torch.Generator().manual_seed(5))
+    ours = apply_lora(load_pretrained(tmp_path / "base"), LoRASettings(rank=2, targets=("c_attn.q", "mlp.c_fc")))
+    with torch.no_grad():
+        for layer in lora_layers(ours).values():
+            for b in layer.lora_B.values():
+                b.normal_(0, 0.2)
+        ours.score.weight.normal_(0, 0.5)  # a trained head differs from the base's
+        want = ours(x)[0]
+    save_adapter(ours, tmp_path / "ours")
+    hf = GPT2ForSequenceClassification.from_pretrained(tmp_path / "base")
+    with torch.no_grad():
+        got = PeftModel.from_pretrained(hf, tmp_path / "ours").eval()(input_ids=x).logits
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+    torch.manual_seed(3)
+    theirs = get_peft_model(GPT2ForSequenceClassification.from_pretrained(tmp_path / "base"),
+                            LoraConfig(r=2, target_modules=["c_attn", "c_proj"], task_type="SEQ_CLS",
+                                       fan_in_fan_out=True))  # fmt: skip
+    with torch.no_grad():
+        for name, p in theirs.named_parameters():
+            if "lora_B" in name or "modules_to_save" in name:
+                p.normal_(0, 0.2)
+        want = theirs.eval()(input_ids=x).logits
+    theirs.save_pretrained(tmp_path / "theirs")
+    with torch.no_grad():
+        got = load_model(str(tmp_path / "base"), adapter=str(tmp_path / "theirs"))(x)[0]
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)

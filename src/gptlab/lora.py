@@ -173,7 +173,8 @@ def merge(model: nn.Module) -> nn.Module:
 
 def save_adapter(model: nn.Module, directory: str | os.PathLike, *, base_model: str = "") -> None:
     """Write the model's adapters as a PEFT LoRA directory (adapter_config.json and
-    adapter_model.safetensors) for GPT2LMHeadModel; q/k/v adapters as one exact c_attn adapter."""
+    adapter_model.safetensors) for GPT2LMHeadModel, or for GPT2ForSequenceClassification with the
+    score head as PEFT's modules_to_save; q/k/v adapters as one exact c_attn adapter."""
     from gptlab.checkpoint import atomic_write, atomic_write_text
 
     tensors, ranks, alphas, modules = {}, {}, {}, set()
@@ -189,8 +190,13 @@ def save_adapter(model: nn.Module, directory: str | os.PathLike, *, base_model: 
         ranks[name] = A.size(0)
         alphas[name] = layer.scale * A.size(0)  # PEFT's scale is alpha / r
         modules.add(name.rpartition(".")[2])
+    extra = {}
+    if model.config.num_labels:  # a classifier: its new head goes along, as PEFT's modules_to_save
+        tensors[f"{PREFIX}score.weight"] = model.score.weight.detach().float().contiguous()
+        extra = {"modules_to_save": ["score"]}
     config = {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
+        **extra, "task_type": "SEQ_CLS" if model.config.num_labels else "CAUSAL_LM",
+        "peft_type": "LORA", "base_model_name_or_path": base_model,
         "r": settings.rank, "lora_alpha": settings.alpha, "lora_dropout": settings.dropout,
         "target_modules": sorted(modules), "fan_in_fan_out": True, "bias": "none", "inference_mode": True,
         "rank_pattern": {f"^{n}$": r for n, r in ranks.items()},
@@ -214,7 +220,12 @@ def load_adapter(model: nn.Module, directory: str | os.PathLike) -> nn.Module:
     if config.get("use_dora") or config.get("use_rslora"):
         raise ValueError(f"{directory}: DoRA and rsLoRA adapters are not supported")
     tensors = load_file(str(directory / "adapter_model.safetensors"))
-    names = sorted({k[len(PREFIX) :].rsplit(".lora_", 1)[0] for k in tensors if k.startswith(PREFIX)})
+    names = sorted({k[len(PREFIX) :].rsplit(".lora_", 1)[0] for k in tensors if ".lora_" in k})
+    saved = {k[len(PREFIX) :]: v for k, v in tensors.items() if ".lora_" not in k}  # PEFT's modules_to_save
+    own = model.state_dict()
+    unknown = sorted(set(saved) - set(own))
+    if unknown:
+        raise ValueError(f"{directory}: the adapter holds {', '.join(unknown)}, which this model does not have")
     for p in model.parameters():
         p.requires_grad_(False)
     for name in names:
@@ -227,6 +238,9 @@ def load_adapter(model: nn.Module, directory: str | os.PathLike) -> nn.Module:
         layer.lora_B["all"].data.copy_(B)
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, layer)
+    with torch.no_grad():
+        for name, tensor in saved.items():
+            own[name].copy_(tensor)
     model.lora_settings = LoRASettings(rank=config["r"], alpha=config["lora_alpha"], dropout=config.get("lora_dropout", 0.0), targets=())  # fmt: skip
     return model
 
