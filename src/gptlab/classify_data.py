@@ -17,7 +17,7 @@ import torch
 
 from gptlab.checkpoint import atomic_write, atomic_write_text
 from gptlab.classifier import GPTForSequenceClassification, pad_rows
-from gptlab.data import MANIFEST, resolve_inputs, token_dtype
+from gptlab.data import MANIFEST, CountedLoader, resolve_inputs, token_dtype
 from gptlab.tokenizer import get_tokenizer
 
 
@@ -60,7 +60,7 @@ def prepare_classify(inputs, out_dir, *, tokenizer: str = "gpt2", labels: list[s
     return manifest
 
 
-class ClassifyLoader:
+class ClassifyLoader(CountedLoader):
     """(x, labels, {"attention_mask"}) batches: B texts right-padded to the longest (at most
     block_size), their label ids (B,). mode "random" reshuffles each epoch, seeded by (seed,
     epoch); "sequential" goes in order, wrapping. The state is the batch counter."""
@@ -101,19 +101,6 @@ class ClassifyLoader:
         rows = [self.tokens[self.offsets[i] : self.offsets[i + 1]][: self.block_size].tolist() for i in self.indices(k)]
         x, mask = pad_rows(rows, self.pad_id)
         return x, torch.from_numpy(self.labels[self.indices(k)]), {"attention_mask": mask}
-
-    def next_batch(self):
-        out = self.batch(self.batch_index)
-        self.batch_index += 1
-        return out
-
-    def state_dict(self) -> dict:
-        return {"batch_index": self.batch_index, "mode": self.mode, "seed": self.seed}
-
-    def load_state_dict(self, state: dict) -> None:
-        if state.get("mode", self.mode) != self.mode or state.get("seed", self.seed) != self.seed:
-            raise ValueError(f"loader state {state} does not match this loader")
-        self.batch_index = int(state["batch_index"])
 
 
 @torch.no_grad()

@@ -285,7 +285,30 @@ def read_manifest(data_dir: str | os.PathLike) -> dict:
 # TokenLoader: memory-mapped (x, y) batches
 
 
-class TokenLoader:
+class CountedLoader:
+    """A loader whose batch k is a pure function of (its settings, k): its whole state is the
+    counter. Subclasses define `batch(k)` and set batch_index, mode and seed (and may name more
+    settings that a saved state must match in STATE_KEYS)."""
+
+    STATE_KEYS = ("mode", "seed")
+
+    def next_batch(self):
+        """The next batch; advances the counter."""
+        out = self.batch(self.batch_index)
+        self.batch_index += 1
+        return out
+
+    def state_dict(self) -> dict:
+        return {"batch_index": self.batch_index, **{k: getattr(self, k) for k in self.STATE_KEYS}}
+
+    def load_state_dict(self, state: dict) -> None:
+        mine = self.state_dict()
+        if any(state.get(k, mine[k]) != mine[k] for k in self.STATE_KEYS):
+            raise ValueError(f"loader state {state} does not match this loader ({mine})")
+        self.batch_index = int(state["batch_index"])
+
+
+class TokenLoader(CountedLoader):
     """(x, y) int64 batches (B, T) from a token file, y = x shifted by one token.
 
     mode "random": batch k takes global_batch = B * world_size windows at offsets drawn from a
@@ -348,19 +371,3 @@ class TokenLoader:
         windows = np.stack([self.tokens[s : s + T + 1] for s in self.offsets(k)]).astype(np.int64)  # (B, T+1)
         w = torch.from_numpy(windows)
         return w[:, :-1], w[:, 1:]  # (B, T), (B, T)
-
-    def next_batch(self):
-        """The next batch; advances the counter."""
-        out = self.batch(self.batch_index)
-        self.batch_index += 1
-        return out
-
-    def state_dict(self) -> dict:
-        return {"batch_index": self.batch_index, "mode": self.mode, "seed": self.seed}
-
-    def load_state_dict(self, state: dict) -> None:
-        if state.get("mode", self.mode) != self.mode or state.get("seed", self.seed) != self.seed:
-            raise ValueError(
-                f"loader state for mode={state.get('mode')} seed={state.get('seed')} does not match this loader"
-            )
-        self.batch_index = int(state["batch_index"])

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from gptlab.checkpoint import atomic_write, atomic_write_text
-from gptlab.data import MANIFEST, resolve_inputs, token_dtype
+from gptlab.data import MANIFEST, CountedLoader, resolve_inputs, token_dtype
 from gptlab.tokenizer import get_tokenizer
 
 IGNORE = -100
@@ -267,7 +267,7 @@ def pack_rows(lengths: np.ndarray, order: np.ndarray, block_size: int) -> list[n
     return rows
 
 
-class ExampleLoader:
+class ExampleLoader(CountedLoader):
     """(x, y, extra) batches (B, T) of SFT examples; y is -100 where no loss is taken.
 
     mode "random" reshuffles the examples every epoch (seeded by (seed, epoch)); "sequential"
@@ -276,6 +276,8 @@ class ExampleLoader:
     longest (T <= block_size), extra empty.
     Ranks take their own rows of each global batch; the state is the batch counter.
     """
+
+    STATE_KEYS = ("mode", "seed", "layout")
 
     def __init__(self, data_dir, split, batch_size, block_size, *, dtype="uint16", layout="pad",
                  mode="random", seed=0, rank=0, world_size=1, pad_id=50256):  # fmt: skip
@@ -344,20 +346,6 @@ class ExampleLoader:
                 at += n
         extra = {"segments": torch.from_numpy(seg)} if self.layout == "pack" else {}
         return torch.from_numpy(x), torch.from_numpy(y), extra
-
-    def next_batch(self):
-        out = self.batch(self.batch_index)
-        self.batch_index += 1
-        return out
-
-    def state_dict(self) -> dict:
-        return {"batch_index": self.batch_index, "mode": self.mode, "seed": self.seed, "layout": self.layout}
-
-    def load_state_dict(self, state: dict) -> None:
-        mine = self.state_dict()
-        if any(state.get(k, mine[k]) != mine[k] for k in ("mode", "seed", "layout")):
-            raise ValueError(f"loader state {state} does not match this loader ({mine})")
-        self.batch_index = int(state["batch_index"])
 
 
 def render_example(data_dir, index: int = 0, split: str = "train", *, color: bool = False) -> str:
