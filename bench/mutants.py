@@ -235,8 +235,8 @@ MUTANTS = [
            "positions = (mask.long().cumsum(1) - 1).clamp(min=0)",
            "positions = torch.arange(T, device=idx.device).expand(B, T)", ("tests/test_classifier.py",)),
     Mutant("classify/labels-shuffled-in-batches", "classify_data.py",
-           "return x, torch.from_numpy(self.labels[self.indices(k)]), {\"attention_mask\": mask}",
-           "return x, torch.from_numpy(np.sort(self.labels[self.indices(k)])), {\"attention_mask\": mask}",
+           "return x, torch.from_numpy(self.labels[chosen]), {\"attention_mask\": mask}",
+           "return x, torch.from_numpy(np.sort(self.labels[chosen])), {\"attention_mask\": mask}",
            ("tests/test_classifier.py",)),
     # lm-eval: the backend (harness.py) and what local-completions reads from the server
     Mutant("harness/continuation-split-one-early", "harness.py",

@@ -132,7 +132,7 @@ def test_loader_batches_are_pure_functions_of_k_and_cover_each_epoch(tmp_path):
         b = ExampleLoader(tmp_path / "d", "train", 3, 64, layout=layout, seed=5)
         for k in (0, 7, 3):
             assert all(torch.equal(u, v) for u, v in zip(a.batch(k)[:2], b.batch(k)[:2], strict=True))
-        epoch = a._epoch_rows(0)
+        epoch = a.epoch_rows(0)
         assert sorted(int(i) for row in epoch for i in row) == list(range(30))  # every example once
         assert all(a.lengths[row].sum() <= 64 for row in epoch)
 

@@ -17,7 +17,7 @@ import torch
 
 from gptlab.checkpoint import atomic_write, atomic_write_text
 from gptlab.classifier import GPTForSequenceClassification, pad_rows
-from gptlab.data import MANIFEST, CountedLoader, resolve_inputs, token_dtype
+from gptlab.data import MANIFEST, CountedLoader, epoch_permutation, resolve_inputs, token_dtype
 from gptlab.tokenizer import get_tokenizer
 
 
@@ -78,6 +78,7 @@ class ClassifyLoader(CountedLoader):
             raise ValueError(f"{data_dir}: {split}.labels.bin and .offsets.bin disagree")
         self.batch_size, self.block_size, self.mode, self.seed = batch_size, block_size, mode, seed
         self.rank, self.world_size, self.pad_id = rank, world_size, pad_id
+        self._orders: dict[int, np.ndarray] = {}  # epoch -> its order (mode "random")
         self.batch_index = 0
 
     def __len__(self) -> int:
@@ -90,17 +91,17 @@ class ClassifyLoader(CountedLoader):
         if self.mode == "sequential":
             chosen = flat % n
         else:
-            epochs = {}
             for e in np.unique(flat // n):
-                g = torch.Generator().manual_seed(self.seed * 1_000_003 + int(e))
-                epochs[e] = torch.randperm(n, generator=g).numpy()
-            chosen = np.asarray([epochs[f // n][f % n] for f in flat])
+                if e not in self._orders:
+                    self._orders[e] = epoch_permutation(self.seed, int(e), n)
+            chosen = np.asarray([self._orders[f // n][f % n] for f in flat])
         return chosen[self.rank * self.batch_size : (self.rank + 1) * self.batch_size]
 
     def batch(self, k: int):
-        rows = [self.tokens[self.offsets[i] : self.offsets[i + 1]][: self.block_size].tolist() for i in self.indices(k)]
+        chosen = self.indices(k)
+        rows = [self.tokens[self.offsets[i] : self.offsets[i + 1]][: self.block_size].tolist() for i in chosen]
         x, mask = pad_rows(rows, self.pad_id)
-        return x, torch.from_numpy(self.labels[self.indices(k)]), {"attention_mask": mask}
+        return x, torch.from_numpy(self.labels[chosen]), {"attention_mask": mask}
 
 
 @torch.no_grad()

@@ -285,6 +285,13 @@ def read_manifest(data_dir: str | os.PathLike) -> dict:
 # TokenLoader: memory-mapped (x, y) batches
 
 
+def epoch_permutation(seed: int, epoch: int, n: int) -> np.ndarray:
+    """The order of n examples in one epoch, seeded by (seed, epoch)."""
+    import torch
+
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch)).numpy()
+
+
 class CountedLoader:
     """A loader whose batch k is a pure function of (its settings, k): its whole state is the
     counter. Subclasses define `batch(k)` and set batch_index, mode and seed (and may name more

@@ -26,7 +26,6 @@ from gptlab.hf import load_pretrained
 from gptlab.model import GPT
 from gptlab.quantize import load_quantized
 
-LORA_FILE = "lora.safetensors"  # a LoRA run's trained tensors (gptlab.train.checkpointing)
 HUB_MODELS = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")  # presets that are also OpenAI's Hub ids
 
 
@@ -66,10 +65,8 @@ def _load_base(spec: str, *, device=None, dtype=None) -> GPT:
 
 
 def _lora_run(path: Path, meta: dict, *, device=None, dtype=None) -> GPT:
-    """A LoRA run's checkpoint: the base it named, made a classifier if the run was one, its
-    adapters, and the other tensors it trained (a classifier's head) from lora.safetensors."""
-    from safetensors.torch import load_file
-
+    """A LoRA run's checkpoint: the base it named, made a classifier if the run was one, then its
+    adapters (PEFT's files, a classifier's head among them as modules_to_save)."""
     from gptlab.classifier import from_language_model
     from gptlab.lora import load_adapter
 
@@ -77,13 +74,7 @@ def _lora_run(path: Path, meta: dict, *, device=None, dtype=None) -> GPT:
     config = GPTConfig.from_dict(meta["config"])
     if config.num_labels and not model.config.num_labels:
         model = from_language_model(model, config.labels, config.pad_token_id).eval()
-    load_adapter(model, path)
-    trained = {k: v for k, v in load_file(path / LORA_FILE, device=str(device or "cpu")).items() if ".lora_" not in k}
-    state = model.state_dict()
-    with torch.no_grad():
-        for name, tensor in trained.items():
-            state[name].copy_(tensor)
-    return model
+    return load_adapter(model, path)
 
 
 def is_preset(spec: str) -> bool:

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from gptlab.checkpoint import atomic_write, atomic_write_text
-from gptlab.data import MANIFEST, CountedLoader, resolve_inputs, token_dtype
+from gptlab.data import MANIFEST, CountedLoader, epoch_permutation, read_manifest, resolve_inputs, token_dtype
 from gptlab.tokenizer import get_tokenizer
 
 IGNORE = -100
@@ -292,16 +292,11 @@ class ExampleLoader(CountedLoader):
         self._epochs: list[list[np.ndarray]] = []  # rows of each epoch computed so far
         self.batch_index = 0
 
-    def _epoch_rows(self, e: int) -> list[np.ndarray]:
+    def epoch_rows(self, e: int) -> list[np.ndarray]:
+        """Example indices of each row of epoch e (computed once per epoch)."""
         while len(self._epochs) <= e:
             n = len(self.examples)
-            if self.mode == "random":
-                import torch
-
-                g = torch.Generator().manual_seed(self.seed * 1_000_003 + len(self._epochs))
-                order = torch.randperm(n, generator=g).numpy()
-            else:
-                order = np.arange(n)
+            order = epoch_permutation(self.seed, len(self._epochs), n) if self.mode == "random" else np.arange(n)
             if self.layout == "pack":
                 self._epochs.append(pack_rows(self.lengths, order, self.block_size))
             else:
@@ -313,13 +308,13 @@ class ExampleLoader(CountedLoader):
         G = self.batch_size * self.world_size
         first, out, e = k * G, [], 0
         if self.mode == "sequential":  # one pass, wrapping around
-            rows = self._epoch_rows(0)
+            rows = self.epoch_rows(0)
             return [rows[(first + self.rank * self.batch_size + j) % len(rows)] for j in range(self.batch_size)]
-        while first >= len(self._epoch_rows(e)):
-            first -= len(self._epoch_rows(e))
+        while first >= len(self.epoch_rows(e)):
+            first -= len(self.epoch_rows(e))
             e += 1
         while len(out) < G:
-            rows = self._epoch_rows(e)
+            rows = self.epoch_rows(e)
             out += rows[first : first + G - len(out)]
             first, e = 0, e + 1
         return out[self.rank * self.batch_size : (self.rank + 1) * self.batch_size]
@@ -351,7 +346,7 @@ class ExampleLoader(CountedLoader):
 def render_example(data_dir, index: int = 0, split: str = "train", *, color: bool = False) -> str:
     """Example `index` as text with the trained-on tokens marked: [[...]] around each trained
     run (or green with color=True). Wrong masks are the most common silent SFT bug: look."""
-    manifest = json.loads((Path(data_dir) / MANIFEST).read_text())
+    manifest = read_manifest(data_dir)
     examples = Examples(data_dir, split, manifest["dtype"])
     if not 0 <= index < len(examples):
         raise ValueError(f"example {index} out of range: {split} has {len(examples)} examples")

@@ -10,6 +10,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from gptlab.checkpoint import atomic_write_text
+from gptlab.commands.demo import RELATIVE
+
+# tiny-shakespeare beside the repository, where this workplace keeps it (`make demo` reads it too)
+CORPUS = str(Path(__file__).resolve().parents[3] / RELATIVE)
 
 
 def machine() -> dict:

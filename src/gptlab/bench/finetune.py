@@ -129,7 +129,7 @@ def instruct_recipe(args, work: Path) -> dict:
     for name, (data, layout) in SFT_RUNS.items():
         out = work / "runs" / ("sft-" + name.replace(", ", "-"))
         loader = ExampleLoader(work / data, "train", args.batch_size, 128, layout=layout)
-        steps = max(1, round(args.sft_epochs * len(loader._epoch_rows(0)) / args.batch_size))
+        steps = max(1, round(args.sft_epochs * len(loader.epoch_rows(0)) / args.batch_size))
         run = train_run(args.base, work / data, out, steps, args.batch_size, args.sft_lr, sft_layout=layout)
         trained = int(sum((loader.batch(k)[1] != -100).sum() for k in range(8))) / 8  # per batch
         step_s = run["seconds"] / run["steps_run"]
@@ -169,10 +169,10 @@ def layout_speed(args, work: Path, steps: int = 6) -> dict:
             forward_loss(model, loader.batch(k), "cpu")[1].backward()
             times.append(time.perf_counter() - t0)
         step_s = sorted(times[1:])[len(times[1:]) // 2]  # median, the first (warm-up) step left out
-        epoch_s = len(loader._epoch_rows(0)) / args.batch_size * step_s
-        out[layout] = dict(step_s=step_s, rows_per_epoch=len(loader._epoch_rows(0)), epoch_s=epoch_s)
+        epoch_s = len(loader.epoch_rows(0)) / args.batch_size * step_s
+        out[layout] = dict(step_s=step_s, rows_per_epoch=len(loader.epoch_rows(0)), epoch_s=epoch_s)
         print(
-            f"instruct  varied lengths, {layout}: {step_s:.3f} s/step, {len(loader._epoch_rows(0))} rows, epoch {epoch_s:.0f} s"
+            f"instruct  varied lengths, {layout}: {step_s:.3f} s/step, {len(loader.epoch_rows(0))} rows, epoch {epoch_s:.0f} s"
         )
     return out
 

@@ -22,7 +22,8 @@ import random
 import re
 from pathlib import Path
 
-CORPUS = Path(__file__).resolve().parents[3] / ".." / "shared" / "data" / "tinyshakespeare.txt"
+from gptlab.bench.common import CORPUS
+
 TASKS = ("add", "repeat", "brackets", "reverse")
 
 

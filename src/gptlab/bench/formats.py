@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from gptlab.bench.common import write_results
+from gptlab.bench.common import CORPUS, write_results
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ def parse_args(argv):
     p.add_argument("--no-llama-cpp", action="store_true", help="skip the llama.cpp comparisons")
     p.add_argument("--build", action="store_true", help="build llama.cpp when no build is cached (~8 min)")
     p.add_argument("--ppl-model", default=None, help="a trained model (any --model spec) for the perplexity row")
-    p.add_argument("--data", default="/work/shared/data/tinyshakespeare.txt", help="text for the perplexity row")
+    p.add_argument("--data", default=CORPUS, help="text for the perplexity row")
     p.add_argument("--val-fraction", type=float, default=0.1, help="the last part of --data is scored")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default="bench/results", help="results directory ('' to skip writing)")

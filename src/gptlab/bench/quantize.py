@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from gptlab.bench.common import write_results
+from gptlab.bench.common import CORPUS, write_results
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ SCHEMES = {
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="gptlab bench quantize", description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="a trained model for the perplexity rows (any --model spec)")
-    p.add_argument("--data", default="/work/shared/data/tinyshakespeare.txt", help="text file")
+    p.add_argument("--data", default=CORPUS, help="text file")
     p.add_argument("--val-fraction", type=float, default=0.1, help="the last part of --data scored")
     p.add_argument("--tokens", type=int, default=256, help="excerpt length for the logits comparison")
     p.add_argument("--decode-tokens", type=int, default=2048, help="validation tokens scored one at a time (decoding)")

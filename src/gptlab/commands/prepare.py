@@ -36,6 +36,8 @@ def run(args):
             raise ValueError("prepare needs --input (or --show N to look at a prepared SFT directory)")
     else:
         fmt = args.format if args.format != "auto" else sft.record_format(args.input) or "text"
+        if args.show and fmt != "sft":
+            raise ValueError(f"--show marks the trained-on tokens of instruction data; this input is {fmt}")
         if fmt == "sft":
             _prepare_sft(args)
         elif fmt == "classify":
@@ -56,8 +58,6 @@ def _prepare_text(args):
     print(
         f"{args.out}: {t['train']:,} train + {t['val']:,} val tokens ({manifest['dtype']}, tokenizer {manifest['tokenizer']})"
     )
-    if args.show:
-        raise ValueError("--show marks the trained-on tokens of instruction data; this input is plain text")
 
 
 def _prepare_sft(args):
@@ -81,5 +81,3 @@ def _prepare_classify(args):
     e = m["examples"]
     counts = ", ".join(f"{n} {c}" for n, c in zip(m["labels"], m["per_label"]["train"], strict=True))
     print(f"{args.out}: {e['train']:,} train + {e['val']:,} val texts; labels (train): {counts}")
-    if args.show:
-        raise ValueError("--show marks the trained-on tokens of instruction data; this is a classification set")

@@ -18,9 +18,9 @@ import torch
 from gptlab import run_files
 from gptlab.checkpoint import load_state_strict, save_model
 from gptlab.classifier import model_for
-from gptlab.loading import LORA_FILE  # a LoRA run's trained tensors
 
 log = logging.getLogger(__name__)
+LORA_FILE = "lora.safetensors"  # a LoRA run's trained tensors, exactly, for resuming
 
 
 def full_state_dicts(trainer) -> tuple[dict, dict]:

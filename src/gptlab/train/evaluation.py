@@ -33,13 +33,12 @@ def evaluate(trainer) -> dict:
                 val_ppl=math.exp(min(val_loss, 50.0)), sample=text, **extra)  # fmt: skip
 
 
-def forward_loss(model, batch, device, **kwargs):
+def forward_loss(model, batch, device):
     """(logits or None, mean loss) of one batch: (x, y) from a TokenLoader, or (x, y, extra) whose
     extra holds more forward arguments (packed examples' segments, a classifier's padding mask)."""
     x, y, *extra = batch
     more = {k: v.to(device, non_blocking=True) for k, v in (extra[0] if extra else {}).items()}
-    return model(x.to(device, non_blocking=True), y.to(device, non_blocking=True), return_logits=False,
-                 **more, **kwargs)  # fmt: skip
+    return model(x.to(device, non_blocking=True), y.to(device, non_blocking=True), return_logits=False, **more)
 
 
 def sample(trainer) -> str:

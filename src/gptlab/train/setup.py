@@ -132,17 +132,16 @@ def build_loaders(cfg: TrainConfig, manifest: dict, dist: Dist):
     """Random training batches and the fixed sequential validation batches, this rank's rows:
     windows of a token stream, or whole examples of an SFT directory (gptlab.sft)."""
     common = dict(dtype=manifest["dtype"], rank=dist.rank, world_size=dist.world_size, seed=cfg.seed)
-    if manifest.get("kind") == "classify":
-        from gptlab.classify_data import ClassifyLoader
+    kind = manifest.get("kind")
+    if kind in ("classify", "sft"):  # whole examples: gptlab.classify_data, gptlab.sft
+        if kind == "classify":
+            from gptlab.classify_data import ClassifyLoader as Loader
+        else:
+            from gptlab.sft import ExampleLoader as Loader
 
-        return tuple(ClassifyLoader(cfg.data_dir, split, cfg.batch_size, cfg.block_size, mode=mode, **common)
+            common["layout"] = cfg.sft_layout
+        return tuple(Loader(cfg.data_dir, split, cfg.batch_size, cfg.block_size, mode=mode, **common)
                      for split, mode in (("train", "random"), ("val", "sequential")))  # fmt: skip
-    if manifest.get("kind") == "sft":
-        from gptlab.sft import ExampleLoader
-
-        loaders = [ExampleLoader(cfg.data_dir, split, cfg.batch_size, cfg.block_size, layout=cfg.sft_layout,
-                                 mode=mode, **common) for split, mode in (("train", "random"), ("val", "sequential"))]  # fmt: skip
-        return tuple(loaders)
     train = TokenLoader(Path(cfg.data_dir) / "train.bin", cfg.batch_size, cfg.block_size, mode="random", **common)
     val = TokenLoader(Path(cfg.data_dir) / "val.bin", cfg.batch_size, cfg.block_size, mode="sequential", **common)
     return train, val
