@@ -89,17 +89,15 @@ def reference_int8(x, layer):
 
 
 def reference_int4(x, layer):
-    """The int4 kernel's arithmetic in float64: x quantized in blocks of 32, the dequantized weight."""
-    M, K = x.shape
-    xb = x.view(M, K // 32, 32)
-    amax = xb.abs().amax(dim=-1, keepdim=True)
-    xq = torch.round(xb * (127.0 / amax)) * (amax.double() / 127)  # (M, K/32, 32) dequantized
-    return xq.view(M, K) @ layer.dequantize().double().T + layer.bias.double()
+    """The int4 kernel's arithmetic in float64: x quantized per row (as int8's), the dequantized weight."""
+    amax = x.abs().amax(dim=1, keepdim=True)
+    xq = torch.round(x * (127.0 / amax)) * (amax.double() / 127)  # (M, K) dequantized
+    return xq @ layer.dequantize().double().T + layer.bias.double()
 
 
 @needs_int
 @pytest.mark.parametrize("shape", [(37, 40), (70, 768), (30, 3072)])
-@pytest.mark.parametrize("M", [1, 2, 4, 7])
+@pytest.mark.parametrize("M", [1, 2, 4, 7, 100])  # 100 rows of 3072: three tiles of x (quantized.c)
 def test_int8_kernel_matches_its_arithmetic(shape, M, calls):
     N, K = shape
     torch.manual_seed(2)
@@ -114,13 +112,14 @@ def test_int8_kernel_matches_its_arithmetic(shape, M, calls):
 
 @needs_int
 @pytest.mark.parametrize("group_size", [32, 64, 128, 256])
-@pytest.mark.parametrize("M", [1, 3, 6, 41])  # 41: a short prompt, still the kernel
+@pytest.mark.parametrize("M", [1, 3, 6, 41, 200])  # 41, 200: prompts (spread scales; 200: two tiles of x)
 def test_int4_kernel_matches_its_arithmetic(group_size, M, calls):
     N, K = 45, 768
     torch.manual_seed(3)
     layer = Int4Linear.from_linear(nn.Linear(K, N), group_size)
     layer.prepare()
-    x = torch.randn(M, K) * torch.linspace(0.1, 3, K)  # blocks of different scales
+    layer._decode_rows = M  # the kernel even past INT4_KERNEL_ROWS, where prompts dequantize instead
+    x = torch.randn(M, K) * torch.linspace(0.1, 3, K)  # groups of different scales
     y = layer(x)
     assert calls["gl_linear_i4"] == 1
     ref = reference_int4(x, layer)

@@ -3,7 +3,8 @@
  *   gl_linear_i8   int8 W (N, K) with one scale per row; x quantized per row to int8 (one scale
  *                  per row of x), as llama.cpp's Q8_0 x Q8_0.
  *   gl_linear_i4   int4 W (N, K/2) (even column in the low nibble), a scale and zero per group of
- *                  g inputs; x quantized to int8 in blocks of 32 with one scale each (Q8_0).
+ *                  g inputs; x quantized per row too (so the integer products need one fp32 scale
+ *                  per block of W only: a quarter fewer instructions than Q4_0 x Q8_0's two).
  *
  * The integer sums are exact on every variant (vi_dot_i8 and vi_dot_u4 in simd.h never saturate),
  * so the variants differ only in the order of the fp32 sums after them.
@@ -12,18 +13,50 @@
 
 /* ---------------------------------------------------------------- int8 weights, one scale per row */
 
+/* Rows of x at which quantizing them is worth the threads (a prompt, not a decoding step). */
+#define QUANTIZE_PARALLEL_ROWS 16
+
+/* max |p[0..n)| for n a multiple of VW. */
+static inline float absmax(const float *p, int n) {
+    vf m = vf_zero();
+    for (int k = 0; k < n; k += VW) m = vf_max(m, vf_abs(vf_load(p + k)));
+    return vf_hmax(m);
+}
+
+/* q[k] = round(p[k] inv) + offset as bytes, k < n, n a multiple of VW (rounding to nearest even,
+ * as lrintf: the same bytes on every variant). */
+static inline void quantize_bytes(const float *p, void *q, int n, float inv, float offset) {
+    const vf vinv = vf_set1(inv), voff = vf_set1(offset);
+    for (int k = 0; k < n; k += VW) vf_store_bytes((uint8_t *)q + k, vf_add(vf_round(vf_mul(vf_load(p + k), vinv)), voff));
+}
+
 /* Quantize x (M, K) fp32 per row: xq = round(x / s) (+ GL_I8_OFFSET, see simd.h), s = max|x| / 127;
  * writes xq (M, K) and s (M). */
-static void quantize_rows_i8(const float *x, uint8_t *xq, float *s, int M, int K) {
+static void quantize_rows_i8(const float *x, uint8_t *xq, float *s, int M, int K, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (M >= QUANTIZE_PARALLEL_ROWS)
     for (int m = 0; m < M; m++) {
         const float *r = x + (size_t)m * K;
-        float amax = 0.0f;
-        for (int k = 0; k < K; k++) amax = fmaxf(amax, fabsf(r[k]));
+        uint8_t *q = xq + (size_t)m * K;
+        const int kv = K - K % VW;
+        float amax = absmax(r, kv);
+        for (int k = kv; k < K; k++) amax = fmaxf(amax, fabsf(r[k]));
         float scale = amax / 127.0f, inv = amax > 0 ? 127.0f / amax : 0.0f;
-        for (int k = 0; k < K; k++) xq[(size_t)m * K + k] = (uint8_t)(lrintf(r[k] * inv) + GL_I8_OFFSET);
+        quantize_bytes(r, q, kv, inv, (float)GL_I8_OFFSET);
+        for (int k = kv; k < K; k++) q[k] = (uint8_t)(lrintf(r[k] * inv) + GL_I8_OFFSET);
         s[m] = scale;
     }
 }
+
+/* Rows of x per tile: a prompt's quantized x is multiplied a tile at a time, each tile small enough
+ * to stay in L2 (X_TILE_BYTES) while all of W streams past it, instead of all of x streaming from
+ * L3 once per block of W's rows (x is 1.5 MiB at 512 x 3072). */
+#define X_TILE_BYTES (128 * 1024)
+static int x_tile_rows(int K) {
+    const int rows = X_TILE_BYTES / K / MROWS * MROWS;
+    return rows > MROWS ? rows : MROWS;
+}
+/* The end of the tile of x starting at row t0. */
+static inline int tile_end(int t0, int tile, int M) { return M - t0 < tile ? M : t0 + tile; }
 
 /* The first n (< VB) bytes of p, the rest 0. */
 static inline vi vi_load_part(const void *p, int n) {
@@ -97,21 +130,25 @@ int gl_linear_i8(const float *x, const int8_t *w, const uint16_t *ws, const int3
     uint8_t *xq = gl_scratch((size_t)M * K + (size_t)M * sizeof(float) + 64);
     if (!xq) return -1;
     float *xs = (float *)(xq + (((size_t)M * K + 63) & ~(size_t)63));
-    quantize_rows_i8(x, xq, xs, M, K);
-    const int nblocks = (N + ROWS - 1) / ROWS;
-#pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int blk = 0; blk < nblocks; blk++) {
-        const int n0 = blk * ROWS, R = N - n0 < ROWS ? 1 : ROWS; /* the last partial block: row by row */
-        for (int n = n0; n < n0 + ROWS && n < N; n += R) {
-            for (int m0 = 0; m0 < M; m0 += MROWS) {
-                const int mm = M - m0 < MROWS ? M - m0 : MROWS;
-                int32_t out[ROWS][MROWS];
-                i8_block(w + (size_t)n * K, xq + (size_t)m0 * K, R, mm, K, out);
-                for (int r = 0; r < R; r++) {
-                    float scale = bf16_to_f32(ws[n + r]);
-                    for (int m = 0; m < mm; m++) {
-                        int32_t dot = out[r][m] - GL_I8_OFFSET * wsum[n + r];
-                        y[(size_t)(m0 + m) * N + n + r] = xs[m0 + m] * scale * (float)dot + (b ? b[n + r] : 0.0f);
+    quantize_rows_i8(x, xq, xs, M, K, nthreads);
+    const int nblocks = (N + ROWS - 1) / ROWS, tile = x_tile_rows(K);
+#pragma omp parallel num_threads(nthreads)
+    for (int t0 = 0; t0 < M; t0 += tile) { /* a tile of x stays in L2 while W streams past it */
+        const int t1 = tile_end(t0, tile, M);
+#pragma omp for schedule(static)
+        for (int blk = 0; blk < nblocks; blk++) {
+            const int n0 = blk * ROWS, R = N - n0 < ROWS ? 1 : ROWS; /* the last partial block: row by row */
+            for (int n = n0; n < n0 + ROWS && n < N; n += R) {
+                for (int m0 = t0; m0 < t1; m0 += MROWS) {
+                    const int mm = t1 - m0 < MROWS ? t1 - m0 : MROWS;
+                    int32_t out[ROWS][MROWS];
+                    i8_block(w + (size_t)n * K, xq + (size_t)m0 * K, R, mm, K, out);
+                    for (int r = 0; r < R; r++) {
+                        float scale = bf16_to_f32(ws[n + r]);
+                        for (int m = 0; m < mm; m++) {
+                            int32_t dot = out[r][m] - GL_I8_OFFSET * wsum[n + r];
+                            y[(size_t)(m0 + m) * N + n + r] = xs[m0 + m] * scale * (float)dot + (b ? b[n + r] : 0.0f);
+                        }
                     }
                 }
             }
@@ -126,76 +163,110 @@ int gl_linear_i8(const float *x, const int8_t *w, const uint16_t *ws, const int3
  * int32 lane l of a dot product sums inputs 8l..8l+7 of the chunk, i.e. block (of 32) l / 4. */
 #define CHUNK (2 * VB)
 
-/* Quantize x (M, K) fp32 in blocks of 32: q = round(x / d), d = max|x| / 127 per block, written
+/* Quantize x (M, K) fp32 per row, as gl_linear_i8 (xq = round(x / s), s = max|x| / 127), written
  * in the order the int4 kernel reads: in each chunk, its VB even inputs, then its VB odd ones (the
- * packed weights hold columns 2i and 2i+1 in one byte). Writes xq (M, K) int8, d (M, K/32) and
- * gsum (M, K/g): the sum of the dequantized x over each group of g inputs. */
-static void quantize_blocks_i8(const float *x, int8_t *xq, float *d, float *gsum, int M, int K, int g) {
+ * packed weights hold columns 2i and 2i+1 in one byte). Writes xq (M, K) int8, s (M) and gsum
+ * (M, K/g): the sum of the dequantized x over each group of g inputs. */
+static void quantize_rows_i4(const float *x, int8_t *xq, float *s, float *gsum, int M, int K, int g, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (M >= QUANTIZE_PARALLEL_ROWS)
     for (int m = 0; m < M; m++) {
         const float *r = x + (size_t)m * K;
         int8_t *q = xq + (size_t)m * K;
-        float *dm = d + (size_t)m * (K / 32), *gs = gsum + (size_t)m * (K / g);
+        float *gs = gsum + (size_t)m * (K / g);
+        const float amax = absmax(r, K), scale = amax / 127.0f, inv = amax > 0 ? 127.0f / amax : 0.0f;
         for (int j = 0; j < K / g; j++) gs[j] = 0.0f;
-        for (int j = 0; j < K / 32; j++) {
-            float amax = 0.0f;
-            for (int t = 0; t < 32; t++) amax = fmaxf(amax, fabsf(r[32 * j + t]));
-            float scale = amax / 127.0f, inv = amax > 0 ? 127.0f / amax : 0.0f;
-            int bsum = 0;
-            for (int t = 0; t < 32; t++) {
-                int k = 32 * j + t, v = (int)lrintf(r[k] * inv);
-                int c = k / CHUNK, i = k % CHUNK; /* even inputs first, then odd, in each chunk */
-                q[CHUNK * c + (i % 2) * VB + i / 2] = (int8_t)v;
-                bsum += v;
+        for (int c = 0; c < K / CHUNK; c++) {
+            int8_t t[CHUNK]; /* the chunk's values in input order */
+            quantize_bytes(r + CHUNK * c, t, CHUNK, inv, 0.0f);
+            for (int b = 0; b < CHUNK / 32; b++) { /* groups are whole blocks of 32 */
+                int bsum = 0;
+                for (int i = 0; i < 32; i++) bsum += t[32 * b + i];
+                gs[(CHUNK * c + 32 * b) / g] += (float)bsum; /* exact: |sum| < 2^24 */
             }
-            dm[j] = scale;
-            gs[(32 * j) / g] += scale * (float)bsum;
+            vi_deinterleave_bytes(t, q + CHUNK * c); /* even inputs, then odd */
         }
+        for (int j = 0; j < K / g; j++) gs[j] *= scale;
+        s[m] = scale;
     }
 }
 
-/* R rows of an int4 W times M rows of x (R, M compile-time constants); out[r][m]. Row r's weights
- * wr + r * K/2, scales sr + r * G, zeros zr + r * G; g = 32 << gshift. The weight w = q * scale +
- * (zero - 8 scale): y = sum over blocks of scale * d * (sum q xq) + (zero - 8 scale) * gsum. */
-AI void i4_rows(const int8_t *xq, const float *xd, const float *xgsum, const uint8_t *wr, const uint16_t *sr,
-                const uint16_t *zr, const int R, const int M, int K, const int gshift, float out[2][MROWS]) {
-    const int G = (K / 32) >> gshift, B = K / 32;
+/* A prompt (at least I4_SPREAD_ROWS rows of x) reuses each weight row's scales for every row of
+ * x, so they are spread once per call into one fp32 vector per chunk (lane l: the scale of the
+ * block lane l's inputs belong to, as vf_spread makes them), with the offsets (zero - 8 scale) per
+ * group: the same values decoding computes in its loop, so the products agree bit for bit. */
+#define I4_SPREAD_ROWS 16
+static const float ONES[4] = {1.0f, 1.0f, 1.0f, 1.0f};
+
+AI vf spread_scales(const uint16_t *sr, int c, int gshift) {
+    return vf_spread(vs_scales(sr, c * (VW / 4), gshift), vs_load(ONES));
+}
+
+/* wsv (N, K / CHUNK, VW) and wo (N, G) from W's bf16 scales and zeros (N, G). */
+static void spread_weight_scales(const uint16_t *scales, const uint16_t *zeros, float *wsv, float *wo, int N, int K,
+                                 int g, int gshift, int nthreads) {
+    const int G = K / g, C = K / CHUNK;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int n = 0; n < N; n++) {
+        const uint16_t *sr = scales + (size_t)n * G, *zr = zeros + (size_t)n * G;
+        for (int c = 0; c < C; c++) vf_store(wsv + ((size_t)n * C + c) * VW, spread_scales(sr, c, gshift));
+        for (int j = 0; j < G; j++) wo[(size_t)n * G + j] = bf16_to_f32(zr[j]) - 8.0f * bf16_to_f32(sr[j]);
+    }
+}
+
+/* An int4 product's operands from row 0 of its block: x quantized (xq (M, K), row scales xs (M),
+ * group sums xgsum (M, G)), W (w (N, K/2), bf16 scales and zeros (N, G)) and, for a prompt
+ * (spread != 0), W's spread scales wsv and offsets wo; g = 32 << gshift. */
+typedef struct {
+    const int8_t *xq;
+    const float *xs, *xgsum;
+    const uint8_t *w;
+    const uint16_t *scales, *zeros;
+    const float *wsv, *wo;
+    int K, G, gshift, spread;
+} i4_args;
+
+/* R rows of an int4 W times M rows of x (R, M compile-time constants, as gshift and spread);
+ * out[r][m]. The weight w = q * scale + (zero - 8 scale), so y = xs * (sum over blocks of scale *
+ * (sum q xq)) + sum over groups of (zero - 8 scale) * gsum. */
+AI void i4_rows(const i4_args a, const int R, const int M, const int gshift, const int spread, float out[2][MROWS]) {
+    const int K = a.K, G = a.G, C = K / CHUNK;
     vf acc[2][MROWS];
     for (int r = 0; r < R; r++)
         for (int m = 0; m < M; m++) acc[r][m] = vf_zero();
-    for (int c = 0; c < K / CHUNK; c++) {
+    for (int c = 0; c < C; c++) {
         vi lo[2], hi[2];
-        vs wscale[2];
+        vf scale[2];
         for (int r = 0; r < R; r++) {
-            const uint8_t *p = wr + (size_t)r * (K / 2) + VB * c;
+            const uint8_t *p = a.w + (size_t)r * (K / 2) + VB * c;
             prefetch((const char *)p + PF_I4);
             vi packed = vi_load(p);
             lo[r] = vi_low_nibbles(packed);  /* columns CHUNK c + 2i */
             hi[r] = vi_high_nibbles(packed); /* columns CHUNK c + 2i + 1 */
-            wscale[r] = vs_scales(sr + (size_t)r * G, c * (VW / 4), gshift);
+            scale[r] = spread ? vf_load(a.wsv + ((size_t)r * C + c) * VW) : spread_scales(a.scales + (size_t)r * G, c, gshift);
         }
         for (int m = 0; m < M; m++) {
-            const int8_t *xr = xq + (size_t)m * K + CHUNK * c;
+            const int8_t *xr = a.xq + (size_t)m * K + CHUNK * c;
             vi x0 = vi_load(xr), x1 = vi_load(xr + VB);
-            vs xs = vs_load(xd + (size_t)m * B + (VW / 4) * c);
             for (int r = 0; r < R; r++)
-                acc[r][m] = vf_fma(vf_from_vi(vi_dot_u4(lo[r], x0, hi[r], x1)), vf_spread(wscale[r], xs), acc[r][m]);
+                acc[r][m] = vf_fma(vf_from_vi(vi_dot_u4(lo[r], x0, hi[r], x1)), scale[r], acc[r][m]);
         }
     }
     for (int r = 0; r < R; r++) {
+        for (int m = 0; m < M; m++) acc[r][m] = vf_mul(acc[r][m], vf_set1(a.xs[m]));
         for (int j = 0; j < G; j += VW) { /* the (zero - 8 * scale) * sum(x) term, per group */
             const int n = G - j;
-            vf offset = vf_fnma(vf_set1(8.0f), vf_load_bf16_n(sr + (size_t)r * G + j, n),
-                                vf_load_bf16_n(zr + (size_t)r * G + j, n));
-            for (int m = 0; m < M; m++) acc[r][m] = vf_fma(offset, vf_load_n(xgsum + (size_t)m * G + j, n), acc[r][m]);
+            const vf offset = spread ? vf_load_n(a.wo + (size_t)r * G + j, n)
+                                     : vf_fnma(vf_set1(8.0f), vf_load_bf16_n(a.scales + (size_t)r * G + j, n),
+                                               vf_load_bf16_n(a.zeros + (size_t)r * G + j, n));
+            for (int m = 0; m < M; m++) acc[r][m] = vf_fma(offset, vf_load_n(a.xgsum + (size_t)m * G + j, n), acc[r][m]);
         }
         for (int m = 0; m < M; m++) out[r][m] = vf_sum(acc[r][m]);
     }
 }
 
-static void i4_block(const int8_t *x, const float *d, const float *gs, const uint8_t *wr, const uint16_t *sr,
-                     const uint16_t *zr, int R, int M, int K, int gshift, float out[2][MROWS]) {
-#define I4(RR, MM)                                                                                                     \
-    (gshift ? i4_rows(x, d, gs, wr, sr, zr, RR, MM, K, gshift, out) : i4_rows(x, d, gs, wr, sr, zr, RR, MM, K, 0, out))
+static void i4_block(const i4_args a, int R, int M, float out[2][MROWS]) {
+#define I4S(RR, MM, GS) (a.spread ? i4_rows(a, RR, MM, GS, 1, out) : i4_rows(a, RR, MM, GS, 0, out))
+#define I4(RR, MM) (a.gshift ? I4S(RR, MM, a.gshift) : I4S(RR, MM, 0))
     if (R == 2) {
         switch (M) {
         case 1: I4(2, 1); break;
@@ -220,31 +291,42 @@ static void i4_block(const int8_t *x, const float *d, const float *gs, const uin
         }
     }
 #undef I4
+#undef I4S
 }
 
-/* y (M, N) = x (M, K) W^T + b for an int4 W (see i4_rows); x is quantized in blocks of 32 first.
- * K must be a multiple of 128 (every variant's CHUNK divides it), g a multiple of 32. Returns -1
- * when out of memory. */
+/* y (M, N) = x (M, K) W^T + b for an int4 W (see i4_rows); x is quantized per row first. K must
+ * be a multiple of 128 (every variant's CHUNK divides it), g a multiple of 32. Returns -1 when
+ * out of memory. */
 int gl_linear_i4(const float *x, const uint8_t *w, const uint16_t *scales, const uint16_t *zeros, const float *b,
                  float *y, int M, int N, int K, int g, int nthreads) {
-    const size_t nq = ((size_t)M * K + 63) & ~(size_t)63, nd = (size_t)M * (K / 32), ng = (size_t)M * (K / g);
-    int8_t *xq = gl_scratch(nq + (nd + ng) * sizeof(float));
+    const int G = K / g, C = K / CHUNK, spread = M >= I4_SPREAD_ROWS;
+    const size_t nq = ((size_t)M * K + 63) & ~(size_t)63, ng = (size_t)M * G;
+    const size_t nw = spread ? (size_t)N * C * VW + (size_t)N * G : 0;
+    int8_t *xq = gl_scratch(nq + ((size_t)M + ng + nw) * sizeof(float));
     if (!xq) return -1;
-    float *xd = (float *)(xq + nq), *xgsum = xd + nd;
-    quantize_blocks_i8(x, xq, xd, xgsum, M, K, g);
+    float *xs = (float *)(xq + nq), *xgsum = xs + M, *wsv = xgsum + ng, *wo = wsv + (size_t)N * C * VW;
+    quantize_rows_i4(x, xq, xs, xgsum, M, K, g, nthreads);
     int gshift = 0;
     while ((32 << gshift) < g) gshift++;
-    const int G = K / g, nblocks = (N + 1) / 2;
-#pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int blk = 0; blk < nblocks; blk++) {
-        const int n = 2 * blk, R = n + 2 <= N ? 2 : 1;
-        for (int m0 = 0; m0 < M; m0 += MROWS) {
-            const int mm = M - m0 < MROWS ? M - m0 : MROWS;
-            float out[2][MROWS];
-            i4_block(xq + (size_t)m0 * K, xd + (size_t)m0 * (K / 32), xgsum + (size_t)m0 * G, w + (size_t)n * (K / 2),
-                     scales + (size_t)n * G, zeros + (size_t)n * G, R, mm, K, gshift, out);
-            for (int r = 0; r < R; r++)
-                for (int m = 0; m < mm; m++) y[(size_t)(m0 + m) * N + n + r] = out[r][m] + (b ? b[n + r] : 0.0f);
+    if (spread) spread_weight_scales(scales, zeros, wsv, wo, N, K, g, gshift, nthreads);
+    const int nblocks = (N + 1) / 2, tile = x_tile_rows(K);
+#pragma omp parallel num_threads(nthreads)
+    for (int t0 = 0; t0 < M; t0 += tile) { /* as gl_linear_i8's tiles */
+        const int t1 = tile_end(t0, tile, M);
+#pragma omp for schedule(static)
+        for (int blk = 0; blk < nblocks; blk++) {
+            const int n = 2 * blk, R = n + 2 <= N ? 2 : 1;
+            for (int m0 = t0; m0 < t1; m0 += MROWS) {
+                const int mm = t1 - m0 < MROWS ? t1 - m0 : MROWS;
+                const i4_args a = {xq + (size_t)m0 * K, xs + m0, xgsum + (size_t)m0 * G, w + (size_t)n * (K / 2),
+                                   scales + (size_t)n * G, zeros + (size_t)n * G,
+                                   spread ? wsv + (size_t)n * C * VW : NULL, spread ? wo + (size_t)n * G : NULL,
+                                   K, G, gshift, spread};
+                float out[2][MROWS];
+                i4_block(a, R, mm, out);
+                for (int r = 0; r < R; r++)
+                    for (int m = 0; m < mm; m++) y[(size_t)(m0 + m) * N + n + r] = out[r][m] + (b ? b[n + r] : 0.0f);
+            }
         }
     }
     return 0;

@@ -73,8 +73,18 @@ AI void vf_bf16_pairs(const uint16_t *p, vf *even, vf *odd) {
     *odd = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xffff0000u)));
 }
 
+/* The VW integral values of v (each in [-128, 255]) as bytes: their low 8 bits, to p. */
+AI void vf_store_bytes(void *p, vf v) { _mm_storeu_si128((__m128i *)p, _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(v))); }
+
 AI vi vi_zero(void) { return _mm512_setzero_si512(); }
 AI vi vi_load(const void *p) { return _mm512_loadu_si512(p); }
+/* The even bytes of t[0, 128) to q[0, 64), the odd ones to q[64, 128) (per 16 bytes, then per 8). */
+AI void vi_deinterleave_bytes(const void *t, void *q) {
+    const __m512i split = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15));
+    const __m512i a = _mm512_shuffle_epi8(vi_load(t), split), b = _mm512_shuffle_epi8(vi_load((const char *)t + 64), split);
+    _mm512_storeu_si512(q, _mm512_permutex2var_epi64(a, _mm512_setr_epi64(0, 2, 4, 6, 8, 10, 12, 14), b));
+    _mm512_storeu_si512((char *)q + 64, _mm512_permutex2var_epi64(a, _mm512_setr_epi64(1, 3, 5, 7, 9, 11, 13, 15), b));
+}
 AI int32_t vi_sum(vi v) { return _mm512_reduce_add_epi32(v); }
 AI vf vf_from_vi(vi v) { return _mm512_cvtepi32_ps(v); }
 /* acc lane l += sum of the 4 byte products of lanes l of x (activations, stored + GL_I8_OFFSET) and w (int8). */
@@ -160,8 +170,22 @@ AI void vf_bf16_pairs(const uint16_t *p, vf *even, vf *odd) {
     *odd = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xffff0000u)));
 }
 
+AI void vf_store_bytes(void *p, vf v) { /* the low byte of each int32 lane, gathered per 128-bit half */
+    const __m256i low = _mm256_set1_epi32(0x0c080400), b = _mm256_shuffle_epi8(_mm256_cvtps_epi32(v), low);
+    const uint32_t two[2] = {(uint32_t)_mm256_cvtsi256_si32(b), (uint32_t)_mm256_extract_epi32(b, 4)};
+    memcpy(p, two, 8);
+}
+
 AI vi vi_zero(void) { return _mm256_setzero_si256(); }
 AI vi vi_load(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
+/* The even bytes of t[0, 64) to q[0, 32), the odd ones to q[32, 64) (per 16 bytes, then per 8). */
+AI void vi_deinterleave_bytes(const void *t, void *q) {
+    const __m256i split = _mm256_broadcastsi128_si256(_mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15));
+    const __m256i a = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(vi_load(t), split), 0xd8); /* e0 e1 o0 o1 */
+    const __m256i b = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(vi_load((const char *)t + 32), split), 0xd8);
+    _mm256_storeu_si256((__m256i *)q, _mm256_permute2x128_si256(a, b, 0x20));
+    _mm256_storeu_si256((__m256i *)((char *)q + 32), _mm256_permute2x128_si256(a, b, 0x31));
+}
 AI int32_t vi_sum(vi v) {
     __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
     s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
@@ -257,6 +281,10 @@ static inline float vf_hmax(vf v) {
     return m;
 }
 
+static inline void vf_store_bytes(void *p, vf v) {
+    for (int l = 0; l < VW; l++) ((uint8_t *)p)[l] = (uint8_t)(int)v.v[l];
+}
+
 static inline vi vi_zero(void) {
     vi r;
     memset(&r, 0, sizeof r);
@@ -266,6 +294,12 @@ static inline vi vi_load(const void *p) {
     vi r;
     memcpy(&r, p, sizeof r);
     return r;
+}
+static inline void vi_deinterleave_bytes(const void *t, void *q) { /* 2 VB bytes: evens, then odds */
+    for (int i = 0; i < 4 * VW; i++) {
+        ((uint8_t *)q)[i] = ((const uint8_t *)t)[2 * i];
+        ((uint8_t *)q)[4 * VW + i] = ((const uint8_t *)t)[2 * i + 1];
+    }
 }
 static inline int32_t vi_sum(vi v) {
     int32_t s = 0;
