@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from conftest import tiny_model
 from gptlab import kernels
-from gptlab.chunked_loss import linear_cross_entropy, token_logprobs
+from gptlab.chunked_loss import _LinearCrossEntropy, linear_cross_entropy, token_logprobs
 from gptlab.quantize import Int8Linear
 
 
@@ -56,13 +56,13 @@ def test_bf16_autocast_stays_close():
 @pytest.mark.usefixtures("kernel_variant")
 @pytest.mark.skipif(not kernels.available()[0], reason=f"gptlab's kernels are not built here: {kernels.available()[2]}")
 def test_the_c_softmax_runs_and_agrees_with_pytorchs(monkeypatch):
-    """On CPU the chunk's softmax, loss and gradient are one C call (kernels.softmax_xent_); the
+    """On CPU the chunk's softmax and loss are one C call (kernels.softmax_exp_); the
     PyTorch ops it replaces give the same numbers (measured: the loss equal, gradients within
     2.4e-7 of their largest value; a softmax that forgets the one-hot, the max, the masked tail or
     the ignored rows fails here or in the test above)."""
     calls = []
-    real = kernels.softmax_xent_
-    monkeypatch.setattr(kernels, "softmax_xent_", lambda *a: calls.append(1) or real(*a))
+    real = kernels.softmax_exp_
+    monkeypatch.setattr(kernels, "softmax_exp_", lambda *a: calls.append(1) or real(*a))
     torch.manual_seed(1)
     x = torch.randn(37, 16, requires_grad=True)
     w = torch.randn(1000, 16, requires_grad=True)  # a vocabulary that is not a multiple of 16
@@ -146,3 +146,42 @@ def test_the_c_softmax_keeps_a_long_tail_of_tiny_probabilities(grad):
     z = logits.t().contiguous()  # (V, n)
     loss = kernels.softmax_xent_(z, targets) if grad else kernels.cross_entropy_t(z, targets)[0]
     assert (loss.double() - exact).abs().max() < 1e-6
+
+
+@pytest.mark.usefixtures("kernel_variant")
+@pytest.mark.skipif(not kernels.available()[0], reason=f"gptlab's kernels are not built here: {kernels.available()[2]}")
+def test_the_c_softmax_gradient_is_softmax_minus_one_hot_and_zero_where_ignored():
+    """kernels.softmax_xent_ (softmax_exp_ finished): the logits become softmax - onehot, an
+    ignored row's column all zeros, and the losses are cross_entropy's (measured: gradients 6e-8
+    apart, losses 1.9e-6 on values ~10)."""
+    torch.manual_seed(5)
+    V, n = 1000, 37
+    logits = torch.randn(n, V) * 3  # (n, V)
+    t = torch.randint(0, V, (n,))
+    t[[2, 30]] = -100
+    z = logits.t().contiguous()  # (V, n)
+    loss = kernels.softmax_xent_(z, t)
+    ref = torch.softmax(logits, -1) - F.one_hot(t.clamp_min(0), V)  # (n, V)
+    ref[t == -100] = 0.0
+    torch.testing.assert_close(z.t(), ref, rtol=0, atol=1e-6)
+    torch.testing.assert_close(loss, F.cross_entropy(logits, t, reduction="none"), rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.usefixtures("kernel_variant")
+@pytest.mark.parametrize("c_kernels", [True, False])
+def test_ignored_rows_inside_a_chunk_count_for_nothing(c_kernels):
+    """linear_cross_entropy drops ignored rows before the head; the chunk's own masking (the C
+    kernel's inv = 0, PyTorch's `valid`) still has to hold when they reach it, as they do here."""
+    torch.manual_seed(6)
+    x = torch.randn(37, 16, requires_grad=True)
+    w = torch.randn(1000, 16, requires_grad=True)
+    t = torch.randint(0, 1000, (37,))
+    t[[0, 17, 36]] = -100
+    with kernels.use_kernels(c_kernels):
+        loss = _LinearCrossEntropy.apply(x, w, t, torch.float32, 16)
+        grads = torch.autograd.grad(loss, (x, w))
+    ref = F.cross_entropy(x @ w.t(), t)
+    ref_grads = torch.autograd.grad(ref, (x, w))
+    torch.testing.assert_close(loss, ref, rtol=1e-6, atol=0)
+    for g, r in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-7)

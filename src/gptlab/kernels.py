@@ -19,7 +19,7 @@ without a built library, `available()` says why and every caller falls back to P
 unchanged) whose forward takes the kernel for a few rows without autograd on the CPU, and
 F.linear everywhere else. A decoding step usually runs the whole model in C instead
 (gl_decode_step, described to it by gptlab.fused_step), with the same kernels. One kernel serves
-training and scoring (gptlab.chunked_loss): `softmax_xent_`, the chunked loss's softmax, loss and
+training and scoring (gptlab.chunked_loss): `softmax_exp_`, the chunked loss's softmax, loss and
 gradient, and `cross_entropy_t`, the loss and largest logit without a gradient.
 """
 
@@ -48,7 +48,7 @@ MAX_ROWS = 8  # rows of x one kernel call takes (MAX_ROWS in kernels.c); more go
 MAX_HEAD_SIZE = 256  # the C attention's limit (MAX_HS in attention.c)
 VARIANTS = tuple(kernel_build.VARIANTS)  # best first
 FEATURES = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512vnni", "avxvnni")
-_ABI = 8
+_ABI = 9
 _P = ctypes.c_void_p
 _I = ctypes.c_int
 _SIGNATURES = {  # name: argument types; each returns 0, or -1 when out of memory
@@ -60,7 +60,17 @@ _SIGNATURES = {  # name: argument types; each returns 0, or -1 when out of memor
     "gl_dequantize_i8": [_P, _P, _P, _I, _I, _I],
     "gl_attend_one": [_P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _I],
     "gl_argmax_f32": [_P, _P, _I, _I],
-    "gl_softmax_xent": [_P, _P, _P, _P, _I, _I, _I, _I],  # logits (V, n), targets, loss, peak, n, V, grad, threads
+    "gl_softmax_xent": [
+        _P,
+        _P,
+        _P,
+        _P,
+        _P,
+        _I,
+        _I,
+        _I,
+        _I,
+    ],  # logits (V, n), targets, loss, peak, inv, n, V, grad, threads
     # model, kv caches, x, B, T, pos, max_len, mask, rope, logits, all_logits, threads
     "gl_decode_step": [_P, _P, _P, _P, _I, _I, _I, _I, _P, _P, _P, _I, _I],
 }
@@ -439,24 +449,42 @@ def decode_attention(qkv: torch.Tensor, kv, cache_pos: int, mask: torch.Tensor |
     return out
 
 
-def softmax_xent_(logits_t: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
+def softmax_exp_(logits_t: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Training's softmax cross-entropy over n rows of logits stored transposed, logits_t (V, n)
-    fp32 (row r's logits in column r), in place: they become d(sum of losses)/d(logits), softmax -
-    onehot (zero columns where the target is IGNORE_INDEX, -100); returns the rows' losses (n,)
-    (0 where ignored). None where the kernel does not run (not built, off, not CPU fp32): the
-    caller computes it with PyTorch. Raises ValueError for a target outside [0, V)."""
+    fp32 (row r's logits in column r), in place: they become exp(logits - max) per column; returns
+    (the rows' losses (n,), inv (n,)) with inv = 1 / sum of the column's exps, 0 where the target is
+    IGNORE_INDEX (-100; loss 0 there). d(sum of losses)/d(logits) is then inv * logits_t - onehot:
+    gptlab.chunked_loss folds inv and the one-hot into the products after it, so the logits take
+    two passes (max; exp and sum) and are written once. None where the kernel does not run (not
+    built, off, not CPU fp32): the caller computes it with PyTorch. Raises ValueError for a target
+    outside [0, V)."""
     out = _softmax_xent(logits_t, targets, grad=True)
-    return None if out is None else out[0]
+    return None if out is None else (out[0], out[2])
+
+
+def softmax_xent_(logits_t: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
+    """softmax_exp_ finished in place: logits_t (V, n) becomes softmax - onehot itself (zero columns
+    where the target is IGNORE_INDEX); returns the rows' losses (n,), or None as softmax_exp_."""
+    out = softmax_exp_(logits_t, targets)
+    if out is None:
+        return None
+    loss, inv = out
+    logits_t.mul_(inv)  # (V, n) softmax, 0 in ignored columns
+    rows = (targets != -100).nonzero().squeeze(1)  # (k,)
+    logits_t[targets[rows], rows] -= 1.0
+    return loss
 
 
 def cross_entropy_t(logits_t: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Scoring's cross-entropy over logits stored transposed, logits_t (V, n) fp32, read only:
     (the rows' losses (n,), their largest logits (n,)), or None where the kernel does not run.
     Two passes over the logits where PyTorch's log_softmax and max over dim 0 take five."""
-    return _softmax_xent(logits_t, targets, grad=False)
+    out = _softmax_xent(logits_t, targets, grad=False)
+    return None if out is None else out[:2]
 
 
 def _softmax_xent(logits_t: torch.Tensor, targets: torch.Tensor, grad: bool):
+    """(losses, peaks, inv) from gl_softmax_xent, or None where it does not run."""
     if not (
         _enabled and logits_t.device.type == "cpu" and logits_t.dtype == torch.float32 and logits_t.is_contiguous()
     ):
@@ -465,15 +493,16 @@ def _softmax_xent(logits_t: torch.Tensor, targets: torch.Tensor, grad: bool):
         return None
     V, n = logits_t.shape
     t = targets.to(torch.int64).contiguous()
-    loss, peak = torch.empty(n), torch.empty(n)
+    loss, peak, inv = torch.empty(n), torch.empty(n), torch.empty(n)
     status = _library().lib.gl_softmax_xent(
-        logits_t.data_ptr(), t.data_ptr(), loss.data_ptr(), peak.data_ptr(), n, V, int(grad), torch.get_num_threads()
-    )
+        logits_t.data_ptr(), t.data_ptr(), loss.data_ptr(), peak.data_ptr(), inv.data_ptr(), n, V, int(grad),
+        torch.get_num_threads(),
+    )  # fmt: skip
     if status == -3:
         bad = t[(t != -100) & ((t < 0) | (t >= V))]
         raise ValueError(f"target {int(bad[0])} outside the vocabulary [0, {V}) (and not the ignore index -100)")
     check(status)
-    return loss, peak
+    return loss, peak, inv
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:

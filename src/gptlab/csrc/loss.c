@@ -8,24 +8,26 @@
 static inline vf load_or(const float *p, int n, float fill) { return n >= VW ? vf_load(p) : vf_load_part(p, n, fill); }
 
 /* For n rows of logits stored transposed, z (V, n) (column r holds row r's logits: the layout
- * W x^T gives, whose matrix products run faster here than x W^T, see gptlab.chunked_loss), in
- * place: z = softmax - onehot(t) (the gradient of each row's cross-entropy with respect to its
- * logits) and loss[r] = logsumexp - z[t]; a row whose target is -100 (ignored) gets zeros and
- * loss 0. Three passes (max; exp and sum; scale) where PyTorch's ops take five. Each thread
- * streams its own range of the V rows, vectorized across the n columns, keeping its own maxima
- * and sums per column, merged in thread order (so a result depends only on nthreads).
- * With grad 0 (scoring) z is only read: two passes (max; exp and sum), no gradient. peak, when
- * not NULL, gets each row's largest logit (its target is the greedy token where z[t] equals it).
- * Returns 0, -1 out of memory, or -3 when a target is outside [0, V) and not -100 (nothing
- * written then). */
-int gl_softmax_xent(float *z, const int64_t *t, float *loss, float *peak_out, int n, int V, int grad, int nthreads) {
+ * W x^T gives, whose matrix products run faster here than x W^T, see gptlab.chunked_loss):
+ * loss[r] = logsumexp - z[t] (0 for a row whose target is -100, ignored) and, with grad, in place
+ * z = exp(z - peak) and inv[r] = 1 / sum (0 for an ignored row), so that the gradient of each
+ * row's cross-entropy with respect to its logits, softmax - onehot(t), is inv z - onehot(t): the
+ * caller folds inv and the one-hot into the small products that follow (gptlab.chunked_loss), so
+ * the logits are read twice and written once (max; exp and sum) where PyTorch's ops take five
+ * passes. Each thread streams its own range of the V rows, vectorized across the n columns,
+ * keeping its own maxima and sums per column, merged in thread order (so a result depends only
+ * on nthreads). With grad 0 (scoring) z is only read. peak, when not NULL, gets each row's largest
+ * logit (its target is the greedy token where z[t] equals it). Returns 0, -1 out of memory, or -3
+ * when a target is outside [0, V) and not -100 (nothing written then). */
+int gl_softmax_xent(float *z, const int64_t *t, float *loss, float *peak_out, float *inv, int n, int V, int grad,
+                    int nthreads) {
     for (int r = 0; r < n; r++)
         if ((t[r] < 0 || t[r] >= V) && t[r] != -100) return -3;
     const int np = (n + VW - 1) / VW * VW; /* columns padded to whole vectors */
     /* each thread's max, sum and the sum's compensation */
-    float *part = malloc(sizeof(float) * (size_t)np * (3 * (size_t)nthreads + 4));
+    float *part = malloc(sizeof(float) * (size_t)np * (3 * (size_t)nthreads + 3));
     if (!part) return -1;
-    float *peak = part + (size_t)3 * nthreads * np, *total = peak + np, *scale = total + np, *target = scale + np;
+    float *peak = part + (size_t)3 * nthreads * np, *total = peak + np, *target = total + np;
     for (int r = 0; r < n; r++) target[r] = t[r] == -100 ? 0.0f : z[(size_t)t[r] * n + r];
 #pragma omp parallel num_threads(nthreads)
     {
@@ -60,21 +62,16 @@ int gl_softmax_xent(float *z, const int64_t *t, float *loss, float *peak_out, in
             }
 #pragma omp barrier
 #pragma omp single
-        for (int r = 0; r < np; r++) {
+        for (int r = 0; r < n; r++) {
             double sum = 0.0;
             for (int i = 0; i < nt; i++) sum += (double)part[(size_t)(nthreads + i) * np + r] - part[(size_t)(2 * nthreads + i) * np + r];
             total[r] = (float)sum;
-            scale[r] = r < n && t[r] != -100 ? 1.0f / sum : 0.0f; /* an ignored row's gradient is 0 */
+            if (grad) inv[r] = t[r] != -100 ? 1.0f / sum : 0.0f; /* an ignored row's gradient is 0 */
         }
-        if (grad)
-            for (size_t v = v0; v < v1; v++)
-                for (int r = 0; r < n; r += VW)
-                    vf_store_n(z + v * n + r, vf_mul(load_or(z + v * n + r, n - r, 0.0f), vf_load(scale + r)), n - r);
     }
     for (int r = 0; r < n; r++) {
         loss[r] = t[r] == -100 ? 0.0f : logf(total[r]) + peak[r] - target[r];
         if (peak_out) peak_out[r] = peak[r];
-        if (grad && t[r] != -100) z[(size_t)t[r] * n + r] -= 1.0f;
     }
     free(part);
     return 0;
