@@ -411,7 +411,7 @@ def int4_fits(in_features: int, group_size: int) -> bool:
 
 def int4_decoder(weight, scales, zeros, group_size: int, bias):
     """The int4 kernel for one layer: weight as nibbles (N, K/2), bf16 scales and zeros (N, K/g),
-    fp32 bias (N,) or None; x is quantized in blocks of 32 to int8 in C."""
+    fp32 bias (N,) or None; x is quantized per row to int8 in C."""
     N, K = weight.size(0), weight.size(1) * 2
     return _decoder("gl_linear_i4", weight, [scales, zeros], bias, N, K, (group_size,))
 

@@ -15,8 +15,8 @@ Scales and zeros are bfloat16 numbers, the precision PyTorch's CPU kernels read,
 checkpoint, `dequantize()` and the kernels all describe one and the same matrix.
 
 On the CPU, decoding (a few rows) runs gptlab's own kernels (gptlab.kernels, every x86-64 level)
-on the stored buffers as they are: the activations quantized to int8 (per row for int8 weights,
-per block of 32 for int4, as llama.cpp's Q8_0), integer dot products, one scale per row or group.
+on the stored buffers as they are: the activations quantized to int8 (one scale per row, for int8
+and int4 weights alike), integer dot products, one scale per row or group of the weight.
 Prompts and batches (many rows) take fbgemm's dynamic int8 x int8 `quantized::linear_dynamic`
 (int8) on CPUs with AVX-512 VNNI, and gptlab's int8 kernel elsewhere (without VNNI fbgemm's
 16-bit intermediate sums saturate: a 1.08% perplexity rise measured on an AMD EPYC), or a
