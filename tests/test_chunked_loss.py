@@ -185,3 +185,19 @@ def test_ignored_rows_inside_a_chunk_count_for_nothing(c_kernels):
     torch.testing.assert_close(loss, ref, rtol=1e-6, atol=0)
     for g, r in zip(grads, ref_grads, strict=True):
         torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.usefixtures("kernel_variant")
+@pytest.mark.parametrize("c_kernels", [True, False])
+def test_a_batch_with_every_target_ignored_has_zero_loss_and_gradients(c_kernels):
+    """No row reaches the head (an SFT batch of prompts only): loss 0 and zero gradients, not the
+    uninitialized buffer the first chunk would otherwise have overwritten."""
+    torch.manual_seed(7)
+    x = torch.randn(2, 5, 16, requires_grad=True)
+    w = torch.randn(1000, 16, requires_grad=True)
+    t = torch.full((2, 5), -100)
+    with kernels.use_kernels(c_kernels):
+        loss = linear_cross_entropy(x, w, t)
+        gx, gw = torch.autograd.grad(loss, (x, w))
+    assert loss.item() == 0.0
+    assert torch.equal(gx, torch.zeros_like(gx)) and torch.equal(gw, torch.zeros_like(gw))

@@ -58,10 +58,11 @@ def _chunk_grad(x_c, w, t_c, out: torch.Tensor):
     return row_loss.masked_fill(~valid, 0.0).sum(), e, inv
 
 
-def _accumulate_grads(e, inv, t_c, x_c, w, w_t, grad_x_c, grad_w) -> None:
-    """grad_x_c = d^T @ w and grad_w += d @ x_c for one chunk's d = inv * e - onehot(t_c): e (V, n),
-    inv (n,), x_c (n, C), w (V, C). The scaling and the one-hot go to the (n, C) side, so the
-    (V, n) matrix is read only by the two products.
+def _accumulate_grads(e, inv, t_c, x_c, w, w_t, grad_x_c, grad_w, first: bool) -> None:
+    """grad_x_c = d^T @ w and grad_w += d @ x_c (= on the first chunk: grad_w starts uninitialized,
+    sparing a 26 MB zero fill per step) for one chunk's d = inv * e - onehot(t_c): e (V, n), inv (n,),
+    x_c (n, C), w (V, C). The scaling and the one-hot go to the (n, C) side, so the (V, n) matrix
+    is read only by the two products.
 
     fp32: BLAS takes the transposed e as it is; grad_w (V, C) is written in place with no
     temporaries. bf16/fp16: oneDNN copies a transposed operand on each call, so the products run
@@ -72,10 +73,13 @@ def _accumulate_grads(e, inv, t_c, x_c, w, w_t, grad_x_c, grad_w) -> None:
     x_scaled = x_c * inv.to(x_c.dtype)[:, None]  # (n, C)
     if e.dtype == torch.float32:
         torch.mm(e.t(), w, out=grad_x_c)
-        grad_w.addmm_(e, x_scaled)
+        grad_w.addmm_(e, x_scaled, beta=0.0 if first else 1.0)  # beta 0: grad_w's old values are not read
     else:
         grad_x_c.copy_((w_t @ e).t())
-        grad_w += e @ x_scaled
+        if first:
+            grad_w.copy_(e @ x_scaled)
+        else:
+            grad_w += e @ x_scaled
     grad_x_c.mul_(inv[:, None])
     grad_x_c.index_add_(0, rows, w[targets].to(grad_x_c.dtype), alpha=-1.0)  # the one-hot's part
     grad_w.index_add_(0, targets, x_c[rows].to(grad_w.dtype), alpha=-1.0)
@@ -116,7 +120,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
         w_t = None if compute_dtype == torch.float32 else w.t().contiguous()  # (C, V): see _accumulate_grads
         need_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         grad_x = torch.empty(x2.shape, dtype=torch.float32, device=x.device) if need_grad else None
-        grad_w = torch.zeros(w.shape, dtype=torch.float32, device=x.device) if need_grad else None  # (V, C)
+        # (V, C): the first chunk writes it whole; with no rows at all (every target ignored) it stays 0
+        new = torch.empty if x2.size(0) else torch.zeros
+        grad_w = new(w.shape, dtype=torch.float32, device=x.device) if need_grad else None
         loss = torch.zeros((), dtype=torch.float32, device=x.device)
         for s in range(0, x2.size(0), chunk_rows):
             x_c = xc[s : s + chunk_rows]  # (n, C)
@@ -125,7 +131,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
             chunk_loss, e, inv = _chunk_grad(x_c, w, t_c, buffer)
             loss += chunk_loss
             if need_grad:
-                _accumulate_grads(e.to(compute_dtype), inv, t_c, x_c, w, w_t, grad_x[s : s + chunk_rows], grad_w)
+                _accumulate_grads(
+                    e.to(compute_dtype), inv, t_c, x_c, w, w_t, grad_x[s : s + chunk_rows], grad_w, first=s == 0
+                )
         ctx.save_for_backward(grad_x, grad_w, n_valid)
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
         return loss / n_valid
