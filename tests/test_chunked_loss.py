@@ -63,18 +63,33 @@ def test_the_c_softmax_runs_and_agrees_with_pytorchs(monkeypatch):
     calls = []
     real = kernels.softmax_exp_
     monkeypatch.setattr(kernels, "softmax_exp_", lambda *a: calls.append(1) or real(*a))
-    torch.manual_seed(1)
-    x = torch.randn(37, 16, requires_grad=True)
-    w = torch.randn(1000, 16, requires_grad=True)  # a vocabulary that is not a multiple of 16
-    t = torch.randint(0, 1000, (37,))
-    t[5] = -100
-    loss = linear_cross_entropy(x, w, t, chunk_rows=16)
-    grads = torch.autograd.grad(loss, (x, w))
+    x, w, t = head_inputs(seed=1, ignored=[5])
+    got = loss_and_grads(lambda: linear_cross_entropy(x, w, t, chunk_rows=16), x, w)
     assert len(calls) == 3  # chunks of 16, 16 and 5 rows
     with kernels.use_kernels(False):
-        ref = linear_cross_entropy(x, w, t, chunk_rows=16)
-        ref_grads = torch.autograd.grad(ref, (x, w))
-    torch.testing.assert_close(loss, ref, rtol=1e-6, atol=0)
+        ref = loss_and_grads(lambda: linear_cross_entropy(x, w, t, chunk_rows=16), x, w)
+    assert_same_loss_and_grads(got, ref)
+
+
+def head_inputs(seed: int, ignored: list[int]):
+    """37 rows of 16 features, a head over 1,000 tokens (not a multiple of 16), targets with the
+    `ignored` rows set to -100."""
+    torch.manual_seed(seed)
+    x = torch.randn(37, 16, requires_grad=True)
+    w = torch.randn(1000, 16, requires_grad=True)
+    t = torch.randint(0, 1000, (37,))
+    t[ignored] = -100
+    return x, w, t
+
+
+def loss_and_grads(loss_fn, x, w):
+    loss = loss_fn()
+    return loss, torch.autograd.grad(loss, (x, w))
+
+
+def assert_same_loss_and_grads(got, ref):
+    (loss, grads), (ref_loss, ref_grads) = got, ref
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=0)
     for g, r in zip(grads, ref_grads, strict=True):
         torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-7)
 
@@ -172,19 +187,10 @@ def test_the_c_softmax_gradient_is_softmax_minus_one_hot_and_zero_where_ignored(
 def test_ignored_rows_inside_a_chunk_count_for_nothing(c_kernels):
     """linear_cross_entropy drops ignored rows before the head; the chunk's own masking (the C
     kernel's inv = 0, PyTorch's `valid`) still has to hold when they reach it, as they do here."""
-    torch.manual_seed(6)
-    x = torch.randn(37, 16, requires_grad=True)
-    w = torch.randn(1000, 16, requires_grad=True)
-    t = torch.randint(0, 1000, (37,))
-    t[[0, 17, 36]] = -100
+    x, w, t = head_inputs(seed=6, ignored=[0, 17, 36])
     with kernels.use_kernels(c_kernels):
-        loss = _LinearCrossEntropy.apply(x, w, t, torch.float32, 16)
-        grads = torch.autograd.grad(loss, (x, w))
-    ref = F.cross_entropy(x @ w.t(), t)
-    ref_grads = torch.autograd.grad(ref, (x, w))
-    torch.testing.assert_close(loss, ref, rtol=1e-6, atol=0)
-    for g, r in zip(grads, ref_grads, strict=True):
-        torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-7)
+        got = loss_and_grads(lambda: _LinearCrossEntropy.apply(x, w, t, torch.float32, 16), x, w)
+    assert_same_loss_and_grads(got, loss_and_grads(lambda: F.cross_entropy(x @ w.t(), t), x, w))
 
 
 @pytest.mark.usefixtures("kernel_variant")

@@ -9,7 +9,7 @@
  *   quantized.c    gl_linear_i8, gl_linear_i4 with 8-bit activations; gl_dequantize_i4/_i8
  *   attention.c    gl_attend_one (a decoding step's attention over the KV cache), gl_argmax_f32
  *   decode_step.c  gl_decode_step: a whole model's forward of a few new tokens over its KV cache
- *   loss.c         gl_softmax_xent: softmax cross-entropy, with its gradient (training) or without (scoring)
+ *   loss.c         gl_softmax_xent: softmax cross-entropy, with what its gradient needs (training) or without (scoring)
  *
  * Shapes are checked on the Python side.
  */

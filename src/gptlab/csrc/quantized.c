@@ -304,7 +304,8 @@ int gl_linear_i4(const float *x, const uint8_t *w, const uint16_t *scales, const
     const size_t nw = spread ? (size_t)N * C * VW + (size_t)N * G : 0;
     int8_t *xq = gl_scratch(nq + ((size_t)M + ng + nw) * sizeof(float));
     if (!xq) return -1;
-    float *xs = (float *)(xq + nq), *xgsum = xs + M, *wsv = xgsum + ng, *wo = wsv + (size_t)N * C * VW;
+    float *xs = (float *)(xq + nq), *xgsum = xs + M;
+    float *wsv = spread ? xgsum + ng : NULL, *wo = spread ? wsv + (size_t)N * C * VW : NULL; /* prompts only */
     quantize_rows_i4(x, xq, xs, xgsum, M, K, g, nthreads);
     int gshift = 0;
     while ((32 << gshift) < g) gshift++;
@@ -320,7 +321,7 @@ int gl_linear_i4(const float *x, const uint8_t *w, const uint16_t *scales, const
                 const int mm = t1 - m0 < MROWS ? t1 - m0 : MROWS;
                 const i4_args a = {xq + (size_t)m0 * K, xs + m0, xgsum + (size_t)m0 * G, w + (size_t)n * (K / 2),
                                    scales + (size_t)n * G, zeros + (size_t)n * G,
-                                   spread ? wsv + (size_t)n * C * VW : NULL, spread ? wo + (size_t)n * G : NULL,
+                                   wsv ? wsv + (size_t)n * C * VW : NULL, wo ? wo + (size_t)n * G : NULL,
                                    K, G, gshift, spread};
                 float out[2][MROWS];
                 i4_block(a, R, mm, out);
