@@ -22,6 +22,20 @@
 #define MROWS 2
 #endif
 
+/* Weight rows per block when decoding (at most DECODE_MAX_M rows of x): 1 or ROWS (the blocks'
+ * dispatch knows no other). On the AMD EPYC (Zen 3, 2 threads) one weight stream per thread beats
+ * four; 2026-12-01, each layer's weights streaming from memory, 1 row of x: int8 1.2-1.5x (1.1-1.3x
+ * at 4 rows, 0.83-1.1x at 8-32, hence DECODE_MAX_M), bf16 1.0-1.27x, fp32 0.95-1.06x; whole-model
+ * int8 decode ~8% (medians 93 -> 101 tok/s). int4's two rows stay (one: 0.81-1.17x). AVX-512's
+ * ROWS were tuned on an Intel Xeon, so it keeps them. */
+#if GL_VARIANT == GL_AVX512
+#define DECODE_ROWS ROWS
+#else
+#define DECODE_ROWS 1
+#endif
+#define DECODE_MAX_M 4
+#define BLOCK_ROWS(M) ((M) <= DECODE_MAX_M ? DECODE_ROWS : ROWS) /* rows of W per block for M rows of x */
+
 /* Software prefetch distances, bytes ahead of each weight stream, per variant: AVX-512's tuned on
  * an Intel Xeon, AVX2's on an AMD EPYC (Zen 3), 2 threads, whole-model decode steps. */
 #if GL_VARIANT == GL_AVX512

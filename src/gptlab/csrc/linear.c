@@ -110,7 +110,7 @@ AI void linear_rows(const void *w, int bf16, const float *x, const void *bias, c
     const int nblocks = (N + ROWS - 1) / ROWS;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int blk = 0; blk < nblocks; blk++) {
-        const int n0 = blk * ROWS, R = N - n0 < ROWS ? 1 : ROWS; /* the last partial block: row by row */
+        const int n0 = blk * ROWS, R = N - n0 < ROWS ? 1 : BLOCK_ROWS(M); /* the last partial block: row by row */
         for (int n = n0; n < n0 + ROWS && n < N; n += R) {
             const void *wr = bf16 ? (const void *)((const uint16_t *)w + (size_t)n * K)
                                   : (const void *)((const float *)w + (size_t)n * K);

@@ -137,7 +137,7 @@ int gl_linear_i8(const float *x, const int8_t *w, const uint16_t *ws, const int3
         const int t1 = tile_end(t0, tile, M);
 #pragma omp for schedule(static)
         for (int blk = 0; blk < nblocks; blk++) {
-            const int n0 = blk * ROWS, R = N - n0 < ROWS ? 1 : ROWS; /* the last partial block: row by row */
+            const int n0 = blk * ROWS, R = N - n0 < ROWS ? 1 : BLOCK_ROWS(M); /* the last partial block: row by row */
             for (int n = n0; n < n0 + ROWS && n < N; n += R) {
                 for (int m0 = t0; m0 < t1; m0 += MROWS) {
                     const int mm = t1 - m0 < MROWS ? t1 - m0 : MROWS;
