@@ -192,14 +192,11 @@ static void quantize_rows_i4(const float *x, int8_t *xq, float *s, float *gsum, 
 
 /* A prompt (at least I4_SPREAD_ROWS rows of x) reuses each weight row's scales for every row of
  * x, so they are spread once per call into one fp32 vector per chunk (lane l: the scale of the
- * block lane l's inputs belong to, as vf_spread makes them), with the offsets (zero - 8 scale) per
+ * block lane l's inputs belong to, as vf_block_scales makes them), with the offsets (zero - 8 scale) per
  * group: the same values decoding computes in its loop, so the products agree bit for bit. */
 #define I4_SPREAD_ROWS 16
-static const float ONES[4] = {1.0f, 1.0f, 1.0f, 1.0f};
 
-AI vf spread_scales(const uint16_t *sr, int c, int gshift) {
-    return vf_spread(vs_scales(sr, c * (VW / 4), gshift), vs_load(ONES));
-}
+AI vf spread_scales(const uint16_t *sr, int c, int gshift) { return vf_block_scales(sr, c * (VW / 4), gshift); }
 
 /* wsv (N, K / CHUNK, VW) and wo (N, G) from W's bf16 scales and zeros (N, G). */
 static void spread_weight_scales(const uint16_t *scales, const uint16_t *zeros, float *wsv, float *wo, int N, int K,

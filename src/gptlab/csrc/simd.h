@@ -11,8 +11,7 @@
  *   GL_PORTABLE plain C over arrays of 8 (no intrinsics): compiles for any CPU, and is the
  *               reference the tests compare the others against.
  *
- * Types: vf holds VW floats; vi holds VW int32 lanes, or the 4 * VW bytes they are made of; vs
- * holds VW / 4 floats, one per block of 32 int4 inputs in a chunk (see quantized.c).
+ * Types: vf holds VW floats; vi holds VW int32 lanes, or the 4 * VW bytes they are made of.
  */
 #ifndef GL_SIMD_H
 #define GL_SIMD_H
@@ -40,7 +39,6 @@
 #define GL_I8_OFFSET 128 /* vpdpbusd multiplies unsigned by signed bytes: activations are stored + 128 */
 typedef __m512 vf;
 typedef __m512i vi;
-typedef __m128 vs;
 
 AI vf vf_zero(void) { return _mm512_setzero_ps(); }
 AI vf vf_set1(float a) { return _mm512_set1_ps(a); }
@@ -95,8 +93,9 @@ AI vi vi_dot_u4(vi lo, vi x0, vi hi, vi x1) {
 }
 AI vi vi_low_nibbles(vi v) { return _mm512_and_si512(v, _mm512_set1_epi8(0x0f)); }
 AI vi vi_high_nibbles(vi v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0f)); }
-/* The bf16 scales of blocks b..b+VW/4 (one per (b + t) >> gshift), as fp32. */
-AI vs vs_scales(const uint16_t *s, int b, int gshift) {
+/* Lane l: the bf16 scale of block b + l / 4 of 32 int4 inputs (s[(b + l / 4) >> gshift]) as
+ * fp32: the scale of the block lane l's inputs belong to (see quantized.c). */
+AI vf vf_block_scales(const uint16_t *s, int b, int gshift) {
     __m128i h;
     if (gshift == 0) {
         h = _mm_loadl_epi64((const __m128i *)(s + b));
@@ -105,13 +104,8 @@ AI vs vs_scales(const uint16_t *s, int b, int gshift) {
         for (int t = 0; t < 4; t++) s4[t] = s[(b + t) >> gshift];
         h = _mm_loadl_epi64((const __m128i *)s4);
     }
-    return _mm_castsi128_ps(_mm_slli_epi32(_mm_cvtepu16_epi32(h), 16));
-}
-AI vs vs_load(const float *p) { return _mm_loadu_ps(p); }
-/* Lane l of the result: (a b)[l / 4], the scale of the block lane l's inputs belong to. */
-AI vf vf_spread(vs a, vs b) {
     const __m512i idx = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
-    return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(_mm_mul_ps(a, b)));
+    return _mm512_permutexvar_ps(idx, _mm512_castsi512_ps(_mm512_castsi128_si512(_mm_slli_epi32(_mm_cvtepu16_epi32(h), 16))));
 }
 
 #elif GL_VARIANT == GL_AVX2
@@ -123,7 +117,6 @@ AI vf vf_spread(vs a, vs b) {
 #define GL_I8_OFFSET 0 /* signed activations: the sign trick of vi_dot_i8 */
 typedef __m256 vf;
 typedef __m256i vi;
-typedef __m128 vs;
 
 AI vf vf_zero(void) { return _mm256_setzero_ps(); }
 AI vf vf_set1(float a) { return _mm256_set1_ps(a); }
@@ -218,13 +211,13 @@ AI vi vi_dot_u4(vi lo, vi x0, vi hi, vi x1) {
 }
 AI vi vi_low_nibbles(vi v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0f)); }
 AI vi vi_high_nibbles(vi v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0f)); }
-AI vs vs_scales(const uint16_t *s, int b, int gshift) { /* two blocks */
-    uint32_t two = (uint32_t)s[b >> gshift] | (uint32_t)s[(b + 1) >> gshift] << 16;
-    return _mm_castsi128_ps(_mm_slli_epi32(_mm_cvtepu16_epi32(_mm_cvtsi32_si128((int)two)), 16));
-}
-AI vs vs_load(const float *p) { return _mm_castpd_ps(_mm_load_sd((const double *)p)); }
-AI vf vf_spread(vs a, vs b) {
-    return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_mul_ps(a, b)), _mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0));
+AI vf vf_block_scales(const uint16_t *s, int b, int gshift) { /* two blocks: one broadcast, one shuffle */
+    uint32_t two;
+    if (gshift == 0) memcpy(&two, s + b, 4);
+    else two = (uint32_t)s[b >> gshift] | (uint32_t)s[(b + 1) >> gshift] << 16;
+    const __m256i put = _mm256_setr_epi8(-1, -1, 0, 1, -1, -1, 0, 1, -1, -1, 0, 1, -1, -1, 0, 1, /* the low half */
+                                         -1, -1, 2, 3, -1, -1, 2, 3, -1, -1, 2, 3, -1, -1, 2, 3);
+    return _mm256_castsi256_ps(_mm256_shuffle_epi8(_mm256_set1_epi32((int)two), put));
 }
 
 #elif GL_VARIANT == GL_PORTABLE
@@ -232,7 +225,6 @@ AI vf vf_spread(vs a, vs b) {
 #define GL_I8_OFFSET 0
 typedef struct { float v[VW]; } vf;
 typedef union { int32_t i[VW]; int8_t s[4 * VW]; uint8_t u[4 * VW]; } vi;
-typedef struct { float v[VW / 4]; } vs;
 #define EACH(expr)                                                                                                     \
     vf r;                                                                                                              \
     for (int l = 0; l < VW; l++) r.v[l] = (expr);                                                                      \
@@ -328,20 +320,11 @@ static inline vi vi_high_nibbles(vi v) {
     for (int b = 0; b < 4 * VW; b++) v.u[b] >>= 4;
     return v;
 }
-static inline vs vs_scales(const uint16_t *s, int b, int gshift) {
-    vs r;
-    for (int t = 0; t < VW / 4; t++) {
-        uint32_t u = (uint32_t)s[(b + t) >> gshift] << 16;
-        memcpy(&r.v[t], &u, 4);
-    }
-    return r;
+static inline vf vf_block_scales(const uint16_t *s, int b, int gshift) {
+    uint16_t t[VW];
+    for (int l = 0; l < VW; l++) t[l] = s[(b + l / 4) >> gshift];
+    return vf_load_bf16(t);
 }
-static inline vs vs_load(const float *p) {
-    vs r;
-    memcpy(r.v, p, sizeof r.v);
-    return r;
-}
-static inline vf vf_spread(vs a, vs b) { EACH(a.v[l / 4] * b.v[l / 4]); }
 #undef EACH
 
 #else
