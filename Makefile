@@ -6,7 +6,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo lint bench install browser mutants
+.PHONY: test demo lint bench install browser mutants neon-check
 
 install: $(STAMP)
 
@@ -37,3 +37,11 @@ lint: $(STAMP)
 # Plant realistic bugs one at a time in a copy of the tree; report which tests catch each (not part of `make test`).
 mutants: $(STAMP)
 	$(PY) bench/mutants.py
+
+# The aarch64 NEON kernels (not part of `make test`): cross-compiled with Debian's
+# gcc-aarch64-linux-gnu, their C check (tests/c/kernel_check.c) run under qemu-user against the
+# portable variant, then planted bugs, each of which must fail it.
+neon-check: $(STAMP)
+	@command -v aarch64-linux-gnu-gcc >/dev/null && command -v qemu-aarch64 >/dev/null || \
+		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq gcc-aarch64-linux-gnu qemu-user >/dev/null; }
+	$(PY) tests/c/run_check.py --arch aarch64 --mutants

@@ -51,6 +51,29 @@ def test_auto_picks_the_best_variant_the_cpu_runs(monkeypatch):
         assert kernels.runnable_variants() == ["portable"]
 
 
+def test_each_architecture_gets_its_own_variants(monkeypatch):
+    assert kernel_build.buildable("x86_64") == ["avx512", "avx2-vnni", "avx2", "portable"]
+    assert kernel_build.buildable("aarch64") == kernel_build.buildable("arm64") == ["neon-dotprod", "neon", "portable"]
+    assert kernel_build.buildable("riscv64") == ["portable"]  # a CPU without a SIMD variant: portable C
+    monkeypatch.setattr(kernel_build.platform, "machine", lambda: "aarch64")
+    monkeypatch.setattr(kernels, "cpu_features", lambda: frozenset({"asimd"}))  # Cortex-A72 (Raspberry Pi 4)
+    assert kernels.runnable_variants() == ["neon", "portable"]
+    monkeypatch.setattr(kernels, "cpu_features", lambda: frozenset({"asimd", "asimddp"}))  # Neoverse, Apple M
+    assert kernels.runnable_variants() == ["neon-dotprod", "neon", "portable"]
+    assert kernels.missing_features("avx2") == ["an x86-64 CPU (this is aarch64)"]
+
+
+def test_the_c_check_passes_on_every_variant_this_cpu_runs():
+    """tests/c/kernel_check.c, which `make neon-check` runs under qemu for aarch64, run natively:
+    each SIMD variant this CPU runs against the portable one, as built from the sources."""
+    proc = subprocess.run([sys.executable, str(Path(__file__).parent / "c" / "run_check.py")],
+                          capture_output=True, text=True)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "passed: 0 failed" in proc.stdout
+    for variant in SIMD:
+        assert f"checking {variant} " in proc.stdout
+
+
 def test_forcing_a_variant_the_cpu_cannot_run_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(kernels, "cpu_features", lambda: frozenset({"avx2", "fma", "f16c"}))
     monkeypatch.setenv("GPTLAB_KERNELS", "avx512")

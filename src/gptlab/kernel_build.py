@@ -23,7 +23,8 @@ from pathlib import Path
 CSRC = Path(__file__).parent / "csrc"
 
 # The variants, best first: name -> (GL_VARIANT, target flags, CPU features it needs). Feature
-# names are gl_cpu_features()'s bits (kernels.FEATURES). x86-64 only except "portable".
+# names are gl_cpu_features()'s bits (kernels.FEATURES). Each is for one architecture (ARCHES),
+# except "portable", which compiles anywhere.
 VARIANTS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
     "avx512": (
         "GL_AVX512",
@@ -32,18 +33,32 @@ VARIANTS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
     ),
     "avx2-vnni": ("GL_AVX2", ("-mavx2", "-mfma", "-mf16c", "-mavxvnni"), ("avx2", "fma", "f16c", "avxvnni")),
     "avx2": ("GL_AVX2", ("-mavx2", "-mfma", "-mf16c"), ("avx2", "fma", "f16c")),
+    "neon-dotprod": ("GL_NEON", ("-march=armv8.2-a+dotprod",), ("asimd", "asimddp")),
+    "neon": ("GL_NEON", (), ("asimd",)),
     "portable": ("GL_PORTABLE", (), ()),
 }
+ARCHES = {"x86-64": ("avx512", "avx2-vnni", "avx2"), "aarch64": ("neon-dotprod", "neon")}
 COMMON_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno")
 
 
+def arch(machine: str | None = None) -> str | None:
+    """The ARCHES key of this machine (or of `machine`, as platform.machine() names it), or None."""
+    m = (machine or platform.machine()).lower()
+    return "x86-64" if m in ("x86_64", "amd64", "i686", "i386") else "aarch64" if m in ("aarch64", "arm64") else None
+
+
 def is_x86() -> bool:
-    return platform.machine().lower() in ("x86_64", "amd64", "i686", "i386")
+    return arch() == "x86-64"
 
 
-def buildable() -> list[str]:
-    """The variants this machine's architecture can compile (all on x86-64, else portable)."""
-    return list(VARIANTS) if is_x86() else ["portable"]
+def buildable(machine: str | None = None) -> list[str]:
+    """The variants this machine's architecture can compile, best first (portable everywhere)."""
+    return [*ARCHES.get(arch(machine), ()), "portable"]
+
+
+def variant_arch(variant: str) -> str | None:
+    """The architecture a variant is for (None: portable, any)."""
+    return next((a for a, names in ARCHES.items() if variant in names), None)
 
 
 def sources() -> list[Path]:
@@ -82,7 +97,7 @@ def build(variant: str, out: Path, cc: str | None = None) -> Path:
     """Compile one variant into `out` (through a temporary file, renamed when complete);
     RuntimeError with the compiler's message when it fails."""
     if variant not in buildable():
-        raise RuntimeError(f"the {variant} variant is for x86-64; this is {platform.machine()}")
+        raise RuntimeError(f"the {variant} variant is for {variant_arch(variant)}; this is {platform.machine()}")
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".so.tmp")
     os.close(fd)

@@ -7,12 +7,13 @@ here reads the weights in the layout the model already stores them, on all threa
 (fp32 arithmetic, so CPUs without native bf16 gain the halved bytes too), and int8/int4 with
 8-bit activations and integer dot products (as llama.cpp's Q8_0/Q4_0).
 
-One source, several variants (gptlab.kernel_build): AVX-512 with VNNI, AVX2 with AVX-VNNI, AVX2
-(+FMA, F16C), and portable C that compiles anywhere. Each is compiled with its own target flags at
-install time (`pip install .`, `make install`) into the package, or at first use into the user's
-cache directory. At load the best variant the CPU reports (cpuid, `cpu_features`) is chosen;
-`GPTLAB_KERNELS=auto|avx512|avx2-vnni|avx2|portable|0` forces one (0: PyTorch's kernels only), and a
-variant this CPU cannot run is a RuntimeError naming what it lacks. Without a C compiler and
+One source, several variants (gptlab.kernel_build): on x86-64 AVX-512 with VNNI, AVX2 with
+AVX-VNNI, AVX2 (+FMA, F16C); on aarch64 NEON with and without the dot-product instructions; and
+portable C that compiles anywhere. Each is compiled with its own target flags at install time
+(`pip install .`, `make install`) into the package, or at first use into the user's cache
+directory. At load the best variant the CPU reports (cpuid or HWCAP, `cpu_features`) is chosen;
+`GPTLAB_KERNELS=auto|avx512|avx2-vnni|avx2|neon-dotprod|neon|portable|0` forces one (0: PyTorch's
+kernels only), and a variant this CPU cannot run is a RuntimeError naming what it lacks. Without a C compiler and
 without a built library, `available()` says why and every caller falls back to PyTorch's kernels.
 
 `Linear` is the model's linear layer: an nn.Linear (same parameters, same state dict, training
@@ -47,7 +48,8 @@ log = logging.getLogger(__name__)
 MAX_ROWS = 8  # rows of x one kernel call takes (MAX_ROWS in kernels.c); more go to PyTorch's GEMM
 MAX_HEAD_SIZE = 256  # the C attention's limit (MAX_HS in attention.c)
 VARIANTS = tuple(kernel_build.VARIANTS)  # best first
-FEATURES = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512vnni", "avxvnni")
+FEATURES = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512vnni", "avxvnni",
+            "asimd", "asimddp")  # fmt: skip  # gl_cpu_features' bits, in order
 _ABI = 9
 _P = ctypes.c_void_p
 _I = ctypes.c_int
@@ -150,8 +152,9 @@ def _load(variant: str) -> ctypes.CDLL:
 @functools.cache
 def cpu_features() -> frozenset[str]:
     """The instruction sets this CPU and OS support, of FEATURES (cpuid and xgetbv, read by the
-    portable library's gl_cpu_features); empty off x86-64 or without a library."""
-    if not kernel_build.is_x86():
+    portable library's gl_cpu_features; aarch64: the kernel's HWCAP); empty on other architectures
+    or without a library."""
+    if kernel_build.arch() is None:
         return frozenset()
     try:
         bits = _load("portable").gl_cpu_features()
@@ -164,7 +167,7 @@ def cpu_features() -> frozenset[str]:
 def missing_features(variant: str) -> list[str]:
     """What this CPU lacks to run `variant` (empty: it can)."""
     if variant not in kernel_build.buildable():
-        return [f"an x86-64 CPU (this is {platform.machine()})"]
+        return [f"an {kernel_build.variant_arch(variant)} CPU (this is {platform.machine()})"]
     return [f for f in kernel_build.VARIANTS[variant][2] if f not in cpu_features()]
 
 

@@ -6,6 +6,8 @@
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <cpuid.h>
+#elif defined(__aarch64__) && defined(__linux__)
+#include <sys/auxv.h>
 #endif
 
 #ifndef MADV_COLLAPSE
@@ -26,6 +28,10 @@ const char *gl_variant(void) {
     return "avx2-vnni";
 #elif GL_VARIANT == GL_AVX2
     return "avx2";
+#elif GL_VARIANT == GL_NEON && defined(__ARM_FEATURE_DOTPROD)
+    return "neon-dotprod";
+#elif GL_VARIANT == GL_NEON
+    return "neon";
 #else
     return "portable";
 #endif
@@ -35,9 +41,11 @@ const char *gl_variant(void) {
 const char *gl_source_digest(void) { return GL_SOURCE_DIGEST; }
 
 /* What the CPU and the operating system support, as bits (kernels.py FEATURES names them):
- * 0 AVX2, 1 FMA, 2 F16C, 3 AVX-512 F, 4 BW, 5 VL, 6 DQ, 7 AVX-512 VNNI, 8 AVX-VNNI.
- * From cpuid directly, with XGETBV for the registers' state the OS saves (AVX needs XMM and YMM
- * state, AVX-512 also the opmask and ZMM state), so any compiler and OS read it the same way. */
+ * 0 AVX2, 1 FMA, 2 F16C, 3 AVX-512 F, 4 BW, 5 VL, 6 DQ, 7 AVX-512 VNNI, 8 AVX-VNNI; on aarch64
+ * 9 Advanced SIMD (every aarch64 CPU), 10 its dot products (sdot, Armv8.2's DotProd).
+ * On x86 from cpuid directly, with XGETBV for the registers' state the OS saves (AVX needs XMM and
+ * YMM state, AVX-512 also the opmask and ZMM state), so any compiler and OS read it the same way;
+ * on aarch64 Linux from the kernel's hardware capabilities (HWCAP_ASIMDDP is bit 20). */
 int gl_cpu_features(void) {
     int bits = 0;
 #if defined(__x86_64__) || defined(__i386__)
@@ -54,6 +62,11 @@ int gl_cpu_features(void) {
         bits |= ((b >> 16) & 1) << 3 | ((b >> 30) & 1) << 4 | ((b >> 31) & 1) << 5 | ((b >> 17) & 1) << 6 |
                 ((c >> 11) & 1) << 7;
     if (__get_cpuid_count(7, 1, &a, &b, &c, &d)) bits |= ((a >> 4) & 1) << 8;
+#elif defined(__aarch64__)
+    bits |= 1 << 9;
+#if defined(__linux__)
+    bits |= (int)((getauxval(AT_HWCAP) >> 20) & 1) << 10;
+#endif
 #endif
     return bits;
 }

@@ -1,0 +1,252 @@
+/* The C kernels' own check, for variants Python cannot load (aarch64 under qemu-user: `make
+ * neon-check`): every kernel of each library given is run on the same seeded inputs as the first
+ * library (the portable reference, itself checked against a double-precision product here) and must
+ * agree with it within the tolerances the Python tests use. Natively, `make kernel-check` runs it on
+ * this machine's x86 variants.
+ *
+ *   kernel_check REF.so LIB.so [LIB.so ...]     exit status 0 when every check passes
+ */
+#include <dlfcn.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef int (*linear_f32_t)(const float *, const float *, const float *, float *, int, int, int, int);
+typedef int (*linear_bf16_t)(const uint16_t *, const uint16_t *, const float *, uint16_t *, int, int, int, int);
+typedef int (*linear_i8_t)(const float *, const int8_t *, const uint16_t *, const int32_t *, const float *, float *,
+                           int, int, int, int);
+typedef int (*linear_i4_t)(const float *, const uint8_t *, const uint16_t *, const uint16_t *, const float *, float *,
+                           int, int, int, int, int);
+typedef int (*softmax_xent_t)(float *, const int64_t *, float *, float *, float *, int, int, int, int);
+typedef int (*attend_one_t)(const void *, void *, void *, int, const uint8_t *, void *, int, int, int, int, int, int);
+typedef int (*argmax_t)(const float *, int64_t *, int, int);
+
+typedef struct {
+    const char *path, *variant;
+    linear_f32_t linear_f32;
+    linear_bf16_t linear_bf16;
+    linear_i8_t linear_i8;
+    linear_i4_t linear_i4;
+    softmax_xent_t softmax_xent;
+    attend_one_t attend_one;
+    argmax_t argmax;
+} lib_t;
+
+static int failures = 0;
+
+static void *need(void *h, const char *name) {
+    void *f = dlsym(h, name);
+    if (!f) {
+        fprintf(stderr, "kernel_check: %s\n", dlerror());
+        exit(2);
+    }
+    return f;
+}
+
+static lib_t open_lib(const char *path) {
+    void *h = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+    if (!h) {
+        fprintf(stderr, "kernel_check: %s\n", dlerror());
+        exit(2);
+    }
+    lib_t l = {path, ((const char *(*)(void))need(h, "gl_variant"))(), need(h, "gl_linear_f32"),
+               need(h, "gl_linear_bf16"), need(h, "gl_linear_i8"), need(h, "gl_linear_i4"),
+               need(h, "gl_softmax_xent"), need(h, "gl_attend_one"), need(h, "gl_argmax_f32")};
+    return l;
+}
+
+/* ---------------------------------------------------------------- seeded inputs */
+
+static uint64_t rng = 0x9e3779b97f4a7c15ull;
+static float uniform(void) { /* [-1, 1) */
+    rng ^= rng << 13, rng ^= rng >> 7, rng ^= rng << 17;
+    return (float)((rng >> 40) & 0xffffff) / 8388608.0f - 1.0f;
+}
+static float *floats(size_t n, float scale) {
+    float *p = malloc(n * sizeof *p);
+    for (size_t i = 0; i < n; i++) p[i] = scale * uniform();
+    return p;
+}
+static uint16_t bf16(float f) { /* round to nearest even */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return (uint16_t)((u + 0x7fff + ((u >> 16) & 1)) >> 16);
+}
+static float from_bf16(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+static uint16_t *bf16s(size_t n, float scale) {
+    uint16_t *p = malloc(n * sizeof *p);
+    for (size_t i = 0; i < n; i++) p[i] = bf16(scale * uniform());
+    return p;
+}
+
+/* ---------------------------------------------------------------- comparisons */
+
+/* max |got - want| / (atol + rtol |want|) over n values: <= 1 passes. */
+static double worst(const float *got, const float *want, size_t n, double atol, double rtol) {
+    double w = 0;
+    for (size_t i = 0; i < n; i++) {
+        double e = fabs((double)got[i] - want[i]) / (atol + rtol * fabs(want[i]));
+        if (!(e <= w)) w = e; /* NaN counts as a failure */
+    }
+    return w;
+}
+static void report(const char *what, const lib_t *l, const char *shape, double w) {
+    const int ok = w <= 1.0;
+    failures += !ok;
+    printf("%-6s %-14s %-28s %s (worst %.3g of the tolerance)\n", ok ? "ok" : "FAIL", l->variant, what, ok ? "" : shape,
+           w);
+}
+
+/* ---------------------------------------------------------------- the checks */
+
+static void check_linear_f32(const lib_t *ref, const lib_t *l, int M, int N, int K) {
+    float *x = floats((size_t)M * K, 1), *w = floats((size_t)N * K, 0.1f), *b = floats(N, 1);
+    float *y0 = malloc(sizeof(float) * M * N), *y = malloc(sizeof(float) * M * N), *yd = malloc(sizeof(float) * M * N);
+    for (int m = 0; m < M; m++)
+        for (int n = 0; n < N; n++) {
+            double s = b[n];
+            for (int k = 0; k < K; k++) s += (double)x[m * K + k] * w[n * K + k];
+            yd[m * N + n] = (float)s;
+        }
+    ref->linear_f32(x, w, b, y0, M, N, K, 2);
+    l->linear_f32(x, w, b, y, M, N, K, 2);
+    char shape[64];
+    snprintf(shape, sizeof shape, "M=%d N=%d K=%d", M, N, K);
+    if (ref == l) report("linear_f32 vs float64", l, shape, worst(y, yd, (size_t)M * N, 1e-5, 1e-5));
+    else report("linear_f32", l, shape, worst(y, y0, (size_t)M * N, 1e-5, 1e-5)); /* measured <= 1.2e-6 */
+    free(x), free(w), free(b), free(y0), free(y), free(yd);
+}
+
+static void check_linear_bf16(const lib_t *ref, const lib_t *l, int M, int N, int K) {
+    uint16_t *x = bf16s((size_t)M * K, 1), *w = bf16s((size_t)N * K, 0.1f), *y0 = malloc(2 * M * N), *y = malloc(2 * M * N);
+    float *b = floats(N, 1), *f0 = malloc(sizeof(float) * M * N), *f = malloc(sizeof(float) * M * N);
+    ref->linear_bf16(x, w, b, y0, M, N, K, 2);
+    l->linear_bf16(x, w, b, y, M, N, K, 2);
+    for (int i = 0; i < M * N; i++) f0[i] = from_bf16(y0[i]), f[i] = from_bf16(y[i]);
+    char shape[64];
+    snprintf(shape, sizeof shape, "M=%d N=%d K=%d", M, N, K);
+    report("linear_bf16", l, shape, worst(f, f0, (size_t)M * N, 1e-4, 1.0 / 128)); /* one bf16 rounding apart */
+    free(x), free(w), free(y0), free(y), free(b), free(f0), free(f);
+}
+
+static void check_linear_i8(const lib_t *ref, const lib_t *l, int M, int N, int K) {
+    float *x = floats((size_t)M * K, 1), *b = floats(N, 1);
+    int8_t *w = malloc((size_t)N * K);
+    uint16_t *ws = malloc(2 * N);
+    int32_t *wsum = calloc(N, 4);
+    for (int n = 0; n < N; n++) {
+        ws[n] = bf16(0.01f * (1.5f + uniform()));
+        for (int k = 0; k < K; k++) wsum[n] += w[n * K + k] = (int8_t)lrintf(127 * uniform());
+    }
+    float *y0 = malloc(sizeof(float) * M * N), *y = malloc(sizeof(float) * M * N);
+    ref->linear_i8(x, w, ws, wsum, b, y0, M, N, K, 2);
+    l->linear_i8(x, w, ws, wsum, b, y, M, N, K, 2);
+    char shape[64];
+    snprintf(shape, sizeof shape, "M=%d N=%d K=%d", M, N, K);
+    report("linear_i8", l, shape, worst(y, y0, (size_t)M * N, 1e-5, 1e-5)); /* exact integer sums */
+    free(x), free(b), free(w), free(ws), free(wsum), free(y0), free(y);
+}
+
+static void check_linear_i4(const lib_t *ref, const lib_t *l, int M, int N, int K, int g) {
+    float *x = floats((size_t)M * K, 1), *b = floats(N, 1);
+    uint8_t *w = malloc((size_t)N * K / 2);
+    uint16_t *sc = malloc(2 * (size_t)N * (K / g)), *ze = malloc(2 * (size_t)N * (K / g));
+    for (size_t i = 0; i < (size_t)N * K / 2; i++) w[i] = (uint8_t)(rng = rng * 6364136223846793005ull + 1, rng >> 56);
+    for (size_t i = 0; i < (size_t)N * (K / g); i++) sc[i] = bf16(0.01f * (1.5f + uniform())), ze[i] = bf16(0.05f * uniform());
+    float *y0 = malloc(sizeof(float) * M * N), *y = malloc(sizeof(float) * M * N);
+    ref->linear_i4(x, w, sc, ze, b, y0, M, N, K, g, 2);
+    l->linear_i4(x, w, sc, ze, b, y, M, N, K, g, 2);
+    char shape[64];
+    snprintf(shape, sizeof shape, "M=%d N=%d K=%d g=%d", M, N, K, g);
+    report("linear_i4", l, shape, worst(y, y0, (size_t)M * N, 1e-5, 1e-5));
+    free(x), free(b), free(w), free(sc), free(ze), free(y0), free(y);
+}
+
+static void check_softmax_xent(const lib_t *ref, const lib_t *l, int n, int V) {
+    float *z0 = floats((size_t)V * n, 4), *z = malloc(sizeof(float) * V * n);
+    memcpy(z, z0, sizeof(float) * V * n);
+    int64_t *t = malloc(sizeof(int64_t) * n);
+    for (int r = 0; r < n; r++) t[r] = r % 5 == 3 ? -100 : (int64_t)((uniform() + 1) / 2 * (V - 1));
+    float *out0 = malloc(sizeof(float) * 3 * n), *out = malloc(sizeof(float) * 3 * n);
+    ref->softmax_xent(z0, t, out0, out0 + n, out0 + 2 * n, n, V, 1, 2);
+    l->softmax_xent(z, t, out, out + n, out + 2 * n, n, V, 1, 2);
+    char shape[64];
+    snprintf(shape, sizeof shape, "n=%d V=%d", n, V);
+    report("softmax_xent loss, max, inv", l, shape, worst(out, out0, 3 * (size_t)n, 1e-6, 1e-5));
+    report("softmax_xent exp(z - max)", l, shape, worst(z, z0, (size_t)V * n, 1e-7, 1e-5)); /* vf_exp: < 2e-8 */
+    free(z0), free(z), free(t), free(out0), free(out);
+}
+
+static void check_attention(const lib_t *ref, const lib_t *l, int B, int nh, int hs, int pos) {
+    const int C = nh * hs, L = pos + 8;
+    const size_t cache = (size_t)B * nh * L * hs;
+    float *qkv = floats((size_t)B * 3 * C, 1), *k0 = floats(cache, 1), *v0 = floats(cache, 1);
+    float *k = malloc(sizeof(float) * cache), *v = malloc(sizeof(float) * cache);
+    memcpy(k, k0, sizeof(float) * cache), memcpy(v, v0, sizeof(float) * cache);
+    uint8_t *mask = malloc((size_t)B * (pos + 1));
+    for (int i = 0; i < B * (pos + 1); i++) mask[i] = uniform() > -0.5f;
+    float *o0 = malloc(sizeof(float) * B * C), *o = malloc(sizeof(float) * B * C);
+    ref->attend_one(qkv, k0, v0, pos, mask, o0, B, nh, hs, L, 0, 2);
+    l->attend_one(qkv, k, v, pos, mask, o, B, nh, hs, L, 0, 2);
+    char shape[64];
+    snprintf(shape, sizeof shape, "B=%d nh=%d hs=%d pos=%d", B, nh, hs, pos);
+    report("attend_one", l, shape, worst(o, o0, (size_t)B * C, 1e-6, 1e-5));
+    const int same = !memcmp(k, k0, sizeof(float) * cache) && !memcmp(v, v0, sizeof(float) * cache);
+    report("attend_one caches", l, shape, same ? 0 : 2); /* the new key and value, copied */
+    free(qkv), free(k0), free(v0), free(k), free(v), free(mask), free(o0), free(o);
+}
+
+static void check_argmax(const lib_t *ref, const lib_t *l, int M, int N) {
+    float *x = floats((size_t)M * N, 1);
+    int64_t *a0 = malloc(8 * M), *a = malloc(8 * M);
+    ref->argmax(x, a0, M, N);
+    l->argmax(x, a, M, N);
+    int same = 1;
+    for (int m = 0; m < M; m++) same &= a[m] == a0[m];
+    char shape[64];
+    snprintf(shape, sizeof shape, "M=%d N=%d", M, N);
+    report("argmax", l, shape, same ? 0 : 2);
+    free(x), free(a0), free(a);
+}
+
+static void check_all(const lib_t *ref, const lib_t *l) {
+    static const int Ms[] = {1, 2, 5, 17, 100}, NKs[][2] = {{37, 40}, {70, 768}, {30, 3072}};
+    for (size_t i = 0; i < sizeof Ms / sizeof *Ms; i++)
+        for (size_t j = 0; j < sizeof NKs / sizeof *NKs; j++) {
+            const int M = Ms[i], N = NKs[j][0], K = NKs[j][1];
+            if (M <= 8) check_linear_f32(ref, l, M, N, K), check_linear_bf16(ref, l, M, N, K);
+            check_linear_i8(ref, l, M, N, K);
+        }
+    static const int i4[][3] = {{1, 33, 256}, {3, 40, 768}, {17, 21, 768}, {41, 9, 1024}};
+    static const int groups[] = {32, 64, 128, 256};
+    for (size_t i = 0; i < sizeof i4 / sizeof *i4; i++)
+        for (size_t j = 0; j < sizeof groups / sizeof *groups; j++)
+            check_linear_i4(ref, l, i4[i][0], i4[i][1], i4[i][2], groups[j]);
+    check_softmax_xent(ref, l, 13, 301), check_softmax_xent(ref, l, 64, 2000);
+    check_attention(ref, l, 2, 3, 16, 0), check_attention(ref, l, 3, 2, 64, 37);
+    check_argmax(ref, l, 3, 1000), check_argmax(ref, l, 1, 7);
+}
+
+int main(int argc, char **argv) {
+    if (argc < 3) {
+        fprintf(stderr, "usage: kernel_check REF.so LIB.so [LIB.so ...]\n");
+        return 2;
+    }
+    const lib_t ref = open_lib(argv[1]);
+    printf("reference: %s (%s)\n", ref.variant, ref.path);
+    check_linear_f32(&ref, &ref, 3, 37, 40), check_linear_f32(&ref, &ref, 1, 70, 768);
+    for (int i = 2; i < argc; i++) {
+        const lib_t l = open_lib(argv[i]);
+        printf("checking %s (%s) against %s\n", l.variant, l.path, ref.variant);
+        check_all(&ref, &l);
+    }
+    printf("%s: %d failed\n", failures ? "FAILED" : "passed", failures);
+    return failures ? 1 : 0;
+}
