@@ -13,8 +13,9 @@ portable C that compiles anywhere. Each is compiled with its own target flags at
 (`pip install .`, `make install`) into the package, or at first use into the user's cache
 directory. At load the best variant the CPU reports (cpuid or HWCAP, `cpu_features`) is chosen;
 `GPTLAB_KERNELS=auto|avx512|avx2-vnni|avx2|neon-dotprod|neon|portable|0` forces one (0: PyTorch's
-kernels only), and a variant this CPU cannot run is a RuntimeError naming what it lacks. Without a C compiler and
-without a built library, `available()` says why and every caller falls back to PyTorch's kernels.
+kernels only), and a variant this CPU cannot run is a RuntimeError naming what it lacks. Without a
+C compiler and without a built library, `available()` says why and every caller falls back to
+PyTorch's kernels.
 
 `Linear` is the model's linear layer: an nn.Linear (same parameters, same state dict, training
 unchanged) whose forward takes the kernel for a few rows without autograd on the CPU, and
@@ -62,17 +63,8 @@ _SIGNATURES = {  # name: argument types; each returns 0, or -1 when out of memor
     "gl_dequantize_i8": [_P, _P, _P, _I, _I, _I],
     "gl_attend_one": [_P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _I],
     "gl_argmax_f32": [_P, _P, _I, _I],
-    "gl_softmax_xent": [
-        _P,
-        _P,
-        _P,
-        _P,
-        _P,
-        _I,
-        _I,
-        _I,
-        _I,
-    ],  # logits (V, n), targets, loss, peak, inv, n, V, grad, threads
+    # logits (V, n), targets, loss, peak, inv, n, V, grad, threads
+    "gl_softmax_xent": [_P, _P, _P, _P, _P, _I, _I, _I, _I],
     # model, kv caches, x, B, T, pos, max_len, mask, rope, logits, all_logits, threads
     "gl_decode_step": [_P, _P, _P, _P, _I, _I, _I, _I, _P, _P, _P, _I, _I],
 }

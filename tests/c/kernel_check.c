@@ -60,10 +60,11 @@ static lib_t open_lib(const char *path) {
 /* ---------------------------------------------------------------- seeded inputs */
 
 static uint64_t rng = 0x9e3779b97f4a7c15ull;
-static float uniform(void) { /* [-1, 1) */
+static uint64_t next_bits(void) { /* xorshift64 */
     rng ^= rng << 13, rng ^= rng >> 7, rng ^= rng << 17;
-    return (float)((rng >> 40) & 0xffffff) / 8388608.0f - 1.0f;
+    return rng;
 }
+static float uniform(void) { return (float)((next_bits() >> 40) & 0xffffff) / 8388608.0f - 1.0f; } /* [-1, 1) */
 static float *floats(size_t n, float scale) {
     float *p = malloc(n * sizeof *p);
     for (size_t i = 0; i < n; i++) p[i] = scale * uniform();
@@ -158,7 +159,7 @@ static void check_linear_i4(const lib_t *ref, const lib_t *l, int M, int N, int 
     float *x = floats((size_t)M * K, 1), *b = floats(N, 1);
     uint8_t *w = malloc((size_t)N * K / 2);
     uint16_t *sc = malloc(2 * (size_t)N * (K / g)), *ze = malloc(2 * (size_t)N * (K / g));
-    for (size_t i = 0; i < (size_t)N * K / 2; i++) w[i] = (uint8_t)(rng = rng * 6364136223846793005ull + 1, rng >> 56);
+    for (size_t i = 0; i < (size_t)N * K / 2; i++) w[i] = (uint8_t)(next_bits() >> 56); /* two nibbles */
     for (size_t i = 0; i < (size_t)N * (K / g); i++) sc[i] = bf16(0.01f * (1.5f + uniform())), ze[i] = bf16(0.05f * uniform());
     float *y0 = malloc(sizeof(float) * M * N), *y = malloc(sizeof(float) * M * N);
     ref->linear_i4(x, w, sc, ze, b, y0, M, N, K, g, 2);
