@@ -63,15 +63,22 @@ def test_each_architecture_gets_its_own_variants(monkeypatch):
     assert kernels.missing_features("avx2") == ["an x86-64 CPU (this is aarch64)"]
 
 
-def test_the_c_check_passes_on_every_variant_this_cpu_runs():
+def test_the_c_check_passes_on_every_variant_this_cpu_runs_and_fails_planted_bugs():
     """tests/c/kernel_check.c, which `make neon-check` runs under qemu for aarch64, run natively:
-    each SIMD variant this CPU runs against the portable one, as built from the sources."""
-    proc = subprocess.run([sys.executable, str(Path(__file__).parent / "c" / "run_check.py")],
+    each SIMD variant this CPU runs against the portable one, as built from the sources; on an
+    AVX2 CPU without AVX-VNNI, avx2-vnni too, its vpdpbusd emulated. Then the planted bugs of
+    run_check.MUTANTS, each of which must fail it."""
+    proc = subprocess.run([sys.executable, str(Path(__file__).parent / "c" / "run_check.py"), "--mutants"],
                           capture_output=True, text=True)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "passed: 0 failed" in proc.stdout
     for variant in SIMD:
         assert f"checking {variant} " in proc.stdout
+    if "avx2" in SIMD and "avx2-vnni" not in SIMD:
+        assert "checking avx2-vnni-emulated " in proc.stdout
+        assert "caught   avx2-vnni: vpdpbusd's operands swapped" in proc.stdout
+    if "avx2" in SIMD:
+        assert "caught   avx2: the weights' sign is not moved onto x" in proc.stdout
 
 
 def test_forcing_a_variant_the_cpu_cannot_run_is_a_clear_error(monkeypatch):

@@ -5,8 +5,10 @@
     python tests/c/run_check.py --arch aarch64 --mutants   # and plant bugs, which must fail it
 
 For aarch64 (`make neon-check`) it needs Debian's gcc-aarch64-linux-gnu and qemu-user; the
-libraries go to a temporary directory, never into the package. Exit status 0 when every check
-passes (and, with --mutants, every planted bug is caught).
+libraries go to a temporary directory, never into the package. Natively, a variant the CPU lacks
+one instruction for runs with that instruction emulated (EMULATED): avx2-vnni's vpdpbusd on the
+CPUs without AVX-VNNI, so its code is checked on every AVX2 machine. Exit status 0 when every
+check passes (and, with --mutants, every planted bug is caught).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from gptlab import kernel_build, kernels
@@ -23,8 +26,21 @@ from gptlab import kernel_build, kernels
 CHECK = Path(__file__).with_name("kernel_check.c")
 CROSS = {"aarch64": ("aarch64-linux-gnu-gcc", ["qemu-aarch64", "-L", "/usr/aarch64-linux-gnu"])}
 
+# variant: (the variant the CPU must run, the flag that emulates what the variant adds to it)
+EMULATED = {"avx2-vnni": ("avx2", "-DGL_EMULATE_AVXVNNI")}
+
 # (name, the variant it is built into, the snippet of csrc/simd.h, its replacement)
 MUTANTS = {
+    "x86-64": [
+        ("vpdpbusd's operands swapped", "avx2-vnni",
+         "return GL_DPBUSD(acc, aw, sx);", "return GL_DPBUSD(acc, sx, aw);"),
+        ("nibble products use the low nibbles twice", "avx2-vnni",
+         "return GL_DPBUSD(GL_DPBUSD(_mm256_setzero_si256(), lo, x0), hi, x1);",
+         "return GL_DPBUSD(GL_DPBUSD(_mm256_setzero_si256(), lo, x0), lo, x1);"),
+        ("the weights' sign is not moved onto x", "avx2",
+         "const vi aw = _mm256_sign_epi8(w, w), sx = _mm256_sign_epi8(x, w);",
+         "const vi aw = _mm256_sign_epi8(w, w), sx = x;"),
+    ],
     "aarch64": [
         ("widening dot sums the low half twice", "neon",
          "vpaddq_s32(vpaddlq_s16(lo), vpaddlq_s16(hi))", "vpaddq_s32(vpaddlq_s16(lo), vpaddlq_s16(lo))"),
@@ -54,8 +70,20 @@ def tools(arch: str | None) -> tuple[str, list[str]]:
     return cc, runner
 
 
-def build(variant: str, out: Path, cc: str, csrc: Path = kernel_build.CSRC) -> Path:
-    cmd = [c.replace(str(kernel_build.CSRC), str(csrc)) for c in kernel_build.command(variant, out, cc)]
+def native_variants() -> list[str]:
+    """This CPU's SIMD variants: those it runs, then those it runs with EMULATED's help."""
+    runs = [v for v in kernels.runnable_variants() if v != "portable"]
+    emulated = [v for v, (base, _) in EMULATED.items() if v not in runs and base in runs]
+    return runs + emulated
+
+
+def build(variant: str, out: Path, cc: str, csrc: Path = kernel_build.CSRC, native: bool = False) -> Path:
+    """Compile `variant` from `csrc` into `out`; natively, emulated where this CPU cannot run it."""
+    base, extra = variant, []
+    if native and variant in EMULATED and variant not in kernels.runnable_variants():
+        base, flag = EMULATED[variant]
+        extra = [flag]
+    cmd = [c.replace(str(kernel_build.CSRC), str(csrc)) for c in kernel_build.command(base, out, cc)] + extra
     subprocess.run(cmd, check=True)
     return out
 
@@ -73,34 +101,42 @@ def main(argv=None) -> int:
     cc, runner = tools(args.arch)
     native = not runner
     # natively, only the variants this CPU can execute; cross, every variant of that architecture
-    variants = (
-        [v for v in kernels.runnable_variants() if v != "portable"] if native else list(kernel_build.ARCHES[args.arch])
-    )
-    with tempfile.TemporaryDirectory() as tmp:
+    variants = native_variants() if native else list(kernel_build.ARCHES[args.arch])
+    with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(2) as pool:
         tmp = Path(tmp)
         program = tmp / "kernel_check"
         subprocess.run([cc, "-O1", "-o", str(program), str(CHECK), "-ldl", "-lm"], check=True)
-        libs = [build(v, tmp / kernel_build.library_name(v), cc) for v in ["portable", *variants]]
+        names = ["portable", *variants]
+        libs = list(pool.map(lambda v: build(v, tmp / kernel_build.library_name(v), cc, native=native), names))
         status = check(runner, program, libs)
         if status or not args.mutants:
             return status
+        mutants = []
+        for mutant in MUTANTS.get(args.arch or kernel_build.arch(), []):
+            if mutant[1] in variants:
+                mutants.append(mutant)
+            else:
+                print(f"not run  {mutant[1]}: {mutant[0]} (this CPU runs neither the variant nor its emulation)")
+        results = pool.map(lambda im: plant(*im[1], tmp / f"mutant{im[0]}", cc, native), enumerate(mutants))
         missed = 0
-        for name, variant, old, new in MUTANTS.get(args.arch or kernel_build.arch(), []):
-            csrc = tmp / "mutant"
-            shutil.rmtree(csrc, ignore_errors=True)
-            shutil.copytree(kernel_build.CSRC, csrc)
-            simd = csrc / "simd.h"
-            text = simd.read_text()
-            if text.count(old) != 1:
-                print(f"stale    {name}: its snippet is not in simd.h once")
-                missed += 1
-                continue
-            simd.write_text(text.replace(old, new))
-            lib = build(variant, tmp / "mutant.so", cc, csrc)
-            caught = check(runner, program, [libs[0], lib], quiet=True) == 1
+        for (name, variant, _, _), lib in zip(mutants, results, strict=True):
+            caught = lib is not None and check(runner, program, [libs[0], lib], quiet=True) == 1
             missed += not caught
-            print(f"{'caught' if caught else 'MISSED'}   {variant}: {name}")
+            print(f"{'caught' if caught else 'MISSED' if lib else 'stale '}   {variant}: {name}")
         return 1 if missed else 0
+
+
+def plant(name: str, variant: str, old: str, new: str, tmp: Path, cc: str, native: bool) -> Path | None:
+    """`variant` built from a copy of the sources with `old` replaced by `new` in simd.h, or None
+    when `old` is not in simd.h exactly once (a stale mutant)."""
+    csrc = tmp / "csrc"
+    shutil.copytree(kernel_build.CSRC, csrc)
+    simd = csrc / "simd.h"
+    text = simd.read_text()
+    if text.count(old) != 1:
+        return None
+    simd.write_text(text.replace(old, new))
+    return build(variant, tmp / "mutant.so", cc, csrc, native=native)
 
 
 if __name__ == "__main__":

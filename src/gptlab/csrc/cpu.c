@@ -26,6 +26,8 @@ const char *gl_variant(void) {
     return "avx512";
 #elif GL_VARIANT == GL_AVX2 && defined(__AVXVNNI__)
     return "avx2-vnni";
+#elif GL_VARIANT == GL_AVX2 && defined(GL_EMULATE_AVXVNNI)
+    return "avx2-vnni-emulated"; /* the C check's build only */
 #elif GL_VARIANT == GL_AVX2
     return "avx2";
 #elif GL_VARIANT == GL_NEON && defined(__ARM_FEATURE_DOTPROD)

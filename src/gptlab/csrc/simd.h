@@ -195,18 +195,32 @@ AI void vi_sum4(vi a, vi b, vi c, vi d, int32_t out[4]) {
 /* acc lane l += sum of the 4 byte products x . w, both int8, at full precision: vpmaddubsw wants
  * one unsigned operand and saturates at 16 bits, so (as llama.cpp) it gets |w| and x with w's sign
  * moved onto it: |w| sign(w) x = w x, and each pair sum is at most 2 * 128 * 127 < 2^15. */
+#if defined(__AVXVNNI__)
+#define GL_DPBUSD _mm256_dpbusd_avx_epi32
+#elif defined(GL_EMULATE_AVXVNNI)
+/* For the C check only (tests/c/run_check.py), on CPUs without AVX-VNNI: vpdpbusd's exact meaning
+ * in AVX2, so the avx2-vnni code runs everywhere. Lane l += u[4l..4l+3] . s[4l..4l+3], u unsigned
+ * and s signed bytes, without saturation: the even and the odd bytes widened to 16 bits apart. */
+#define GL_DPBUSD vi_dpbusd_emulated
+AI vi vi_dpbusd_emulated(vi acc, vi u, vi s) {
+    const vi mask = _mm256_set1_epi16(0x00ff);
+    const vi u_even = _mm256_and_si256(u, mask), u_odd = _mm256_srli_epi16(u, 8);
+    const vi s_even = _mm256_srai_epi16(_mm256_slli_epi16(s, 8), 8), s_odd = _mm256_srai_epi16(s, 8);
+    return _mm256_add_epi32(acc, _mm256_add_epi32(_mm256_madd_epi16(u_even, s_even), _mm256_madd_epi16(u_odd, s_odd)));
+}
+#endif
 AI vi vi_dot_i8(vi acc, vi x, vi w) {
     const vi aw = _mm256_sign_epi8(w, w), sx = _mm256_sign_epi8(x, w);
-#if defined(__AVXVNNI__)
-    return _mm256_dpbusd_avx_epi32(acc, aw, sx);
+#if defined(GL_DPBUSD)
+    return GL_DPBUSD(acc, aw, sx);
 #else
     return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), _mm256_set1_epi16(1)));
 #endif
 }
 /* Nibbles (<= 15) times int8: both byte-pair sums fit 16 bits (2 * 15 * 127 each, 7620 together). */
 AI vi vi_dot_u4(vi lo, vi x0, vi hi, vi x1) {
-#if defined(__AVXVNNI__)
-    return _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), lo, x0), hi, x1);
+#if defined(GL_DPBUSD)
+    return GL_DPBUSD(GL_DPBUSD(_mm256_setzero_si256(), lo, x0), hi, x1);
 #else
     const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, x0), _mm256_maddubs_epi16(hi, x1));
     return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
