@@ -239,11 +239,14 @@ def test_argmax_matches_torch_including_ties():
 
 
 @pytest.mark.parametrize("bias", [False, True])
-def test_bf16_linear_in_fp32_is_the_product_rounded_once(monkeypatch, bias):
-    """bf16 layers on CPUs without bf16 GEMMs: the product in fp32, slab by slab of weight rows
-    (here 16 rows a slab: 70 rows are five slabs, the last partial), rounded to bf16 once."""
+@pytest.mark.parametrize("whole", [False, True])
+def test_bf16_linear_in_fp32_is_the_product_rounded_once(monkeypatch, bias, whole):
+    """bf16 layers on CPUs without bf16 GEMMs: the product in fp32, of the weight converted whole
+    or slab by slab of rows (here 16 rows a slab: 70 rows are five slabs, the last partial),
+    rounded to bf16 once."""
     torch.manual_seed(0)
     monkeypatch.setattr(kernels, "SLAB_BYTES", 16 * 4 * 96)
+    monkeypatch.setattr(kernels, "WHOLE_BYTES", 70 * 96 * 4 if whole else 0)
     x = torch.randn(2, 9, 96).bfloat16()
     w = (torch.randn(70, 96) * 0.1).bfloat16()
     b = torch.randn(70).bfloat16() if bias else None
