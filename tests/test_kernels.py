@@ -127,9 +127,10 @@ def test_int4_kernel_matches_its_arithmetic(group_size, M, calls):
 
 
 @needs_int
-def test_int4_prompt_path_dequantizes_exactly(calls):
+@pytest.mark.parametrize("group_size", [32, 256])
+def test_int4_prompt_path_dequantizes_exactly(calls, group_size):
     torch.manual_seed(4)
-    layer = Int4Linear.from_linear(nn.Linear(256, 40), 64)
+    layer = Int4Linear.from_linear(nn.Linear(256, 40), group_size)
     layer.prepare()
     x = torch.randn(kernels.INT4_KERNEL_ROWS + 1, 256)  # more rows than the kernel takes
     y = layer(x)

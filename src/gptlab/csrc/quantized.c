@@ -339,11 +339,15 @@ void gl_dequantize_i4(const uint8_t *w, const uint16_t *scales, const uint16_t *
         const uint8_t *wr = w + (size_t)n * (K / 2);
         float *o = out + (size_t)n * K;
         for (int j = 0; j < G; j++) {
-            float s = bf16_to_f32(scales[(size_t)n * G + j]), z = bf16_to_f32(zeros[(size_t)n * G + j]) - 8.0f * s;
-            for (int k = j * g; k < (j + 1) * g; k += 2) {
-                uint8_t v = wr[k / 2];
-                o[k] = (float)(v & 15) * s + z;
-                o[k + 1] = (float)(v >> 4) * s + z;
+            const float s = bf16_to_f32(scales[(size_t)n * G + j]), z = bf16_to_f32(zeros[(size_t)n * G + j]) - 8.0f * s;
+            for (int k0 = j * g; k0 < (j + 1) * g; k0 += 256) { /* at most 256 columns at a time */
+                const int len = (j + 1) * g - k0 < 256 ? (j + 1) * g - k0 : 256;
+                uint8_t q[256]; /* the nibbles in column order, then a loop the compiler vectorizes */
+                for (int i = 0; i < len / 2; i++) {
+                    q[2 * i] = wr[k0 / 2 + i] & 15;
+                    q[2 * i + 1] = wr[k0 / 2 + i] >> 4;
+                }
+                for (int k = 0; k < len; k++) o[k0 + k] = (float)q[k] * s + z;
             }
         }
     }
