@@ -112,13 +112,13 @@ def test_int8_kernel_matches_its_arithmetic(shape, M, calls):
 
 @needs_int
 @pytest.mark.parametrize("group_size", [32, 64, 128, 256])
-@pytest.mark.parametrize("M", [1, 3, 6, 41, 200])  # 41, 200: prompts (spread scales; 200: two tiles of x)
+@pytest.mark.parametrize("M", [1, 3, 6, 8, 13, 41, 200])  # 41, 200: prompts (spread scales; 200: two tiles of x)
 def test_int4_kernel_matches_its_arithmetic(group_size, M, calls):
     N, K = 45, 768
     torch.manual_seed(3)
     layer = Int4Linear.from_linear(nn.Linear(K, N), group_size)
     layer.prepare()
-    layer._decode_rows = M  # the kernel even past INT4_KERNEL_ROWS, where prompts dequantize instead
+    layer._decode_rows = M  # the kernel even where prompts would dequantize instead (int4_kernel_rows)
     x = torch.randn(M, K) * torch.linspace(0.1, 3, K)  # groups of different scales
     y = layer(x)
     assert calls["gl_linear_i4"] == 1
@@ -132,10 +132,22 @@ def test_int4_prompt_path_dequantizes_exactly(calls, group_size):
     torch.manual_seed(4)
     layer = Int4Linear.from_linear(nn.Linear(256, 40), group_size)
     layer.prepare()
+    layer._decode_rows = kernels.INT4_KERNEL_ROWS  # as the AVX-512 and portable variants have it
     x = torch.randn(kernels.INT4_KERNEL_ROWS + 1, 256)  # more rows than the kernel takes
     y = layer(x)
     assert calls["gl_dequantize_i4"] == 1 and calls["gl_linear_i4"] == 0
     assert torch.allclose(y, F.linear(x, layer.dequantize(), layer.bias), rtol=1e-5, atol=1e-5)
+
+
+@needs_int
+def test_int4_prompts_run_the_kernel_on_avx2_and_dequantize_elsewhere(calls):
+    """The AVX2 variants' int4 kernel beats dequantize + GEMM at any number of rows (I4_MROWS);
+    the others dequantize past INT4_KERNEL_ROWS."""
+    layer = Int4Linear.from_linear(nn.Linear(256, 40), 32)
+    layer.prepare()
+    layer(torch.randn(513, 256))
+    on_avx2 = kernels.variant().startswith("avx2")
+    assert calls["gl_linear_i4"] == on_avx2 and calls["gl_dequantize_i4"] == (not on_avx2)
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))

@@ -355,9 +355,17 @@ def float_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 
 # Up to this many rows, the int4 kernel (weights read once, rows reused from L1) beats
-# dequantizing the layer and running the fp32 GEMM: measured on an Intel Xeon, 3072x768 layer,
-# 0.34 vs 1.69 ms at 16 rows, 1.35 vs 2.55 at 64, 9.9 vs 6.4 at 256.
+# dequantizing the layer and running the fp32 GEMM: measured on an Intel Xeon (avx512), 3072x768
+# layer, 0.34 vs 1.69 ms at 16 rows, 1.35 vs 2.55 at 64, 9.9 vs 6.4 at 256.
 INT4_KERNEL_ROWS = 128
+# The AVX2 variants take 8 rows of x per block (I4_MROWS in csrc/common.h) and beat it at any
+# size: AMD EPYC, 512 rows, 3072x768 19.1-19.5 ms against 22-25 dequantized (fp32 weights: 24).
+INT4_KERNEL_ROWS_AVX2 = sys.maxsize
+
+
+def int4_kernel_rows() -> int:
+    """Up to how many rows of x an int4 layer runs gptlab's kernel (more: dequantize for the GEMM)."""
+    return INT4_KERNEL_ROWS_AVX2 if (variant() or "").startswith("avx2") else INT4_KERNEL_ROWS
 
 
 def fbgemm_int8_is_exact() -> bool:

@@ -306,7 +306,7 @@ class Int4Linear(QuantizedLinear):
             self.weight, self.scales, self.zeros = _aligned(self.weight), _aligned(self.scales), _aligned(self.zeros)
             self._kernel_weights = ("gptlab",)
             self._decode = kernels.int4_decoder(self.weight, self.scales, self.zeros, self.group_size, self.bias)
-            self._decode_rows = kernels.INT4_KERNEL_ROWS
+            self._decode_rows = kernels.int4_kernel_rows()
             return
         # PyTorch's kernel wants a multiple of 16 output rows: pad (GPT-2's head has 50257) and slice after.
         pad = -self.out_features % 16

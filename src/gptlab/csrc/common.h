@@ -22,6 +22,17 @@
 #define MROWS 2
 #endif
 
+/* Rows of x at a time in the int4 kernel. On AVX2, 8 (against 2 weight rows, so 16 accumulators:
+ * some spill, and it is still faster): AMD EPYC, 2026-12-02, 512 rows, g32, 2 threads: 3072x768
+ * 25-29 -> 19.1-19.5 ms, 768x3072 19.6-20.3 -> 14.3-14.8 (4 rows: 19.7-20.5 and 16.5-21.9), where
+ * fp32 weights take 24 and 19-20 in MKL's GEMM. AVX-512 keeps MROWS, tuned on an Intel Xeon. */
+#if GL_VARIANT == GL_AVX2
+#define I4_MROWS 8
+#else
+#define I4_MROWS MROWS
+#endif
+_Static_assert(I4_MROWS == 2 || I4_MROWS == 4 || I4_MROWS == 8, "i4_block_r specializes 1, 2, 4 or 8 rows of x");
+
 /* Weight rows per block when decoding (at most DECODE_MAX_M rows of x): 1 or ROWS (the blocks'
  * dispatch knows no other). On the AMD EPYC (Zen 3, 2 threads) one weight stream per thread beats
  * four; 2026-12-01, each layer's weights streaming from memory, 1 row of x: int8 1.2-1.5x (1.1-1.3x

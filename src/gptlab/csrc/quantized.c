@@ -51,9 +51,9 @@ static void quantize_rows_i8(const float *x, uint8_t *xq, float *s, int M, int K
  * to stay in L2 (X_TILE_BYTES) while all of W streams past it, instead of all of x streaming from
  * L3 once per block of W's rows (x is 1.5 MiB at 512 x 3072). */
 #define X_TILE_BYTES (128 * 1024)
-static int x_tile_rows(int K) {
-    const int rows = X_TILE_BYTES / K / MROWS * MROWS;
-    return rows > MROWS ? rows : MROWS;
+static int x_tile_rows(int K, int mrows) { /* a multiple of mrows, the rows of x a block takes */
+    const int rows = X_TILE_BYTES / K / mrows * mrows;
+    return rows > mrows ? rows : mrows;
 }
 /* The end of the tile of x starting at row t0. */
 static inline int tile_end(int t0, int tile, int M) { return M - t0 < tile ? M : t0 + tile; }
@@ -131,7 +131,7 @@ int gl_linear_i8(const float *x, const int8_t *w, const uint16_t *ws, const int3
     if (!xq) return -1;
     float *xs = (float *)(xq + (((size_t)M * K + 63) & ~(size_t)63));
     quantize_rows_i8(x, xq, xs, M, K, nthreads);
-    const int nblocks = (N + ROWS - 1) / ROWS, tile = x_tile_rows(K);
+    const int nblocks = (N + ROWS - 1) / ROWS, tile = x_tile_rows(K, MROWS);
 #pragma omp parallel num_threads(nthreads)
     for (int t0 = 0; t0 < M; t0 += tile) { /* a tile of x stays in L2 while W streams past it */
         const int t1 = tile_end(t0, tile, M);
@@ -225,9 +225,9 @@ typedef struct {
 /* R rows of an int4 W times M rows of x (R, M compile-time constants, as gshift and spread);
  * out[r][m]. The weight w = q * scale + (zero - 8 scale), so y = xs * (sum over blocks of scale *
  * (sum q xq)) + sum over groups of (zero - 8 scale) * gsum. */
-AI void i4_rows(const i4_args a, const int R, const int M, const int gshift, const int spread, float out[2][MROWS]) {
+AI void i4_rows(const i4_args a, const int R, const int M, const int gshift, const int spread, float out[2][I4_MROWS]) {
     const int K = a.K, G = a.G, C = K / CHUNK;
-    vf acc[2][MROWS];
+    vf acc[2][I4_MROWS];
     for (int r = 0; r < R; r++)
         for (int m = 0; m < M; m++) acc[r][m] = vf_zero();
     for (int c = 0; c < C; c++) {
@@ -261,34 +261,33 @@ AI void i4_rows(const i4_args a, const int R, const int M, const int gshift, con
     }
 }
 
-static void i4_block(const i4_args a, int R, int M, float out[2][MROWS]) {
-#define I4S(RR, MM, GS) (a.spread ? i4_rows(a, RR, MM, GS, 1, out) : i4_rows(a, RR, MM, GS, 0, out))
-#define I4(RR, MM) (a.gshift ? I4S(RR, MM, a.gshift) : I4S(RR, MM, 0))
-    if (R == 2) {
-        switch (M) {
-        case 1: I4(2, 1); break;
-#if MROWS == 4
-        case 2: I4(2, 2); break;
-        case 3: I4(2, 3); break;
-        default: I4(2, 4); break;
-#else
-        default: I4(2, 2); break;
+/* R (1 or 2, a constant once inlined) rows of W times M <= I4_MROWS rows of x, specialized per M. */
+AI void i4_block_r(const i4_args a, const int R, int M, float out[2][I4_MROWS]) {
+#define I4S(MM, GS) (a.spread ? i4_rows(a, R, MM, GS, 1, out) : i4_rows(a, R, MM, GS, 0, out))
+#define I4(MM) (a.gshift ? I4S(MM, a.gshift) : I4S(MM, 0))
+    switch (M) {
+    case 1: I4(1); break;
+#if I4_MROWS >= 2
+    case 2: I4(2); break;
 #endif
-        }
-    } else {
-        switch (M) {
-        case 1: I4(1, 1); break;
-#if MROWS == 4
-        case 2: I4(1, 2); break;
-        case 3: I4(1, 3); break;
-        default: I4(1, 4); break;
-#else
-        default: I4(1, 2); break;
+#if I4_MROWS >= 4
+    case 3: I4(3); break;
+    case 4: I4(4); break;
 #endif
-        }
+#if I4_MROWS >= 8
+    case 5: I4(5); break;
+    case 6: I4(6); break;
+    case 7: I4(7); break;
+    case 8: I4(8); break;
+#endif
     }
 #undef I4
 #undef I4S
+}
+
+static void i4_block(const i4_args a, int R, int M, float out[2][I4_MROWS]) {
+    if (R == 2) i4_block_r(a, 2, M, out);
+    else i4_block_r(a, 1, M, out);
 }
 
 /* y (M, N) = x (M, K) W^T + b for an int4 W (see i4_rows); x is quantized per row first. K must
@@ -307,20 +306,20 @@ int gl_linear_i4(const float *x, const uint8_t *w, const uint16_t *scales, const
     int gshift = 0;
     while ((32 << gshift) < g) gshift++;
     if (spread) spread_weight_scales(scales, zeros, wsv, wo, N, K, g, gshift, nthreads);
-    const int nblocks = (N + 1) / 2, tile = x_tile_rows(K);
+    const int nblocks = (N + 1) / 2, tile = x_tile_rows(K, I4_MROWS);
 #pragma omp parallel num_threads(nthreads)
     for (int t0 = 0; t0 < M; t0 += tile) { /* as gl_linear_i8's tiles */
         const int t1 = tile_end(t0, tile, M);
 #pragma omp for schedule(static)
         for (int blk = 0; blk < nblocks; blk++) {
             const int n = 2 * blk, R = n + 2 <= N ? 2 : 1;
-            for (int m0 = t0; m0 < t1; m0 += MROWS) {
-                const int mm = t1 - m0 < MROWS ? t1 - m0 : MROWS;
+            for (int m0 = t0; m0 < t1; m0 += I4_MROWS) {
+                const int mm = t1 - m0 < I4_MROWS ? t1 - m0 : I4_MROWS;
                 const i4_args a = {xq + (size_t)m0 * K, xs + m0, xgsum + (size_t)m0 * G, w + (size_t)n * (K / 2),
                                    scales + (size_t)n * G, zeros + (size_t)n * G,
                                    wsv ? wsv + (size_t)n * C * VW : NULL, wo ? wo + (size_t)n * G : NULL,
                                    K, G, gshift, spread};
-                float out[2][MROWS];
+                float out[2][I4_MROWS];
                 i4_block(a, R, mm, out);
                 for (int r = 0; r < R; r++)
                     for (int m = 0; m < mm; m++) y[(size_t)(m0 + m) * N + n + r] = out[r][m] + (b ? b[n + r] : 0.0f);
