@@ -43,6 +43,7 @@ QUANTIZE_TESTS = ("tests/test_quantize.py",)
 FUSED_TESTS = ("tests/test_fused_step.py", "tests/test_kernels.py")
 HARNESS_TESTS = ("tests/test_harness.py", "-k", "equals")
 HOOKS_TESTS = ("tests/test_hooks.py",)
+GEMM_TESTS = ("tests/test_gemm.py",)
 SERVE_LMEVAL_TESTS = ("tests/test_serve_tokenize.py", "tests/test_serve.py", "-k", "offset or logprobs or echo")
 
 
@@ -152,6 +153,21 @@ MUTANTS = [
            "#define DECODE_ROWS 1", "#define DECODE_ROWS 2", FUSED_TESTS),
     Mutant("kernels/tail-of-inputs-dropped", "csrc/linear.c",
            "        if (k < K) dot_step_f32((const float *)w, x, R, M, K, k, K - k, 1, acc);\n", "", FUSED_TESTS),
+    # the training head's GEMM (csrc/gemm.c)
+    Mutant("gemm/accumulate-ignored", "csrc/gemm.c",
+           "const int first = pc == 0 && !g->accumulate,", "const int first = pc == 0,", GEMM_TESTS),
+    Mutant("gemm/last-block-as-deep-as-the-others", "csrc/gemm.c",
+           "return g->K - pc < GEMM_KC ? g->K - pc : GEMM_KC;", "return GEMM_KC;", GEMM_TESTS),
+    Mutant("gemm/edge-tile-drops-a-column", "csrc/gemm.c",
+           "for (int j = 0; j < n; j++) c[i * ldc + j]", "for (int j = 0; j < n - 1; j++) c[i * ldc + j]",
+           GEMM_TESTS),
+    Mutant("gemm/transposed-a-packed-with-the-row-stride", "csrc/gemm.c",
+           "memcpy(ap + k * GEMM_MR, ai + k * csa,", "memcpy(ap + k * GEMM_MR, ai + k * rsa,", GEMM_TESTS),
+    Mutant("gemm/threads-rows-overlap", "csrc/gemm.c",
+           "const int r0 = (int)((long)tiles * id / nt) * GEMM_MR,",
+           "const int r0 = (int)((long)tiles * id / nt) * GEMM_MR - (id ? GEMM_MR : 0),", GEMM_TESTS),
+    Mutant("gemm/head-products-ignore-the-choice", "kernels.py",
+           'return gemm_choice() == "gptlab"', "return True", GEMM_TESTS),
     # the loss
     Mutant("loss/targets-not-shifted", "data.py", "return w[:, :-1], w[:, 1:]", "return w[:, :-1], w[:, :-1]",
            LOSS_TESTS),

@@ -40,7 +40,7 @@ def _chunk_grad(x_c, w, t_c, out: torch.Tensor):
     backward products (measured on the AMD EPYC, 2 threads, 512 rows: 95 against 67 GFLOP/s
     forward; 107/82 against 119/74 for the inputs' and the weight's gradients: ~15% less in all)."""
     if out.dtype == x_c.dtype:
-        logits = torch.mm(w, x_c.t(), out=out)  # (V, n)
+        logits = kernels.mm(w, x_c.t(), out)  # (V, n)
     else:
         logits = out.copy_(w @ x_c.t().contiguous())  # (V, n) fp32 from bf16/fp16 logits
     scored = kernels.softmax_exp_(logits, t_c)  # in C on CPU: 2 passes over the logits, not 5
@@ -72,8 +72,8 @@ def _accumulate_grads(e, inv, t_c, x_c, w, w_t, grad_x_c, grad_w, first: bool) -
     targets = t_c[rows]  # (k,)
     x_scaled = x_c * inv.to(x_c.dtype)[:, None]  # (n, C)
     if e.dtype == torch.float32:
-        torch.mm(e.t(), w, out=grad_x_c)
-        grad_w.addmm_(e, x_scaled, beta=0.0 if first else 1.0)  # beta 0: grad_w's old values are not read
+        kernels.mm(e.t(), w, grad_x_c)
+        kernels.mm(e, x_scaled, grad_w, accumulate=not first)  # the first: grad_w's old values are not read
     else:
         grad_x_c.copy_((w_t @ e).t())
         if first:
@@ -198,4 +198,4 @@ def _head_t(head: torch.nn.Module, x_c: torch.Tensor) -> torch.Tensor:
         return head(x_c).float().t().contiguous()  # a quantized head computes (n, V) its own way
     if x_c.dtype != torch.float32:
         return (weight @ x_c.t()).float()
-    return torch.mm(weight, x_c.t(), out=_workspace(x_c.size(0), weight.size(0), x_c.device))
+    return kernels.mm(weight, x_c.t(), _workspace(x_c.size(0), weight.size(0), x_c.device))

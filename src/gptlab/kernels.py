@@ -51,9 +51,10 @@ MAX_HEAD_SIZE = 256  # the C attention's limit (MAX_HS in attention.c)
 VARIANTS = tuple(kernel_build.VARIANTS)  # best first
 FEATURES = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512vnni", "avxvnni",
             "asimd", "asimddp")  # fmt: skip  # gl_cpu_features' bits, in order
-_ABI = 9
+_ABI = 10
 _P = ctypes.c_void_p
 _I = ctypes.c_int
+_L = ctypes.c_long
 _SIGNATURES = {  # name: argument types; each returns 0, or -1 when out of memory
     "gl_linear_f32": [_P, _P, _P, _P, _I, _I, _I, _I],  # x, w, bias, y, M, N, K, threads
     "gl_linear_bf16": [_P, _P, _P, _P, _I, _I, _I, _I],
@@ -67,6 +68,8 @@ _SIGNATURES = {  # name: argument types; each returns 0, or -1 when out of memor
     "gl_softmax_xent": [_P, _P, _P, _P, _P, _I, _I, _I, _I],
     # model, kv caches, x, B, T, pos, max_len, mask, rope, logits, all_logits, threads
     "gl_decode_step": [_P, _P, _P, _P, _I, _I, _I, _I, _P, _P, _P, _I, _I],
+    # M, N, K, a, a's row and column strides, b, its strides, c, c's row stride, accumulate, threads
+    "gl_sgemm": [_I, _I, _I, _P, _L, _L, _P, _L, _L, _P, _L, _I, _I],
 }
 _huge_paged: set[int] = set()  # weights already moved to huge pages (their data pointers)
 
@@ -508,6 +511,63 @@ def _softmax_xent(logits_t: torch.Tensor, targets: torch.Tensor, grad: bool):
     return loss, peak, inv
 
 
+@functools.cache
+def cpu_vendor() -> str:
+    """The CPU's vendor as cpuid names it (/proc/cpuinfo's vendor_id: GenuineIntel, AuthenticAMD,
+    ...), or "" where that cannot be read."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("vendor_id"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+GEMM_CHOICES = ("auto", "gptlab", "torch")
+
+
+def gemm_choice() -> str:
+    """Whose fp32 GEMM runs `mm` (the training head's three products): "gptlab" (gl_sgemm) or
+    "torch" (PyTorch's BLAS). GPTLAB_GEMM=gptlab|torch forces one; auto (the default) takes
+    gptlab's on an x86 CPU not made by Intel whose kernel variant has SIMD. PyTorch's x86 builds
+    multiply with Intel's MKL, which on an AMD EPYC (Zen 3, 2 threads) ran the demo head's products
+    at 75-110 GFLOP/s where gl_sgemm runs them at 135-175 (`gptlab bench gemm`); on Intel CPUs MKL
+    keeps them (gl_sgemm not yet measured there), and on other architectures PyTorch's BLAS does."""
+    want = os.environ.get("GPTLAB_GEMM", "auto").strip().lower() or "auto"
+    if want not in GEMM_CHOICES:
+        raise ValueError(f"GPTLAB_GEMM={want!r}: expected one of {', '.join(GEMM_CHOICES)}")
+    if want != "auto":
+        return want
+    simd = variant() not in (None, "portable")
+    return "gptlab" if simd and kernel_build.is_x86() and cpu_vendor() != "GenuineIntel" else "torch"
+
+
+def mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate: bool = False) -> torch.Tensor:
+    """out = a @ b, or out += a @ b when accumulate; a (M, K), b (K, N) and out (M, N) 2-D with any
+    strides (out's rows contiguous), no autograd. On CPU fp32 in gl_sgemm where gemm_choice() says
+    gptlab (whatever the thread count, each element sums in the same order), else torch.mm/addmm_."""
+    if _sgemm_runs(a, b, out):
+        (M, K), N = a.shape, b.size(1)
+        status = _library().lib.gl_sgemm(
+            M, N, K, a.data_ptr(), a.stride(0), a.stride(1), b.data_ptr(), b.stride(0), b.stride(1),
+            out.data_ptr(), out.stride(0), int(accumulate), torch.get_num_threads(),
+        )  # fmt: skip
+        check(status)
+        return out
+    return out.addmm_(a, b) if accumulate else torch.mm(a, b, out=out)
+
+
+def _sgemm_runs(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> bool:
+    if not (_enabled and all(t.device.type == "cpu" and t.dtype == torch.float32 for t in (a, b, out))):
+        return False
+    if out.dim() != 2 or out.stride(1) != 1 or a.shape[1] != b.shape[0] or out.shape != (a.shape[0], b.shape[1]):
+        return False
+    if torch.compiler.is_compiling() or not _library().float_ok:
+        return False
+    return gemm_choice() == "gptlab"
+
+
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     """logits (B, V) -> (B,) indices of the largest value per row, as torch.argmax (in C for CPU
     fp32: torch's takes ~85 us over GPT-2's 50,257 logits, ~20x longer)."""
@@ -642,6 +702,8 @@ def main() -> int:
     print(f"gptlab kernels for {cpu_name()}: {describe().split(' on ')[0]}")
     print(f"  CPU features: {' '.join(sorted(cpu_features())) or 'none of ' + ', '.join(FEATURES)}")
     print(f"  variants this CPU runs: {', '.join(runnable_variants())}")
+    gemm = gemm_choice()
+    print(f"  training head's GEMM: {gemm} ({'gl_sgemm' if gemm == 'gptlab' else 'PyTorch BLAS'}; GPTLAB_GEMM)")
     if lib.lib is not None:
         print(f"  {lib.lib.path}")
     return 0

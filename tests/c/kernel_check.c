@@ -22,6 +22,7 @@ typedef int (*linear_i4_t)(const float *, const uint8_t *, const uint16_t *, con
 typedef int (*softmax_xent_t)(float *, const int64_t *, float *, float *, float *, int, int, int, int);
 typedef int (*attend_one_t)(const void *, void *, void *, int, const uint8_t *, void *, int, int, int, int, int, int);
 typedef int (*argmax_t)(const float *, int64_t *, int, int);
+typedef int (*sgemm_t)(int, int, int, const float *, long, long, const float *, long, long, float *, long, int, int);
 
 typedef struct {
     const char *path, *variant;
@@ -32,6 +33,7 @@ typedef struct {
     softmax_xent_t softmax_xent;
     attend_one_t attend_one;
     argmax_t argmax;
+    sgemm_t sgemm;
 } lib_t;
 
 static int failures = 0;
@@ -53,7 +55,7 @@ static lib_t open_lib(const char *path) {
     }
     lib_t l = {path, ((const char *(*)(void))need(h, "gl_variant"))(), need(h, "gl_linear_f32"),
                need(h, "gl_linear_bf16"), need(h, "gl_linear_i8"), need(h, "gl_linear_i4"),
-               need(h, "gl_softmax_xent"), need(h, "gl_attend_one"), need(h, "gl_argmax_f32")};
+               need(h, "gl_softmax_xent"), need(h, "gl_attend_one"), need(h, "gl_argmax_f32"), need(h, "gl_sgemm")};
     return l;
 }
 
@@ -217,6 +219,44 @@ static void check_argmax(const lib_t *ref, const lib_t *l, int M, int N) {
     free(x), free(a0), free(a);
 }
 
+/* C (M, N) (+)= A B with A stored (M, K) or transposed (K, M), B (K, N) or (N, K), against float64:
+ * within 1e-6 of the sum of |a b| over each element's products (fp32 sums: measured <= 1.9e-7). */
+static void check_sgemm(const lib_t *l, int M, int N, int K, int a_t, int b_t, int accumulate) {
+    float *a = floats((size_t)M * K, 1), *b = floats((size_t)K * N, 1), *c = floats((size_t)M * N, 1);
+    double *want = malloc(sizeof(double) * M * N), *scale = malloc(sizeof(double) * M * N);
+    const long rsa = a_t ? 1 : K, csa = a_t ? M : 1, rsb = b_t ? 1 : N, csb = b_t ? K : 1;
+    for (int i = 0; i < M; i++)
+        for (int j = 0; j < N; j++) {
+            double s = accumulate ? c[i * N + j] : 0, m = fabs(s);
+            for (int k = 0; k < K; k++) {
+                const double p = (double)a[i * rsa + k * csa] * b[k * rsb + j * csb];
+                s += p, m += fabs(p);
+            }
+            want[i * N + j] = s, scale[i * N + j] = m;
+        }
+    l->sgemm(M, N, K, a, rsa, csa, b, rsb, csb, c, N, accumulate, 2);
+    double w = 0;
+    for (int i = 0; i < M * N; i++) {
+        const double e = fabs(c[i] - want[i]) / (1e-6 * scale[i] + 1e-30);
+        if (!(e <= w)) w = e;
+    }
+    char shape[64];
+    snprintf(shape, sizeof shape, "M=%d N=%d K=%d%s%s%s", M, N, K, a_t ? " a^T" : "", b_t ? " b^T" : "",
+             accumulate ? " +=" : "");
+    report("sgemm vs float64", l, shape, w);
+    free(a), free(b), free(c), free(want), free(scale);
+}
+
+/* The head's three layouts (W x^T, e^T W, e x), B packed whole and a block at a time (B over 2 MB,
+ * columns past GEMM_NC), edge tiles, accumulation. */
+static void check_sgemms(const lib_t *l) {
+    static const int mm[][6] = {{1, 1, 1, 0, 0, 0},      {301, 40, 16, 0, 1, 0}, {40, 16, 301, 1, 0, 0},
+                                {301, 16, 40, 0, 0, 1},  {13, 70, 600, 0, 0, 1}, {50, 700, 800, 1, 1, 0},
+                                {3, 4100, 20, 0, 1, 1}};
+    for (size_t i = 0; i < sizeof mm / sizeof *mm; i++)
+        check_sgemm(l, mm[i][0], mm[i][1], mm[i][2], mm[i][3], mm[i][4], mm[i][5]);
+}
+
 static void check_all(const lib_t *ref, const lib_t *l) {
     static const int Ms[] = {1, 2, 5, 17, 100}, NKs[][2] = {{37, 40}, {70, 768}, {30, 3072}};
     for (size_t i = 0; i < sizeof Ms / sizeof *Ms; i++)
@@ -233,6 +273,7 @@ static void check_all(const lib_t *ref, const lib_t *l) {
     check_softmax_xent(ref, l, 13, 301), check_softmax_xent(ref, l, 64, 2000);
     check_attention(ref, l, 2, 3, 16, 0), check_attention(ref, l, 3, 2, 64, 37);
     check_argmax(ref, l, 3, 1000), check_argmax(ref, l, 1, 7);
+    check_sgemms(l);
 }
 
 int main(int argc, char **argv) {
@@ -243,6 +284,7 @@ int main(int argc, char **argv) {
     const lib_t ref = open_lib(argv[1]);
     printf("reference: %s (%s)\n", ref.variant, ref.path);
     check_linear_f32(&ref, &ref, 3, 37, 40), check_linear_f32(&ref, &ref, 1, 70, 768);
+    check_sgemms(&ref);
     for (int i = 2; i < argc; i++) {
         const lib_t l = open_lib(argv[i]);
         printf("checking %s (%s) against %s\n", l.variant, l.path, ref.variant);

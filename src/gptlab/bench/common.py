@@ -18,7 +18,8 @@ CORPUS = str(Path(__file__).resolve().parents[3] / RELATIVE)
 
 def machine() -> dict:
     """The facts a reader needs to compare a result: CPU (name, family and model, the features
-    the kernels choose by), cores, memory, torch build, and the gptlab kernel variant that runs."""
+    the kernels choose by), cores, memory, torch build, the gptlab kernel variant that runs and whose
+    GEMM runs the training head (kernels.gemm_choice)."""
     import torch
 
     from gptlab import kernels
@@ -45,6 +46,7 @@ def machine() -> dict:
         "cpu_family_model": "/".join(family_model.get(k, "?") for k in ("cpu family", "model")),
         "cpu_features": " ".join(sorted(kernels.cpu_features())),
         "gptlab_kernels": kernels.variant() or f"none ({kernels.available()[2]})",
+        "head_gemm": kernels.gemm_choice(),
         "cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "memory_gib": mem_gib,

@@ -153,7 +153,10 @@ def main(argv=None) -> int:
 
     args = parse_args(argv or [])
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    print(f"training B{args.batch_size}xT{args.block_size}, {args.n_layer} layers x {args.n_embd} wide, on {device}")
+    from gptlab import kernels
+
+    print(f"training B{args.batch_size}xT{args.block_size}, {args.n_layer} layers x {args.n_embd} wide, on {device}"
+          f" (gptlab kernels: {kernels.describe()}; head GEMM: {kernels.gemm_choice()})")  # fmt: skip
     results = []
     for dtype_name in args.dtypes:
         if dtype_name == "bfloat16" and device.type == "cpu" and not torch.ops.mkldnn._is_mkldnn_bf16_supported():

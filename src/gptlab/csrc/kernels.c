@@ -10,6 +10,7 @@
  *   attention.c    gl_attend_one (a decoding step's attention over the KV cache), gl_argmax_f32
  *   decode_step.c  gl_decode_step: a whole model's forward of a few new tokens over its KV cache
  *   loss.c         gl_softmax_xent: softmax cross-entropy, with what its gradient needs (training) or without (scoring)
+ *   gemm.c         gl_sgemm: a blocked fp32 matrix product (the training head's three products)
  *
  * Shapes are checked on the Python side.
  */
@@ -19,3 +20,4 @@
 #include "attention.c"
 #include "decode_step.c"
 #include "loss.c"
+#include "gemm.c"
