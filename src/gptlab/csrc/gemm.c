@@ -113,7 +113,7 @@ static gemm_ahead_t gemm_ahead(const gemm_t *g, int ic, int mc, int pc, int kc) 
 
 static void gemm_fetch(gemm_ahead_t *f, int n) {
     for (; n > 0 && f->run < f->runs; n--) {
-        prefetch(f->base + f->run * f->stride + f->line * 64);
+        prefetch_l2(f->base + f->run * f->stride + f->line * 64);
         if (++f->line == f->lines) f->line = 0, f->run++;
     }
 }

@@ -489,5 +489,7 @@ static inline vf vf_exp(vf x) {
 }
 
 static inline void prefetch(const void *p) { __builtin_prefetch(p, 0, 3); }
+/* Into L2 only (locality 1): for data needed later, without evicting what the loop is using from L1. */
+static inline void prefetch_l2(const void *p) { __builtin_prefetch(p, 0, 1); }
 
 #endif /* GL_SIMD_H */

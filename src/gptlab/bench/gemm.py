@@ -1,0 +1,95 @@
+"""gptlab bench gemm: the training head's three fp32 products, gptlab's GEMM against PyTorch's.
+
+A small model's training step is mostly its head: logits W x^T (V, n), then the gradients of the
+inputs e^T W (n, C) and of the weight e x (V, C), with e the (V, n) softmax chunk. This times each
+product with gl_sgemm (csrc/gemm.c) and with torch.mm (Intel's MKL in PyTorch's x86 builds) on the
+same operands, alternating the two round by round (this machine's speed drifts by 20% within
+minutes), and prints the medians, GFLOP/s and the ratios; `kernels.gemm_choice` says which one
+training takes here. Defaults: the demo's shape (GPT-2's vocabulary, B8xT128 = 1,024 rows, 128 wide).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+from gptlab.bench.common import write_results
+
+PRODUCTS = ("W x^T", "e^T W", "e x")
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="gptlab bench gemm", description=__doc__.split("\n\n")[0])
+    p.add_argument("--vocab", type=int, default=50257)
+    p.add_argument("--rows", type=int, default=1024, help="rows of x (tokens per chunk)")
+    p.add_argument("--width", type=int, default=128, help="the model's width (n_embd)")
+    p.add_argument("--rounds", type=int, default=9, help="timed rounds per side, alternating")
+    p.add_argument("--out", default="bench/results", help="results directory")
+    return p.parse_args(argv)
+
+
+def operands(V: int, n: int, C: int):
+    """The head W (V, C), rows x (n, C), a softmax chunk e (V, n) and the outputs, fp32."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(V, C, generator=g) * 0.02, torch.randn(n, C, generator=g)
+    e = torch.rand(V, n, generator=g) / V
+    return w, x, e, torch.empty(V, n), torch.empty(n, C), torch.empty(V, C)
+
+
+def time_products(choice: str, w, x, e, logits, grad_x, grad_w) -> list[float]:
+    """Seconds of each of the three products through kernels.mm with GPTLAB_GEMM=choice."""
+    from gptlab import kernels
+
+    os.environ["GPTLAB_GEMM"] = choice
+    seconds = []
+    for a, b, out in ((w, x.t(), logits), (e.t(), w, grad_x), (e, x, grad_w)):
+        t0 = time.perf_counter()
+        kernels.mm(a, b, out)
+        seconds.append(time.perf_counter() - t0)
+    return seconds
+
+
+def main(argv=None) -> int:
+    import torch
+
+    from gptlab import kernels
+
+    args = parse_args(argv or [])
+    if not kernels.available()[0]:
+        raise SystemExit(f"gptlab's kernels are not available here: {kernels.available()[2]}")
+    before = os.environ.get("GPTLAB_GEMM")
+    chosen = kernels.gemm_choice()
+    V, n, C = args.vocab, args.rows, args.width
+    tensors = operands(V, n, C)
+    flop = 2.0 * V * n * C
+    times = {"gptlab": [], "torch": []}
+    try:
+        for side in times:  # warm-up
+            time_products(side, *tensors)
+        for _ in range(args.rounds):
+            for side in times:
+                times[side].append(time_products(side, *tensors))
+    finally:
+        if before is None:
+            os.environ.pop("GPTLAB_GEMM", None)
+        else:
+            os.environ["GPTLAB_GEMM"] = before
+    print(f"head products V={V} n={n} C={C}, {torch.get_num_threads()} threads, kernels {kernels.describe()}")
+    print(f"training takes: {chosen} (GPTLAB_GEMM=auto picks by CPU vendor; see kernels.gemm_choice)")
+    rows = []
+    for i, name in enumerate(PRODUCTS):
+        ms = {side: statistics.median(t[i] for t in times[side]) * 1e3 for side in times}
+        ratio = ms["torch"] / ms["gptlab"]
+        rows.append({"product": name, "gptlab_ms": ms["gptlab"], "torch_ms": ms["torch"], "speedup": ratio})
+        print(f"  {name:6s}  gptlab {ms['gptlab']:7.1f} ms ({flop / ms['gptlab'] / 1e6:5.1f} GFLOP/s)   "
+              f"torch {ms['torch']:7.1f} ms ({flop / ms['torch'] / 1e6:5.1f} GFLOP/s)   {ratio:.2f}x")  # fmt: skip
+    total = {side: sum(r[f"{side}_ms"] for r in rows) for side in times}
+    print(f"  all three: gptlab {total['gptlab']:.1f} ms, torch {total['torch']:.1f} ms, "
+          f"{total['torch'] / total['gptlab']:.2f}x")  # fmt: skip
+    path = write_results("gemm", {"config": vars(args), "chosen": chosen, "products": rows, "total_ms": total}, args.out)
+    print(f"results: {path}")
+    return 0
