@@ -90,6 +90,8 @@ def main(argv=None) -> int:
     total = {side: sum(r[f"{side}_ms"] for r in rows) for side in times}
     print(f"  all three: gptlab {total['gptlab']:.1f} ms, torch {total['torch']:.1f} ms, "
           f"{total['torch'] / total['gptlab']:.2f}x")  # fmt: skip
-    path = write_results("gemm", {"config": vars(args), "chosen": chosen, "products": rows, "total_ms": total}, args.out)
+    path = write_results(
+        "gemm", {"config": vars(args), "chosen": chosen, "products": rows, "total_ms": total}, args.out
+    )
     print(f"results: {path}")
     return 0
