@@ -12,7 +12,7 @@ import torch.nn as nn
 
 from conftest import VARIANTS, tiny_model
 from gptlab import kernel_build, kernels
-from gptlab.generation import generate
+from gptlab.generation import decode_step, generate, new_cache, prefill
 from gptlab.quantize import Int4Linear, Int8Linear, quantize_model
 
 PROC_FLAGS = {  # /proc/cpuinfo's names for kernels.FEATURES
@@ -207,12 +207,25 @@ def test_attention_argmax_and_softmax_agree_with_portable(dtype):
         assert torch.equal(top[variant], top["portable"])
 
 
+def stepwise_logits(model, rows: list[list[int]], prompt_lengths: list[int]) -> torch.Tensor:
+    """Each row teacher-forced through prefill + decode_step (the fused C step): the logits that
+    predicted each of its new tokens, (rows, new tokens, V)."""
+    out = []
+    for row, p in zip(rows, prompt_lengths, strict=True):
+        cache = new_cache(model, 1, len(row))
+        steps = [prefill(model, torch.tensor([row[:p]]), cache)[0]]
+        steps += [decode_step(model, torch.tensor([t]), cache)[0] for t in row[p:-1]]
+        out.append(torch.stack(steps).float())
+    return torch.stack(out)
+
+
 @needs_simd
 @pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("mode", ["fp32", "bf16", "int8", "int4"])
 def test_the_whole_decoding_step_agrees_with_portable(variant, mode):
-    """Greedy generation through gl_decode_step gives the portable variant's tokens, and logits
-    within the precision's noise."""
+    """Greedy generation through gl_decode_step gives the portable variant's tokens, except where
+    the reference's top two logits tie within the precision's noise, and each step's logits agree
+    within that noise."""
     model = tiny_model(n_embd=128, n_head=4, **VARIANTS[variant])
     if mode == "bf16":
         model = model.to(torch.bfloat16)
@@ -220,16 +233,23 @@ def test_the_whole_decoding_step_agrees_with_portable(variant, mode):
         quantize_model(model, mode, group_size=32)
     prompts = [[5, 6, 7], [8, 9]]
 
-    def run():
+    def prepared():
         for m in model.modules():
             if hasattr(m, "prepare"):
                 m.prepare()
-        tokens = generate(model, prompts, 6, temperature=0)
-        with torch.no_grad():
-            return tokens, model(torch.tensor([tokens[0]]))[0].float()
 
-    out = on_each(run)
+    tokens = on_each(lambda: prepared() or generate(model, prompts, 6, temperature=0))
+    ref = tokens["portable"]
+    logits = on_each(lambda: prepared() or stepwise_logits(model, ref, [len(p) for p in prompts]))
+    # measured: fp32 <= 5e-7, bf16 <= 8e-3 (bf16 rounding at each op); int8/int4 <= 7e-3 of the
+    # largest logit (an attention sum in another order moves an activation across an int8
+    # rounding step: 5e-8 in, 6e-5 out of one layer, on the AMD EPYC Zen 4)
+    tol = {"fp32": 2e-6, "bf16": 3e-2}.get(mode, 2e-2)
+    scale = logits["portable"].abs().max()
     for isa in SIMD:
-        assert out[isa][0] == out["portable"][0], isa
-        # measured: fp32 <= 5e-7, bf16 <= 8e-3 (bf16 rounding at each op), int8/int4 <= 1e-6 of the largest logit
-        assert rel(out[isa][1], out["portable"][1]) <= {"fp32": 2e-6, "bf16": 3e-2}.get(mode, 2e-2), isa
+        assert rel(logits[isa], logits["portable"]) <= tol, isa
+        for r, (ours, theirs) in enumerate(zip(tokens[isa], ref, strict=True)):
+            differ = [j for j in range(len(prompts[r]), len(theirs)) if ours[j] != theirs[j]]
+            if differ:  # a near-tie in the reference (int4 llama on the Zen 4: a gap of 0.5% of the largest logit)
+                top2 = logits["portable"][r, differ[0] - len(prompts[r])].topk(2).values
+                assert top2[0] - top2[1] <= tol * scale, (isa, r, differ[0])
