@@ -149,8 +149,10 @@ MUTANTS = [
     Mutant("kernels/prompt-tiles-drop-rows", "csrc/quantized.c",
            "return M - t0 < tile ? M : t0 + tile;", "return M - t0 < tile ? M : t0 + tile - MROWS;",
            FUSED_TESTS),
-    Mutant("kernels/decode-rows-not-one-or-rows", "csrc/common.h",
-           "#define DECODE_ROWS 1", "#define DECODE_ROWS 2", FUSED_TESTS),
+    Mutant("kernels/decode-rows-not-one-or-rows", "csrc/cpu.c",
+           "!cpu_is_amd() ? ROWS : 1; }", "!cpu_is_amd() ? ROWS : 2; }", FUSED_TESTS),
+    Mutant("kernels/split-sums-drop-one", "csrc/linear.c",
+           "out[0][m] = (s4[0] + s4[1]) + (s4[2] + s4[3]);", "out[0][m] = (s4[0] + s4[1]) + s4[2];", FUSED_TESTS),
     Mutant("kernels/tail-of-inputs-dropped", "csrc/linear.c",
            "        if (k < K) dot_step_f32((const float *)w, x, R, M, K, k, K - k, 1, acc);\n", "", FUSED_TESTS),
     # the training head's GEMM (csrc/gemm.c)

@@ -147,22 +147,47 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 needs_simd = pytest.mark.skipif(not SIMD, reason="this CPU runs the portable variant only")
 
 
+def test_decoding_takes_one_weight_stream_per_thread_but_on_intels_avx512():
+    """csrc/cpu.c's choice: 4 weight rows per block for AVX-512 on CPUs other than AMD's (tuned on
+    an Intel Xeon), else 1 (AMD Zen 3 and Zen 4, measured); use_decode_rows overrides it."""
+    for variant in kernels.runnable_variants():
+        with kernels.use_variant(variant):
+            amd = kernels.cpu_vendor() == "AuthenticAMD"
+            assert kernels.decode_rows() == (4 if variant == "avx512" and not amd else 1), variant
+            with kernels.use_decode_rows(4):
+                assert kernels.decode_rows() == 4
+            with pytest.raises(ValueError, match="1 or 4"), kernels.use_decode_rows(3):
+                pass
+            assert kernels.decode_rows() == (4 if variant == "avx512" and not amd else 1)
+
+
+def on_each_rows(fn, rows: int):
+    """on_each(fn) with `rows` weight rows per decoding block, and the reference: portable at 1."""
+    with kernels.use_decode_rows(rows):
+        out = on_each(fn)
+    with kernels.use_decode_rows(1), kernels.use_variant("portable"):
+        out["reference"] = fn()
+    return out
+
+
 @needs_simd
+@pytest.mark.parametrize("rows", [1, 4])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("M", [1, 3, 8])
-def test_float_linear_agrees_with_portable(dtype, M):
+def test_float_linear_agrees_with_portable(dtype, M, rows):
     torch.manual_seed(0)
     x, w, b = (torch.randn(*s).to(dtype) for s in ((M, 203), (51, 203), (51,)))  # tails of rows and inputs
-    out = on_each(lambda: kernels.float_linear(x, w, b))
-    for variant in SIMD:
+    out = on_each_rows(lambda: kernels.float_linear(x, w, b), rows)
+    for variant in ["portable", *SIMD]:
         # fp32 sums in another order: measured <= 2.2e-7 (fp32); bf16 outputs: one ulp where a sum sits near a tie
-        assert rel(out[variant], out["portable"]) <= (1e-6 if dtype == torch.float32 else 2**-8), variant
+        assert rel(out[variant], out["reference"]) <= (1e-6 if dtype == torch.float32 else 2**-8), variant
 
 
 @needs_simd
+@pytest.mark.parametrize("rows", [1, 4])
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 @pytest.mark.parametrize("M", [1, 2, 5, 40])
-def test_quantized_linear_agrees_with_portable(mode, M):
+def test_quantized_linear_agrees_with_portable(mode, M, rows):
     torch.manual_seed(1)
     linear = nn.Linear(256, 37)
     x = torch.randn(M, 256) * torch.linspace(0.1, 3, 256)
@@ -173,10 +198,10 @@ def test_quantized_linear_agrees_with_portable(mode, M):
         with torch.no_grad():
             return layer._decode(x)
 
-    out = on_each(run)
-    for variant in SIMD:
+    out = on_each_rows(run, rows)
+    for variant in ["portable", *SIMD]:
         # exact integer sums, the fp32 scaling in another order: measured <= 1.2e-7
-        assert rel(out[variant], out["portable"]) <= 1e-6, variant
+        assert rel(out[variant], out["reference"]) <= 1e-6, variant
 
 
 @needs_simd

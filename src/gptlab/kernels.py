@@ -51,7 +51,7 @@ MAX_HEAD_SIZE = 256  # the C attention's limit (MAX_HS in attention.c)
 VARIANTS = tuple(kernel_build.VARIANTS)  # best first
 FEATURES = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512vnni", "avxvnni",
             "asimd", "asimddp")  # fmt: skip  # gl_cpu_features' bits, in order
-_ABI = 10
+_ABI = 11
 _P = ctypes.c_void_p
 _I = ctypes.c_int
 _L = ctypes.c_long
@@ -70,6 +70,8 @@ _SIGNATURES = {  # name: argument types; each returns 0, or -1 when out of memor
     "gl_decode_step": [_P, _P, _P, _P, _I, _I, _I, _I, _P, _P, _P, _I, _I],
     # M, N, K, a, a's row and column strides, b, its strides, c, c's row stride, accumulate, threads
     "gl_sgemm": [_I, _I, _I, _P, _L, _L, _P, _L, _L, _P, _L, _I, _I],
+    "gl_set_decode_rows": [_I],  # 1 or ROWS, 0 for the CPU's default; returns the rows in use or -1
+    "gl_decode_rows": [],
 }
 _huge_paged: set[int] = set()  # weights already moved to huge pages (their data pointers)
 
@@ -258,6 +260,29 @@ def variant() -> str | None:
     """The name of the variant that runs (None: PyTorch's kernels only)."""
     lib = _library()
     return lib.variant if lib.lib is not None else None
+
+
+def decode_rows() -> int | None:
+    """Weight rows per block in the active variant's decoding kernels (1: one memory stream per
+    thread, 4: four), as chosen at load from the CPU (csrc/cpu.c: 4 for AVX-512 on CPUs other than
+    AMD's, else 1) or set by use_decode_rows; None without kernels."""
+    lib = _library().lib
+    return None if lib is None else lib.gl_decode_rows()
+
+
+@contextlib.contextmanager
+def use_decode_rows(rows: int):
+    """Within the block, every variant this CPU runs decodes `rows` (1 or 4) weight rows per block
+    instead of its default, e.g. to test both paths or time them on one CPU (not thread-safe)."""
+    libs = [_load(v) for v in runnable_variants()]
+    for lib in libs:
+        if lib.gl_set_decode_rows(rows) != rows:
+            raise ValueError(f"decode rows must be 1 or 4, got {rows}")
+    try:
+        yield
+    finally:
+        for lib in libs:
+            lib.gl_set_decode_rows(0)
 
 
 _enabled = True
@@ -705,6 +730,7 @@ def main() -> int:
     gemm = gemm_choice()
     print(f"  training head's GEMM: {gemm} ({'gl_sgemm' if gemm == 'gptlab' else 'PyTorch BLAS'}; GPTLAB_GEMM)")
     if lib.lib is not None:
+        print(f"  decoding: {decode_rows()} weight row(s) per block per thread ({cpu_vendor() or 'unknown vendor'})")
         print(f"  {lib.lib.path}")
     return 0
 

@@ -9,7 +9,7 @@
 
 #include "simd.h"
 
-#define GL_ABI 10 /* gptlab/kernels.py refuses a library of another ABI */
+#define GL_ABI 11 /* gptlab/kernels.py refuses a library of another ABI */
 
 /* Rows of W at a time (ROWS memory streams in flight) and rows of x at a time (MROWS, their
  * products kept in registers: 4 x 4 vectors fit AVX-512's 32 registers, 4 x 2 AVX2's 16). */
@@ -34,18 +34,19 @@
 _Static_assert(I4_MROWS == 2 || I4_MROWS == 4 || I4_MROWS == 8, "i4_block_r specializes 1, 2, 4 or 8 rows of x");
 
 /* Weight rows per block when decoding (at most DECODE_MAX_M rows of x): 1 or ROWS (the blocks'
- * dispatch knows no other). On the AMD EPYC (Zen 3, 2 threads) one weight stream per thread beats
- * four; 2026-12-01, each layer's weights streaming from memory, 1 row of x: int8 1.2-1.5x (1.1-1.3x
- * at 4 rows, 0.83-1.1x at 8-32, hence DECODE_MAX_M), bf16 1.0-1.27x, fp32 0.95-1.06x; whole-model
- * int8 decode ~8% (medians 93 -> 101 tok/s). int4's two rows stay (one: 0.81-1.17x). AVX-512's
- * ROWS were tuned on an Intel Xeon, so it keeps them. */
-#if GL_VARIANT == GL_AVX512
-#define DECODE_ROWS ROWS
-#else
-#define DECODE_ROWS 1
-#endif
+ * dispatch knows no other), chosen at load from the CPU's vendor (cpu.c, gl_decode_rows). On AMD
+ * CPUs one weight stream per thread beats four: Zen 3 (AVX2, 2 threads), 2026-12-01, each layer's
+ * weights streaming from memory, 1 row of x: int8 1.2-1.5x (1.1-1.3x at 4 rows, 0.83-1.1x at 8-32,
+ * hence DECODE_MAX_M), bf16 1.0-1.27x, fp32 0.95-1.06x; whole-model int8 decode ~8%; Zen 4
+ * (AVX-512), 2026-12-03, whole-model decode: fp32 42 -> 55 tok/s, int8 117 -> 165. The Intel Xeon's
+ * AVX-512 kept four, its tuning; other CPUs take one. int4's two rows stay (one: 0.81-1.17x). */
+extern int gl_decode_rows_;
+/* SPLIT_SUMS: a block of one weight row keeps ROWS partial sums along it, vector k + j VW (or VB)
+ * into sum j, so that the multiply-add's latency (4-5 cycles, one sum a vector) does not pace the
+ * stream: ROWS rows at a time had that from their ROWS streams. */
 #define DECODE_MAX_M 4
-#define BLOCK_ROWS(M) ((M) <= DECODE_MAX_M ? DECODE_ROWS : ROWS) /* rows of W per block for M rows of x */
+#define BLOCK_ROWS(M) ((M) <= DECODE_MAX_M ? gl_decode_rows_ : ROWS) /* rows of W per block for M rows of x */
+int gl_default_decode_rows(void);
 
 /* Software prefetch distances, bytes ahead of each weight stream, per variant: AVX-512's tuned on
  * an Intel Xeon, AVX2's on an AMD EPYC (Zen 3), 2 threads, whole-model decode steps. */

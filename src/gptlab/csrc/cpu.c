@@ -73,6 +73,36 @@ int gl_cpu_features(void) {
     return bits;
 }
 
+/* Whether cpuid's vendor string is AMD's ("AuthenticAMD"). */
+static int cpu_is_amd(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    unsigned a, b, c, d;
+    if (!__get_cpuid(0, &a, &b, &c, &d)) return 0;
+    return b == 0x68747541 && d == 0x69746e65 && c == 0x444d4163; /* "Auth" "enti" "cAMD" */
+#else
+    return 0;
+#endif
+}
+
+/* Weight rows per decoding block (common.h): ROWS for AVX-512 on a CPU that is not AMD's (tuned on
+ * an Intel Xeon), else 1. */
+int gl_default_decode_rows(void) { return GL_VARIANT == GL_AVX512 && !cpu_is_amd() ? ROWS : 1; }
+
+int gl_decode_rows_ = 1;
+__attribute__((constructor)) static void choose_decode_rows(void) { gl_decode_rows_ = gl_default_decode_rows(); }
+
+/* Set the rows per decoding block: 1 or ROWS, or 0 for this CPU's default; returns the rows now
+ * in use, or -1 (unchanged) for another value. For tests and benchmarks; not thread-safe against
+ * running kernels. */
+int gl_set_decode_rows(int rows) {
+    if (rows == 0) rows = gl_default_decode_rows();
+    if (rows != 1 && rows != ROWS) return -1;
+    gl_decode_rows_ = rows;
+    return rows;
+}
+
+int gl_decode_rows(void) { return gl_decode_rows_; }
+
 void *gl_scratch(size_t nbytes) {
     static __thread void *buf = NULL;
     static __thread size_t cap = 0;

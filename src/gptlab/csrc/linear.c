@@ -60,21 +60,30 @@ AI void dot_step_bf16(const uint16_t *w, const float *x, const int R, const int 
  * inlining, so the R x M accumulators live in registers). */
 AI void dot_rm(const void *w, int bf16, const float *x, const int R, const int M, int K, float out[ROWS][MROWS]) {
     vf acc[ROWS][MROWS];
-    for (int r = 0; r < R; r++)
+    for (int r = 0; r < ROWS; r++)
         for (int m = 0; m < M; m++) acc[r][m] = vf_zero();
     int k = 0;
     if (bf16) {
+        if (R == 1) /* one weight stream: ROWS sums along it in turn (SPLIT_SUMS in common.h) */
+            for (; k + ROWS * 2 * VW <= K; k += ROWS * 2 * VW)
+                for (int j = 0; j < ROWS; j++)
+                    dot_step_bf16_pairs((const uint16_t *)w, x, 1, M, K, k + j * 2 * VW, acc + j);
         for (; k + 2 * VW <= K; k += 2 * VW) dot_step_bf16_pairs((const uint16_t *)w, x, R, M, K, k, acc);
         for (; k < K; k += VW) dot_step_bf16((const uint16_t *)w, x, R, M, K, k, K - k, acc);
     } else {
+        if (R == 1)
+            for (; k + ROWS * VW <= K; k += ROWS * VW)
+                for (int j = 0; j < ROWS; j++) dot_step_f32((const float *)w, x, 1, M, K, k + j * VW, VW, 0, acc + j);
         for (; k + VW <= K; k += VW) dot_step_f32((const float *)w, x, R, M, K, k, VW, 0, acc);
         if (k < K) dot_step_f32((const float *)w, x, R, M, K, k, K - k, 1, acc);
     }
-    if (R == 4) {
+    if (R == 4 || R == 1) {
         for (int m = 0; m < M; m++) {
             float s4[4];
             vf_sum4(acc[0][m], acc[1][m], acc[2][m], acc[3][m], s4);
-            for (int r = 0; r < 4; r++) out[r][m] = s4[r];
+            if (R == 1) out[0][m] = (s4[0] + s4[1]) + (s4[2] + s4[3]);
+            else
+                for (int r = 0; r < 4; r++) out[r][m] = s4[r];
         }
     } else {
         for (int r = 0; r < R; r++)

@@ -83,16 +83,21 @@ AI void i8_step(const int8_t *w, const uint8_t *xq, const int R, const int M, in
 /* out[r][m] = sum_k xq[m, k] w[r, k] for R rows of w and M rows of xq (compile-time constants). */
 AI void i8_rm(const int8_t *w, const uint8_t *xq, const int R, const int M, int K, int32_t out[ROWS][MROWS]) {
     vi acc[ROWS][MROWS];
-    for (int r = 0; r < R; r++)
+    for (int r = 0; r < ROWS; r++)
         for (int m = 0; m < M; m++) acc[r][m] = vi_zero();
     int k = 0;
+    if (R == 1) /* one weight stream: ROWS sums along it in turn (SPLIT_SUMS in common.h) */
+        for (; k + ROWS * VB <= K; k += ROWS * VB)
+            for (int j = 0; j < ROWS; j++) i8_step(w, xq, 1, M, K, k + j * VB, VB, 0, acc + j);
     for (; k + VB <= K; k += VB) i8_step(w, xq, R, M, K, k, VB, 0, acc);
     if (k < K) i8_step(w, xq, R, M, K, k, K - k, 1, acc);
-    if (R == 4) {
+    if (R == 4 || R == 1) {
         for (int m = 0; m < M; m++) {
             int32_t s4[4];
             vi_sum4(acc[0][m], acc[1][m], acc[2][m], acc[3][m], s4);
-            for (int r = 0; r < 4; r++) out[r][m] = s4[r];
+            if (R == 1) out[0][m] = s4[0] + s4[1] + s4[2] + s4[3];
+            else
+                for (int r = 0; r < 4; r++) out[r][m] = s4[r];
         }
     } else {
         for (int r = 0; r < R; r++)
