@@ -165,3 +165,33 @@ LLAMA_BENCH_SAMPLE = """[
   }
 ]
 """
+
+
+def test_bench_variants_runs_each_variant_and_rates_it_against_autos(tmp_path, capsys, monkeypatch):
+    from gptlab import kernels
+    from gptlab.bench import variants
+
+    seen = []  # the variant each timed generate call ran under
+    engine = variants.gptlab_engine
+    monkeypatch.setattr(
+        variants,
+        "gptlab_engine",
+        lambda model: lambda idx, n: (seen.append(kernels.variant()), engine(model)(idx, n))[1],
+    )
+    runnable = kernels.runnable_variants()
+    args = ["--preset", "gpt2-tiny", "--modes", "fp32,int8", "--variants", ",".join(runnable), "--new-tokens", "3",
+            "--prompt-len", "5", "--rounds", "2", "--gemm-rows", "16", "--out", str(tmp_path)]  # fmt: skip
+    assert variants.main(args) == 0
+    assert sorted(set(seen)) == sorted(runnable)
+    (path,) = tmp_path.glob("variants-*.json")
+    rows = json.loads(path.read_text())["rows"]
+    assert [(r["mode"], r["variant"]) for r in rows] == [
+        (m, v) for m in ("fp32", "int8", "head GEMM") for v in runnable
+    ]
+    assert all(r["decode_tok_s"] > 0 and r["prefill_tok_s"] > 0 for r in rows[: 2 * len(runnable)])
+    out = capsys.readouterr().out
+    assert f"auto takes {kernels.auto_variant()}" in out
+    assert out.count("<- auto") == 3 and out.count("(1.00x)  <- auto") == 3
+    monkeypatch.setattr(kernels, "cpu_features", lambda: frozenset())
+    with pytest.raises(SystemExit, match="this CPU cannot run 'avx2'"):
+        variants.main(["--variants", "avx2"])

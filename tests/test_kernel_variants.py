@@ -37,6 +37,7 @@ def test_cpuid_reads_what_linux_reports():
 
 def test_auto_picks_the_best_variant_the_cpu_runs(monkeypatch):
     monkeypatch.delenv("GPTLAB_KERNELS", raising=False)
+    monkeypatch.setattr(kernels, "cpu_vendor", lambda: "GenuineIntel")  # not a half-width AVX-512 (below)
     assert kernels.requested_variant() == kernels.runnable_variants()[0]
     assert kernels.runnable_variants()[-1] == "portable"
     zen3 = frozenset({"avx2", "fma", "f16c"})  # AMD Zen 3: no AVX-512, no VNNI
@@ -49,6 +50,34 @@ def test_auto_picks_the_best_variant_the_cpu_runs(monkeypatch):
         assert kernels.requested_variant() == "avx512"
         monkeypatch.setattr(kernels, "cpu_features", lambda: frozenset())  # an x86-64 without AVX2
         assert kernels.runnable_variants() == ["portable"]
+
+
+def test_auto_passes_over_half_width_avx512(monkeypatch):
+    """kernels.HALF_WIDTH_AVX512: AMD's family 25 (Zen 4) runs AVX-512 as two 256-bit halves, and
+    every kernel ran faster as avx2 there (`gptlab bench variants`); other CPUs keep avx512."""
+    if not kernel_build.is_x86():
+        pytest.skip("x86 variants")
+    monkeypatch.delenv("GPTLAB_KERNELS", raising=False)
+    zen4 = frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512vnni"})
+    monkeypatch.setattr(kernels, "cpu_features", lambda: zen4)
+    for vendor, family, expected in [("AuthenticAMD", 25, "avx2"), ("AuthenticAMD", 26, "avx512"),
+                                     ("GenuineIntel", 6, "avx512"), ("", None, "avx512")]:  # fmt: skip
+        monkeypatch.setattr(kernels, "cpu_vendor", lambda v=vendor: v)
+        monkeypatch.setattr(kernels, "cpu_family", lambda f=family: f)
+        assert kernels.auto_variant() == kernels.requested_variant() == expected, (vendor, family)
+        assert kernels.runnable_variants()[0] == "avx512"  # still run by the tests and `use_variant`
+    monkeypatch.setattr(kernels, "cpu_features", lambda: zen4 | {"avxvnni"})  # the next best, whatever it is
+    monkeypatch.setattr(kernels, "cpu_vendor", lambda: "AuthenticAMD")
+    monkeypatch.setattr(kernels, "cpu_family", lambda: 25)
+    assert kernels.auto_variant() == "avx2-vnni"
+
+
+@pytest.mark.skipif(not Path("/proc/cpuinfo").exists(), reason="reads Linux's /proc/cpuinfo")
+def test_cpu_family_and_vendor_are_cpuinfos():
+    info = Path("/proc/cpuinfo").read_text()
+    assert f"vendor_id\t: {kernels.cpu_vendor()}\n" in info or not kernel_build.is_x86()
+    if kernel_build.is_x86():
+        assert f"cpu family\t: {kernels.cpu_family()}\n" in info
 
 
 def test_each_architecture_gets_its_own_variants(monkeypatch):

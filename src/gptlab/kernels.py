@@ -11,7 +11,8 @@ One source, several variants (gptlab.kernel_build): on x86-64 AVX-512 with VNNI,
 AVX-VNNI, AVX2 (+FMA, F16C); on aarch64 NEON with and without the dot-product instructions; and
 portable C that compiles anywhere. Each is compiled with its own target flags at install time
 (`pip install .`, `make install`) into the package, or at first use into the user's cache
-directory. At load the best variant the CPU reports (cpuid or HWCAP, `cpu_features`) is chosen;
+directory. At load the best variant the CPU reports (cpuid or HWCAP, `cpu_features`) is chosen
+(`auto_variant`: but avx2 on a CPU whose AVX-512 is half width, AMD Zen 4);
 `GPTLAB_KERNELS=auto|avx512|avx2-vnni|avx2|neon-dotprod|neon|portable|0` forces one (0: PyTorch's
 kernels only), and a variant this CPU cannot run is a RuntimeError naming what it lacks. Without a
 C compiler and without a built library, `available()` says why and every caller falls back to
@@ -173,14 +174,34 @@ def runnable_variants() -> list[str]:
     return [v for v in VARIANTS if not missing_features(v)]
 
 
+# CPUs (vendor, cpu family) whose AVX-512 is half width: AMD's family 0x19 (Zen 4; Zen 3, the same
+# family, has none) runs each 512-bit instruction as two 256-bit halves, and there avx2 ran level or
+# faster nearly everywhere. `gptlab bench variants --rounds 7 --new-tokens 128`, AMD EPYC Zen 4, 2
+# threads, 2026-12-03, avx512 / avx2 (bench/results/variants-20261203-105447.json): gpt2-shaped
+# decoding fp32 0.79x, bf16 0.93x, int8 0.73x, int4 1.05x; prefill 512 0.88-1.02x; the training
+# head's GEMM 0.96x. A single fp32 layer with 768 inputs streamed 16-18 GB/s as avx512 against 24-29
+# as avx2, the same loop in 512-bit loads (not the horizontal sums: a 256-bit sum tree changed
+# nothing). Zen 5 (family 26) has full-width AVX-512 and keeps it (not measured).
+HALF_WIDTH_AVX512 = frozenset({("AuthenticAMD", 25)})
+
+
+def auto_variant() -> str:
+    """The variant GPTLAB_KERNELS=auto runs: the best this CPU runs, except that a CPU whose AVX-512
+    is half width (HALF_WIDTH_AVX512) takes the next best (avx2) instead of avx512."""
+    runnable = runnable_variants()
+    if runnable[0] == "avx512" and (cpu_vendor(), cpu_family()) in HALF_WIDTH_AVX512:
+        return runnable[1]
+    return runnable[0]
+
+
 def requested_variant() -> str | None:
-    """The variant GPTLAB_KERNELS asks for: the best runnable one for auto (the default; 1 too),
-    None for 0; ValueError for an unknown name, RuntimeError for one this CPU cannot run."""
+    """The variant GPTLAB_KERNELS asks for: auto_variant() for auto (the default; 1 too), None for
+    0; ValueError for an unknown name, RuntimeError for one this CPU cannot run."""
     want = os.environ.get("GPTLAB_KERNELS", "auto").strip().lower() or "auto"
     if want == "0":
         return None
     if want in ("auto", "1"):
-        return runnable_variants()[0]
+        return auto_variant()
     if want not in VARIANTS:
         raise ValueError(f"GPTLAB_KERNELS={want!r}: expected auto, 0 or one of {', '.join(VARIANTS)}")
     if missing_features(want):
@@ -536,17 +557,31 @@ def _softmax_xent(logits_t: torch.Tensor, targets: torch.Tensor, grad: bool):
     return loss, peak, inv
 
 
+def _cpuinfo(field: str) -> str:
+    """The first value of `field` in /proc/cpuinfo, or "" where there is none (or no such file)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == field:
+                return value.strip()
+    except OSError:
+        pass
+    return ""
+
+
 @functools.cache
 def cpu_vendor() -> str:
     """The CPU's vendor as cpuid names it (/proc/cpuinfo's vendor_id: GenuineIntel, AuthenticAMD,
     ...), or "" where that cannot be read."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("vendor_id"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
+    return _cpuinfo("vendor_id")
+
+
+@functools.cache
+def cpu_family() -> int | None:
+    """The CPU's family as cpuid reports it (/proc/cpuinfo's cpu family: 25 for AMD Zen 3 and 4,
+    26 for Zen 5, 6 for most Intel CPUs), or None where that cannot be read."""
+    family = _cpuinfo("cpu family")
+    return int(family) if family.isdigit() else None
 
 
 GEMM_CHOICES = ("auto", "gptlab", "torch")
@@ -727,6 +762,10 @@ def main() -> int:
     print(f"gptlab kernels for {cpu_name()}: {describe().split(' on ')[0]}")
     print(f"  CPU features: {' '.join(sorted(cpu_features())) or 'none of ' + ', '.join(FEATURES)}")
     print(f"  variants this CPU runs: {', '.join(runnable_variants())}")
+    if auto_variant() != runnable_variants()[0]:
+        print(
+            f"  auto takes {auto_variant()}: this CPU's AVX-512 is half width (family {cpu_family()}, see HALF_WIDTH_AVX512)"
+        )
     gemm = gemm_choice()
     print(f"  training head's GEMM: {gemm} ({'gl_sgemm' if gemm == 'gptlab' else 'PyTorch BLAS'}; GPTLAB_GEMM)")
     if lib.lib is not None:

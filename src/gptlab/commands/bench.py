@@ -7,6 +7,7 @@ BENCHMARKS = {
     "generate": "decode/prefill speed vs transformers' generate (fp32, bf16, quantized)",
     "train": "training tokens/s vs transformers' GPT2LMHeadModel",
     "gemm": "the training head's three fp32 products: gptlab's GEMM vs PyTorch's (MKL), GFLOP/s and ratios",
+    "variants": "every kernel variant this CPU runs side by side (decode, prefill, head GEMM) and which one auto takes",
     "recipes": "the demo's validation loss against wall time, old recipe vs new (docs/demo-loss.png)",
     "nanogpt": "gptlab's trainer vs nanoGPT's train.py: same data, model, batch and wall time (tokens/s, val loss)",
     "quantize": "int8/int4 quality (logits cosine, perplexity rise) and checkpoint sizes",
