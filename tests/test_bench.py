@@ -173,11 +173,17 @@ def test_bench_variants_runs_each_variant_and_rates_it_against_autos(tmp_path, c
 
     seen = []  # the variant each timed generate call ran under
     engine = variants.gptlab_engine
-    monkeypatch.setattr(
-        variants,
-        "gptlab_engine",
-        lambda model: lambda idx, n: (seen.append(kernels.variant()), engine(model)(idx, n))[1],
-    )
+
+    def spying_engine(model):
+        run = engine(model)
+
+        def spy(idx, n):
+            seen.append(kernels.variant())
+            return run(idx, n)
+
+        return spy
+
+    monkeypatch.setattr(variants, "gptlab_engine", spying_engine)
     runnable = kernels.runnable_variants()
     args = ["--preset", "gpt2-tiny", "--modes", "fp32,int8", "--variants", ",".join(runnable), "--new-tokens", "3",
             "--prompt-len", "5", "--rounds", "2", "--gemm-rows", "16", "--out", str(tmp_path)]  # fmt: skip

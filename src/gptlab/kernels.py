@@ -83,13 +83,7 @@ _huge_paged: set[int] = set()  # weights already moved to huge pages (their data
 
 def cpu_name() -> str:
     """The CPU model name (/proc/cpuinfo), or the platform's machine type."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.machine() or "unknown"
+    return cpuinfo("model name") or platform.machine() or "unknown"
 
 
 def cache_dir() -> Path:
@@ -557,7 +551,7 @@ def _softmax_xent(logits_t: torch.Tensor, targets: torch.Tensor, grad: bool):
     return loss, peak, inv
 
 
-def _cpuinfo(field: str) -> str:
+def cpuinfo(field: str) -> str:
     """The first value of `field` in /proc/cpuinfo, or "" where there is none (or no such file)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -573,14 +567,14 @@ def _cpuinfo(field: str) -> str:
 def cpu_vendor() -> str:
     """The CPU's vendor as cpuid names it (/proc/cpuinfo's vendor_id: GenuineIntel, AuthenticAMD,
     ...), or "" where that cannot be read."""
-    return _cpuinfo("vendor_id")
+    return cpuinfo("vendor_id")
 
 
 @functools.cache
 def cpu_family() -> int | None:
     """The CPU's family as cpuid reports it (/proc/cpuinfo's cpu family: 25 for AMD Zen 3 and 4,
     26 for Zen 5, 6 for most Intel CPUs), or None where that cannot be read."""
-    family = _cpuinfo("cpu family")
+    family = cpuinfo("cpu family")
     return int(family) if family.isdigit() else None
 
 

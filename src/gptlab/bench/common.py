@@ -24,18 +24,8 @@ def machine() -> dict:
 
     from gptlab import kernels
 
-    cpu, family_model = platform.processor() or platform.machine(), {}
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = (part.strip() for part in line.partition(":"))
-            if key == "model name":
-                cpu = value
-            elif key in ("cpu family", "model") and key not in family_model:
-                family_model[key] = value
-            elif not key:  # the first processor's block ends
-                break
-    except OSError:
-        pass
+    cpu = kernels.cpuinfo("model name") or platform.processor() or platform.machine()
+    family_model = "/".join(kernels.cpuinfo(k) or "?" for k in ("cpu family", "model"))
     mem_gib = None
     try:
         mem_gib = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
@@ -43,7 +33,7 @@ def machine() -> dict:
         pass
     info = {
         "cpu": cpu,
-        "cpu_family_model": "/".join(family_model.get(k, "?") for k in ("cpu family", "model")),
+        "cpu_family_model": family_model,
         "cpu_features": " ".join(sorted(kernels.cpu_features())),
         "gptlab_kernels": kernels.variant() or f"none ({kernels.available()[2]})",
         "head_gemm": kernels.gemm_choice(),
