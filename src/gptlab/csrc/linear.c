@@ -113,9 +113,72 @@ static void dot_block(const void *w, int bf16, const float *x, int R, int M, int
 #endif
 }
 
+/* y[m][n + r] = out[r][m] + bias[n + r] for R rows of W and M rows of x, y fp32 or bf16 (see common.h). */
+AI void store_rows(float out[ROWS][MROWS], const void *bias, const int bias_bf16, void *y, int y_bf16, int R, int M,
+                   int n, int N) {
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < M; m++) {
+            float v = out[r][m] + (bias ? param(bias, n + r, bias_bf16) : 0.0f);
+            size_t i = (size_t)m * N + n + r;
+            if (y_bf16 == 1) ((uint16_t *)y)[i] = f32_to_bf16(v);
+            else ((float *)y)[i] = y_bf16 ? bf16_to_f32(f32_to_bf16(v)) : v;
+        }
+}
+
+/* Rows [n0, n1) of W, R at a time (then one by one), times M <= MROWS rows of x into y: decoding's
+ * product, one call per thread (thread_rows in common.h). */
+AI void dot_span(const void *w, int bf16, const float *x, const void *bias, const int bias_bf16, void *y, int y_bf16,
+                 const int R, const int M, int n0, int n1, int N, int K) {
+    for (int n = n0; n < n1;) {
+        const void *wr = bf16 ? (const void *)((const uint16_t *)w + (size_t)n * K)
+                              : (const void *)((const float *)w + (size_t)n * K);
+        float out[ROWS][MROWS];
+        const int r = n + R <= n1 ? R : 1;
+        if (r == R) dot_rm(wr, bf16, x, R, M, K, out);
+        else dot_rm(wr, bf16, x, 1, M, K, out);
+        store_rows(out, bias, bias_bf16, y, y_bf16, r, M, n, N);
+        n += r;
+    }
+}
+
+/* dot_span specialized per R (1 or ROWS) and M <= MROWS. */
+static void dot_span_rm(const void *w, int bf16, const float *x, const void *bias, const int bias_bf16, void *y,
+                    int y_bf16, int R, int M, int n0, int n1, int N, int K) {
+#define SPAN(RR, MM) dot_span(w, bf16, x, bias, bias_bf16, y, y_bf16, RR, MM, n0, n1, N, K)
+#if MROWS == 4
+    switch ((R == ROWS ? 4 : 0) + M) {
+    case 1: SPAN(1, 1); break;
+    case 2: SPAN(1, 2); break;
+    case 3: SPAN(1, 3); break;
+    case 4: SPAN(1, 4); break;
+    case 5: SPAN(ROWS, 1); break;
+    case 6: SPAN(ROWS, 2); break;
+    case 7: SPAN(ROWS, 3); break;
+    default: SPAN(ROWS, 4); break;
+    }
+#else
+    switch ((R == ROWS ? 2 : 0) + M) {
+    case 1: SPAN(1, 1); break;
+    case 2: SPAN(1, 2); break;
+    case 3: SPAN(ROWS, 1); break;
+    default: SPAN(ROWS, 2); break;
+    }
+#endif
+#undef SPAN
+}
+
 /* See common.h. Inlined per bias type: the bf16 head's bias read cost ~4% as a run-time choice. */
 AI void linear_rows(const void *w, int bf16, const float *x, const void *bias, const int bias_bf16, void *y,
                     int y_bf16, int M, int N, int K, int nthreads) {
+    if (M <= MROWS) { /* decoding: a span of W's rows per thread */
+#pragma omp parallel num_threads(nthreads)
+        {
+            int n0, n1;
+            thread_rows(N, ROWS, &n0, &n1);
+            dot_span_rm(w, bf16, x, bias, bias_bf16, y, y_bf16, BLOCK_ROWS(M), M, n0, n1, N, K);
+        }
+        return;
+    }
     const int nblocks = (N + ROWS - 1) / ROWS;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int blk = 0; blk < nblocks; blk++) {
@@ -127,13 +190,8 @@ AI void linear_rows(const void *w, int bf16, const float *x, const void *bias, c
                 const int mm = M - m0 < MROWS ? M - m0 : MROWS;
                 float out[ROWS][MROWS];
                 dot_block(wr, bf16, x + (size_t)m0 * K, R, mm, K, out);
-                for (int r = 0; r < R; r++)
-                    for (int m = 0; m < mm; m++) {
-                        float v = out[r][m] + (bias ? param(bias, n + r, bias_bf16) : 0.0f);
-                        size_t i = (size_t)(m0 + m) * N + n + r;
-                        if (y_bf16 == 1) ((uint16_t *)y)[i] = f32_to_bf16(v);
-                        else ((float *)y)[i] = y_bf16 ? bf16_to_f32(f32_to_bf16(v)) : v;
-                    }
+                store_rows(out, bias, bias_bf16, (char *)y + (size_t)m0 * N * (y_bf16 == 1 ? 2 : 4), y_bf16, R, mm, n,
+                           N);
             }
         }
     }

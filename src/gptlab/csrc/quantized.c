@@ -127,6 +127,58 @@ static void i8_block(const int8_t *w, const uint8_t *xq, int R, int M, int K, in
 #endif
 }
 
+/* y[m][n + r] = xs[m] ws[n + r] (out[r][m] - offset wsum[n + r]) + b[n + r], R rows of W, M of x. */
+AI void i8_store(int32_t out[ROWS][MROWS], const float *xs, const uint16_t *ws, const int32_t *wsum, const float *b,
+                 float *y, int R, int M, int n, int N) {
+    for (int r = 0; r < R; r++) {
+        const float scale = bf16_to_f32(ws[n + r]);
+        for (int m = 0; m < M; m++) {
+            const int32_t dot = out[r][m] - GL_I8_OFFSET * wsum[n + r];
+            y[(size_t)m * N + n + r] = xs[m] * scale * (float)dot + (b ? b[n + r] : 0.0f);
+        }
+    }
+}
+
+/* Rows [n0, n1) of W, R at a time (then one by one), times M <= MROWS rows of xq into y:
+ * decoding's product, one call per thread (thread_rows in common.h). */
+AI void i8_span(const int8_t *w, const uint8_t *xq, const float *xs, const uint16_t *ws, const int32_t *wsum,
+                const float *b, float *y, const int R, const int M, int n0, int n1, int N, int K) {
+    for (int n = n0; n < n1;) {
+        int32_t out[ROWS][MROWS];
+        const int r = n + R <= n1 ? R : 1;
+        if (r == R) i8_rm(w + (size_t)n * K, xq, R, M, K, out);
+        else i8_rm(w + (size_t)n * K, xq, 1, M, K, out);
+        i8_store(out, xs, ws, wsum, b, y, r, M, n, N);
+        n += r;
+    }
+}
+
+/* i8_span specialized per R (1 or ROWS) and M <= MROWS. */
+static void i8_span_rm(const int8_t *w, const uint8_t *xq, const float *xs, const uint16_t *ws, const int32_t *wsum,
+                       const float *b, float *y, int R, int M, int n0, int n1, int N, int K) {
+#define SPAN(RR, MM) i8_span(w, xq, xs, ws, wsum, b, y, RR, MM, n0, n1, N, K)
+#if MROWS == 4
+    switch ((R == ROWS ? 4 : 0) + M) {
+    case 1: SPAN(1, 1); break;
+    case 2: SPAN(1, 2); break;
+    case 3: SPAN(1, 3); break;
+    case 4: SPAN(1, 4); break;
+    case 5: SPAN(ROWS, 1); break;
+    case 6: SPAN(ROWS, 2); break;
+    case 7: SPAN(ROWS, 3); break;
+    default: SPAN(ROWS, 4); break;
+    }
+#else
+    switch ((R == ROWS ? 2 : 0) + M) {
+    case 1: SPAN(1, 1); break;
+    case 2: SPAN(1, 2); break;
+    case 3: SPAN(ROWS, 1); break;
+    default: SPAN(ROWS, 2); break;
+    }
+#endif
+#undef SPAN
+}
+
 /* y (M, N) = x (M, K) W^T + b for int8 W (N, K) with bf16 row scales ws (N) and row sums wsum (N):
  * x is quantized per row (xq, xs), then y[m, n] = xs[m] ws[n] (sum_k xq[m, k] w[n, k] - offset
  * wsum[n]) + b[n]. Returns -1 when out of memory. */
@@ -136,6 +188,15 @@ int gl_linear_i8(const float *x, const int8_t *w, const uint16_t *ws, const int3
     if (!xq) return -1;
     float *xs = (float *)(xq + (((size_t)M * K + 63) & ~(size_t)63));
     quantize_rows_i8(x, xq, xs, M, K, nthreads);
+    if (M <= MROWS) { /* decoding: a span of W's rows per thread */
+#pragma omp parallel num_threads(nthreads)
+        {
+            int n0, n1;
+            thread_rows(N, ROWS, &n0, &n1);
+            i8_span_rm(w, xq, xs, ws, wsum, b, y, BLOCK_ROWS(M), M, n0, n1, N, K);
+        }
+        return 0;
+    }
     const int nblocks = (N + ROWS - 1) / ROWS, tile = x_tile_rows(K, MROWS);
 #pragma omp parallel num_threads(nthreads)
     for (int t0 = 0; t0 < M; t0 += tile) { /* a tile of x stays in L2 while W streams past it */
@@ -148,13 +209,7 @@ int gl_linear_i8(const float *x, const int8_t *w, const uint16_t *ws, const int3
                     const int mm = t1 - m0 < MROWS ? t1 - m0 : MROWS;
                     int32_t out[ROWS][MROWS];
                     i8_block(w + (size_t)n * K, xq + (size_t)m0 * K, R, mm, K, out);
-                    for (int r = 0; r < R; r++) {
-                        float scale = bf16_to_f32(ws[n + r]);
-                        for (int m = 0; m < mm; m++) {
-                            int32_t dot = out[r][m] - GL_I8_OFFSET * wsum[n + r];
-                            y[(size_t)(m0 + m) * N + n + r] = xs[m0 + m] * scale * (float)dot + (b ? b[n + r] : 0.0f);
-                        }
-                    }
+                    i8_store(out, xs + m0, ws, wsum, b, y + (size_t)m0 * N, R, mm, n, N);
                 }
             }
         }
@@ -290,6 +345,44 @@ AI void i4_block_r(const i4_args a, const int R, int M, float out[2][I4_MROWS]) 
 #undef I4S
 }
 
+/* Rows [n0, n1) of W times M rows of x, two at a time (then an odd last one), into y (M, N) + b:
+ * decoding's product (no spread scales), one call per thread (thread_rows in common.h). */
+AI void i4_span(i4_args a, const int M, const int gshift, int n0, int n1, const float *b, float *y, int N) {
+    const size_t row = (size_t)a.K / 2, G = (size_t)a.G;
+    for (int n = n0; n < n1; n += 2) {
+        i4_args r = a;
+        r.w += n * row, r.scales += n * G, r.zeros += n * G;
+        float out[2][I4_MROWS];
+        const int R = n + 2 <= n1 ? 2 : 1;
+        if (R == 2) i4_rows(r, 2, M, gshift, 0, out);
+        else i4_rows(r, 1, M, gshift, 0, out);
+        for (int i = 0; i < R; i++)
+            for (int m = 0; m < M; m++) y[(size_t)m * N + n + i] = out[i][m] + (b ? b[n + i] : 0.0f);
+    }
+}
+
+/* i4_span specialized per M <= I4_MROWS. */
+static void i4_span_m(const i4_args a, int M, int n0, int n1, const float *b, float *y, int N) {
+#define SPAN(MM) (a.gshift ? i4_span(a, MM, a.gshift, n0, n1, b, y, N) : i4_span(a, MM, 0, n0, n1, b, y, N))
+    switch (M) {
+    case 1: SPAN(1); break;
+#if I4_MROWS >= 2
+    case 2: SPAN(2); break;
+#endif
+#if I4_MROWS >= 4
+    case 3: SPAN(3); break;
+    case 4: SPAN(4); break;
+#endif
+#if I4_MROWS >= 8
+    case 5: SPAN(5); break;
+    case 6: SPAN(6); break;
+    case 7: SPAN(7); break;
+    case 8: SPAN(8); break;
+#endif
+    }
+#undef SPAN
+}
+
 static void i4_block(const i4_args a, int R, int M, float out[2][I4_MROWS]) {
     if (R == 2) i4_block_r(a, 2, M, out);
     else i4_block_r(a, 1, M, out);
@@ -312,6 +405,16 @@ int gl_linear_i4(const float *x, const uint8_t *w, const uint16_t *scales, const
     while ((32 << gshift) < g) gshift++;
     if (spread) spread_weight_scales(scales, zeros, wsv, wo, N, K, g, gshift, nthreads);
     const int nblocks = (N + 1) / 2, tile = x_tile_rows(K, I4_MROWS);
+    if (M <= I4_MROWS) { /* decoding: a span of W's rows per thread */
+        const i4_args a = {xq, xs, xgsum, w, scales, zeros, NULL, NULL, K, G, gshift, 0};
+#pragma omp parallel num_threads(nthreads)
+        {
+            int n0, n1;
+            thread_rows(N, 2, &n0, &n1);
+            i4_span_m(a, M, n0, n1, b, y, N);
+        }
+        return 0;
+    }
 #pragma omp parallel num_threads(nthreads)
     for (int t0 = 0; t0 < M; t0 += tile) { /* as gl_linear_i8's tiles */
         const int t1 = tile_end(t0, tile, M);
