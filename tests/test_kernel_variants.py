@@ -55,11 +55,12 @@ def test_auto_picks_the_best_variant_the_cpu_runs(monkeypatch):
 @pytest.mark.skipif(not kernel_build.is_x86(), reason="avx512 and avx2 exist on x86-64 CPUs only")
 def test_auto_passes_over_half_width_avx512(monkeypatch):
     """kernels.HALF_WIDTH_AVX512: AMD's family 25 (Zen 4) runs AVX-512 as two 256-bit halves, and
-    every kernel ran faster as avx2 there (`gptlab bench variants`); other CPUs keep avx512."""
+    its kernels ran faster on ymm there (`gptlab bench variants`): it gets avx512-256, the AVX2 code
+    with AVX-512's instructions; other CPUs keep avx512."""
     monkeypatch.delenv("GPTLAB_KERNELS", raising=False)
     zen4 = frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512vnni"})
     monkeypatch.setattr(kernels, "cpu_features", lambda: zen4)
-    for vendor, family, expected in [("AuthenticAMD", 25, "avx2"), ("AuthenticAMD", 26, "avx512"),
+    for vendor, family, expected in [("AuthenticAMD", 25, "avx512-256"), ("AuthenticAMD", 26, "avx512"),
                                      ("GenuineIntel", 6, "avx512"), ("", None, "avx512")]:  # fmt: skip
         monkeypatch.setattr(kernels, "cpu_vendor", lambda v=vendor: v)
         monkeypatch.setattr(kernels, "cpu_family", lambda f=family: f)
@@ -68,7 +69,10 @@ def test_auto_passes_over_half_width_avx512(monkeypatch):
     monkeypatch.setattr(kernels, "cpu_features", lambda: zen4 | {"avxvnni"})  # the next best, whatever it is
     monkeypatch.setattr(kernels, "cpu_vendor", lambda: "AuthenticAMD")
     monkeypatch.setattr(kernels, "cpu_family", lambda: 25)
-    assert kernels.auto_variant() == "avx2-vnni"
+    assert kernels.runnable_variants() == ["avx512", "avx512-256", "avx2-vnni", "avx2", "portable"]
+    assert kernels.auto_variant() == "avx512-256"
+    monkeypatch.setattr(kernels, "cpu_features", lambda: zen4 - {"avx512vnni"} | {"avxvnni"})  # no AVX-512 VNNI
+    assert kernels.runnable_variants() == ["avx2-vnni", "avx2", "portable"]
 
 
 @pytest.mark.skipif(not Path("/proc/cpuinfo").exists(), reason="compares with Linux's /proc/cpuinfo, absent here")
@@ -80,7 +84,7 @@ def test_cpu_family_and_vendor_are_cpuinfos():
 
 
 def test_each_architecture_gets_its_own_variants(monkeypatch):
-    assert kernel_build.buildable("x86_64") == ["avx512", "avx2-vnni", "avx2", "portable"]
+    assert kernel_build.buildable("x86_64") == ["avx512", "avx512-256", "avx2-vnni", "avx2", "portable"]
     assert kernel_build.buildable("aarch64") == kernel_build.buildable("arm64") == ["neon-dotprod", "neon", "portable"]
     assert kernel_build.buildable("riscv64") == ["portable"]  # a CPU without a SIMD variant: portable C
     monkeypatch.setattr(kernel_build.platform, "machine", lambda: "aarch64")
@@ -107,6 +111,8 @@ def test_the_c_check_passes_on_every_variant_this_cpu_runs_and_fails_planted_bug
         assert "caught   avx2-vnni: vpdpbusd's operands swapped" in proc.stdout
     if "avx2" in SIMD:
         assert "caught   avx2: the weights' sign is not moved onto x" in proc.stdout
+    if "avx512-256" in SIMD:
+        assert "caught   avx512-256: vpdpbusd's operands swapped" in proc.stdout
 
 
 def test_forcing_a_variant_the_cpu_cannot_run_is_a_clear_error(monkeypatch):

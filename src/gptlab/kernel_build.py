@@ -31,13 +31,28 @@ VARIANTS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
         ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mavx2", "-mfma", "-mf16c"),
         ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512vnni", "avx2", "fma", "f16c"),
     ),
+    "avx512-256": (  # the AVX2 code with AVX-512's encodings: vpdpbusd on ymm, 32 vector registers
+        "GL_AVX2",
+        (
+            "-mavx2",
+            "-mfma",
+            "-mf16c",
+            "-mavx512f",
+            "-mavx512bw",
+            "-mavx512vl",
+            "-mavx512dq",
+            "-mavx512vnni",
+            "-mprefer-vector-width=256",
+        ),
+        ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512vnni"),
+    ),
     "avx2-vnni": ("GL_AVX2", ("-mavx2", "-mfma", "-mf16c", "-mavxvnni"), ("avx2", "fma", "f16c", "avxvnni")),
     "avx2": ("GL_AVX2", ("-mavx2", "-mfma", "-mf16c"), ("avx2", "fma", "f16c")),
     "neon-dotprod": ("GL_NEON", ("-march=armv8.2-a+dotprod",), ("asimd", "asimddp")),
     "neon": ("GL_NEON", (), ("asimd",)),
     "portable": ("GL_PORTABLE", (), ()),
 }
-ARCHES = {"x86-64": ("avx512", "avx2-vnni", "avx2"), "aarch64": ("neon-dotprod", "neon")}
+ARCHES = {"x86-64": ("avx512", "avx512-256", "avx2-vnni", "avx2"), "aarch64": ("neon-dotprod", "neon")}
 COMMON_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno")
 
 

@@ -7,13 +7,14 @@ here reads the weights in the layout the model already stores them, on all threa
 (fp32 arithmetic, so CPUs without native bf16 gain the halved bytes too), and int8/int4 with
 8-bit activations and integer dot products (as llama.cpp's Q8_0/Q4_0).
 
-One source, several variants (gptlab.kernel_build): on x86-64 AVX-512 with VNNI, AVX2 with
+One source, several variants (gptlab.kernel_build): on x86-64 AVX-512 with VNNI, the same
+instructions on 256-bit vectors (avx512-256: the AVX2 code with AVX-512 VNNI's vpdpbusd), AVX2 with
 AVX-VNNI, AVX2 (+FMA, F16C); on aarch64 NEON with and without the dot-product instructions; and
 portable C that compiles anywhere. Each is compiled with its own target flags at install time
 (`pip install .`, `make install`) into the package, or at first use into the user's cache
 directory. At load the best variant the CPU reports (cpuid or HWCAP, `cpu_features`) is chosen
-(`auto_variant`: but avx2 on a CPU whose AVX-512 is half width, AMD Zen 4);
-`GPTLAB_KERNELS=auto|avx512|avx2-vnni|avx2|neon-dotprod|neon|portable|0` forces one (0: PyTorch's
+(`auto_variant`: but avx512-256 on a CPU whose AVX-512 is half width, AMD Zen 4);
+`GPTLAB_KERNELS=auto|avx512|avx512-256|avx2-vnni|avx2|neon-dotprod|neon|portable|0` forces one (0: PyTorch's
 kernels only), and a variant this CPU cannot run is a RuntimeError naming what it lacks. Without a
 C compiler and without a built library, `available()` says why and every caller falls back to
 PyTorch's kernels.
@@ -117,6 +118,11 @@ def _open(path: Path) -> ctypes.CDLL | None:
     return lib
 
 
+def library_path(variant: str) -> Path:
+    """The current library of `variant` (installed, or built into the cache now); see _load."""
+    return _load(variant).path
+
+
 def _load(variant: str) -> ctypes.CDLL:
     """The variant's library: the installed one when current, else a first-use build in the cache
     (built now if missing); its path is `lib.path`. RuntimeError or OSError saying why it cannot be had."""
@@ -175,13 +181,16 @@ def runnable_variants() -> list[str]:
 # decoding fp32 0.79x, bf16 0.93x, int8 0.73x, int4 1.05x; prefill 512 0.88-1.02x; the training
 # head's GEMM 0.96x. A single fp32 layer with 768 inputs streamed 16-18 GB/s as avx512 against 24-29
 # as avx2, the same loop in 512-bit loads (not the horizontal sums: a 256-bit sum tree changed
-# nothing). Zen 5 (family 26) has full-width AVX-512 and keeps it (not measured).
+# nothing). Zen 5 (family 26) has full-width AVX-512 and keeps it (not measured). The next best is
+# avx512-256, the AVX2 code with AVX-512 VNNI's vpdpbusd on ymm and 32 registers: against avx2 on
+# that Zen 4 (`--rounds 7`, variants-20261203-144223.json) int4 prefill 1.08x (a bare 512-row int4
+# forward 1.12-1.13x: 815 against 912 ms), everything else level within the VM's noise (0.96-1.04x).
 HALF_WIDTH_AVX512 = frozenset({("AuthenticAMD", 25)})
 
 
 def auto_variant() -> str:
     """The variant GPTLAB_KERNELS=auto runs: the best this CPU runs, except that a CPU whose AVX-512
-    is half width (HALF_WIDTH_AVX512) takes the next best (avx2) instead of avx512."""
+    is half width (HALF_WIDTH_AVX512) takes the next best (avx512-256) instead of avx512."""
     runnable = runnable_variants()
     if runnable[0] == "avx512" and (cpu_vendor(), cpu_family()) in HALF_WIDTH_AVX512:
         return runnable[1]
@@ -408,7 +417,8 @@ INT4_KERNEL_ROWS_AVX2 = sys.maxsize
 
 def int4_kernel_rows() -> int:
     """Up to how many rows of x an int4 layer runs gptlab's kernel (more: dequantize for the GEMM)."""
-    return INT4_KERNEL_ROWS_AVX2 if (variant() or "").startswith("avx2") else INT4_KERNEL_ROWS
+    avx2_code = kernel_build.VARIANTS.get(variant() or "", ("",))[0] == "GL_AVX2"  # avx512-256 too
+    return INT4_KERNEL_ROWS_AVX2 if avx2_code else INT4_KERNEL_ROWS
 
 
 def fbgemm_int8_is_exact() -> bool:

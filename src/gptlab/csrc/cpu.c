@@ -24,6 +24,8 @@ int gl_abi(void) { return GL_ABI; }
 const char *gl_variant(void) {
 #if GL_VARIANT == GL_AVX512
     return "avx512";
+#elif GL_VARIANT == GL_AVX2 && defined(__AVX512VNNI__)
+    return "avx512-256";
 #elif GL_VARIANT == GL_AVX2 && defined(__AVXVNNI__)
     return "avx2-vnni";
 #elif GL_VARIANT == GL_AVX2 && defined(GL_EMULATE_AVXVNNI)

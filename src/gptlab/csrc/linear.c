@@ -125,19 +125,15 @@ AI void store_rows(float out[ROWS][MROWS], const void *bias, const int bias_bf16
         }
 }
 
-/* Rows [n0, n1) of W, R at a time (then one by one), times M <= MROWS rows of x into y: decoding's
- * product, one call per thread (thread_rows in common.h). */
+/* Rows [n0, n1) of W, R at a time ((n1 - n0) a multiple of R), times M <= MROWS rows of x into y:
+ * decoding's product, one call per thread (thread_rows in common.h). */
 AI void dot_span(const void *w, int bf16, const float *x, const void *bias, const int bias_bf16, void *y, int y_bf16,
                  const int R, const int M, int n0, int n1, int N, int K) {
-    for (int n = n0; n < n1;) {
-        const void *wr = bf16 ? (const void *)((const uint16_t *)w + (size_t)n * K)
-                              : (const void *)((const float *)w + (size_t)n * K);
+    for (int n = n0; n < n1; n += R) {
         float out[ROWS][MROWS];
-        const int r = n + R <= n1 ? R : 1;
-        if (r == R) dot_rm(wr, bf16, x, R, M, K, out);
-        else dot_rm(wr, bf16, x, 1, M, K, out);
-        store_rows(out, bias, bias_bf16, y, y_bf16, r, M, n, N);
-        n += r;
+        dot_rm(bf16 ? (const void *)((const uint16_t *)w + (size_t)n * K) : (const void *)((const float *)w + (size_t)n * K),
+               bf16, x, R, M, K, out);
+        store_rows(out, bias, bias_bf16, y, y_bf16, R, M, n, N);
     }
 }
 
@@ -175,7 +171,14 @@ AI void linear_rows(const void *w, int bf16, const float *x, const void *bias, c
         {
             int n0, n1;
             thread_rows(N, ROWS, &n0, &n1);
-            dot_span_rm(w, bf16, x, bias, bias_bf16, y, y_bf16, BLOCK_ROWS(M), M, n0, n1, N, K);
+            const int R = BLOCK_ROWS(M), whole = n1 - (n1 - n0) % R;
+            dot_span_rm(w, bf16, x, bias, bias_bf16, y, y_bf16, R, M, n0, whole, N, K);
+            for (int n = whole; n < n1; n++) { /* N's last rows, one by one */
+                float out[ROWS][MROWS];
+                dot_block(bf16 ? (const void *)((const uint16_t *)w + (size_t)n * K) : (const void *)((const float *)w + (size_t)n * K),
+                          bf16, x, 1, M, K, out);
+                store_rows(out, bias, bias_bf16, y, y_bf16, 1, M, n, N);
+            }
         }
         return;
     }

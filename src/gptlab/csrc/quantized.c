@@ -139,17 +139,14 @@ AI void i8_store(int32_t out[ROWS][MROWS], const float *xs, const uint16_t *ws, 
     }
 }
 
-/* Rows [n0, n1) of W, R at a time (then one by one), times M <= MROWS rows of xq into y:
+/* Rows [n0, n1) of W, R at a time ((n1 - n0) a multiple of R), times M <= MROWS rows of xq into y:
  * decoding's product, one call per thread (thread_rows in common.h). */
 AI void i8_span(const int8_t *w, const uint8_t *xq, const float *xs, const uint16_t *ws, const int32_t *wsum,
                 const float *b, float *y, const int R, const int M, int n0, int n1, int N, int K) {
-    for (int n = n0; n < n1;) {
+    for (int n = n0; n < n1; n += R) {
         int32_t out[ROWS][MROWS];
-        const int r = n + R <= n1 ? R : 1;
-        if (r == R) i8_rm(w + (size_t)n * K, xq, R, M, K, out);
-        else i8_rm(w + (size_t)n * K, xq, 1, M, K, out);
-        i8_store(out, xs, ws, wsum, b, y, r, M, n, N);
-        n += r;
+        i8_rm(w + (size_t)n * K, xq, R, M, K, out);
+        i8_store(out, xs, ws, wsum, b, y, R, M, n, N);
     }
 }
 
@@ -193,7 +190,13 @@ int gl_linear_i8(const float *x, const int8_t *w, const uint16_t *ws, const int3
         {
             int n0, n1;
             thread_rows(N, ROWS, &n0, &n1);
-            i8_span_rm(w, xq, xs, ws, wsum, b, y, BLOCK_ROWS(M), M, n0, n1, N, K);
+            const int R = BLOCK_ROWS(M), whole = n1 - (n1 - n0) % R;
+            i8_span_rm(w, xq, xs, ws, wsum, b, y, R, M, n0, whole, N, K);
+            for (int n = whole; n < n1; n++) { /* N's last rows, one by one */
+                int32_t out[ROWS][MROWS];
+                i8_block(w + (size_t)n * K, xq, 1, M, K, out);
+                i8_store(out, xs, ws, wsum, b, y, 1, M, n, N);
+            }
         }
         return 0;
     }
@@ -345,7 +348,7 @@ AI void i4_block_r(const i4_args a, const int R, int M, float out[2][I4_MROWS]) 
 #undef I4S
 }
 
-/* Rows [n0, n1) of W times M rows of x, two at a time (then an odd last one), into y (M, N) + b:
+/* Rows [n0, n1) of W times M rows of x, two at a time ((n1 - n0) even), into y (M, N) + b:
  * decoding's product (no spread scales), one call per thread (thread_rows in common.h). */
 AI void i4_span(i4_args a, const int M, const int gshift, int n0, int n1, const float *b, float *y, int N) {
     const size_t row = (size_t)a.K / 2, G = (size_t)a.G;
@@ -353,33 +356,18 @@ AI void i4_span(i4_args a, const int M, const int gshift, int n0, int n1, const 
         i4_args r = a;
         r.w += n * row, r.scales += n * G, r.zeros += n * G;
         float out[2][I4_MROWS];
-        const int R = n + 2 <= n1 ? 2 : 1;
-        if (R == 2) i4_rows(r, 2, M, gshift, 0, out);
-        else i4_rows(r, 1, M, gshift, 0, out);
-        for (int i = 0; i < R; i++)
+        i4_rows(r, 2, M, gshift, 0, out);
+        for (int i = 0; i < 2; i++)
             for (int m = 0; m < M; m++) y[(size_t)m * N + n + i] = out[i][m] + (b ? b[n + i] : 0.0f);
     }
 }
 
-/* i4_span specialized per M <= I4_MROWS. */
+/* i4_span specialized per M <= 2 (batch-1 and batch-2 decoding; more rows of x take i4_block:
+ * each instantiation of i4_rows costs compile time). */
 static void i4_span_m(const i4_args a, int M, int n0, int n1, const float *b, float *y, int N) {
 #define SPAN(MM) (a.gshift ? i4_span(a, MM, a.gshift, n0, n1, b, y, N) : i4_span(a, MM, 0, n0, n1, b, y, N))
-    switch (M) {
-    case 1: SPAN(1); break;
-#if I4_MROWS >= 2
-    case 2: SPAN(2); break;
-#endif
-#if I4_MROWS >= 4
-    case 3: SPAN(3); break;
-    case 4: SPAN(4); break;
-#endif
-#if I4_MROWS >= 8
-    case 5: SPAN(5); break;
-    case 6: SPAN(6); break;
-    case 7: SPAN(7); break;
-    case 8: SPAN(8); break;
-#endif
-    }
+    if (M == 1) SPAN(1);
+    else SPAN(2);
 #undef SPAN
 }
 
@@ -405,13 +393,21 @@ int gl_linear_i4(const float *x, const uint8_t *w, const uint16_t *scales, const
     while ((32 << gshift) < g) gshift++;
     if (spread) spread_weight_scales(scales, zeros, wsv, wo, N, K, g, gshift, nthreads);
     const int nblocks = (N + 1) / 2, tile = x_tile_rows(K, I4_MROWS);
-    if (M <= I4_MROWS) { /* decoding: a span of W's rows per thread */
+    if (M <= 2) { /* decoding: a span of W's rows per thread */
         const i4_args a = {xq, xs, xgsum, w, scales, zeros, NULL, NULL, K, G, gshift, 0};
 #pragma omp parallel num_threads(nthreads)
         {
             int n0, n1;
             thread_rows(N, 2, &n0, &n1);
-            i4_span_m(a, M, n0, n1, b, y, N);
+            const int whole = n1 - (n1 - n0) % 2;
+            i4_span_m(a, M, n0, whole, b, y, N);
+            if (whole < n1) { /* N's odd last row */
+                i4_args r = a;
+                r.w += (size_t)whole * (K / 2), r.scales += (size_t)whole * G, r.zeros += (size_t)whole * G;
+                float out[2][I4_MROWS];
+                i4_block(r, 1, M, out);
+                for (int m = 0; m < M; m++) y[(size_t)m * N + whole] = out[0][m] + (b ? b[whole] : 0.0f);
+            }
         }
         return 0;
     }

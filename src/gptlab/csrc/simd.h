@@ -7,7 +7,9 @@
  *   GL_AVX512   AVX-512 F/BW/VL/DQ + VNNI: 16 floats a vector, vpdpbusd for int8.
  *   GL_AVX2     AVX2 + FMA + F16C (Haswell, AMD Zen 1-3): 8 floats a vector; int8 products by
  *               vpmaddubsw + vpmaddwd (full 8-bit precision, see vi_dot_i8), or AVX-VNNI's
- *               vpdpbusd on ymm when compiled with -mavxvnni (Alder Lake, Zen 5).
+ *               vpdpbusd on ymm when compiled with -mavxvnni (Alder Lake, Zen 5), or AVX-512
+ *               VNNI's on ymm when compiled with AVX-512 VL (the avx512-256 variant, for CPUs
+ *               whose AVX-512 is half width: AMD Zen 4).
  *   GL_NEON     aarch64 Advanced SIMD: 4 floats a vector; int8 products by sdot when compiled
  *               with +dotprod (Armv8.2+), else by widening multiplies and pairwise adds.
  *   GL_PORTABLE plain C over arrays of 8 (no intrinsics): compiles for any CPU, and is the
@@ -195,7 +197,9 @@ AI void vi_sum4(vi a, vi b, vi c, vi d, int32_t out[4]) {
 /* acc lane l += sum of the 4 byte products x . w, both int8, at full precision: vpmaddubsw wants
  * one unsigned operand and saturates at 16 bits, so (as llama.cpp) it gets |w| and x with w's sign
  * moved onto it: |w| sign(w) x = w x, and each pair sum is at most 2 * 128 * 127 < 2^15. */
-#if defined(__AVXVNNI__)
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define GL_DPBUSD _mm256_dpbusd_epi32 /* the avx512-256 variant: AVX-512 VNNI's vpdpbusd on ymm */
+#elif defined(__AVXVNNI__)
 #define GL_DPBUSD _mm256_dpbusd_avx_epi32
 #elif defined(GL_EMULATE_AVXVNNI)
 /* For the C check only (tests/c/run_check.py), on CPUs without AVX-VNNI: vpdpbusd's exact meaning
