@@ -42,6 +42,8 @@ def explore(page, url: str, prompt: str, screenshot: str | None = None) -> dict:
         arg=n,
     )
     page.wait_for_function("document.querySelectorAll('.candidate').length === 10")
+    # settled: no refresh in flight (a later one, from the prompt's own input event, shows "…")
+    page.wait_for_function("document.querySelector('#status').textContent.endsWith('tokens')")
     shown = dict(
         chosen=chosen,
         prompt=page.input_value("#prompt"),
