@@ -23,6 +23,30 @@
 #define MROWS 2
 #endif
 
+/* CALL(R, M) with R rows of W (1 or ROWS) and M (1..MROWS) rows of x as compile-time constants,
+ * from their run-time values: the float and int8 kernels' one dispatch into specialized code. */
+#if MROWS == 4
+#define SWITCH_RM(R, M, CALL)                                                                                          \
+    switch (((R) == ROWS ? 4 : 0) + (M)) {                                                                             \
+    case 1: CALL(1, 1); break;                                                                                         \
+    case 2: CALL(1, 2); break;                                                                                         \
+    case 3: CALL(1, 3); break;                                                                                         \
+    case 4: CALL(1, 4); break;                                                                                         \
+    case 5: CALL(ROWS, 1); break;                                                                                      \
+    case 6: CALL(ROWS, 2); break;                                                                                      \
+    case 7: CALL(ROWS, 3); break;                                                                                      \
+    default: CALL(ROWS, 4); break;                                                                                     \
+    }
+#else
+#define SWITCH_RM(R, M, CALL)                                                                                          \
+    switch (((R) == ROWS ? 2 : 0) + (M)) {                                                                             \
+    case 1: CALL(1, 1); break;                                                                                         \
+    case 2: CALL(1, 2); break;                                                                                         \
+    case 3: CALL(ROWS, 1); break;                                                                                      \
+    default: CALL(ROWS, 2); break;                                                                                     \
+    }
+#endif
+
 /* Rows of x at a time in the int4 kernel. On AVX2, 8 (against 2 weight rows, so 16 accumulators:
  * some spill, and it is still faster): AMD EPYC, 2026-12-02, 512 rows, g32, 2 threads: 3072x768
  * 25-29 -> 19.1-19.5 ms, 768x3072 19.6-20.3 -> 14.3-14.8 (4 rows: 19.7-20.5 and 16.5-21.9), where

@@ -92,25 +92,14 @@ AI void dot_rm(const void *w, int bf16, const float *x, const int R, const int M
 }
 
 static void dot_block(const void *w, int bf16, const float *x, int R, int M, int K, float out[ROWS][MROWS]) {
-#if MROWS == 4
-    switch ((R == ROWS ? 4 : 0) + M) {
-    case 1: dot_rm(w, bf16, x, 1, 1, K, out); break;
-    case 2: dot_rm(w, bf16, x, 1, 2, K, out); break;
-    case 3: dot_rm(w, bf16, x, 1, 3, K, out); break;
-    case 4: dot_rm(w, bf16, x, 1, 4, K, out); break;
-    case 5: dot_rm(w, bf16, x, ROWS, 1, K, out); break;
-    case 6: dot_rm(w, bf16, x, ROWS, 2, K, out); break;
-    case 7: dot_rm(w, bf16, x, ROWS, 3, K, out); break;
-    default: dot_rm(w, bf16, x, ROWS, 4, K, out); break;
-    }
-#else
-    switch ((R == ROWS ? 2 : 0) + M) {
-    case 1: dot_rm(w, bf16, x, 1, 1, K, out); break;
-    case 2: dot_rm(w, bf16, x, 1, 2, K, out); break;
-    case 3: dot_rm(w, bf16, x, ROWS, 1, K, out); break;
-    default: dot_rm(w, bf16, x, ROWS, 2, K, out); break;
-    }
-#endif
+#define DOT(RR, MM) dot_rm(w, bf16, x, RR, MM, K, out)
+    SWITCH_RM(R, M, DOT)
+#undef DOT
+}
+
+/* Row n of W (N, K), fp32 or (bf16) bf16. */
+AI const void *w_row(const void *w, int bf16, int n, int K) {
+    return bf16 ? (const void *)((const uint16_t *)w + (size_t)n * K) : (const void *)((const float *)w + (size_t)n * K);
 }
 
 /* y[m][n + r] = out[r][m] + bias[n + r] for R rows of W and M rows of x, y fp32 or bf16 (see common.h). */
@@ -131,35 +120,16 @@ AI void dot_span(const void *w, int bf16, const float *x, const void *bias, cons
                  const int R, const int M, int n0, int n1, int N, int K) {
     for (int n = n0; n < n1; n += R) {
         float out[ROWS][MROWS];
-        dot_rm(bf16 ? (const void *)((const uint16_t *)w + (size_t)n * K) : (const void *)((const float *)w + (size_t)n * K),
-               bf16, x, R, M, K, out);
+        dot_rm(w_row(w, bf16, n, K), bf16, x, R, M, K, out);
         store_rows(out, bias, bias_bf16, y, y_bf16, R, M, n, N);
     }
 }
 
 /* dot_span specialized per R (1 or ROWS) and M <= MROWS. */
 static void dot_span_rm(const void *w, int bf16, const float *x, const void *bias, const int bias_bf16, void *y,
-                    int y_bf16, int R, int M, int n0, int n1, int N, int K) {
+                        int y_bf16, int R, int M, int n0, int n1, int N, int K) {
 #define SPAN(RR, MM) dot_span(w, bf16, x, bias, bias_bf16, y, y_bf16, RR, MM, n0, n1, N, K)
-#if MROWS == 4
-    switch ((R == ROWS ? 4 : 0) + M) {
-    case 1: SPAN(1, 1); break;
-    case 2: SPAN(1, 2); break;
-    case 3: SPAN(1, 3); break;
-    case 4: SPAN(1, 4); break;
-    case 5: SPAN(ROWS, 1); break;
-    case 6: SPAN(ROWS, 2); break;
-    case 7: SPAN(ROWS, 3); break;
-    default: SPAN(ROWS, 4); break;
-    }
-#else
-    switch ((R == ROWS ? 2 : 0) + M) {
-    case 1: SPAN(1, 1); break;
-    case 2: SPAN(1, 2); break;
-    case 3: SPAN(ROWS, 1); break;
-    default: SPAN(ROWS, 2); break;
-    }
-#endif
+    SWITCH_RM(R, M, SPAN)
 #undef SPAN
 }
 
@@ -175,8 +145,7 @@ AI void linear_rows(const void *w, int bf16, const float *x, const void *bias, c
             dot_span_rm(w, bf16, x, bias, bias_bf16, y, y_bf16, R, M, n0, whole, N, K);
             for (int n = whole; n < n1; n++) { /* N's last rows, one by one */
                 float out[ROWS][MROWS];
-                dot_block(bf16 ? (const void *)((const uint16_t *)w + (size_t)n * K) : (const void *)((const float *)w + (size_t)n * K),
-                          bf16, x, 1, M, K, out);
+                dot_block(w_row(w, bf16, n, K), bf16, x, 1, M, K, out);
                 store_rows(out, bias, bias_bf16, y, y_bf16, 1, M, n, N);
             }
         }
@@ -187,8 +156,7 @@ AI void linear_rows(const void *w, int bf16, const float *x, const void *bias, c
     for (int blk = 0; blk < nblocks; blk++) {
         const int n0 = blk * ROWS, R = N - n0 < ROWS ? 1 : BLOCK_ROWS(M); /* the last partial block: row by row */
         for (int n = n0; n < n0 + ROWS && n < N; n += R) {
-            const void *wr = bf16 ? (const void *)((const uint16_t *)w + (size_t)n * K)
-                                  : (const void *)((const float *)w + (size_t)n * K);
+            const void *wr = w_row(w, bf16, n, K);
             for (int m0 = 0; m0 < M; m0 += MROWS) {
                 const int mm = M - m0 < MROWS ? M - m0 : MROWS;
                 float out[ROWS][MROWS];

@@ -106,25 +106,9 @@ AI void i8_rm(const int8_t *w, const uint8_t *xq, const int R, const int M, int 
 }
 
 static void i8_block(const int8_t *w, const uint8_t *xq, int R, int M, int K, int32_t out[ROWS][MROWS]) {
-#if MROWS == 4
-    switch ((R == ROWS ? 4 : 0) + M) {
-    case 1: i8_rm(w, xq, 1, 1, K, out); break;
-    case 2: i8_rm(w, xq, 1, 2, K, out); break;
-    case 3: i8_rm(w, xq, 1, 3, K, out); break;
-    case 4: i8_rm(w, xq, 1, 4, K, out); break;
-    case 5: i8_rm(w, xq, ROWS, 1, K, out); break;
-    case 6: i8_rm(w, xq, ROWS, 2, K, out); break;
-    case 7: i8_rm(w, xq, ROWS, 3, K, out); break;
-    default: i8_rm(w, xq, ROWS, 4, K, out); break;
-    }
-#else
-    switch ((R == ROWS ? 2 : 0) + M) {
-    case 1: i8_rm(w, xq, 1, 1, K, out); break;
-    case 2: i8_rm(w, xq, 1, 2, K, out); break;
-    case 3: i8_rm(w, xq, ROWS, 1, K, out); break;
-    default: i8_rm(w, xq, ROWS, 2, K, out); break;
-    }
-#endif
+#define DOT(RR, MM) i8_rm(w, xq, RR, MM, K, out)
+    SWITCH_RM(R, M, DOT)
+#undef DOT
 }
 
 /* y[m][n + r] = xs[m] ws[n + r] (out[r][m] - offset wsum[n + r]) + b[n + r], R rows of W, M of x. */
@@ -154,25 +138,7 @@ AI void i8_span(const int8_t *w, const uint8_t *xq, const float *xs, const uint1
 static void i8_span_rm(const int8_t *w, const uint8_t *xq, const float *xs, const uint16_t *ws, const int32_t *wsum,
                        const float *b, float *y, int R, int M, int n0, int n1, int N, int K) {
 #define SPAN(RR, MM) i8_span(w, xq, xs, ws, wsum, b, y, RR, MM, n0, n1, N, K)
-#if MROWS == 4
-    switch ((R == ROWS ? 4 : 0) + M) {
-    case 1: SPAN(1, 1); break;
-    case 2: SPAN(1, 2); break;
-    case 3: SPAN(1, 3); break;
-    case 4: SPAN(1, 4); break;
-    case 5: SPAN(ROWS, 1); break;
-    case 6: SPAN(ROWS, 2); break;
-    case 7: SPAN(ROWS, 3); break;
-    default: SPAN(ROWS, 4); break;
-    }
-#else
-    switch ((R == ROWS ? 2 : 0) + M) {
-    case 1: SPAN(1, 1); break;
-    case 2: SPAN(1, 2); break;
-    case 3: SPAN(ROWS, 1); break;
-    default: SPAN(ROWS, 2); break;
-    }
-#endif
+    SWITCH_RM(R, M, SPAN)
 #undef SPAN
 }
 
