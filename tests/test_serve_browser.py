@@ -93,11 +93,16 @@ def test_explorer_in_chromium(browser, tmp_path):
         errors = []
         page.on("pageerror", lambda e: errors.append(str(e)))
         page.on("requestfailed", lambda r: errors.append(f"request failed: {r.url}"))
-        outside = []
+        outside, predictions = [], []
         page.on("request", lambda r: None if r.url.startswith(url) else outside.append(r.url))
+        page.on("request", lambda r: predictions.append(r.url) if r.url.endswith("/api/next") else None)
         shot = tmp_path / "explorer.png"
         shown = explore(page, url, "Hello wor", screenshot=str(shot))
+        page.wait_for_timeout(400)  # past the typing pause (300 ms) that fill's input event started
     assert shown["prompt"] == "Hello wor" + shown["chosen"]
+    # one refresh each for the page's example, Go and the chosen token: Go's supersedes the one
+    # typing scheduled (which, left pending, refreshed again later and showed "…" mid-test)
+    assert len(predictions) == 3, predictions
     assert len(shown["tokens"]) == len(shown["prompt"].encode())
     assert len(shown["after"]) == 10 and shown["after"] != shown["before"]
     assert shown["heatmap_tokens"] == len(shown["tokens"]) and shown["heatmap_inked"] > 100

@@ -4,7 +4,7 @@
 "use strict";
 
 const $ = (id) => document.getElementById(id);
-const state = { history: [], current: -1, generation: 0, maxSurprisal: 12 };
+const state = { history: [], current: -1, generation: 0, maxSurprisal: 12, typing: null };
 
 // Make whitespace visible in token labels.
 function show(text) {
@@ -208,6 +208,7 @@ async function runPatch() {
 }
 
 async function refresh() {
+  clearTimeout(state.typing); // this refresh supersedes one still waiting for typing to pause
   const generation = ++state.generation;
   const prompt = $("prompt").value;
   $("status").textContent = "\u2026";
@@ -294,10 +295,9 @@ async function main() {
   $("model-name").textContent = `${info.model}: ${info.n_layer} layers, ${info.n_head} heads, context ${info.block_size}`;
   fillSelect($("layer"), info.n_layer);
   fillSelect($("head"), info.n_head);
-  let timer = null;
   $("prompt").addEventListener("input", () => {
-    clearTimeout(timer);
-    timer = setTimeout(refresh, 300);
+    clearTimeout(state.typing);
+    state.typing = setTimeout(refresh, 300);
   });
   $("go").addEventListener("click", () => {
     record($("prompt").value);
