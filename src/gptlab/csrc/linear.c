@@ -143,11 +143,7 @@ AI void linear_rows(const void *w, int bf16, const float *x, const void *bias, c
             thread_rows(N, ROWS, &n0, &n1);
             const int R = BLOCK_ROWS(M), whole = n1 - (n1 - n0) % R;
             dot_span_rm(w, bf16, x, bias, bias_bf16, y, y_bf16, R, M, n0, whole, N, K);
-            for (int n = whole; n < n1; n++) { /* N's last rows, one by one */
-                float out[ROWS][MROWS];
-                dot_block(w_row(w, bf16, n, K), bf16, x, 1, M, K, out);
-                store_rows(out, bias, bias_bf16, y, y_bf16, 1, M, n, N);
-            }
+            dot_span_rm(w, bf16, x, bias, bias_bf16, y, y_bf16, 1, M, whole, n1, N, K); /* N's last rows */
         }
         return;
     }

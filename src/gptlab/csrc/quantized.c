@@ -158,11 +158,7 @@ int gl_linear_i8(const float *x, const int8_t *w, const uint16_t *ws, const int3
             thread_rows(N, ROWS, &n0, &n1);
             const int R = BLOCK_ROWS(M), whole = n1 - (n1 - n0) % R;
             i8_span_rm(w, xq, xs, ws, wsum, b, y, R, M, n0, whole, N, K);
-            for (int n = whole; n < n1; n++) { /* N's last rows, one by one */
-                int32_t out[ROWS][MROWS];
-                i8_block(w + (size_t)n * K, xq, 1, M, K, out);
-                i8_store(out, xs, ws, wsum, b, y, 1, M, n, N);
-            }
+            i8_span_rm(w, xq, xs, ws, wsum, b, y, 1, M, whole, n1, N, K); /* N's last rows */
         }
         return 0;
     }
