@@ -406,12 +406,14 @@ def float_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return y
 
 
-# Up to this many rows, the int4 kernel (weights read once, rows reused from L1) beats
-# dequantizing the layer and running the fp32 GEMM: measured on an Intel Xeon (avx512), 3072x768
-# layer, 0.34 vs 1.69 ms at 16 rows, 1.35 vs 2.55 at 64, 9.9 vs 6.4 at 256.
+# Up to this many rows, the int4 kernel beats dequantizing the layer and running the fp32 GEMM:
+# measured on an Intel Xeon (avx512), 3072x768 layer, 0.34 vs 1.69 ms at 16 rows, 1.35 vs 2.55 at
+# 64, 9.9 vs 6.4 at 256. (That was before prompts put rows of x in the lanes, linear_i4_lanes in
+# csrc/quantized.c, 3.3x faster at 512 rows when the AMD EPYC Zen 4 runs the avx512 variant; not
+# yet measured on a Xeon, so the Xeon's crossover stays as measured.)
 INT4_KERNEL_ROWS = 128
-# The AVX2 variants take 8 rows of x per block (I4_MROWS in csrc/common.h) and beat it at any
-# size: AMD EPYC, 512 rows, 3072x768 19.1-19.5 ms against 22-25 dequantized (fp32 weights: 24).
+# The AVX2 variants beat it at any size: AMD EPYC Zen 4, 512 rows of GPT-2's four layers, 14.8 ms
+# (avx512-256) and 21.4 (avx2), against ~28 for the fp32 GEMM alone.
 INT4_KERNEL_ROWS_AVX2 = sys.maxsize
 
 

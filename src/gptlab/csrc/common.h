@@ -47,10 +47,11 @@
     }
 #endif
 
-/* Rows of x at a time in the int4 kernel. On AVX2, 8 (against 2 weight rows, so 16 accumulators:
- * some spill, and it is still faster): AMD EPYC, 2026-12-02, 512 rows, g32, 2 threads: 3072x768
- * 25-29 -> 19.1-19.5 ms, 768x3072 19.6-20.3 -> 14.3-14.8 (4 rows: 19.7-20.5 and 16.5-21.9), where
- * fp32 weights take 24 and 19-20 in MKL's GEMM. AVX-512 keeps MROWS, tuned on an Intel Xeon. */
+/* Rows of x at a time in the int4 kernel for 3 to 15 rows (batched decoding; prompts of 16 and more
+ * put rows of x in the lanes instead, quantized.c). On AVX2, 8 (against 2 weight rows, so 16
+ * accumulators: some spill, and it is still faster): AMD EPYC, 2026-12-02, when it also ran
+ * prompts, 512 rows, g32, 2 threads: 3072x768 25-29 -> 19.1-19.5 ms, 768x3072 19.6-20.3 ->
+ * 14.3-14.8 (4 rows: 19.7-20.5 and 16.5-21.9). AVX-512 keeps MROWS, tuned on an Intel Xeon. */
 #if GL_VARIANT == GL_AVX2
 #define I4_MROWS 8
 #else

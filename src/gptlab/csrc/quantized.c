@@ -215,42 +215,20 @@ static void quantize_rows_i4(const float *x, int8_t *xq, float *s, float *gsum, 
     }
 }
 
-/* A prompt (at least I4_SPREAD_ROWS rows of x) reuses each weight row's scales for every row of
- * x, so they are spread once per call into one fp32 vector per chunk (lane l: the scale of the
- * block lane l's inputs belong to, as vf_block_scales makes them), with the offsets (zero - 8 scale) per
- * group: the same values decoding computes in its loop, so the products agree bit for bit. */
-#define I4_SPREAD_ROWS 16
-
-AI vf spread_scales(const uint16_t *sr, int c, int gshift) { return vf_block_scales(sr, c * (VW / 4), gshift); }
-
-/* wsv (N, K / CHUNK, VW) and wo (N, G) from W's bf16 scales and zeros (N, G). */
-static void spread_weight_scales(const uint16_t *scales, const uint16_t *zeros, float *wsv, float *wo, int N, int K,
-                                 int g, int gshift, int nthreads) {
-    const int G = K / g, C = K / CHUNK;
-#pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int n = 0; n < N; n++) {
-        const uint16_t *sr = scales + (size_t)n * G, *zr = zeros + (size_t)n * G;
-        for (int c = 0; c < C; c++) vf_store(wsv + ((size_t)n * C + c) * VW, spread_scales(sr, c, gshift));
-        for (int j = 0; j < G; j++) wo[(size_t)n * G + j] = bf16_to_f32(zr[j]) - 8.0f * bf16_to_f32(sr[j]);
-    }
-}
-
 /* An int4 product's operands from row 0 of its block: x quantized (xq (M, K), row scales xs (M),
- * group sums xgsum (M, G)), W (w (N, K/2), bf16 scales and zeros (N, G)) and, for a prompt
- * (spread != 0), W's spread scales wsv and offsets wo; g = 32 << gshift. */
+ * group sums xgsum (M, G)) and W (w (N, K/2), bf16 scales and zeros (N, G)); g = 32 << gshift. */
 typedef struct {
     const int8_t *xq;
     const float *xs, *xgsum;
     const uint8_t *w;
     const uint16_t *scales, *zeros;
-    const float *wsv, *wo;
-    int K, G, gshift, spread;
+    int K, G, gshift;
 } i4_args;
 
-/* R rows of an int4 W times M rows of x (R, M compile-time constants, as gshift and spread);
- * out[r][m]. The weight w = q * scale + (zero - 8 scale), so y = xs * (sum over blocks of scale *
- * (sum q xq)) + sum over groups of (zero - 8 scale) * gsum. */
-AI void i4_rows(const i4_args a, const int R, const int M, const int gshift, const int spread, float out[2][I4_MROWS]) {
+/* R rows of an int4 W times M rows of x (R, M compile-time constants, as gshift); out[r][m]. The
+ * weight w = q * scale + (zero - 8 scale), so y = xs * (sum over blocks of scale * (sum q xq)) +
+ * sum over groups of (zero - 8 scale) * gsum. */
+AI void i4_rows(const i4_args a, const int R, const int M, const int gshift, float out[2][I4_MROWS]) {
     const int K = a.K, G = a.G, C = K / CHUNK;
     vf acc[2][I4_MROWS];
     for (int r = 0; r < R; r++)
@@ -264,7 +242,7 @@ AI void i4_rows(const i4_args a, const int R, const int M, const int gshift, con
             vi packed = vi_load(p);
             lo[r] = vi_low_nibbles(packed);  /* columns CHUNK c + 2i */
             hi[r] = vi_high_nibbles(packed); /* columns CHUNK c + 2i + 1 */
-            scale[r] = spread ? vf_load(a.wsv + ((size_t)r * C + c) * VW) : spread_scales(a.scales + (size_t)r * G, c, gshift);
+            scale[r] = vf_block_scales(a.scales + (size_t)r * G, c * (VW / 4), gshift);
         }
         for (int m = 0; m < M; m++) {
             const int8_t *xr = a.xq + (size_t)m * K + CHUNK * c;
@@ -277,9 +255,8 @@ AI void i4_rows(const i4_args a, const int R, const int M, const int gshift, con
         for (int m = 0; m < M; m++) acc[r][m] = vf_mul(acc[r][m], vf_set1(a.xs[m]));
         for (int j = 0; j < G; j += VW) { /* the (zero - 8 * scale) * sum(x) term, per group */
             const int n = G - j;
-            const vf offset = spread ? vf_load_n(a.wo + (size_t)r * G + j, n)
-                                     : vf_fnma(vf_set1(8.0f), vf_load_bf16_n(a.scales + (size_t)r * G + j, n),
-                                               vf_load_bf16_n(a.zeros + (size_t)r * G + j, n));
+            const vf offset = vf_fnma(vf_set1(8.0f), vf_load_bf16_n(a.scales + (size_t)r * G + j, n),
+                                      vf_load_bf16_n(a.zeros + (size_t)r * G + j, n));
             for (int m = 0; m < M; m++) acc[r][m] = vf_fma(offset, vf_load_n(a.xgsum + (size_t)m * G + j, n), acc[r][m]);
         }
         for (int m = 0; m < M; m++) out[r][m] = vf_sum(acc[r][m]);
@@ -288,8 +265,7 @@ AI void i4_rows(const i4_args a, const int R, const int M, const int gshift, con
 
 /* R (1 or 2, a constant once inlined) rows of W times M <= I4_MROWS rows of x, specialized per M. */
 AI void i4_block_r(const i4_args a, const int R, int M, float out[2][I4_MROWS]) {
-#define I4S(MM, GS) (a.spread ? i4_rows(a, R, MM, GS, 1, out) : i4_rows(a, R, MM, GS, 0, out))
-#define I4(MM) (a.gshift ? I4S(MM, a.gshift) : I4S(MM, 0))
+#define I4(MM) (a.gshift ? i4_rows(a, R, MM, a.gshift, out) : i4_rows(a, R, MM, 0, out))
     switch (M) {
     case 1: I4(1); break;
 #if I4_MROWS >= 2
@@ -307,18 +283,17 @@ AI void i4_block_r(const i4_args a, const int R, int M, float out[2][I4_MROWS]) 
 #endif
     }
 #undef I4
-#undef I4S
 }
 
 /* Rows [n0, n1) of W times M rows of x, two at a time ((n1 - n0) even), into y (M, N) + b:
- * decoding's product (no spread scales), one call per thread (thread_rows in common.h). */
+ * decoding's product, one call per thread (thread_rows in common.h). */
 AI void i4_span(i4_args a, const int M, const int gshift, int n0, int n1, const float *b, float *y, int N) {
     const size_t row = (size_t)a.K / 2, G = (size_t)a.G;
     for (int n = n0; n < n1; n += 2) {
         i4_args r = a;
         r.w += n * row, r.scales += n * G, r.zeros += n * G;
         float out[2][I4_MROWS];
-        i4_rows(r, 2, M, gshift, 0, out);
+        i4_rows(r, 2, M, gshift, out);
         for (int i = 0; i < 2; i++)
             for (int m = 0; m < M; m++) y[(size_t)m * N + n + i] = out[i][m] + (b ? b[n + i] : 0.0f);
     }
@@ -338,25 +313,196 @@ static void i4_block(const i4_args a, int R, int M, float out[2][I4_MROWS]) {
     else i4_block_r(a, 1, M, out);
 }
 
+/* ---------------------------------------------------------------- int4 prompts: rows of x in the lanes */
+
+/* A prompt (at least I4_LANES_ROWS rows of x) puts VW rows of x side by side, one per lane, so that
+ * a lane sums a whole group's integer products before its one conversion and scaling. In i4_rows a
+ * lane holds 8 inputs of one row, so every vector of products is converted and scaled: int4
+ * prompts ran at about half int8's speed. Unit u of a row is its inputs 8u..8u+7: 4 packed weight
+ * bytes, the low nibbles its even inputs, the high ones its odd inputs. */
+#define I4_LANES_ROWS 16
+#define I4_LANES_R 4 /* rows of W per block */
+#if GL_VARIANT == GL_AVX512 || defined(__AVX512VL__)
+#define I4_LANES_V 2 /* vectors of VW rows of x per block: 32 registers hold 2 x 4 x 3 sums */
+#else
+#define I4_LANES_V 1
+#endif
+
+/* xq (M, K), as quantize_rows_i4 writes it (per chunk its even inputs, then its odd ones), and
+ * xgsum (M, G) into xt and gt, VW rows at a time for nv VW rows (rows past M zero): for each VW
+ * rows, unit u's two vectors at xt + 2 u VB (lane m of the first: the 4 even inputs of row m's unit
+ * u; of the second: its 4 odd ones), and group j's sums at gt + j VW (lane m: row m's). */
+static void transpose_x_i4(const int8_t *xq, const float *xgsum, int8_t *xt, float *gt, int M, int nv, int K, int G,
+                           int nthreads) {
+    const int units = K / 8, per_chunk = VB / 4;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (nv > 1)
+    for (int v = 0; v < nv; v++)
+        for (int l = 0; l < VW; l++) {
+            const int m = v * VW + l;
+            int8_t *t = xt + (size_t)v * VW * K + 4 * l;
+            for (int u = 0; u < units; u++) {
+                const int8_t *even = xq + (size_t)m * K + (size_t)(u / per_chunk) * CHUNK + 4 * (u % per_chunk);
+                if (m < M) memcpy(t + (size_t)u * 2 * VB, even, 4), memcpy(t + (size_t)u * 2 * VB + VB, even + VB, 4);
+                else memset(t + (size_t)u * 2 * VB, 0, 4), memset(t + (size_t)u * 2 * VB + VB, 0, 4);
+            }
+            for (int j = 0; j < G; j++) gt[((size_t)v * G + j) * VW + l] = m < M ? xgsum[(size_t)m * G + j] : 0.0f;
+        }
+}
+
+/* W's bf16 scales (N, G) as fp32 ws, and the offsets zero - 8 scale as wo; rows N..N+I4_LANES_R
+ * zero (a last partial block reads them). */
+static void weight_scales_i4(const uint16_t *scales, const uint16_t *zeros, float *ws, float *wo, int N, int G,
+                             int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int n = 0; n < N + I4_LANES_R; n++)
+        for (int j = 0; j < G; j++) {
+            const size_t i = (size_t)n * G + j;
+            ws[i] = n < N ? bf16_to_f32(scales[i]) : 0.0f;
+            wo[i] = n < N ? bf16_to_f32(zeros[i]) - 8.0f * ws[i] : 0.0f;
+        }
+}
+
+/* Rows [0, R) of W's packed nibbles (N, K/2) into bytes wu (R, K): per row its K/2 low nibbles
+ * (unit u's even inputs at 4u), then its K/2 high ones. */
+static void unpack_rows_i4(const uint8_t *w, int R, int K, uint8_t *wu) {
+    for (int r = 0; r < R; r++)
+        for (int k = 0; k < K / 2; k += VB) {
+            const vi p = vi_load(w + (size_t)r * (K / 2) + k);
+            vi_store(wu + (size_t)r * K + k, vi_low_nibbles(p));
+            vi_store(wu + (size_t)r * K + K / 2 + k, vi_high_nibbles(p));
+        }
+}
+
+/* out[v][r] (lane m) = y[m, n + r] - bias for I4_LANES_R unpacked rows of W (wu; ws, wo their
+ * scales and offsets, (R, G)) and I4_LANES_V vectors of VW rows of x (xt, gt, xs as
+ * transpose_x_i4 lays them out), a group of gunits (a constant once inlined) units at a time: its
+ * integer sums exact, then converted and scaled once; y = xs (sum over groups of scale (sum q xq))
+ * + sum over groups of offset gsum. */
+AI void i4_lanes(const uint8_t *wu, const float *ws, const float *wo, const int8_t *xt, const float *gt, const vf *xs,
+                 int K, int G, const int gunits, vf out[I4_LANES_V][I4_LANES_R]) {
+    enum { R = I4_LANES_R, V = I4_LANES_V };
+    const size_t xstep = (size_t)VW * K, gstep = (size_t)G * VW; /* from one vector of rows of x to the next */
+    vf acc[V][R];
+    for (int v = 0; v < V; v++)
+        for (int r = 0; r < R; r++) acc[v][r] = vf_zero();
+    for (int j = 0; j < G; j++) {
+        vi a[V][R], b[V][R]; /* two sums per row and vector of x where registers allow (one chain of products each) */
+        for (int v = 0; v < V; v++)
+            for (int r = 0; r < R; r++) a[v][r] = b[v][r] = vi_zero();
+#pragma GCC unroll 32
+        for (int u = j * gunits; u < (j + 1) * gunits; u++) {
+            vi x0[V], x1[V];
+            for (int v = 0; v < V; v++) {
+                x0[v] = vi_load(xt + v * xstep + (size_t)u * 2 * VB);
+                x1[v] = vi_load(xt + v * xstep + (size_t)u * 2 * VB + VB);
+            }
+            for (int r = 0; r < R; r++) {
+                const vi lo = vi_bcast4(wu + (size_t)r * K + 4 * u), hi = vi_bcast4(wu + (size_t)r * K + K / 2 + 4 * u);
+                for (int v = 0; v < V; v++) vi_dot_u4_acc(&a[v][r], V == 1 ? &b[v][r] : &a[v][r], lo, x0[v], hi, x1[v]);
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            const vf scale = vf_set1(ws[(size_t)r * G + j]);
+            for (int v = 0; v < V; v++)
+                acc[v][r] = vf_fma(vf_from_vi(V == 1 ? vi_add(a[v][r], b[v][r]) : a[v][r]), scale, acc[v][r]);
+        }
+    }
+    vf offset[V][R]; /* the sums side by side: one chain of multiply-adds each would wait on its latency */
+    for (int v = 0; v < V; v++)
+        for (int r = 0; r < R; r++) offset[v][r] = vf_zero();
+    for (int j = 0; j < G; j++)
+        for (int v = 0; v < V; v++) {
+            const vf gsum = vf_load(gt + v * gstep + (size_t)j * VW);
+            for (int r = 0; r < R; r++) offset[v][r] = vf_fma(vf_set1(wo[(size_t)r * G + j]), gsum, offset[v][r]);
+        }
+    for (int v = 0; v < V; v++)
+        for (int r = 0; r < R; r++) out[v][r] = vf_fma(acc[v][r], xs[v], offset[v][r]);
+}
+
+/* i4_lanes specialized per group size (units of 8 inputs: 4 << gshift). */
+static void i4_lanes_g(const uint8_t *wu, const float *ws, const float *wo, const int8_t *xt, const float *gt,
+                       const vf *xs, int K, int G, int gshift, vf out[I4_LANES_V][I4_LANES_R]) {
+    switch (gshift) {
+    case 0: i4_lanes(wu, ws, wo, xt, gt, xs, K, G, 4, out); break;
+    case 1: i4_lanes(wu, ws, wo, xt, gt, xs, K, G, 8, out); break;
+    case 2: i4_lanes(wu, ws, wo, xt, gt, xs, K, G, 16, out); break;
+    default: i4_lanes(wu, ws, wo, xt, gt, xs, K, G, 4 << gshift, out); break;
+    }
+}
+
+/* Vectors of VW rows of x a prompt of M rows takes: whole blocks of I4_LANES_V. */
+static int lanes_vectors(int M) { return (M + VW * I4_LANES_V - 1) / (VW * I4_LANES_V) * I4_LANES_V; }
+
+/* Bytes of work memory linear_i4_lanes takes. */
+static size_t lanes_bytes(int M, int N, int K, int G, int nthreads) {
+    const size_t rows = (size_t)lanes_vectors(M) * VW;
+    return rows * K + (rows * G + 2 * (size_t)(N + I4_LANES_R) * G + rows) * sizeof(float) +
+           (size_t)nthreads * I4_LANES_R * K;
+}
+
+/* A prompt's y (M, N) = x W^T + b from x quantized (xq, xs, xgsum): W's rows a block of I4_LANES_R
+ * at a time over the threads, against a tile of x that stays in L2 (as gl_linear_i8's tiles), each
+ * block's nibbles unpacked once per tile; work: lanes_bytes of memory (64-byte aligned). */
+static void linear_i4_lanes(const int8_t *xq, const float *xs, const float *xgsum, const uint8_t *w,
+                            const uint16_t *scales, const uint16_t *zeros, const float *b, float *y, int M, int N, int K,
+                            int G, int gshift, int nthreads, int8_t *work) {
+    enum { R = I4_LANES_R, V = I4_LANES_V };
+    const int nv = lanes_vectors(M), nblocks = (N + R - 1) / R;
+    const size_t nt = (size_t)nv * VW * K, ng = (size_t)nv * VW * G, nw = (size_t)(N + R) * G;
+    int8_t *xt = work;
+    float *gt = (float *)(xt + nt), *ws = gt + ng, *wo = ws + nw, *xsv = wo + nw;
+    uint8_t *wus = (uint8_t *)(xsv + (size_t)nv * VW);
+    transpose_x_i4(xq, xgsum, xt, gt, M, nv, K, G, nthreads);
+    weight_scales_i4(scales, zeros, ws, wo, N, G, nthreads);
+    for (int m = 0; m < nv * VW; m++) xsv[m] = m < M ? xs[m] : 0.0f;
+    const int fit = X_TILE_BYTES / (VW * K) / V * V, tile = fit > V ? fit : V; /* vectors of rows of x */
+#pragma omp parallel num_threads(nthreads)
+    {
+        uint8_t *wu = wus + (size_t)omp_get_thread_num() * R * K;
+        for (int v0 = 0; v0 < nv; v0 += tile) {
+            const int v1 = nv - v0 < tile ? nv : v0 + tile;
+#pragma omp for schedule(static)
+            for (int blk = 0; blk < nblocks; blk++) {
+                const int n = blk * R, rows = N - n < R ? N - n : R;
+                unpack_rows_i4(w + (size_t)n * (K / 2), rows, K, wu);
+                for (int v = v0; v < v1; v += V) {
+                    vf out[V][R], xsv_v[V];
+                    for (int i = 0; i < V; i++) xsv_v[i] = vf_load(xsv + (size_t)(v + i) * VW);
+                    i4_lanes_g(wu, ws + (size_t)n * G, wo + (size_t)n * G, xt + (size_t)v * VW * K,
+                               gt + (size_t)v * G * VW, xsv_v, K, G, gshift, out);
+                    for (int i = 0; i < V; i++)
+                        for (int r = 0; r < rows; r++) {
+                            float lanes[VW];
+                            vf_store(lanes, out[i][r]);
+                            for (int l = 0; l < VW && (v + i) * VW + l < M; l++)
+                                y[(size_t)((v + i) * VW + l) * N + n + r] = lanes[l] + (b ? b[n + r] : 0.0f);
+                        }
+                }
+            }
+        }
+    }
+}
+
 /* y (M, N) = x (M, K) W^T + b for an int4 W (see i4_rows); x is quantized per row first. K must
  * be a multiple of 128 (every variant's CHUNK divides it), g a multiple of 32. Returns -1 when
  * out of memory. */
 int gl_linear_i4(const float *x, const uint8_t *w, const uint16_t *scales, const uint16_t *zeros, const float *b,
                  float *y, int M, int N, int K, int g, int nthreads) {
-    const int G = K / g, C = K / CHUNK, spread = M >= I4_SPREAD_ROWS;
-    const size_t nq = ((size_t)M * K + 63) & ~(size_t)63, ng = (size_t)M * G;
-    const size_t nw = spread ? (size_t)N * C * VW + (size_t)N * G : 0;
-    int8_t *xq = gl_scratch(nq + ((size_t)M + ng + nw) * sizeof(float));
+    const int G = K / g, lanes = M >= I4_LANES_ROWS;
+    const size_t nq = ((size_t)M * K + 63) & ~(size_t)63, nx = nq + (((size_t)M + (size_t)M * G) * 4 + 63) / 64 * 64;
+    int8_t *xq = gl_scratch(nx + (lanes ? lanes_bytes(M, N, K, G, nthreads) : 0));
     if (!xq) return -1;
     float *xs = (float *)(xq + nq), *xgsum = xs + M;
-    float *wsv = spread ? xgsum + ng : NULL, *wo = spread ? wsv + (size_t)N * C * VW : NULL; /* prompts only */
     quantize_rows_i4(x, xq, xs, xgsum, M, K, g, nthreads);
     int gshift = 0;
     while ((32 << gshift) < g) gshift++;
-    if (spread) spread_weight_scales(scales, zeros, wsv, wo, N, K, g, gshift, nthreads);
+    if (lanes) {
+        linear_i4_lanes(xq, xs, xgsum, w, scales, zeros, b, y, M, N, K, G, gshift, nthreads, xq + nx);
+        return 0;
+    }
     const int nblocks = (N + 1) / 2, tile = x_tile_rows(K, I4_MROWS);
+    const i4_args a = {xq, xs, xgsum, w, scales, zeros, K, G, gshift};
     if (M <= 2) { /* decoding: a span of W's rows per thread */
-        const i4_args a = {xq, xs, xgsum, w, scales, zeros, NULL, NULL, K, G, gshift, 0};
 #pragma omp parallel num_threads(nthreads)
         {
             int n0, n1;
@@ -381,14 +527,12 @@ int gl_linear_i4(const float *x, const uint8_t *w, const uint16_t *scales, const
             const int n = 2 * blk, R = n + 2 <= N ? 2 : 1;
             for (int m0 = t0; m0 < t1; m0 += I4_MROWS) {
                 const int mm = t1 - m0 < I4_MROWS ? t1 - m0 : I4_MROWS;
-                const i4_args a = {xq + (size_t)m0 * K, xs + m0, xgsum + (size_t)m0 * G, w + (size_t)n * (K / 2),
-                                   scales + (size_t)n * G, zeros + (size_t)n * G,
-                                   wsv ? wsv + (size_t)n * C * VW : NULL, wo ? wo + (size_t)n * G : NULL,
-                                   K, G, gshift, spread};
+                const i4_args r = {xq + (size_t)m0 * K, xs + m0, xgsum + (size_t)m0 * G, w + (size_t)n * (K / 2),
+                                   scales + (size_t)n * G, zeros + (size_t)n * G, K, G, gshift};
                 float out[2][I4_MROWS];
-                i4_block(a, R, mm, out);
-                for (int r = 0; r < R; r++)
-                    for (int m = 0; m < mm; m++) y[(size_t)(m0 + m) * N + n + r] = out[r][m] + (b ? b[n + r] : 0.0f);
+                i4_block(r, R, mm, out);
+                for (int rr = 0; rr < R; rr++)
+                    for (int m = 0; m < mm; m++) y[(size_t)(m0 + m) * N + n + rr] = out[rr][m] + (b ? b[n + rr] : 0.0f);
             }
         }
     }

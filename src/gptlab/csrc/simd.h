@@ -96,6 +96,19 @@ AI vi vi_dot_i8(vi acc, vi x, vi w) { return _mm512_dpbusd_epi32(acc, x, w); }
 AI vi vi_dot_u4(vi lo, vi x0, vi hi, vi x1) {
     return _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, x0), hi, x1);
 }
+AI void vi_store(void *p, vi v) { _mm512_storeu_si512(p, v); }
+AI vi vi_add(vi a, vi b) { return _mm512_add_epi32(a, b); }
+AI vi vi_bcast4(const void *p) { /* the 4 bytes at p in every lane */
+    int32_t w;
+    memcpy(&w, p, 4);
+    return _mm512_set1_epi32(w);
+}
+/* The products of vi_dot_u4, added to two sums: lo . x0 to *a and hi . x1 to *b (each a chain of
+ * its own) or both to *a (then b is not read). */
+AI void vi_dot_u4_acc(vi *a, vi *b, vi lo, vi x0, vi hi, vi x1) {
+    *a = _mm512_dpbusd_epi32(*a, lo, x0);
+    *b = _mm512_dpbusd_epi32(*b, hi, x1);
+}
 AI vi vi_low_nibbles(vi v) { return _mm512_and_si512(v, _mm512_set1_epi8(0x0f)); }
 AI vi vi_high_nibbles(vi v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0f)); }
 /* Lane l: the bf16 scale of block b + l / 4 of 32 int4 inputs (s[(b + l / 4) >> gshift]) as
@@ -230,6 +243,22 @@ AI vi vi_dot_u4(vi lo, vi x0, vi hi, vi x1) {
     return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
 #endif
 }
+AI void vi_store(void *p, vi v) { _mm256_storeu_si256((__m256i *)p, v); }
+AI vi vi_add(vi a, vi b) { return _mm256_add_epi32(a, b); }
+AI vi vi_bcast4(const void *p) {
+    int32_t w;
+    memcpy(&w, p, 4);
+    return _mm256_set1_epi32(w);
+}
+AI void vi_dot_u4_acc(vi *a, vi *b, vi lo, vi x0, vi hi, vi x1) {
+#if defined(GL_DPBUSD)
+    *a = GL_DPBUSD(*a, lo, x0);
+    *b = GL_DPBUSD(*b, hi, x1);
+#else
+    (void)b;
+    *a = _mm256_add_epi32(*a, vi_dot_u4(lo, x0, hi, x1));
+#endif
+}
 AI vi vi_low_nibbles(vi v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0f)); }
 AI vi vi_high_nibbles(vi v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0f)); }
 AI vf vf_block_scales(const uint16_t *s, int b, int gshift) { /* two blocks: one broadcast, one shuffle */
@@ -307,6 +336,17 @@ AI vi vi_dot_i8(vi acc, vi x, vi w) {
 }
 /* Nibbles (<= 15, so also valid int8) times int8. */
 AI vi vi_dot_u4(vi lo, vi x0, vi hi, vi x1) { return vi_dot_i8(vi_dot_i8(vi_zero(), lo, x0), hi, x1); }
+AI void vi_store(void *p, vi v) { vst1q_u8((uint8_t *)p, vreinterpretq_u8_s32(v)); }
+AI vi vi_add(vi a, vi b) { return vaddq_s32(a, b); }
+AI vi vi_bcast4(const void *p) {
+    int32_t w;
+    memcpy(&w, p, 4);
+    return vdupq_n_s32(w);
+}
+AI void vi_dot_u4_acc(vi *a, vi *b, vi lo, vi x0, vi hi, vi x1) {
+    *a = vi_dot_i8(*a, lo, x0);
+    *b = vi_dot_i8(*b, hi, x1);
+}
 AI vi vi_low_nibbles(vi v) { return vreinterpretq_s32_u8(vandq_u8(vreinterpretq_u8_s32(v), vdupq_n_u8(0x0f))); }
 AI vi vi_high_nibbles(vi v) { return vreinterpretq_s32_u8(vshrq_n_u8(vreinterpretq_u8_s32(v), 4)); }
 AI vf vf_block_scales(const uint16_t *s, int b, int gshift) { /* one block of 32 per vector of 4 lanes */
@@ -407,6 +447,20 @@ static inline vi vi_dot_u4(vi lo, vi x0, vi hi, vi x1) {
         for (int t = 0; t < 4; t++) r.i[l] += lo.u[4 * l + t] * x0.s[4 * l + t] + hi.u[4 * l + t] * x1.s[4 * l + t];
     }
     return r;
+}
+static inline void vi_store(void *p, vi v) { memcpy(p, &v, sizeof v); }
+static inline vi vi_add(vi a, vi b) {
+    for (int l = 0; l < VW; l++) a.i[l] += b.i[l];
+    return a;
+}
+static inline vi vi_bcast4(const void *p) {
+    vi r;
+    for (int l = 0; l < VW; l++) memcpy(&r.i[l], p, 4);
+    return r;
+}
+static inline void vi_dot_u4_acc(vi *a, vi *b, vi lo, vi x0, vi hi, vi x1) {
+    (void)b;
+    *a = vi_add(*a, vi_dot_u4(lo, x0, hi, x1));
 }
 static inline vi vi_low_nibbles(vi v) {
     for (int b = 0; b < 4 * VW; b++) v.u[b] &= 15;
