@@ -77,12 +77,16 @@ int gl_default_decode_rows(void);
 /* Software prefetch distances, bytes ahead of each weight stream, per variant: avx512's tuned on an
  * Intel Xeon, avx512-256's on the AMD EPYC Zen 4 that auto gives it, avx2's on an AMD EPYC (Zen 3);
  * 2 threads, whole-model decode steps. */
-#if GL_VARIANT == GL_AVX512 || defined(__AVX512F__)
-/* Xeon 2026-12-01: fp32 16.2-16.6 vs 16.8-17.3 ms at 512, bf16 9.4-9.8 vs 11.3. Zen 4 (avx512-256)
- * 2026-12-03, 8 interleaved runs each against 16 KiB: bf16 median 108 vs 98 tok/s, fp32 58 vs 56. */
+#if GL_VARIANT == GL_AVX512 /* Intel Xeon, 2026-12-01: fp32 16.2-16.6 vs 16.8-17.3 ms at 512; bf16 9.4-9.8 vs 11.3 */
 #define PF_DEFAULT_FLOAT 8192
 #define PF_DEFAULT_I8 4096
 #define PF_DEFAULT_I4 8192
+#elif defined(__AVX512F__)
+/* avx512-256, AMD Zen 4, 2026-12-03, interleaved runs: float 8 KiB against 16 (bf16 median 108 vs
+ * 98 tok/s, fp32 58 vs 56, 8 runs each); int4 4 KiB against 8 (median 182 vs 170, 10 runs each). */
+#define PF_DEFAULT_FLOAT 8192
+#define PF_DEFAULT_I8 4096
+#define PF_DEFAULT_I4 4096
 #else /* AMD EPYC, 2026-12-01: bf16 decode 50-51 -> 56-59 tok/s at 16 KiB; the int distances within this VM's noise */
 #define PF_DEFAULT_FLOAT 16384
 #define PF_DEFAULT_I8 4096
