@@ -380,13 +380,13 @@ static void unpack_rows_i4(const uint8_t *w, int R, int K, uint8_t *wu) {
  * + sum over groups of offset gsum. */
 AI void i4_lanes(const uint8_t *wu, const float *ws, const float *wo, const int8_t *xt, const float *gt, const vf *xs,
                  int K, int G, const int gunits, vf out[I4_LANES_V][I4_LANES_R]) {
-    enum { R = I4_LANES_R, V = I4_LANES_V };
+    enum { R = I4_LANES_R, V = I4_LANES_V, SPLIT = V == 1 }; /* SPLIT: two sums per row where registers allow */
     const size_t xstep = (size_t)VW * K, gstep = (size_t)G * VW; /* from one vector of rows of x to the next */
     vf acc[V][R];
     for (int v = 0; v < V; v++)
         for (int r = 0; r < R; r++) acc[v][r] = vf_zero();
     for (int j = 0; j < G; j++) {
-        vi a[V][R], b[V][R]; /* two sums per row and vector of x where registers allow (one chain of products each) */
+        vi a[V][R], b[V][R]; /* b: the second sum when SPLIT (each a chain of products of its own) */
         for (int v = 0; v < V; v++)
             for (int r = 0; r < R; r++) a[v][r] = b[v][r] = vi_zero();
 #pragma GCC unroll 32
@@ -398,13 +398,13 @@ AI void i4_lanes(const uint8_t *wu, const float *ws, const float *wo, const int8
             }
             for (int r = 0; r < R; r++) {
                 const vi lo = vi_bcast4(wu + (size_t)r * K + 4 * u), hi = vi_bcast4(wu + (size_t)r * K + K / 2 + 4 * u);
-                for (int v = 0; v < V; v++) vi_dot_u4_acc(&a[v][r], V == 1 ? &b[v][r] : &a[v][r], lo, x0[v], hi, x1[v]);
+                for (int v = 0; v < V; v++) vi_dot_u4_acc(&a[v][r], SPLIT ? &b[v][r] : &a[v][r], lo, x0[v], hi, x1[v]);
             }
         }
         for (int r = 0; r < R; r++) {
             const vf scale = vf_set1(ws[(size_t)r * G + j]);
             for (int v = 0; v < V; v++)
-                acc[v][r] = vf_fma(vf_from_vi(V == 1 ? vi_add(a[v][r], b[v][r]) : a[v][r]), scale, acc[v][r]);
+                acc[v][r] = vf_fma(vf_from_vi(SPLIT ? vi_add(a[v][r], b[v][r]) : a[v][r]), scale, acc[v][r]);
         }
     }
     vf offset[V][R]; /* the sums side by side: one chain of multiply-adds each would wait on its latency */
