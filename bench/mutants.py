@@ -55,6 +55,7 @@ class Mutant:
     new: str
     tests: tuple[str, ...]  # test files (globs) and pytest options
     variant: str = ""  # a kernel variant (gptlab.kernel_build) the CPU must run for the tests to reach the bug
+    feature: str = ""  # a CPU feature (gptlab.kernels.FEATURES) the tests need to reach the bug
 
 
 # fmt: off
@@ -172,6 +173,22 @@ MUTANTS = [
            "const int r0 = (int)((long)tiles * id / nt) * GEMM_MR - (id ? GEMM_MR : 0),", GEMM_TESTS),
     Mutant("gemm/head-products-ignore-the-choice", "kernels.py",
            'return gemm_choice() == "gptlab"', "return True", GEMM_TESTS),
+    # its bf16 products (AVX512-BF16)
+    Mutant("gemm-bf16/pair-halves-swapped-in-row-panels", "csrc/gemm.c",
+           "out[k / 2] = bf16_pair(f32_bits(ai[k]), f32_bits(ai[k + 1]));",
+           "out[k / 2] = bf16_pair(f32_bits(ai[k + 1]), f32_bits(ai[k]));", GEMM_TESTS, feature="avx512bf16"),
+    Mutant("gemm-bf16/truncated-not-rounded", "csrc/gemm.c",
+           "lo | 0x400000u : lo + 0x7fffu + ((lo >> 16) & 1u);", "lo | 0x400000u : lo;", GEMM_TESTS,
+           feature="avx512bf16"),
+    Mutant("gemm-bf16/odd-depth-last-pair-of-b-dropped", "csrc/gemm.c",
+           "            if (kc & 1)\n                for (int j = 0; j < BF_NR; j++)",
+           "            if (0)\n                for (int j = 0; j < BF_NR; j++)", GEMM_TESTS, feature="avx512bf16"),
+    Mutant("gemm-bf16/edge-tile-writes-a-column-more", "csrc/gemm.c",
+           "(__mmask16)((1u << (n - 16)) - 1);", "(__mmask16)((1u << (n - 15)) - 1);", GEMM_TESTS,
+           feature="avx512bf16"),
+    Mutant("gemm-bf16/head-weight-gradient-not-in-bf16", "chunked_loss.py",
+           "kernels.mm(e, x_scaled, grad_w, accumulate=not first, bf16=bf16)",
+           "kernels.mm(e, x_scaled, grad_w, accumulate=not first)", GEMM_TESTS, feature="avx512bf16"),
     # the loss
     Mutant("loss/targets-not-shifted", "data.py", "return w[:, :-1], w[:, 1:]", "return w[:, :-1], w[:, :-1]",
            LOSS_TESTS),
@@ -342,11 +359,22 @@ def runnable_variants() -> list[str]:
     return out.stdout.split()
 
 
+@functools.cache
+def cpu_features() -> list[str]:
+    """The CPU features gptlab reads (kernels.cpu_features, asked in a subprocess)."""
+    code = "from gptlab import kernels; print(' '.join(sorted(kernels.cpu_features())))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": str(ROOT / "src")})  # fmt: skip
+    return out.stdout.split()
+
+
 def run_mutant(m: Mutant, root: Path, timeout: int) -> tuple[str, str]:
     """(status, detail) for one mutant planted in the copy at root; the file is restored after."""
     path = root / "src" / "gptlab" / m.file
     if m.variant and m.variant not in runnable_variants():
         return "n/a", f"this CPU cannot run the {m.variant} kernels"
+    if m.feature and m.feature not in cpu_features():
+        return "n/a", f"this CPU has no {m.feature}"
     if not path.is_file():
         return "stale", f"src/gptlab/{m.file} does not exist"
     original = path.read_text()

@@ -151,3 +151,139 @@ def test_the_chunked_loss_through_sgemm_equals_pytorchs(monkeypatch, gptlab_gemm
     torch.testing.assert_close(got[0], ref[0], rtol=1e-6, atol=0)
     for g, r in zip(got[1:], ref[1:], strict=True):
         torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-7)
+
+
+# ------------------------------------------------------------------------------------------------
+# bf16 products (kernels.mm(bf16=True), gl_gemm_bf16): bf16 autocast's head on CPUs with AVX512-BF16
+
+
+def _bf16_variants() -> list[str]:
+    """The variants that run gl_gemm_bf16 on this CPU (none without AVX512-BF16: the feature has no
+    code to run there, and mm(bf16=True) falls back to torch's product, tested below everywhere)."""
+    found = []
+    for v in kernels.runnable_variants():
+        with kernels.use_variant(v) as lib:
+            if lib.lib is not None and lib.lib.gl_has_gemm_bf16():
+                found.append(v)
+    return found
+
+
+BF16_VARIANTS = _bf16_variants()
+
+
+@pytest.fixture(params=BF16_VARIANTS)
+def bf16_gemm(request, monkeypatch):
+    """Each variant that has gl_gemm_bf16 here, active, with a record of each mm(bf16=True) call:
+    whether gl_gemm_bf16 ran it."""
+    monkeypatch.setenv("GPTLAB_GEMM", "gptlab")
+    calls = []
+    monkeypatch.setattr(kernels, "gemm_bf16_runs", _spy(kernels.gemm_bf16_runs, calls))
+    with kernels.use_variant(request.param):
+        yield calls
+
+
+def bf16_rounded(t: torch.Tensor) -> torch.Tensor:
+    return t.bfloat16().double()
+
+
+def test_gemm_bf16_runs_where_the_cpu_has_avx512_bf16():
+    """Not a flag silently off: with AVX512-BF16 and an AVX-512 variant (and gptlab's GEMM chosen),
+    mm(bf16=True) multiplies in gl_gemm_bf16."""
+    has = "avx512bf16" in kernels.cpu_features()
+    expected = [v for v in kernels.runnable_variants() if has and v in ("avx512", "avx512-256")]
+    assert BF16_VARIANTS == expected
+
+
+@pytest.mark.parametrize("accumulate", [False, True])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s[:3])) + "aT" * s[3] + "bT" * s[4])
+def test_gemm_bf16_is_the_product_of_bf16_operands(bf16_gemm, shape, accumulate):
+    """Both packings of A (its rows adjacent: by k; else by rows), odd depths (a pair half past K),
+    edge tiles (12 x 32), B whole and blocked: the float64 product of the bf16-rounded operands, to
+    fp32 summation (measured <= 2.2e-7 of each element's sum of |a b|)."""
+    a, b = operands(*shape)
+    out = torch.randn(shape[0], shape[1])
+    before = out.clone() if accumulate else None
+    want = bf16_rounded(a) @ bf16_rounded(b) + (before.double() if accumulate else 0)
+    kernels.mm(a, b, out, accumulate=accumulate, bf16=True)
+    assert bf16_gemm == [True]
+    assert_close_to_float64(out, want, bf16_rounded(a), bf16_rounded(b), before)
+
+
+def test_gemm_bf16_takes_any_strides_and_writes_only_its_own_part(bf16_gemm):
+    """A with neither rows nor columns adjacent (every other column), out a view into a wider buffer."""
+    a = torch.randn(29, 2 * 301)[:, ::2]  # (29, 301), strides (602, 2)
+    b = torch.randn(301, 45)
+    buf = torch.full((33, 50), 7.0)
+    out = buf[1:30, 2:47]
+    kernels.mm(a, b, out, bf16=True)
+    assert_close_to_float64(out, bf16_rounded(a) @ bf16_rounded(b), bf16_rounded(a), bf16_rounded(b))
+    outside = torch.ones_like(buf, dtype=torch.bool)
+    outside[1:30, 2:47] = False
+    assert (buf[outside] == 7.0).all()
+
+
+def test_gemm_bf16_rounds_to_nearest_even_and_keeps_nan(bf16_gemm):
+    """1 + 2^-8 lies halfway between two bf16 values and rounds to the even one (1.0), 1 + 3 2^-9 up
+    (truncating gives 1.0); a NaN whose payload is in the low bits only stays NaN (rounding its bits
+    as a number's would make it infinite)."""
+    a = torch.tensor([[1 + 2**-8, 1 + 3 * 2**-9, 1 + 2**-7 + 2**-8]])  # (1, 3)
+    out = kernels.mm(a, torch.eye(3), torch.empty(1, 3), bf16=True)
+    assert out.tolist() == [[1.0, 1 + 2**-7, 1 + 2**-6]] == a.bfloat16().float().tolist()
+    nan = torch.tensor([[0x7F800001]], dtype=torch.int32).view(torch.float32)  # (1, 1)
+    out = kernels.mm(nan, torch.ones(1, 1), torch.empty(1, 1), bf16=True)
+    assert out.isnan().all()
+
+
+def test_gemm_bf16_gives_the_same_bits_on_any_number_of_threads(bf16_gemm):
+    a, b = operands(301, 40, 600, True, False)
+    results = []
+    for threads in (1, 2, 3):
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            results.append(kernels.mm(a, b, torch.empty(301, 40), bf16=True))
+        finally:
+            torch.set_num_threads(before)
+    assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
+
+
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_mm_bf16_without_the_kernel_is_torchs_bf16_product(monkeypatch, accumulate):
+    """Where gl_gemm_bf16 does not run (no AVX512-BF16, or GPTLAB_GEMM=torch): torch's bf16 product,
+    the same values (bf16 products are exact in fp32; sums to fp32 rounding: <= 1e-6 measured)."""
+    monkeypatch.setenv("GPTLAB_GEMM", "torch")
+    assert not kernels.gemm_bf16_runs()
+    a, b = operands(37, 45, 300, True, False)
+    out = torch.randn(37, 45)
+    before = out.clone()
+    kernels.mm(a, b, out, accumulate=accumulate, bf16=True)
+    want = bf16_rounded(a) @ bf16_rounded(b) + (before.double() if accumulate else 0)
+    # torch's bf16 matmul rounds its result to bf16 (2^-9 relative), then out adds it in fp32
+    scale = bf16_rounded(a).abs() @ bf16_rounded(b).abs() + (before.double().abs() if accumulate else 0)
+    assert ((out.double() - want).abs() / scale).max() < 2**-8
+    with pytest.raises(ValueError, match="fp32 operands"):
+        kernels.mm(a.bfloat16(), b.bfloat16(), out, bf16=True)
+
+
+@pytest.mark.parametrize("chunk_rows", [16, 1024])
+def test_the_chunked_loss_under_bf16_autocast_through_gemm_bf16(bf16_gemm, chunk_rows):
+    """bf16 autocast's head in gl_gemm_bf16: the loss of the bf16-rounded x and weight in float64 to
+    fp32 rounding (measured 2e-8 relative), their gradients to bf16 rounding of the softmax's
+    gradient (measured <= 1.9e-3 of the largest; 1.4e-3 x's, 1.1e-3 w's)."""
+    torch.manual_seed(3)
+    x = torch.randn(37, 24, requires_grad=True)
+    w = torch.randn(1000, 24, requires_grad=True)
+    t = torch.randint(0, 1000, (37,))
+    t[[4, 30]] = -100
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = linear_cross_entropy(x, w, t, chunk_rows=chunk_rows)
+    got = (loss, *torch.autograd.grad(loss, (x, w)))
+    chunks = -(-37 // chunk_rows)
+    assert bf16_gemm.count(True) == 3 * chunks + 1  # three products per chunk, and the forward's check
+    xr, wr = bf16_rounded(x.detach()).requires_grad_(), bf16_rounded(w.detach()).requires_grad_()
+    ref_loss = torch.nn.functional.cross_entropy(xr @ wr.t(), t)
+    ref = (ref_loss, *torch.autograd.grad(ref_loss, (xr, wr)))
+    assert abs(got[0].item() - ref[0].item()) < 1e-6 * ref[0].item()
+    for g, r in zip(got[1:], ref[1:], strict=True):
+        assert g.dtype == torch.float32
+        assert ((g.double() - r).abs().max() / r.abs().max()).item() < 5e-3

@@ -9,7 +9,9 @@ chunk's logits are then dropped. The gradient softmax - onehot is never formed o
 (V, n) chunk: the logits become exp(logits - max) (two passes: max; exp and sum), and the
 normalization and the one-hot go to the small (n, C) side of the two products (one pass fewer
 over ~200 MB per step of the demo). Backward only scales the stored gradients. The matmuls run in
-the autocast dtype (bf16 logits under bf16 autocast); the softmax runs in fp32.
+the autocast dtype (bf16 logits under bf16 autocast); the softmax runs in fp32. Under bf16 autocast
+on a CPU with AVX512-BF16 the three products run in gl_gemm_bf16 instead (kernels.gemm_bf16_runs):
+fp32 operands rounded to bf16 as they are packed, fp32 sums, and the logits kept in fp32.
 
 The same value as `F.cross_entropy(x @ weight.T, targets, ignore_index=-100)` (mean over the
 non-ignored targets), to float rounding.
@@ -31,16 +33,17 @@ IGNORE_INDEX = -100
 CHUNK_ROWS = 1024
 
 
-def _chunk_grad(x_c, w, t_c, out: torch.Tensor):
+def _chunk_grad(x_c, w, t_c, out: torch.Tensor, bf16: bool = False):
     """For rows x_c (n, C) and the head w (V, C): the summed loss, e = exp(logits - max) per row,
     transposed (V, n) fp32 and written into `out` (V, n), and inv (n,), 1 / the row's sum of e (0
     for an ignored row), so that d(sum loss)/d(logits) = inv * e - onehot (see _accumulate_grads).
 
     Transposed because W x^T runs faster than x W^T on CPU for this shape, and so do its two
     backward products (measured on the AMD EPYC, 2 threads, 512 rows: 95 against 67 GFLOP/s
-    forward; 107/82 against 119/74 for the inputs' and the weight's gradients: ~15% less in all)."""
+    forward; 107/82 against 119/74 for the inputs' and the weight's gradients: ~15% less in all).
+    bf16: x_c and w fp32, multiplied as bf16 (kernels.mm)."""
     if out.dtype == x_c.dtype:
-        logits = kernels.mm(w, x_c.t(), out)  # (V, n)
+        logits = kernels.mm(w, x_c.t(), out, bf16=bf16)  # (V, n)
     else:
         logits = out.copy_(w @ x_c.t().contiguous())  # (V, n) fp32 from bf16/fp16 logits
     scored = kernels.softmax_exp_(logits, t_c)  # in C on CPU: 2 passes over the logits, not 5
@@ -58,22 +61,23 @@ def _chunk_grad(x_c, w, t_c, out: torch.Tensor):
     return row_loss.masked_fill(~valid, 0.0).sum(), e, inv
 
 
-def _accumulate_grads(e, inv, t_c, x_c, w, w_t, grad_x_c, grad_w, first: bool) -> None:
+def _accumulate_grads(e, inv, t_c, x_c, w, w_t, grad_x_c, grad_w, first: bool, bf16: bool = False) -> None:
     """grad_x_c = d^T @ w and grad_w += d @ x_c (= on the first chunk: grad_w starts uninitialized,
     sparing a 26 MB zero fill per step) for one chunk's d = inv * e - onehot(t_c): e (V, n), inv (n,),
     x_c (n, C), w (V, C). The scaling and the one-hot go to the (n, C) side, so the (V, n) matrix
     is read only by the two products.
 
-    fp32: BLAS takes the transposed e as it is; grad_w (V, C) is written in place with no
-    temporaries. bf16/fp16: oneDNN copies a transposed operand on each call, so the products run
-    on contiguous ones (w_t is w.T made contiguous once).
+    fp32 (and bf16 in gl_gemm_bf16, which takes fp32 operands): BLAS takes the transposed e as it
+    is; grad_w (V, C) is written in place with no temporaries. bf16/fp16: oneDNN copies a
+    transposed operand on each call, so the products run on contiguous ones (w_t is w.T made
+    contiguous once).
     """
     rows = (t_c != IGNORE_INDEX).nonzero().squeeze(1)  # (k,) rows with a target
     targets = t_c[rows]  # (k,)
     x_scaled = x_c * inv.to(x_c.dtype)[:, None]  # (n, C)
     if e.dtype == torch.float32:
-        kernels.mm(e.t(), w, grad_x_c)
-        kernels.mm(e, x_scaled, grad_w, accumulate=not first)  # the first: grad_w's old values are not read
+        kernels.mm(e.t(), w, grad_x_c, bf16=bf16)
+        kernels.mm(e, x_scaled, grad_w, accumulate=not first, bf16=bf16)  # the first: grad_w's old values are not read
     else:
         grad_x_c.copy_((w_t @ e).t())
         if first:
@@ -115,9 +119,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 f"target {int(t[bad][0])} outside the vocabulary [0, {weight.size(0)}) (and not {IGNORE_INDEX})"
             )
         n_valid = (t != IGNORE_INDEX).sum().clamp_min(1)
-        xc = x2.to(compute_dtype)
-        w = weight.to(compute_dtype)  # (V, C)
-        w_t = None if compute_dtype == torch.float32 else w.t().contiguous()  # (C, V): see _accumulate_grads
+        bf16 = compute_dtype == torch.bfloat16 and kernels.gemm_bf16_runs(x.device)  # gl_gemm_bf16 rounds fp32 operands
+        mm_dtype = torch.float32 if bf16 else compute_dtype
+        xc = x2.to(mm_dtype)
+        w = weight.to(mm_dtype)  # (V, C)
+        w_t = None if mm_dtype == torch.float32 else w.t().contiguous()  # (C, V): see _accumulate_grads
         need_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         grad_x = torch.empty(x2.shape, dtype=torch.float32, device=x.device) if need_grad else None
         # (V, C): the first chunk writes it whole; with no rows at all (every target ignored) it stays 0
@@ -128,11 +134,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
             x_c = xc[s : s + chunk_rows]  # (n, C)
             buffer = _workspace(x_c.size(0), w.size(0), x.device)  # (V, n) fp32
             t_c = t[s : s + chunk_rows]  # (n,)
-            chunk_loss, e, inv = _chunk_grad(x_c, w, t_c, buffer)
+            chunk_loss, e, inv = _chunk_grad(x_c, w, t_c, buffer, bf16)
             loss += chunk_loss
             if need_grad:
                 _accumulate_grads(
-                    e.to(compute_dtype), inv, t_c, x_c, w, w_t, grad_x[s : s + chunk_rows], grad_w, first=s == 0
+                    e.to(mm_dtype), inv, t_c, x_c, w, w_t, grad_x[s : s + chunk_rows], grad_w, first=s == 0, bf16=bf16
                 )
         ctx.save_for_backward(grad_x, grad_w, n_valid)
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype

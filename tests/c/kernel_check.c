@@ -33,7 +33,8 @@ typedef struct {
     softmax_xent_t softmax_xent;
     attend_one_t attend_one;
     argmax_t argmax;
-    sgemm_t sgemm;
+    sgemm_t sgemm, gemm_bf16;
+    int (*has_gemm_bf16)(void);
 } lib_t;
 
 static int failures = 0;
@@ -55,7 +56,8 @@ static lib_t open_lib(const char *path) {
     }
     lib_t l = {path, ((const char *(*)(void))need(h, "gl_variant"))(), need(h, "gl_linear_f32"),
                need(h, "gl_linear_bf16"), need(h, "gl_linear_i8"), need(h, "gl_linear_i4"),
-               need(h, "gl_softmax_xent"), need(h, "gl_attend_one"), need(h, "gl_argmax_f32"), need(h, "gl_sgemm")};
+               need(h, "gl_softmax_xent"), need(h, "gl_attend_one"), need(h, "gl_argmax_f32"), need(h, "gl_sgemm"),
+               need(h, "gl_gemm_bf16"), need(h, "gl_has_gemm_bf16")};
     return l;
 }
 
@@ -220,8 +222,9 @@ static void check_argmax(const lib_t *ref, const lib_t *l, int M, int N) {
 }
 
 /* C (M, N) (+)= A B with A stored (M, K) or transposed (K, M), B (K, N) or (N, K), against float64:
- * within 1e-6 of the sum of |a b| over each element's products (fp32 sums: measured <= 1.9e-7). */
-static void check_sgemm(const lib_t *l, int M, int N, int K, int a_t, int b_t, int accumulate) {
+ * within 1e-6 of the sum of |a b| over each element's products (fp32 sums: measured <= 1.9e-7).
+ * bf16: gl_gemm_bf16, against the float64 product of A and B rounded to bf16 (measured <= 1.2e-7). */
+static void check_gemm(const lib_t *l, int M, int N, int K, int a_t, int b_t, int accumulate, int bf16_operands) {
     float *a = floats((size_t)M * K, 1), *b = floats((size_t)K * N, 1), *c = floats((size_t)M * N, 1);
     double *want = malloc(sizeof(double) * M * N), *scale = malloc(sizeof(double) * M * N);
     const long rsa = a_t ? 1 : K, csa = a_t ? M : 1, rsb = b_t ? 1 : N, csb = b_t ? K : 1;
@@ -229,12 +232,14 @@ static void check_sgemm(const lib_t *l, int M, int N, int K, int a_t, int b_t, i
         for (int j = 0; j < N; j++) {
             double s = accumulate ? c[i * N + j] : 0, m = fabs(s);
             for (int k = 0; k < K; k++) {
-                const double p = (double)a[i * rsa + k * csa] * b[k * rsb + j * csb];
+                float x = a[i * rsa + k * csa], y = b[k * rsb + j * csb];
+                if (bf16_operands) x = from_bf16(bf16(x)), y = from_bf16(bf16(y));
+                const double p = (double)x * y;
                 s += p, m += fabs(p);
             }
             want[i * N + j] = s, scale[i * N + j] = m;
         }
-    l->sgemm(M, N, K, a, rsa, csa, b, rsb, csb, c, N, accumulate, 2);
+    (bf16_operands ? l->gemm_bf16 : l->sgemm)(M, N, K, a, rsa, csa, b, rsb, csb, c, N, accumulate, 2);
     double w = 0;
     for (int i = 0; i < M * N; i++) {
         const double e = fabs(c[i] - want[i]) / (1e-6 * scale[i] + 1e-30);
@@ -243,18 +248,20 @@ static void check_sgemm(const lib_t *l, int M, int N, int K, int a_t, int b_t, i
     char shape[64];
     snprintf(shape, sizeof shape, "M=%d N=%d K=%d%s%s%s", M, N, K, a_t ? " a^T" : "", b_t ? " b^T" : "",
              accumulate ? " +=" : "");
-    report("sgemm vs float64", l, shape, w);
+    report(bf16_operands ? "gemm_bf16 vs float64" : "sgemm vs float64", l, shape, w);
     free(a), free(b), free(c), free(want), free(scale);
 }
 
 /* The head's three layouts (W x^T, e^T W, e x), B packed whole and a block at a time (B over 2 MB,
- * columns past GEMM_NC), edge tiles, accumulation. */
+ * columns past GEMM_NC), edge tiles, accumulation; in fp32, and in bf16 where the library and the
+ * CPU have it. */
 static void check_sgemms(const lib_t *l) {
     static const int mm[][6] = {{1, 1, 1, 0, 0, 0},      {301, 40, 16, 0, 1, 0}, {40, 16, 301, 1, 0, 0},
                                 {301, 16, 40, 0, 0, 1},  {13, 70, 600, 0, 0, 1}, {50, 700, 800, 1, 1, 0},
                                 {3, 4100, 20, 0, 1, 1}};
-    for (size_t i = 0; i < sizeof mm / sizeof *mm; i++)
-        check_sgemm(l, mm[i][0], mm[i][1], mm[i][2], mm[i][3], mm[i][4], mm[i][5]);
+    for (int bf16_operands = 0; bf16_operands <= l->has_gemm_bf16(); bf16_operands++)
+        for (size_t i = 0; i < sizeof mm / sizeof *mm; i++)
+            check_gemm(l, mm[i][0], mm[i][1], mm[i][2], mm[i][3], mm[i][4], mm[i][5], bf16_operands);
 }
 
 static void check_all(const lib_t *ref, const lib_t *l) {

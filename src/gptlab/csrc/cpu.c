@@ -45,8 +45,8 @@ const char *gl_variant(void) {
 const char *gl_source_digest(void) { return GL_SOURCE_DIGEST; }
 
 /* What the CPU and the operating system support, as bits (kernels.py FEATURES names them):
- * 0 AVX2, 1 FMA, 2 F16C, 3 AVX-512 F, 4 BW, 5 VL, 6 DQ, 7 AVX-512 VNNI, 8 AVX-VNNI; on aarch64
- * 9 Advanced SIMD (every aarch64 CPU), 10 its dot products (sdot, Armv8.2's DotProd).
+ * 0 AVX2, 1 FMA, 2 F16C, 3 AVX-512 F, 4 BW, 5 VL, 6 DQ, 7 AVX-512 VNNI, 8 AVX-VNNI, 11 AVX512-BF16;
+ * on aarch64 9 Advanced SIMD (every aarch64 CPU), 10 its dot products (sdot, Armv8.2's DotProd).
  * On x86 from cpuid directly, with XGETBV for the registers' state the OS saves (AVX needs XMM and
  * YMM state, AVX-512 also the opmask and ZMM state), so any compiler and OS read it the same way;
  * on aarch64 Linux from the kernel's hardware capabilities (HWCAP_ASIMDDP is bit 20). */
@@ -65,7 +65,7 @@ int gl_cpu_features(void) {
     if (zmm_state)
         bits |= ((b >> 16) & 1) << 3 | ((b >> 30) & 1) << 4 | ((b >> 31) & 1) << 5 | ((b >> 17) & 1) << 6 |
                 ((c >> 11) & 1) << 7;
-    if (__get_cpuid_count(7, 1, &a, &b, &c, &d)) bits |= ((a >> 4) & 1) << 8;
+    if (__get_cpuid_count(7, 1, &a, &b, &c, &d)) bits |= ((a >> 4) & 1) << 8 | (zmm_state ? ((a >> 5) & 1) << 11 : 0);
 #elif defined(__aarch64__)
     bits |= 1 << 9;
 #if defined(__linux__)
