@@ -8,6 +8,7 @@ mlp.c_fc/c_proj, lm_head), so Hugging Face conversion is a name table plus trans
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 
 import torch
 import torch.nn as nn
@@ -89,6 +90,27 @@ def explicit_attention(q, k, v, mask, hook_scores=None, hook_pattern=None):
     if hook_pattern is not None:
         probs = hook_pattern(probs)
     return probs @ v, probs  # (B, nh, T, hs), (B, nh, T, S)
+
+
+def attention(q, k, v, mask, dropout_p: float) -> torch.Tensor:
+    """F.scaled_dot_product_attention over q (B, nh, T, hs), k and v (B, nh, S, hs): causal when mask
+    is None (and T > 1), else the bool mask (B|1, 1, T, S). Where it trains in bf16 on a CPU it runs
+    in fp32 (the bf16 inputs convert exactly, the output is rounded back): PyTorch's CPU flash
+    attention computes its bf16 backward 2.3x slower than fp32's (AMD EPYC Zen 4, the demo's
+    B8 x T128 x 4 heads of 32: 6.0 against 2.6 ms). CPU autocast would cast fp32 inputs back to
+    bf16, so it is off for the call."""
+    dtype = q.dtype
+    upcast = dtype == torch.bfloat16 and q.device.type == "cpu" and q.requires_grad
+    with torch.autocast("cpu", enabled=False) if upcast else nullcontext():
+        y = F.scaled_dot_product_attention(
+            q.float() if upcast else q,
+            k.float() if upcast else k,
+            v.float() if upcast else v,
+            attn_mask=mask,
+            is_causal=mask is None and q.size(2) > 1,
+            dropout_p=dropout_p,
+        )  # (B, nh, T, hs)
+    return y.to(dtype)
 
 
 def single_query_attention(q, k, v, mask):
@@ -218,20 +240,7 @@ class CausalSelfAttention(nn.Module):
         elif T == 1 and q.dtype != torch.float32 and q.device.type == "cpu":
             y = single_query_attention(q, k, v, mask)  # (B, nh, 1, hs)
         else:
-            dtype = q.dtype
-            if dtype == torch.bfloat16 and q.device.type == "cpu" and q.requires_grad:
-                # PyTorch's CPU flash attention computes its backward 2.3x slower in bf16 than in fp32
-                # (AMD EPYC Zen 4, the demo's B8 x T128 x 4 heads of 32: 6.0 against 2.6 ms): train
-                # it in fp32, which the bf16 inputs convert to exactly
-                q, k, v = q.float(), k.float(), v.float()
-            y = F.scaled_dot_product_attention(
-                q,
-                k,
-                v,
-                attn_mask=mask,
-                is_causal=mask is None and T > 1,
-                dropout_p=self.dropout if self.training else 0.0,
-            ).to(dtype)  # (B, nh, T, hs)
+            y = attention(q, k, v, mask, self.dropout if self.training else 0.0)  # (B, nh, T, hs)
         y = self.hook_z(y.transpose(1, 2)).contiguous().view(B, T, C)  # (B, T, nh, hs): heads side by side
         return self.resid_dropout(self.c_proj(y))
 
