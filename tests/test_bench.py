@@ -201,3 +201,20 @@ def test_bench_variants_runs_each_variant_and_rates_it_against_autos(tmp_path, c
     monkeypatch.setattr(kernels, "cpu_features", lambda: frozenset())
     with pytest.raises(SystemExit, match="this CPU cannot run 'avx2'"):
         variants.main(["--variants", "avx2"])
+
+
+def test_bench_gemm_times_both_sides_and_the_bf16_products_where_they_run(tmp_path, capsys):
+    from gptlab import kernels
+    from gptlab.bench import gemm
+
+    if not kernels.available()[0]:
+        pytest.skip(f"no kernels built: {kernels.available()[2]}")
+    assert gemm.main(["--vocab", "300", "--rows", "16", "--width", "8", "--rounds", "1", "--out", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("gemm-*.json")
+    results = json.loads(path.read_text())
+    assert [r["product"] for r in results["products"]] == list(gemm.PRODUCTS)
+    assert all(r["gptlab_ms"] > 0 and r["torch_ms"] > 0 for r in results["products"])
+    bf16 = kernels.gemm_bf16_runs()
+    assert results["bf16_products"] == ("gl_gemm_bf16" if bf16 else "torch")
+    assert ("products_bf16" in results) == bf16
+    assert ("gl_gemm_bf16 against torch bf16" in capsys.readouterr().out) == bf16

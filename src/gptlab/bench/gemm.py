@@ -1,4 +1,4 @@
-"""gptlab bench gemm: the training head's three fp32 products, gptlab's GEMM against PyTorch's.
+"""gptlab bench gemm: the training head's three products, gptlab's GEMM against PyTorch's.
 
 A small model's training step is mostly its head: logits W x^T (V, n), then the gradients of the
 inputs e^T W (n, C) and of the weight e x (V, C), with e the (V, n) softmax chunk. This times each
@@ -6,6 +6,9 @@ product with gl_sgemm (csrc/gemm.c) and with torch.mm (Intel's MKL in PyTorch's 
 same operands, alternating the two round by round (this machine's speed drifts by 20% within
 minutes), and prints the medians, GFLOP/s and the ratios; `kernels.gemm_choice` says which one
 training takes here. Defaults: the demo's shape (GPT-2's vocabulary, B8xT128 = 1,024 rows, 128 wide).
+Where gl_gemm_bf16 runs (AVX512-BF16, `kernels.gemm_bf16_runs`) it also times the bf16 products
+of bf16 autocast both ways: `kernels.mm(..., bf16=True)`, gl_gemm_bf16 against torch's bf16 product
+(oneDNN), each from the same fp32 operands.
 """
 
 from __future__ import annotations
@@ -40,15 +43,15 @@ def operands(V: int, n: int, C: int):
     return w, x, e, torch.empty(V, n), torch.empty(n, C), torch.empty(V, C)
 
 
-def time_products(choice: str, w, x, e, logits, grad_x, grad_w) -> list[float]:
-    """Seconds of each of the three products through kernels.mm with GPTLAB_GEMM=choice."""
+def time_products(choice: str, bf16: bool, w, x, e, logits, grad_x, grad_w) -> list[float]:
+    """Seconds of each of the three products through kernels.mm(bf16=bf16) with GPTLAB_GEMM=choice."""
     from gptlab import kernels
 
     os.environ["GPTLAB_GEMM"] = choice
     seconds = []
     for a, b, out in ((w, x.t(), logits), (e.t(), w, grad_x), (e, x, grad_w)):
         t0 = time.perf_counter()
-        kernels.mm(a, b, out)
+        kernels.mm(a, b, out, bf16=bf16)
         seconds.append(time.perf_counter() - t0)
     return seconds
 
@@ -62,36 +65,40 @@ def main(argv=None) -> int:
     if not kernels.available()[0]:
         raise SystemExit(f"gptlab's kernels are not available here: {kernels.available()[2]}")
     before = os.environ.get("GPTLAB_GEMM")
-    chosen = kernels.gemm_choice()
+    chosen, bf16_runs = kernels.gemm_choice(), kernels.gemm_bf16_runs()
     V, n, C = args.vocab, args.rows, args.width
     tensors = operands(V, n, C)
     flop = 2.0 * V * n * C
-    times = {"gptlab": [], "torch": []}
-    try:
-        for side in times:  # warm-up
-            time_products(side, *tensors)
-        for _ in range(args.rounds):
-            for side in times:
-                times[side].append(time_products(side, *tensors))
-    finally:
-        if before is None:
-            os.environ.pop("GPTLAB_GEMM", None)
-        else:
-            os.environ["GPTLAB_GEMM"] = before
     print(f"head products V={V} n={n} C={C}, {torch.get_num_threads()} threads, kernels {kernels.describe()}")
     print(f"training takes: {chosen} (GPTLAB_GEMM=auto picks by CPU vendor; see kernels.gemm_choice)")
-    rows = []
-    for i, name in enumerate(PRODUCTS):
-        ms = {side: statistics.median(t[i] for t in times[side]) * 1e3 for side in times}
-        ratio = ms["torch"] / ms["gptlab"]
-        rows.append({"product": name, "gptlab_ms": ms["gptlab"], "torch_ms": ms["torch"], "speedup": ratio})
-        print(f"  {name:6s}  gptlab {ms['gptlab']:7.1f} ms ({flop / ms['gptlab'] / 1e6:5.1f} GFLOP/s)   "
-              f"torch {ms['torch']:7.1f} ms ({flop / ms['torch'] / 1e6:5.1f} GFLOP/s)   {ratio:.2f}x")  # fmt: skip
-    total = {side: sum(r[f"{side}_ms"] for r in rows) for side in times}
-    print(f"  all three: gptlab {total['gptlab']:.1f} ms, torch {total['torch']:.1f} ms, "
-          f"{total['torch'] / total['gptlab']:.2f}x")  # fmt: skip
-    path = write_results(
-        "gemm", {"config": vars(args), "chosen": chosen, "products": rows, "total_ms": total}, args.out
-    )
+    results = {"config": vars(args), "chosen": chosen, "bf16_products": "gl_gemm_bf16" if bf16_runs else "torch"}
+    for dtype in ("float32", "bfloat16") if bf16_runs else ("float32",):
+        bf16 = dtype == "bfloat16"
+        times = {"gptlab": [], "torch": []}
+        try:
+            for side in times:  # warm-up
+                time_products(side, bf16, *tensors)
+            for _ in range(args.rounds):
+                for side in times:
+                    times[side].append(time_products(side, bf16, *tensors))
+        finally:
+            if before is None:
+                os.environ.pop("GPTLAB_GEMM", None)
+            else:
+                os.environ["GPTLAB_GEMM"] = before
+        print(f" {dtype} ({'gl_gemm_bf16 against torch bf16 (oneDNN)' if bf16 else 'gl_sgemm against torch.mm'}):")
+        rows = []
+        for i, name in enumerate(PRODUCTS):
+            ms = {side: statistics.median(t[i] for t in times[side]) * 1e3 for side in times}
+            ratio = ms["torch"] / ms["gptlab"]
+            rows.append({"product": name, "gptlab_ms": ms["gptlab"], "torch_ms": ms["torch"], "speedup": ratio})
+            print(f"  {name:6s}  gptlab {ms['gptlab']:7.1f} ms ({flop / ms['gptlab'] / 1e6:5.1f} GFLOP/s)   "
+                  f"torch {ms['torch']:7.1f} ms ({flop / ms['torch'] / 1e6:5.1f} GFLOP/s)   {ratio:.2f}x")  # fmt: skip
+        total = {side: sum(r[f"{side}_ms"] for r in rows) for side in times}
+        print(f"  all three: gptlab {total['gptlab']:.1f} ms, torch {total['torch']:.1f} ms, "
+              f"{total['torch'] / total['gptlab']:.2f}x")  # fmt: skip
+        key = "" if dtype == "float32" else "_bf16"  # fp32's keys as before
+        results[f"products{key}"], results[f"total_ms{key}"] = rows, total
+    path = write_results("gemm", results, args.out)
     print(f"results: {path}")
     return 0

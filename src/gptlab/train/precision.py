@@ -27,8 +27,10 @@ PROBE_TOKENS = 1024  # at most this many tokens per timed forward + backward
 PROBE_REPEATS = 2  # timed runs per precision; the fastest counts
 # bf16 autocast only where its probed step takes under this fraction of fp32's: the probe is one
 # step, the run hundreds, and bf16 costs some loss per step. AMD EPYC Zen 4 (AVX512-BF16),
-# 2026-12-03: the probe gave 301 against 316 ms (0.95) and took bf16, and `make demo` then ran 609
-# steps to a validation loss of 5.054, where fp32 ran 688 steps to 5.017 in the same 4 minutes.
+# 2026-12-03: with oneDNN's bf16 head the probe gave 301 against 316 ms (0.95) and took bf16, and
+# `make demo` then ran 609 steps to a validation loss of 5.054, where fp32 ran 688 steps to 5.017 in
+# the same 4 minutes. With the head in gl_gemm_bf16 (vdpbf16ps) the probe gives 241 against 354 ms
+# (0.68), and the demo ran 790 steps to 4.956 against fp32's 512 steps to 5.125, run after it.
 BF16_MARGIN = 0.9
 
 
