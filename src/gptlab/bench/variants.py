@@ -83,7 +83,7 @@ def time_gemm(variants: list[str], args) -> dict[str, list[float]]:
         for r in range(args.rounds + 1):  # the first round warms up
             for v in variants:
                 with kernels.use_variant(v):
-                    seconds = sum(time_products("gptlab", *tensors))
+                    seconds = sum(time_products("gptlab", False, *tensors))  # fp32
                 if r:
                     out[v].append(flop / seconds / 1e9)
     finally:

@@ -10,7 +10,8 @@
  *   attention.c    gl_attend_one (a decoding step's attention over the KV cache), gl_argmax_f32
  *   decode_step.c  gl_decode_step: a whole model's forward of a few new tokens over its KV cache
  *   loss.c         gl_softmax_xent: softmax cross-entropy, with what its gradient needs (training) or without (scoring)
- *   gemm.c         gl_sgemm: a blocked fp32 matrix product (the training head's three products)
+ *   gemm.c         gl_sgemm, gl_gemm_bf16: blocked matrix products in fp32, and in bf16 with vdpbf16ps
+ *                  (AVX512-BF16), for the training head's three products
  *
  * Shapes are checked on the Python side.
  */
