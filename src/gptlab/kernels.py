@@ -648,6 +648,12 @@ def _mm_bf16(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate: bo
     return out.add_(product) if accumulate else out.copy_(product)
 
 
+def head_gemm() -> str:
+    """Who multiplies the training head, for logs and benchmarks: gemm_choice(), and where bf16
+    autocast's products run ("gptlab, bf16 in gl_gemm_bf16")."""
+    return f"{gemm_choice()}, bf16 in {'gl_gemm_bf16' if gemm_bf16_runs() else 'torch'}"
+
+
 def _sgemm_runs(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> bool:
     if not (_enabled and all(t.device.type == "cpu" and t.dtype == torch.float32 for t in (a, b, out))):
         return False

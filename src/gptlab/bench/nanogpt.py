@@ -142,7 +142,7 @@ def main(argv=None) -> int:
     recipe = demo_recipe()
     from gptlab import kernels
 
-    print(f"gptlab kernels: {kernels.describe()}; the training head's GEMM: {kernels.gemm_choice()}")
+    print(f"gptlab kernels: {kernels.describe()}; the training head's GEMM: {kernels.head_gemm()}")
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(args.work or tmp)
         calib = run_nanogpt(nanogpt, data, work, args.calibrate_iters, recipe)

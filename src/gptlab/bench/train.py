@@ -156,8 +156,7 @@ def main(argv=None) -> int:
     from gptlab import kernels
 
     print(f"training B{args.batch_size}xT{args.block_size}, {args.n_layer} layers x {args.n_embd} wide, on {device}"
-          f" (gptlab kernels: {kernels.describe()}; head GEMM: {kernels.gemm_choice()},"
-          f" bf16 in {'gl_gemm_bf16' if kernels.gemm_bf16_runs() else 'torch'})")  # fmt: skip
+          f" (gptlab kernels: {kernels.describe()}; head GEMM: {kernels.head_gemm()})")  # fmt: skip
     results = []
     for dtype_name in args.dtypes:
         if dtype_name == "bfloat16" and device.type == "cpu" and not torch.ops.mkldnn._is_mkldnn_bf16_supported():

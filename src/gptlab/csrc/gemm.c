@@ -43,7 +43,9 @@ static size_t panel_elems(const gemm_kind_t *kind, int kc, int width) {
 }
 
 /* 32-bit elements of one packed panel of A over kc values of k. */
-static size_t a_panel_elems(const gemm_kind_t *kind, int kc) { return panel_elems(kind, kind->a_rows ? GEMM_KC : kc, kind->mr); }
+static size_t a_panel_elems(const gemm_kind_t *kind, int kc) {
+    return panel_elems(kind, kind->a_rows ? GEMM_KC : kc, kind->mr);
+}
 
 /* The MR x NR tile c (row stride ldc) = (first ? 0 : c) + a b over kc: a packed [kc][MR], b packed
  * [kc][NR]. Only the first m rows and n columns are written (the packed padding is zeros). */
@@ -321,7 +323,7 @@ static void gemm_pack_a_bf16_rows(const float *a, long rsa, long csa, int m, int
             const float *ai = a + (i0 + i) * rsa;
             uint32_t *out = ap + i * GEMM_KC / 2;
             if (i0 + i >= m) {
-                memset(out, 0, sizeof(uint32_t) * (kc + 1) / 2);
+                memset(out, 0, sizeof(uint32_t) * ((kc + 1) / 2));
             } else if (csa == 1) {
                 for (int k = 0; k + 1 < kc; k += 2) out[k / 2] = bf16_pair(f32_bits(ai[k]), f32_bits(ai[k + 1]));
                 if (kc & 1) out[kc / 2] = bf16_pair(f32_bits(ai[kc - 1]), 0);
