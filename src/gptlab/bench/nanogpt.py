@@ -6,7 +6,7 @@ format, as `gptlab prepare` writes it) with batch 8 x 128 on the CPU in fp32, fo
 time each (`--seconds`):
 - gptlab: `gptlab train` with the demo config (src/gptlab/configs/demo.toml) and max_time;
 - nanoGPT: its own train.py and model.py from `--nanogpt-dir` (a checkout; never vendored here),
-  with the demo's learning rate, warmup and minimum, its cosine schedule stretched over the number
+  with the demo's learning rate, warmup, minimum and Adam betas, its cosine schedule stretched over the number
   of iterations that fit in the same time (measured by a short calibration run first).
 Then both final models are scored by the same code on the same batches (the whole validation
 split, as the trainer's evaluation sees it). Reported: training tokens/s (median step time,
@@ -81,6 +81,7 @@ def nanogpt_command(nanogpt: Path, iters: int, recipe: dict) -> list[str]:
     settings = dict(dataset="demo", device="cpu", compile=False, dtype="float32", bias=True, dropout=0.0,
                     gradient_accumulation_steps=1, max_iters=iters, lr_decay_iters=iters, warmup_iters=warmup,
                     learning_rate=recipe["lr"], min_lr=recipe["min_lr"], weight_decay=recipe["weight_decay"],
+                    beta1=recipe["beta1"], beta2=recipe["beta2"],
                     eval_interval=iters, eval_iters=1, log_interval=1, always_save_checkpoint=True,
                     out_dir="out", **MODEL)  # fmt: skip
     return [sys.executable, str(nanogpt / "train.py")] + [f"--{k}={v}" for k, v in settings.items()]
