@@ -83,17 +83,23 @@ def test_sgemm_writes_only_its_own_rows_and_columns(gptlab_gemm):
     assert (buf[outside] == 7.0).all()
 
 
-def test_sgemm_gives_the_same_bits_on_any_number_of_threads(gptlab_gemm):
+def products_on_threads(bf16: bool, threads=(1, 2, 3)) -> list[torch.Tensor]:
+    """The same product through kernels.mm on each number of threads."""
     a, b = operands(301, 40, 600, True, False)
     results = []
-    for threads in (1, 2, 3):
+    for n in threads:
         before = torch.get_num_threads()
-        torch.set_num_threads(threads)
+        torch.set_num_threads(n)
         try:
-            results.append(kernels.mm(a, b, torch.empty(301, 40)))
+            results.append(kernels.mm(a, b, torch.empty(301, 40), bf16=bf16))
         finally:
             torch.set_num_threads(before)
-    assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
+    return results
+
+
+def test_sgemm_gives_the_same_bits_on_any_number_of_threads(gptlab_gemm):
+    first, *others = products_on_threads(bf16=False)
+    assert all(torch.equal(first, r) for r in others)
 
 
 def test_gemm_choice(monkeypatch):
@@ -235,16 +241,8 @@ def test_gemm_bf16_rounds_to_nearest_even_and_keeps_nan(bf16_gemm):
 
 
 def test_gemm_bf16_gives_the_same_bits_on_any_number_of_threads(bf16_gemm):
-    a, b = operands(301, 40, 600, True, False)
-    results = []
-    for threads in (1, 2, 3):
-        before = torch.get_num_threads()
-        torch.set_num_threads(threads)
-        try:
-            results.append(kernels.mm(a, b, torch.empty(301, 40), bf16=True))
-        finally:
-            torch.set_num_threads(before)
-    assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
+    first, *others = products_on_threads(bf16=True)
+    assert all(torch.equal(first, r) for r in others)
 
 
 @pytest.mark.parametrize("accumulate", [False, True])
