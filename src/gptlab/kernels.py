@@ -648,10 +648,15 @@ def _mm_bf16(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate: bo
     return out.add_(product) if accumulate else out.copy_(product)
 
 
+def gemm_bf16_choice() -> str:
+    """Who runs mm(bf16=True) here: "gl_gemm_bf16" or "torch" (see gemm_bf16_runs)."""
+    return "gl_gemm_bf16" if gemm_bf16_runs() else "torch"
+
+
 def head_gemm() -> str:
     """Who multiplies the training head, for logs and benchmarks: gemm_choice(), and where bf16
     autocast's products run ("gptlab, bf16 in gl_gemm_bf16")."""
-    return f"{gemm_choice()}, bf16 in {'gl_gemm_bf16' if gemm_bf16_runs() else 'torch'}"
+    return f"{gemm_choice()}, bf16 in {gemm_bf16_choice()}"
 
 
 def _sgemm_runs(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> bool:
@@ -815,8 +820,7 @@ def main() -> int:
         )
     gemm = gemm_choice()
     print(f"  training head's GEMM: {gemm} ({'gl_sgemm' if gemm == 'gptlab' else 'PyTorch BLAS'}; GPTLAB_GEMM)")
-    bf16 = "gl_gemm_bf16 (vdpbf16ps)" if gemm_bf16_runs() else "PyTorch's"
-    print(f"  its bf16 products (bf16 autocast): {bf16}")
+    print(f"  its bf16 products (bf16 autocast): {gemm_bf16_choice()}")
     if lib.lib is not None:
         print(f"  decoding: {decode_rows()} weight row(s) per block per thread ({cpu_vendor() or 'unknown vendor'})")
         print(f"  {lib.lib.path}")

@@ -101,14 +101,11 @@ def attention(q, k, v, mask, dropout_p: float) -> torch.Tensor:
     bf16, so it is off for the call."""
     dtype = q.dtype
     upcast = dtype == torch.bfloat16 and q.device.type == "cpu" and q.requires_grad
+    if upcast:
+        q, k, v = q.float(), k.float(), v.float()
     with torch.autocast("cpu", enabled=False) if upcast else nullcontext():
         y = F.scaled_dot_product_attention(
-            q.float() if upcast else q,
-            k.float() if upcast else k,
-            v.float() if upcast else v,
-            attn_mask=mask,
-            is_causal=mask is None and q.size(2) > 1,
-            dropout_p=dropout_p,
+            q, k, v, attn_mask=mask, is_causal=mask is None and q.size(2) > 1, dropout_p=dropout_p
         )  # (B, nh, T, hs)
     return y.to(dtype)
 

@@ -37,7 +37,7 @@ def machine() -> dict:
         "cpu_features": " ".join(sorted(kernels.cpu_features())),
         "gptlab_kernels": kernels.variant() or f"none ({kernels.available()[2]})",
         "head_gemm": kernels.gemm_choice(),
-        "head_gemm_bf16": "gl_gemm_bf16" if kernels.gemm_bf16_runs() else "torch",
+        "head_gemm_bf16": kernels.gemm_bf16_choice(),
         "cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "memory_gib": mem_gib,

@@ -71,7 +71,7 @@ def main(argv=None) -> int:
     flop = 2.0 * V * n * C
     print(f"head products V={V} n={n} C={C}, {torch.get_num_threads()} threads, kernels {kernels.describe()}")
     print(f"training takes: {chosen} (GPTLAB_GEMM=auto picks by CPU vendor; see kernels.gemm_choice)")
-    results = {"config": vars(args), "chosen": chosen, "bf16_products": "gl_gemm_bf16" if bf16_runs else "torch"}
+    results = {"config": vars(args), "chosen": chosen, "bf16_products": kernels.gemm_bf16_choice()}
     for dtype in ("float32", "bfloat16") if bf16_runs else ("float32",):
         bf16 = dtype == "bfloat16"
         times = {"gptlab": [], "torch": []}
