@@ -63,6 +63,29 @@ def test_fp32_kernel_matches_float64(shape, M):
 
 
 @needs_float
+@pytest.mark.parametrize("gemm", ["gptlab", "torch"])
+@pytest.mark.parametrize("bias", [True, False])
+def test_long_fp32_prompts_run_gl_sgemm_where_it_is_chosen(gemm, bias, calls, monkeypatch):
+    """From PROMPT_GEMM_ROWS rows on, an fp32 inference forward runs gl_sgemm where gemm_choice()
+    says gptlab (auto: x86 CPUs not made by Intel); fewer rows, autograd or torch's choice: F.linear."""
+    monkeypatch.setenv("GPTLAB_GEMM", gemm)
+    torch.manual_seed(5)
+    layer = kernels.Linear(96, 70, bias=bias)
+    T = kernels.PROMPT_GEMM_ROWS // 2
+    x = torch.randn(2, T, 96)  # (B, T, K): PROMPT_GEMM_ROWS rows in all
+    with torch.no_grad():
+        y = layer(x)
+        assert calls["gl_sgemm"] == (gemm == "gptlab")
+        layer(x[:, 1:])  # a row fewer per sequence
+        assert calls["gl_sgemm"] == (gemm == "gptlab")
+    ref = F.linear(x.double(), layer.weight.double(), layer.bias.double() if bias else None)
+    assert y.shape == (2, T, 70)
+    assert (y.double() - ref).abs().max() <= 1e-6 * ref.abs().max()  # measured: ~4e-7
+    layer(x).sum().backward()  # training: autograd's F.linear
+    assert calls["gl_sgemm"] == (gemm == "gptlab") and layer.weight.grad is not None
+
+
+@needs_float
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("M", [1, 5])
 def test_bf16_kernel_is_the_fp32_sum_rounded_once(shape, M):
@@ -133,7 +156,7 @@ def test_int4_prompt_path_dequantizes_exactly(calls, group_size):
     torch.manual_seed(4)
     layer = Int4Linear.from_linear(nn.Linear(256, 40), group_size)
     layer.prepare()
-    layer._decode_rows = kernels.INT4_KERNEL_ROWS  # as the AVX-512 and portable variants have it
+    layer._decode_rows = kernels.INT4_KERNEL_ROWS  # as the portable and NEON variants have it
     x = torch.randn(kernels.INT4_KERNEL_ROWS + 1, 256)  # more rows than the kernel takes
     y = layer(x)
     assert calls["gl_dequantize_i4"] == 1 and calls["gl_linear_i4"] == 0
@@ -141,14 +164,14 @@ def test_int4_prompt_path_dequantizes_exactly(calls, group_size):
 
 
 @needs_int
-def test_int4_prompts_run_the_kernel_on_avx2_and_dequantize_elsewhere(calls):
-    """The AVX2 variants' int4 kernel beats dequantize + GEMM at any number of rows (I4_MROWS);
-    the others dequantize past INT4_KERNEL_ROWS."""
+def test_int4_prompts_run_the_kernel_on_x86_simd_and_dequantize_elsewhere(calls):
+    """The x86 SIMD variants' int4 kernel beats dequantize + GEMM at any number of rows (the rows
+    of x across the lanes); the portable variant dequantizes past INT4_KERNEL_ROWS."""
     layer = Int4Linear.from_linear(nn.Linear(256, 40), 32)
     layer.prepare()
     layer(torch.randn(513, 256))
-    on_avx2 = kernel_build.VARIANTS[kernels.variant()][0] == "GL_AVX2"  # avx2, avx2-vnni, avx512-256
-    assert calls["gl_linear_i4"] == on_avx2 and calls["gl_dequantize_i4"] == (not on_avx2)
+    simd = kernel_build.VARIANTS[kernels.variant()][0] in ("GL_AVX2", "GL_AVX512")
+    assert calls["gl_linear_i4"] == simd and calls["gl_dequantize_i4"] == (not simd)
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))

@@ -410,19 +410,20 @@ def float_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 # Up to this many rows, the int4 kernel beats dequantizing the layer and running the fp32 GEMM:
 # measured on an Intel Xeon (avx512), 3072x768 layer, 0.34 vs 1.69 ms at 16 rows, 1.35 vs 2.55 at
-# 64, 9.9 vs 6.4 at 256. (That was before prompts put rows of x in the lanes, linear_i4_lanes in
-# csrc/quantized.c, 3.3x faster at 512 rows when the AMD EPYC Zen 4 runs the avx512 variant; not
-# yet measured on a Xeon, so the Xeon's crossover stays as measured.)
+# 64, 9.9 vs 6.4 at 256, before prompts put rows of x in the lanes (linear_i4_lanes in
+# csrc/quantized.c). The x86 SIMD variants' lanes kernel beats it at any size since (INT4_KERNEL_ROWS_X86);
+# this crossover stays for the portable variant (400 ms for 512 rows of GPT-2's four block layers on a
+# Zen 5 EPYC, against 37 dequantized) and the NEON ones (not measured).
 INT4_KERNEL_ROWS = 128
-# The AVX2 variants beat it at any size: AMD EPYC Zen 4, 512 rows of GPT-2's four layers, 14.8 ms
-# (avx512-256) and 21.4 (avx2), against ~28 for the fp32 GEMM alone.
-INT4_KERNEL_ROWS_AVX2 = sys.maxsize
+# GPT-2's four block layers at 512 rows, kernel against dequantize + fp32 GEMM: AMD EPYC Zen 4
+# 14.8 ms (avx512-256) and 21.4 (avx2) against ~28; AMD EPYC Zen 5 11.7 ms (avx512) against 39.4.
+INT4_KERNEL_ROWS_X86 = sys.maxsize
 
 
 def int4_kernel_rows() -> int:
     """Up to how many rows of x an int4 layer runs gptlab's kernel (more: dequantize for the GEMM)."""
-    avx2_code = kernel_build.VARIANTS.get(variant() or "", ("",))[0] == "GL_AVX2"  # avx512-256 too
-    return INT4_KERNEL_ROWS_AVX2 if avx2_code else INT4_KERNEL_ROWS
+    x86_simd = kernel_build.VARIANTS.get(variant() or "", ("",))[0] in ("GL_AVX2", "GL_AVX512")
+    return INT4_KERNEL_ROWS_X86 if x86_simd else INT4_KERNEL_ROWS
 
 
 def fbgemm_int8_is_exact() -> bool:
@@ -737,6 +738,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """F.linear, through the fastest kernel this CPU has for the case (see the module docstring)."""
     if kernel_applies(x, weight):
         return float_linear(x, weight, bias)
+    if prompt_gemm_applies(x, weight):
+        return sgemm_linear(x, weight, bias)
     if (
         x.dtype is torch.bfloat16
         and _inference_on_cpu(x)
@@ -745,6 +748,39 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     ):
         return bf16_linear_in_fp32(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+# From this many rows on, an fp32 inference forward (a long prompt) runs in gl_sgemm where
+# gemm_choice() gives gptlab. AMD EPYC Zen 5 (avx512), GPT-2's four block layers, medians of 9:
+# 512 rows 24.8 ms against MKL's 36.7, 320: 16.4 / 22.5, 256: 15.5 / 17.9, 192: level, 128: 12.1 /
+# 11.2, 16: 8.9 / 3.4 (packing the operands costs gl_sgemm as much for a few rows as for many).
+PROMPT_GEMM_ROWS = 256
+
+
+def prompt_gemm_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether an fp32 inference forward of at least PROMPT_GEMM_ROWS rows runs in gl_sgemm: where
+    gemm_choice() gives gptlab (x86 CPUs not made by Intel, whose PyTorch BLAS is Intel's MKL)."""
+    return (
+        x.numel() >= PROMPT_GEMM_ROWS * x.size(-1)
+        and x.dtype is torch.float32
+        and weight.dtype is torch.float32
+        and _inference_on_cpu(x)
+        and not (torch.is_grad_enabled() and weight.requires_grad)
+        and _library().float_ok
+        and gemm_choice() == "gptlab"
+    )
+
+
+def sgemm_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear of fp32 x (..., K) and weight (N, K) in gl_sgemm: y = b + x W^T."""
+    N, K = weight.shape
+    x2 = x.reshape(-1, K)  # (M, K)
+    if bias is None:
+        y = torch.empty(x2.size(0), N)
+    else:
+        y = bias.detach().float().expand(x2.size(0), N).contiguous()  # (M, N), the products added to it
+    mm(x2, weight.detach().t(), y, accumulate=bias is not None)
+    return y.view(*x.shape[:-1], N)
 
 
 SLAB_BYTES = 4 << 20  # fp32 weight rows converted at a time (bf16_linear_in_fp32)
