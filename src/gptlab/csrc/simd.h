@@ -112,19 +112,25 @@ AI void vi_dot_u4_acc(vi *a, vi *b, vi lo, vi x0, vi hi, vi x1) {
 AI vi vi_low_nibbles(vi v) { return _mm512_and_si512(v, _mm512_set1_epi8(0x0f)); }
 AI vi vi_high_nibbles(vi v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0f)); }
 /* Lane l: the bf16 scale of block b + l / 4 of 32 int4 inputs (s[(b + l / 4) >> gshift]) as
- * fp32: the scale of the block lane l's inputs belong to (see quantized.c). */
+ * fp32: the scale of the block lane l's inputs belong to (see quantized.c). b is a multiple of 4,
+ * so the 4 blocks take groups (b >> gshift) + (t >> gshift), t < 4: one broadcast of those
+ * scales, one in-lane shuffle (128-bit lane t takes block t's scale into each float's high half),
+ * where groups larger than 32 took four scalar loads through the stack (GPT-2's int4 layers
+ * decoding at g64 on an AMD EPYC Zen 5: 2.98 -> 2.71 ms; level at g32). */
+#define BF16_AT(j) ((int)(0x8080u | (2u * (j)) << 16 | (2u * (j) + 1) << 24)) /* bytes -1, -1, 2j, 2j+1 */
 AI vf vf_block_scales(const uint16_t *s, int b, int gshift) {
-    __m128i h;
-    if (gshift == 0) {
-        h = _mm_loadl_epi64((const __m128i *)(s + b));
-    } else {
-        uint16_t s4[4];
-        for (int t = 0; t < 4; t++) s4[t] = s[(b + t) >> gshift];
-        h = _mm_loadl_epi64((const __m128i *)s4);
-    }
-    const __m512i idx = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
-    return _mm512_permutexvar_ps(idx, _mm512_castsi512_ps(_mm512_castsi128_si512(_mm_slli_epi32(_mm_cvtepu16_epi32(h), 16))));
+    uint64_t four = 0;
+    memcpy(&four, s + (b >> gshift), gshift == 0 ? 8 : gshift == 1 ? 4 : 2); /* only what exists */
+    const __m512i put = gshift == 0   ? _mm512_set_epi32(BF16_AT(3), BF16_AT(3), BF16_AT(3), BF16_AT(3), BF16_AT(2), BF16_AT(2),
+                                                         BF16_AT(2), BF16_AT(2), BF16_AT(1), BF16_AT(1), BF16_AT(1), BF16_AT(1),
+                                                         BF16_AT(0), BF16_AT(0), BF16_AT(0), BF16_AT(0))
+                        : gshift == 1 ? _mm512_set_epi32(BF16_AT(1), BF16_AT(1), BF16_AT(1), BF16_AT(1), BF16_AT(1), BF16_AT(1),
+                                                         BF16_AT(1), BF16_AT(1), BF16_AT(0), BF16_AT(0), BF16_AT(0), BF16_AT(0),
+                                                         BF16_AT(0), BF16_AT(0), BF16_AT(0), BF16_AT(0))
+                                      : _mm512_set1_epi32(BF16_AT(0));
+    return _mm512_castsi512_ps(_mm512_shuffle_epi8(_mm512_set1_epi64((long long)four), put));
 }
+#undef BF16_AT
 
 #elif GL_VARIANT == GL_AVX2
 #if !defined(__AVX2__) || !defined(__FMA__) || !defined(__F16C__)
@@ -501,6 +507,57 @@ AI void vi_sum4(vi a, vi b, vi c, vi d, int32_t out[4]) {
 
 #define VB (4 * VW) /* bytes in a vi */
 
+#if GL_VARIANT == GL_AVX512
+/* Tails by masked loads and stores, which never touch memory past p + n. (A copy through the
+ * stack, as the other variants do, stalls on store forwarding: with int4's 24 groups per
+ * 768-input row, 16 + a tail of 8, that made AVX-512's int4 decoding of GPT-2's 768-input rows
+ * 2x slower than AVX2's, whose 8 + 8 + 8 have no tail; AMD EPYC Zen 5.) */
+AI __mmask16 tail_mask(int n) { return (__mmask16)((1u << n) - 1u); }
+static inline vf vf_load_part(const float *p, int n, float fill) {
+    return _mm512_mask_loadu_ps(_mm512_set1_ps(fill), tail_mask(n), p);
+}
+static inline vf vf_load_n(const float *p, int n) { return n >= VW ? vf_load(p) : _mm512_maskz_loadu_ps(tail_mask(n), p); }
+static inline void vf_store_n(float *p, vf v, int n) {
+    if (n >= VW) vf_store(p, v);
+    else _mm512_mask_storeu_ps(p, tail_mask(n), v);
+}
+static inline vf vf_load_bf16_n(const uint16_t *p, int n) {
+    if (n >= VW) return vf_load_bf16(p);
+    const __m256i h = _mm256_maskz_loadu_epi16(tail_mask(n), p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+#elif GL_VARIANT == GL_AVX2
+/* Loads of tails by AVX's masked loads (no store-forwarding stall, nothing read past p + n); stores
+ * of tails still through the stack (vmaskmovps stores are slow on AMD). AMD EPYC Zen 5, GPT-2's
+ * int4 layers decoding at g64 (12 groups per 768-input row: 8 + a tail of 4) on avx512-256:
+ * 2.74 -> 1.75-1.86 ms. */
+AI __m256i tail_lanes(int n) { return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)); }
+static inline vf vf_load_part(const float *p, int n, float fill) {
+    const __m256i m = tail_lanes(n);
+    return _mm256_blendv_ps(_mm256_set1_ps(fill), _mm256_maskload_ps(p, m), _mm256_castsi256_ps(m));
+}
+static inline vf vf_load_n(const float *p, int n) { return n >= VW ? vf_load(p) : _mm256_maskload_ps(p, tail_lanes(n)); }
+static inline void vf_store_n(float *p, vf v, int n) {
+    if (n >= VW) {
+        vf_store(p, v);
+        return;
+    }
+    float t[VW];
+    vf_store(t, v);
+    memcpy(p, t, sizeof(float) * (size_t)n);
+}
+static inline vf vf_load_bf16_n(const uint16_t *p, int n) {
+    if (n >= VW) return vf_load_bf16(p);
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+    const __m128i h = _mm_maskz_loadu_epi16((__mmask8)((1u << n) - 1u), p);
+#else
+#define AT(l) (short)(n > (l) ? p[l] : 0)
+    const __m128i h = _mm_setr_epi16(AT(0), AT(1), AT(2), AT(3), AT(4), AT(5), AT(6), 0); /* n < 8: in registers */
+#undef AT
+#endif
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+#else
 /* The first n (< VW) values of p, the rest `fill` (tails: a copy through the stack, never past p + n). */
 static inline vf vf_load_part(const float *p, int n, float fill) {
     float t[VW];
@@ -523,6 +580,7 @@ static inline vf vf_load_bf16_n(const uint16_t *p, int n) {
     memcpy(t, p, sizeof(uint16_t) * (size_t)n);
     return vf_load_bf16(t);
 }
+#endif
 /* n values of an fp32 or (bf16 != 0) bf16 vector. */
 static inline vf vf_load_any_n(const void *p, int bf16, int n) {
     return bf16 ? vf_load_bf16_n((const uint16_t *)p, n) : vf_load_n((const float *)p, n);
