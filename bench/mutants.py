@@ -167,6 +167,9 @@ MUTANTS = [
            "                        : gshift == 1 ? _mm512_set_epi32(BF16_AT(1), BF16_AT(1), BF16_AT(1), BF16_AT(1), BF16_AT(1), BF16_AT(1),",
            "                        : gshift == 1 ? _mm512_set_epi32(BF16_AT(1), BF16_AT(1), BF16_AT(1), BF16_AT(1), BF16_AT(0), BF16_AT(0),",
            FUSED_TESTS, "avx512"),
+    Mutant("kernels/int4-prompt-bias-of-the-first-row", "csrc/quantized.c",
+           "for (int r = 0; r < R; r++) yl[r] = lanes[r][l] + bias[r];",
+           "for (int r = 0; r < R; r++) yl[r] = lanes[r][l] + bias[0];", FUSED_TESTS),
     Mutant("kernels/prompt-gemm-bias-dropped", "kernels.py",
            "mm(x2, weight.detach().t(), y, accumulate=bias is not None)", "mm(x2, weight.detach().t(), y)", FUSED_TESTS),
     # the training head's GEMM (csrc/gemm.c)
