@@ -537,15 +537,6 @@ static inline vf vf_load_part(const float *p, int n, float fill) {
     return _mm256_blendv_ps(_mm256_set1_ps(fill), _mm256_maskload_ps(p, m), _mm256_castsi256_ps(m));
 }
 static inline vf vf_load_n(const float *p, int n) { return n >= VW ? vf_load(p) : _mm256_maskload_ps(p, tail_lanes(n)); }
-static inline void vf_store_n(float *p, vf v, int n) {
-    if (n >= VW) {
-        vf_store(p, v);
-        return;
-    }
-    float t[VW];
-    vf_store(t, v);
-    memcpy(p, t, sizeof(float) * (size_t)n);
-}
 static inline vf vf_load_bf16_n(const uint16_t *p, int n) {
     if (n >= VW) return vf_load_bf16(p);
 #if defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -565,6 +556,15 @@ static inline vf vf_load_part(const float *p, int n, float fill) {
     return vf_load(t);
 }
 static inline vf vf_load_n(const float *p, int n) { return n >= VW ? vf_load(p) : vf_load_part(p, n, 0.0f); }
+static inline vf vf_load_bf16_n(const uint16_t *p, int n) {
+    if (n >= VW) return vf_load_bf16(p);
+    uint16_t t[VW] = {0};
+    memcpy(t, p, sizeof(uint16_t) * (size_t)n);
+    return vf_load_bf16(t);
+}
+#endif
+#if GL_VARIANT != GL_AVX512
+/* The first n values of v to p (a tail through the stack: never written past p + n). */
 static inline void vf_store_n(float *p, vf v, int n) {
     if (n >= VW) {
         vf_store(p, v);
@@ -573,12 +573,6 @@ static inline void vf_store_n(float *p, vf v, int n) {
     float t[VW];
     vf_store(t, v);
     memcpy(p, t, sizeof(float) * (size_t)n);
-}
-static inline vf vf_load_bf16_n(const uint16_t *p, int n) {
-    if (n >= VW) return vf_load_bf16(p);
-    uint16_t t[VW] = {0};
-    memcpy(t, p, sizeof(uint16_t) * (size_t)n);
-    return vf_load_bf16(t);
 }
 #endif
 /* n values of an fp32 or (bf16 != 0) bf16 vector. */
