@@ -121,13 +121,10 @@ AI vi vi_high_nibbles(vi v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _
 AI vf vf_block_scales(const uint16_t *s, int b, int gshift) {
     uint64_t four = 0;
     memcpy(&four, s + (b >> gshift), gshift == 0 ? 8 : gshift == 1 ? 4 : 2); /* only what exists */
-    const __m512i put = gshift == 0   ? _mm512_set_epi32(BF16_AT(3), BF16_AT(3), BF16_AT(3), BF16_AT(3), BF16_AT(2), BF16_AT(2),
-                                                         BF16_AT(2), BF16_AT(2), BF16_AT(1), BF16_AT(1), BF16_AT(1), BF16_AT(1),
-                                                         BF16_AT(0), BF16_AT(0), BF16_AT(0), BF16_AT(0))
-                        : gshift == 1 ? _mm512_set_epi32(BF16_AT(1), BF16_AT(1), BF16_AT(1), BF16_AT(1), BF16_AT(1), BF16_AT(1),
-                                                         BF16_AT(1), BF16_AT(1), BF16_AT(0), BF16_AT(0), BF16_AT(0), BF16_AT(0),
-                                                         BF16_AT(0), BF16_AT(0), BF16_AT(0), BF16_AT(0))
-                                      : _mm512_set1_epi32(BF16_AT(0));
+    const int g = gshift < 2 ? gshift : 2; /* lane t takes group t >> g of the four loaded */
+#define Q(t) BF16_AT((t) >> g), BF16_AT((t) >> g), BF16_AT((t) >> g), BF16_AT((t) >> g)
+    const __m512i put = _mm512_set_epi32(Q(3), Q(2), Q(1), Q(0));
+#undef Q
     return _mm512_castsi512_ps(_mm512_shuffle_epi8(_mm512_set1_epi64((long long)four), put));
 }
 #undef BF16_AT
