@@ -14,6 +14,7 @@ from pathlib import Path
 
 SCHEDULES = ("cosine", "constant", "wsd")
 PRECISIONS = ("auto", "float32", "bfloat16", "float16")
+OPTIMIZERS = ("adamw", "muon")
 # Old key -> new key. `dtype` meant the autocast precision here but the weight dtype in
 # `--dtype`/`load_model` (issue 15); old configs keep working with a warning.
 RENAMED = {"dtype": "precision"}
@@ -62,7 +63,10 @@ class TrainConfig:
     # A wall-time budget ("4m", "90s", "1h", or seconds): training stops when it is spent, and the
     # learning-rate schedule follows the elapsed fraction of it instead of steps/max_steps.
     max_time: str | None = None
-    # Optimizer and schedule.
+    # Optimizer and schedule. muon: Muon (gptlab.train.muon) for the blocks' weight matrices (their updates
+    # orthogonalized, scaled to AdamW's RMS), AdamW for the embeddings, the head, biases and gains.
+    optimizer: str = "adamw"  # adamw | muon
+    muon_lr: float | None = None  # muon: the blocks' matrices' peak lr (default: lr), same schedule; adamw: unused
     lr: float = 6e-4
     min_lr: float = 6e-5
     warmup_steps: int = 100
@@ -105,6 +109,7 @@ class TrainConfig:
             raise ValueError(f"TrainConfig needs lr > 0 and 0 <= min_lr <= lr, got lr={self.lr}, min_lr={self.min_lr}")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"TrainConfig.schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        self._check_optimizer()
         if self.precision not in PRECISIONS:
             raise ValueError(f"TrainConfig.precision must be one of {PRECISIONS}, got {self.precision!r}")
         parse_duration(self.max_time)
@@ -122,6 +127,16 @@ class TrainConfig:
             if self.init_from == "scratch":
                 raise ValueError("lora_rank: LoRA adapts a trained model; set init_from to it")
             self.lora_settings()  # validates alpha, dropout and the targets
+
+    def _check_optimizer(self) -> None:
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"TrainConfig.optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
+        if self.muon_lr is not None and not self.muon_lr > 0:
+            raise ValueError(f"TrainConfig.muon_lr must be positive, got {self.muon_lr}")
+        if self.optimizer == "muon" and self.fsdp:
+            raise ValueError("optimizer='muon' needs whole matrices; FSDP shards them (use DDP, or adamw)")
+        if self.optimizer == "muon" and self.lora_rank:
+            raise ValueError("optimizer='muon' trains the blocks' full matrices; train LoRA adapters with adamw")
 
     def lora_settings(self):
         """The LoRASettings these fields describe (gptlab.lora)."""

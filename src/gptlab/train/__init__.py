@@ -12,6 +12,7 @@ The parts, each one job:
   schedule.py       the learning rate by step or by elapsed time; the time budget
   guards.py         skip non-finite or spiking updates; TrainingDiverged
   trainer.py        Trainer: one update (`step`) and the loop (`run`); `train()`
+  muon.py           the Muon optimizer for the blocks' matrices (optimizer="muon")
   evaluation.py     validation loss and a sample
   checkpointing.py  checkpoint writing and exact resume
 

@@ -118,6 +118,9 @@ def resume(trainer) -> float:
     if state["model_config"] != now:
         diff = {k: (v, now.get(k)) for k, v in state["model_config"].items() if now.get(k) != v}
         raise ValueError(f"{ckpt} holds a model of another shape (checkpoint vs now: {diff})")
+    was = state.get("config", {}).get("optimizer", "adamw")
+    if was != trainer.cfg.optimizer:
+        raise ValueError(f"{ckpt} was trained with optimizer={was!r}; this run asks for {trainer.cfg.optimizer!r}")
     if state["world_size"] * state["grad_accum"] != trainer.dist.world_size * trainer.grad_accum:
         log.warning("resuming with a different global batch (world_size x grad_accum changed)")
     _load_weights(trainer, ckpt)

@@ -16,6 +16,7 @@ from gptlab.config import GPTConfig
 from gptlab.data import TokenLoader
 from gptlab.loading import load_model
 from gptlab.model import GPT
+from gptlab.train.muon import Muon
 from gptlab.train_config import TrainConfig
 
 log = logging.getLogger(__name__)
@@ -113,19 +114,71 @@ def _set_dropout(model: GPT, p: float) -> None:
 
 
 def build_optimizer(model: GPT, cfg: TrainConfig, device: torch.device, fused_ok: bool = True):
-    """AdamW; weight decay on matrices only. fused where the device supports it, else foreach."""
+    """AdamW, weight decay on matrices only, fused where the device supports it, else foreach; with
+    optimizer="muon", Muon (gptlab.train.muon) for the blocks' weight matrices and AdamW for the rest.
+
+    A group's "lr_scale" is its peak learning rate over cfg.lr: the trainer sets each group's lr to
+    the scheduled lr times it (muon_lr / lr for Muon's group).
+    """
     params = [p for p in model.parameters() if p.requires_grad]
+    hidden = muon_matrices(model) if cfg.optimizer == "muon" else []
+    if cfg.muon_lr is not None and cfg.optimizer != "muon":
+        log.warning("muon_lr=%g is unused: optimizer is %r", cfg.muon_lr, cfg.optimizer)
+    params = [p for p in params if all(p is not q for q in hidden)]
     groups = [
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
     kwargs = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
+    adamw = None
     if fused_ok:
         try:
-            return torch.optim.AdamW(groups, fused=True, **kwargs)
+            adamw = torch.optim.AdamW(groups, fused=True, **kwargs)
         except (RuntimeError, ValueError):
             log.debug("fused AdamW unavailable on %s; using foreach", device)
-    return torch.optim.AdamW(groups, foreach=True, **kwargs)
+    adamw = adamw or torch.optim.AdamW(groups, foreach=True, **kwargs)
+    if not hidden:
+        return adamw
+    muon_lr = cfg.muon_lr or cfg.lr
+    muon = Muon(hidden, lr=muon_lr, weight_decay=cfg.weight_decay)
+    muon.param_groups[0]["lr_scale"] = muon_lr / cfg.lr
+    return Optimizers(adamw, muon)
+
+
+def muon_matrices(model: GPT) -> list[torch.nn.Parameter]:
+    """The trainable weight matrices of the transformer blocks (attention and MLP): what Muon steps.
+    The embeddings (also the tied head), biases and gains stay with AdamW, as Muon's authors advise."""
+    return [p for p in model.transformer.h.parameters() if p.requires_grad and p.dim() == 2]
+
+
+class Optimizers:
+    """Several torch optimizers stepped as one (AdamW and Muon): what the trainer, GradScaler
+    (param_groups, step) and checkpoints (state_dict) use of an optimizer."""
+
+    def __init__(self, *optimizers: torch.optim.Optimizer):
+        self.optimizers = optimizers
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return [group for opt in self.optimizers for group in opt.param_groups]
+
+    def step(self) -> None:
+        for opt in self.optimizers:
+            opt.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict:
+        return {"optimizers": [opt.state_dict() for opt in self.optimizers]}
+
+    def load_state_dict(self, state: dict) -> None:
+        states = state.get("optimizers", [])
+        if len(states) != len(self.optimizers):
+            raise ValueError(f"optimizer state holds {len(states)} optimizers; this run has {len(self.optimizers)}")
+        for opt, opt_state in zip(self.optimizers, states, strict=True):
+            opt.load_state_dict(opt_state)
 
 
 def build_loaders(cfg: TrainConfig, manifest: dict, dist: Dist):

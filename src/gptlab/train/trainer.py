@@ -68,7 +68,7 @@ class Trainer:
         cfg, t0 = self.cfg, time.perf_counter()
         lr = lr_at(self.step_num, cfg, self.budget.fraction())
         for group in self.optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = lr * group.get("lr_scale", 1.0)
         loss_sum = torch.zeros((), device=self.device)
         for micro in range(self.grad_accum):
             batch = self.train_loader.next_batch()
