@@ -4,7 +4,8 @@ Both train the demo's model (4 layers, 128 wide, 4 heads, block 128, biases, no 
 vocabulary: 50,257 in gptlab, nanoGPT's 50,304 padding) on the same train.bin (nanoGPT's uint16
 format, as `gptlab prepare` writes it) with batch 8 x 128 on the CPU in fp32, for the same wall
 time each (`--seconds`):
-- gptlab: `gptlab train` with the demo config (src/gptlab/configs/demo.toml) and max_time;
+- gptlab: `gptlab train` with the demo config (src/gptlab/configs/demo.toml) and max_time, with
+  AdamW for every parameter as nanoGPT (the demo's Muon for the blocks is a recipe, not speed);
 - nanoGPT: its own train.py and model.py from `--nanogpt-dir` (a checkout; never vendored here),
   with the demo's learning rate, warmup, minimum and Adam betas, its cosine schedule stretched over the number
   of iterations that fit in the same time (measured by a short calibration run first).
@@ -65,7 +66,7 @@ def run_gptlab(data: Path, work: Path, seconds: float) -> dict:
         "--config",
         str(Path(__file__).parents[1] / "configs" / "demo.toml"),
     ]
-    for key, value in dict(data_dir=data, out_dir=out, max_time=f"{seconds}s", max_steps=10**9,
+    for key, value in dict(data_dir=data, out_dir=out, max_time=f"{seconds}s", max_steps=10**9, optimizer="adamw", muon_lr=None,
                            eval_interval=10**9, sample_tokens=0, progress="false", log_interval=1).items():  # fmt: skip
         cmd += ["--set", f"{key}={value}"]
     t0 = time.perf_counter()
