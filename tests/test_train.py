@@ -314,9 +314,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("fsdp", [False, True], ids=["ddp", "fsdp"])
-def test_two_gloo_ranks_match_one_process(byte_data, tmp_path, fsdp):
-    one = config(byte_data, tmp_path / "one", max_steps=6, batch_size=4, eval_interval=3, sample_tokens=0)
+@pytest.mark.parametrize(("fsdp", "optimizer"), [(False, "adamw"), (True, "adamw"), (False, "muon")],
+                         ids=["ddp", "fsdp", "ddp-muon"])  # fmt: skip
+def test_two_gloo_ranks_match_one_process(byte_data, tmp_path, fsdp, optimizer):
+    one = config(byte_data, tmp_path / "one", max_steps=6, batch_size=4, eval_interval=3, sample_tokens=0,
+                 optimizer=optimizer)  # fmt: skip
     train(one)
     two = one.with_overrides({"out_dir": str(tmp_path / "two"), "batch_size": 2, "fsdp": fsdp})
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--nnodes=1",
