@@ -1,6 +1,7 @@
 """Training: `train(config)` for a `TrainConfig` (gptlab.train_config: every setting, one dataclass).
 
-One process or many under torchrun (DDP, or FSDP with `fsdp=True`), with AdamW, warmup + cosine
+One process or many under torchrun (DDP, or FSDP with `fsdp=True`), with AdamW (and Muon for the
+blocks' matrices with `optimizer="muon"`), warmup + cosine
 (or constant, or warmup-stable-decay) learning rate driven by steps or by a wall-time budget
 (`max_time`), gradient accumulation and clipping, bf16/fp16 mixed precision (`precision=auto`
 measures which is faster here), guards against divergence, periodic evaluation with a text
