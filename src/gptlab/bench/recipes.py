@@ -8,7 +8,9 @@ in bench/results. `--runs NAME=DIR` plots finished runs instead of training.
 
 - old: the recipe before issue 13 (1,200 steps, cosine by step, bf16 autocast as `dtype=auto`
   chose it on this project's CPUs);
-- new: demo.toml as it is (max_time, precision=auto measured, the fixed spike guard).
+- adamw: demo.toml with AdamW for every parameter (the recipe before Muon, 2026-12-04);
+- new: demo.toml as it is (max_time, precision=auto measured, the fixed spike guard, Muon for the
+  blocks' matrices).
 """
 
 from __future__ import annotations
@@ -23,8 +25,17 @@ from gptlab.bench.common import write_results
 CONFIG = Path(__file__).parents[1] / "configs" / "demo.toml"
 RECIPES = {
     "old": dict(
-        max_steps=1200, max_time="none", lr=2e-3, min_lr=1e-4, warmup_steps=50, batch_size=8, precision="bfloat16"
-    ),  # fmt: skip
+        max_steps=1200,
+        max_time="none",
+        lr=2e-3,
+        min_lr=1e-4,
+        warmup_steps=50,
+        batch_size=8,
+        precision="bfloat16",
+        optimizer="adamw",
+        muon_lr="none",
+    ),
+    "adamw": dict(optimizer="adamw", muon_lr="none"),
     "new": {},
 }
 
