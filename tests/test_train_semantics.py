@@ -154,7 +154,7 @@ def test_compiled_training_saves_a_plain_checkpoint(byte_data, tmp_path):  # noq
 # --------------------------------------------------------------------------------------------- Muon
 
 
-def first_update(trainer) -> dict[str, torch.Tensor]:
+def first_update(trainer) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Each parameter's change in the trainer's first step, with the gradients it stepped on."""
     before = {n: p.detach().clone() for n, p in trainer.raw_model.named_parameters()}
     grads = {}
@@ -237,7 +237,9 @@ def test_optimizer_settings_are_checked():
 
 def test_muon_and_adamw_under_a_grad_scaler_step_as_without_it(byte_data, tmp_path):  # noqa: F811
     """fp16 training (CUDA) unscales and steps the pair of optimizers through GradScaler; on the CPU
-    GradScaler does the same bookkeeping, so the scaled step must equal the plain one."""
+    GradScaler does the same bookkeeping, so every gradient it hands the optimizers (Muon's too) and
+    the step must equal the plain ones. (Both updates barely depend on the gradients' scale, so the
+    gradients are compared, not only the weights.)"""
     runs = []
     for scaled in (False, True):
         trainer = Trainer(config(byte_data, tmp_path / f"run{scaled}", optimizer="muon"))
@@ -248,11 +250,16 @@ def test_muon_and_adamw_under_a_grad_scaler_step_as_without_it(byte_data, tmp_pa
             scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
             scaler.scale(loss).backward()
             scaler.unscale_(opt)
+            grads = [p.grad.clone() for p in model.parameters()]
             scaler.step(opt)
             scaler.update()
         else:
             loss.backward()
+            grads = [p.grad.clone() for p in model.parameters()]
             opt.step()
-        runs.append([p.detach().clone() for p in model.parameters()])
-    for a, b in zip(*runs, strict=True):
+        runs.append((grads, [p.detach().clone() for p in model.parameters()]))
+    (plain_grads, plain), (scaled_grads, scaled) = runs
+    for a, b in zip(plain_grads, scaled_grads, strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-9)
+    for a, b in zip(plain, scaled, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
