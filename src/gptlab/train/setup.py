@@ -120,11 +120,11 @@ def build_optimizer(model: GPT, cfg: TrainConfig, device: torch.device, fused_ok
     A group's "lr_scale" is its peak learning rate over cfg.lr: the trainer sets each group's lr to
     the scheduled lr times it (muon_lr / lr for Muon's group).
     """
-    params = [p for p in model.parameters() if p.requires_grad]
     hidden = muon_matrices(model) if cfg.optimizer == "muon" else []
     if cfg.muon_lr is not None and cfg.optimizer != "muon":
         log.warning("muon_lr=%g is unused: optimizer is %r", cfg.muon_lr, cfg.optimizer)
-    params = [p for p in params if all(p is not q for q in hidden)]
+    muon_ids = {id(p) for p in hidden}
+    params = [p for p in model.parameters() if p.requires_grad and id(p) not in muon_ids]
     groups = [
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
