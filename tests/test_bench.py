@@ -88,6 +88,48 @@ def test_llamacpp_cache_path_names_the_cpu(monkeypatch, tmp_path):
     assert llamacpp.load_build(root) is None  # nothing cached: ensure_built would build
 
 
+def test_llamacpp_avx2_build_is_cached_apart_built_for_avx2_and_refused_where_it_cannot_run(monkeypatch, tmp_path):
+    from gptlab.bench import llamacpp
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(llamacpp, "cpu_flags", lambda: ["avx", "avx2", "avx512f", "bmi2", "f16c", "fma"])
+    root = llamacpp.build_root("0.3.36", isa="avx2")
+    assert root.name == "0.3.36-x86-64-avx2" and root != llamacpp.build_root("0.3.36")
+    # the build hands cmake the AVX2 level in place of -DGGML_NATIVE=ON
+    commands = []
+    monkeypatch.setattr(llamacpp, "run_step", lambda step, cmd, **kw: commands.append([str(c) for c in cmd]))
+    for tool in llamacpp.TARGETS:
+        (tmp_path / "src" / "build" / "bin").mkdir(parents=True, exist_ok=True)
+        (tmp_path / "src" / "build" / "bin" / tool).touch()
+    info = llamacpp.build(tmp_path / "src", "0.3.36", "0c1e570", 2, isa="avx2")
+    configure = commands[0]
+    assert "-DGGML_NATIVE=OFF" in configure and "-DGGML_NATIVE=ON" not in configure
+    assert {"-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON", "-DGGML_AVX512=OFF"} <= set(configure)
+    assert info["isa"] == "avx2" and info["cmake_flags"] == configure[5:-1]
+    assert "-DGGML_NATIVE=ON" in llamacpp.build(tmp_path / "src", "0.3.36", "0c1e570", 2)["cmake_flags"]
+    # a CPU below the level is refused before anything is downloaded
+    monkeypatch.setattr(llamacpp, "cpu_flags", lambda: ["avx", "sse4_2"])
+    with pytest.raises(ValueError, match="cannot run llama.cpp's avx2 build: it lacks avx2, bmi2, f16c, fma"):
+        llamacpp.ensure_built("0.3.36", cache=tmp_path / "cache", isa="avx2")
+    with pytest.raises(ValueError, match="unknown llama.cpp ISA 'avx9'; choose from native, avx2"):
+        llamacpp.build_root(isa="avx9")
+    assert not (tmp_path / "cache").exists()
+
+
+def test_bench_generate_names_the_settings_that_hold_gptlab_to_avx2(monkeypatch):
+    from gptlab.bench.generate import AVX2_ENV, avx2_env_missing, parse_args
+
+    for name in AVX2_ENV:
+        monkeypatch.delenv(name, raising=False)
+    assert avx2_env_missing() == AVX2_ENV
+    monkeypatch.setenv("GPTLAB_KERNELS", "avx2")
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "AVX2")  # ignored by PyTorch, which wants "avx2"
+    assert avx2_env_missing() == {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+    assert parse_args(["--peer", "llama.cpp", "--peer-isa", "avx2"]).peer_isa == "avx2"
+    assert parse_args([]).peer_isa == "native"
+
+
 def test_building_without_cmake_says_so_before_downloading(monkeypatch, tmp_path):
     from gptlab.bench.llamacpp import ensure_built
 

@@ -224,6 +224,21 @@ def time_linears(model, probe: BandwidthProbe | None = None, passes: int = 10, r
 # The run
 
 
+# What holds gptlab to the x86-64 AVX2 level, as --peer-isa avx2 holds llama.cpp: its own kernels,
+# PyTorch's vectorized ops, oneDNN and MKL. Read when each library starts, so set before the run.
+AVX2_ENV = {
+    "GPTLAB_KERNELS": "avx2",
+    "ATEN_CPU_CAPABILITY": "avx2",
+    "ONEDNN_MAX_CPU_ISA": "AVX2",
+    "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+}
+
+
+def avx2_env_missing() -> dict:
+    """The AVX2_ENV settings this process was not started with: {name: value}."""
+    return {k: v for k, v in AVX2_ENV.items() if os.environ.get(k) != v}  # PyTorch's check is case-sensitive
+
+
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="gptlab bench generate", description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="gpt2", help="model shape (random weights, seeded)")
@@ -231,6 +246,13 @@ def parse_args(argv):
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--batch", default="1,8", help="comma-separated batch sizes")
     p.add_argument("--peer", choices=("transformers", "llama.cpp"), default="transformers", help="what to compare with")
+    p.add_argument(
+        "--peer-isa",
+        choices=("native", "avx2"),
+        default="native",
+        help="llama.cpp's build: for this CPU (default), or for the x86-64 AVX2 level of AVX2-only CPUs such as "
+        f"AMD Zen 1-3, to stand in for one; pair avx2 with {' '.join(f'{k}={v}' for k, v in AVX2_ENV.items())}",
+    )
     p.add_argument(
         "--modes",
         default=None,
@@ -376,13 +398,15 @@ def run_llamacpp(args) -> int:
     threads = args.threads or os.cpu_count()
     torch.set_num_threads(threads)
     print(f"machine: {machine()}")
-    if llamacpp.load_build(llamacpp.build_root()) is None:
-        print(
-            f"building llama.cpp {llamacpp.LLAMA_CPP_PYTHON} into {llamacpp.build_root()} (~8 minutes on 2 cores) ..."
-        )
-    llama = llamacpp.ensure_built()
+    root = llamacpp.build_root(isa=args.peer_isa)
+    if llamacpp.load_build(root) is None:
+        print(f"building llama.cpp {llamacpp.LLAMA_CPP_PYTHON} into {root} (~8 minutes on 2 cores) ...")
+    llama = llamacpp.ensure_built(isa=args.peer_isa)
     info = llama.info
-    print(f"llama.cpp {info['llama_cpp_commit'][:12]} (llama-cpp-python {info['llama_cpp_python']}): {llama.root}")
+    print(f"llama.cpp {info['llama_cpp_commit'][:12]} (llama-cpp-python {info['llama_cpp_python']}, {args.peer_isa}): {llama.root}")  # fmt: skip
+    unpaired = avx2_env_missing() if args.peer_isa == "avx2" else {}
+    if unpaired:
+        print(f"note: llama.cpp runs at the AVX2 level but gptlab does not; set {' '.join(f'{k}={v}' for k, v in unpaired.items())}")  # fmt: skip
     native, why = cpu_has_native_bf16()
     if "bf16" in modes and not native:
         print(f"note: bf16 rows run without hardware bf16 for both engines ({why})")
@@ -413,6 +437,7 @@ def run_llamacpp(args) -> int:
                 decode_from=[[llamacpp.EOT]], prefill_tokens=llamacpp.PREFILL_TOKENS, greedy=True,
                 repeats=args.repeats, best_of_repeats=True, threads=threads, native_bf16=native,
                 native_bf16_why=why, load_average=os.getloadavg(), rows_done=f"{len(rows)} of {len(modes)}",
+                peer_isa=args.peer_isa, isa_env={k: os.environ[k] for k in AVX2_ENV if k in os.environ},
             ),
             "llama_cpp": {**llama.info, "q4_0": "llama-quantize --pure from the F32 file", "gguf_bytes": gguf_bytes},
             "rows": rows,

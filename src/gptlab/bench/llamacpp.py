@@ -8,6 +8,10 @@ on another machine may stop with an illegal instruction here. The CPU part of th
 model name plus a hash of the ISA flags, because VMs often report a generic model name
 ("Intel(R) Xeon(R) Processor") for different hosts.
 
+`isa="avx2"` builds it instead for the x86-64 AVX2 level (AVX2, FMA, F16C, BMI2; no AVX-512, no
+VNNI), the build an AVX2-only CPU such as AMD Zen 1-3 gets; it runs on any newer x86-64 CPU and
+is cached as `VERSION-x86-64-avx2`, so an AVX-512 machine can stand in for an AVX2-only one.
+
 A gptlab model exported with `save_pretrained` is converted to GGUF F32, BF16 and Q8_0 by the
 vendored converter and to Q4_0 by `llama-quantize --pure` from the F32 file: every matrix in
 Q4_0, the head included, as gptlab's int4 with groups of 32 (without `--pure` llama-quantize
@@ -38,8 +42,17 @@ log = logging.getLogger(__name__)
 # llama-cpp-python 0.3.36 vendors llama.cpp commit 0c1e57098bba (2026-10-01); checked to build
 # offline and to convert and run gptlab's gpt2 exports.
 LLAMA_CPP_PYTHON = "0.3.36"
+# the instruction set llama.cpp is built for: this CPU's, or the x86-64 AVX2 (Haswell) level
+ISA_FLAGS = {
+    "native": ("-DGGML_NATIVE=ON",),
+    "avx2": (
+        "-DGGML_NATIVE=OFF",
+        *(f"-DGGML_{ext}=ON" for ext in ("SSE42", "AVX", "AVX2", "FMA", "F16C", "BMI2")),
+        *(f"-DGGML_{ext}=OFF" for ext in ("AVX_VNNI", "AVX512", "AVX512_VBMI", "AVX512_VNNI", "AVX512_BF16")),
+    ),
+}
+AVX2_LEVEL = {"avx2", "fma", "f16c", "bmi2"}  # the /proc/cpuinfo flags the avx2 build needs
 CMAKE_FLAGS = (
-    "-DGGML_NATIVE=ON",
     "-DCMAKE_BUILD_TYPE=Release",
     "-DBUILD_SHARED_LIBS=OFF",  # self-contained binaries: the tree is renamed into the cache after the build
     "-DLLAMA_CURL=OFF",  # no network code: older trees use curl, this one openssl
@@ -121,9 +134,20 @@ def cache_root() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "gptlab" / "llama.cpp"
 
 
-def build_root(version: str = LLAMA_CPP_PYTHON, cache: Path | None = None) -> Path:
-    """The llama.cpp tree (with build/bin) for this version on this CPU."""
-    return (cache or cache_root()) / f"{version}-{cpu_slug(cpu_model_name(), cpu_flags())}"
+def build_root(version: str = LLAMA_CPP_PYTHON, cache: Path | None = None, isa: str = "native") -> Path:
+    """The llama.cpp tree (with build/bin) for this version, built for this CPU or for `isa`."""
+    check_isa(isa)
+    where = cpu_slug(cpu_model_name(), cpu_flags()) if isa == "native" else f"x86-64-{isa}"
+    return (cache or cache_root()) / f"{version}-{where}"
+
+
+def check_isa(isa: str) -> None:
+    """ValueError unless `isa` names a build this CPU can run."""
+    if isa not in ISA_FLAGS:
+        raise ValueError(f"unknown llama.cpp ISA {isa!r}; choose from {', '.join(ISA_FLAGS)}")
+    missing = AVX2_LEVEL - set(cpu_flags()) if isa == "avx2" else set()
+    if missing:
+        raise ValueError(f"this CPU cannot run llama.cpp's avx2 build: it lacks {', '.join(sorted(missing))}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -157,9 +181,12 @@ def load_build(root: Path) -> LlamaCpp | None:
     return built if built.is_complete() else None
 
 
-def ensure_built(version: str = LLAMA_CPP_PYTHON, *, cache: Path | None = None, jobs: int | None = None) -> LlamaCpp:
-    """The cached llama.cpp build for this CPU, fetching and building it first if needed (~8 min on 2 cores)."""
-    root = build_root(version, cache)
+def ensure_built(
+    version: str = LLAMA_CPP_PYTHON, *, cache: Path | None = None, jobs: int | None = None, isa: str = "native"
+) -> LlamaCpp:
+    """The cached llama.cpp build for this CPU (or for `isa`, see ISA_FLAGS), fetching and building
+    it first if needed (~8 min on 2 cores)."""
+    root = build_root(version, cache, isa)
     built = load_build(root)
     if built is not None:
         log.debug("llama.cpp: using the build cached at %s", root)
@@ -173,7 +200,7 @@ def ensure_built(version: str = LLAMA_CPP_PYTHON, *, cache: Path | None = None, 
         source = fetch_source(version, Path(tmp))
         commit = vendored_commit(source)
         shutil.move(source, partial)
-    info = {**build(partial, version, commit, jobs or os.cpu_count() or 1), "path": str(root)}
+    info = {**build(partial, version, commit, jobs or os.cpu_count() or 1, isa), "path": str(root)}
     (partial / INFO_FILE).write_text(json.dumps(info, indent=2))  # the marker of a finished build
     shutil.rmtree(root, ignore_errors=True)
     os.replace(partial, root)
@@ -215,10 +242,11 @@ def vendored_commit(source: Path) -> str:
     return head if re.fullmatch(r"[0-9a-f]{40}", head) else "unknown"
 
 
-def build(source: Path, version: str, commit: str, jobs: int) -> dict:
-    """cmake configure + build of TARGETS in source/build; returns the build facts."""
+def build(source: Path, version: str, commit: str, jobs: int, isa: str = "native") -> dict:
+    """cmake configure + build of TARGETS in source/build for `isa`; returns the build facts."""
     (source / ".git").unlink(missing_ok=True)  # dangling once moved: cmake would ask git and fail
-    flags = [*CMAKE_FLAGS, f"-DLLAMA_BUILD_COMMIT={commit[:7]}"]
+    cmake_flags = [*ISA_FLAGS[isa], *CMAKE_FLAGS]
+    flags = [*cmake_flags, f"-DLLAMA_BUILD_COMMIT={commit[:7]}"]
     run_step("configuring llama.cpp (cmake)", ["cmake", "-S", source, "-B", source / "build", *flags])
     run_step(
         f"building llama.cpp ({', '.join(TARGETS)})",
@@ -233,7 +261,8 @@ def build(source: Path, version: str, commit: str, jobs: int) -> dict:
     return {
         "llama_cpp_python": version,
         "llama_cpp_commit": commit,
-        "cmake_flags": list(CMAKE_FLAGS),
+        "isa": isa,
+        "cmake_flags": cmake_flags,
         "targets": list(TARGETS),
         "cpu": cpu_model_name(),
         "cpu_isa_flags": cpu_flags(),
