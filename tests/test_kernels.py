@@ -268,11 +268,107 @@ def test_decode_attention_writes_the_cache_and_matches_sdpa(dtype, padded):
 
 
 @needs_float
+@needs_float
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cached", [None, 0, 37])
+def test_prompt_attention_is_causal_sdpa(dtype, cached):
+    """gl_attend_prompt: q a strided view of c_attn's output; k and v views of it too (no cache),
+    or a cache's first S = cached + T slots (the cached ones visible to every query), against
+    float64 SDPA with the causal mask; bf16 computed in fp32 and rounded once."""
+    B, T, nh, hs = 2, 101, 3, 40  # T: 48 + 48 + 5 queries; hs: a vector tail on every variant
+    torch.manual_seed(9)
+    qkv = torch.randn(B, T, 3 * nh * hs).to(dtype)
+    q, k, v = (t.view(B, T, nh, hs).transpose(1, 2) for t in qkv.split(nh * hs, dim=2))  # (B, nh, T, hs)
+    S = T + (cached or 0)
+    if cached is not None:
+        k_cache, v_cache = torch.randn(B, nh, 160, hs).to(dtype), torch.randn(B, nh, 160, hs).to(dtype)
+        k_cache[:, :, cached:S], v_cache[:, :, cached:S] = k, v
+        k, v = k_cache[:, :, :S], v_cache[:, :, :S].contiguous()  # strides of their own
+    with torch.no_grad():
+        y = kernels.prompt_attention(q, k, v)
+    mask = torch.ones(T, S, dtype=torch.bool).tril(S - T)
+    ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask)
+    assert y.shape == (B, nh, T, hs) and y.dtype == dtype
+    if dtype is torch.float32:
+        assert (y.double() - ref).abs().max() <= 2e-6  # measured <= 5.4e-7
+    else:  # one rounding to bf16 of an fp32 result: half an ulp plus fp32's error
+        assert ((y.double() - ref).abs() <= ref.abs() * 2**-8 + 2e-6).all()
+
+
+@needs_float
+def test_prompts_attend_in_c_where_the_attention_is_plain_causal(calls, kernel_variant):
+    """The model's prompts (several queries, inference, no mask, no dropout) attend in C where the
+    kernels have SIMD, to PyTorch's result; padded batches (a mask) and autograd keep SDPA."""
+    model = tiny_model()
+    idx = torch.randint(0, 97, (2, 20), generator=torch.Generator().manual_seed(0))
+    with kernels.use_kernels(False), torch.no_grad():
+        ref = model(idx)[0]
+    with torch.no_grad():
+        got = model(idx)[0]
+    simd = kernel_variant != "portable"
+    assert calls["gl_attend_prompt"] == 2 * simd  # one per layer
+    assert (got - ref).abs().max() <= 1e-6  # measured 1.2e-7 (sums in another order)
+    generate(model, [list(range(1, 20)), [1, 2]], 1, temperature=0)  # padded: a mask
+    model(idx)[0].sum().backward()  # autograd
+    assert calls["gl_attend_prompt"] == 2 * simd
+    model.train()  # dropout 0 in tiny configs: still C under no_grad
+    with torch.no_grad():
+        model(idx)
+    assert calls["gl_attend_prompt"] == 4 * simd
+
+
 def test_argmax_matches_torch_including_ties():
     torch.manual_seed(6)
     logits = torch.randn(4, 50257)
     logits[2, 7] = logits[2, 40000] = logits[2].max() + 1  # a tie: the first index wins, as in torch
     assert torch.equal(kernels.argmax(logits), logits.argmax(dim=-1))
+
+
+@needs_float
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gelu_kernel_is_torchs_tanh_gelu(dtype):
+    """gl_gelu_tanh, prompts' MLP activations: PyTorch's tanh GELU to fp32 rounding; for bf16 the
+    fp32 value rounded once, as PyTorch's bf16 GELU, so within a bf16 ulp of it and mostly equal."""
+    torch.manual_seed(7)
+    x = (torch.randn(3, 4099) * 4).to(dtype)  # past a 4,096-value chunk and any vector width
+    x[0, :5] = torch.tensor([0.0, -0.0, 30.0, -30.0, float("inf")])
+    y = torch.empty_like(x)
+    lib = kernels._library().lib
+    kernels.check(lib.gl_gelu_tanh(x.data_ptr(), y.data_ptr(), x.numel(), int(dtype is torch.bfloat16), 2))
+    ref = F.gelu(x, approximate="tanh")
+    assert torch.equal(y[0, :5], ref[0, :5])
+    exact = F.gelu(x.double(), approximate="tanh")[:, 5:]
+    if dtype is torch.float32:  # measured: <= 1.6e-7 of max(|gelu|, 1), PyTorch's own 1.5e-7
+        assert ((y[:, 5:].double() - exact).abs() / exact.abs().clamp(min=1)).max() <= 4e-7
+    else:
+        y, ref = y[:, 5:].float(), ref[:, 5:].float()
+        diff = (y - ref).abs()
+        # within one bf16 ulp; where x < -5 both differences of 1 + tanh(u) ~ 0 keep fp32's absolute
+        # error (measured <= 2.4e-7), which a tiny result's ulp is smaller than
+        assert (diff <= (ref.abs() * 2**-8).clamp(min=1e-6)).all()
+        assert (diff == 0).float().mean() >= 0.95  # measured 0.979 equal
+
+
+@needs_float
+def test_gelu_runs_the_kernel_for_tanh_inference_only(calls, kernel_variant):
+    """kernels.gelu: C for the tanh form in inference where the kernels have SIMD (portable C is
+    slower than PyTorch's); the exact GELU and autograd stay PyTorch's."""
+    torch.manual_seed(8)
+    x = torch.randn(4, 100)
+    simd = kernel_variant != "portable"
+    with torch.no_grad():
+        assert torch.allclose(kernels.gelu(x, "tanh"), F.gelu(x, approximate="tanh"), rtol=0, atol=1e-6)
+        xb = x.bfloat16()
+        assert torch.allclose(kernels.gelu(xb, "tanh").float(), F.gelu(xb, approximate="tanh").float(), rtol=2**-8)
+        assert calls["gl_gelu_tanh"] == 2 * simd
+        assert torch.equal(kernels.gelu(x, "none"), F.gelu(x))
+        assert torch.equal(kernels.gelu(x.t(), "tanh"), F.gelu(x.t(), approximate="tanh"))  # not contiguous
+    xg = x.clone().requires_grad_()
+    kernels.gelu(xg, "tanh").sum().backward()
+    assert calls["gl_gelu_tanh"] == 2 * simd and xg.grad is not None
+    with torch.no_grad():
+        tiny_model(mlp="gelu")(torch.tensor([[1, 2, 3]]))
+    assert calls["gl_gelu_tanh"] == 4 * simd  # and one per block of the tiny model
 
 
 @pytest.mark.parametrize("bias", [False, True])

@@ -53,7 +53,7 @@ MAX_HEAD_SIZE = 256  # the C attention's limit (MAX_HS in attention.c)
 VARIANTS = tuple(kernel_build.VARIANTS)  # best first
 FEATURES = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512vnni", "avxvnni",
             "asimd", "asimddp", "avx512bf16")  # fmt: skip  # gl_cpu_features' bits, in order
-_ABI = 12
+_ABI = 13
 _P = ctypes.c_void_p
 _I = ctypes.c_int
 _L = ctypes.c_long
@@ -66,6 +66,9 @@ _SIGNATURES = {  # name: argument types; each returns 0, or -1 when out of memor
     "gl_dequantize_i8": [_P, _P, _P, _I, _I, _I],
     "gl_attend_one": [_P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _I],
     "gl_argmax_f32": [_P, _P, _I, _I],
+    "gl_gelu_tanh": [_P, _P, _L, _I, _I],  # x, y, n, bf16, threads
+    # q, its (batch, head, row) strides, k, strides, v, strides, out, B, nh, T, S, hs, threads
+    "gl_attend_prompt": [_P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I],
     # logits (V, n), targets, loss, peak, inv, n, V, grad, threads
     "gl_softmax_xent": [_P, _P, _P, _P, _P, _I, _I, _I, _I],
     # model, kv caches, x, B, T, pos, max_len, mask, rope, logits, all_logits, threads
@@ -491,6 +494,46 @@ def decode_attention_applies(qkv: torch.Tensor, kv, cache_pos) -> bool:
     )
 
 
+def prompt_attention_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, dropout_p: float) -> bool:
+    """Whether prompt_attention takes this causal attention: plain causal (no mask), no dropout,
+    several queries, fp32 or bf16 on CPU without autograd, each head's values adjacent, where the
+    kernels have SIMD."""
+    return (
+        mask is None
+        and dropout_p == 0.0
+        and q.size(2) > 1
+        and q.dtype in (torch.float32, torch.bfloat16)
+        and all(t.dtype is q.dtype and t.stride(-1) == 1 for t in (q, k, v))
+        and q.size(-1) <= MAX_HEAD_SIZE
+        and _inference_on_cpu(q)
+        and variant() not in (None, "portable")
+        and _library().float_ok
+    )
+
+
+def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal attention of q (B, nh, T, hs) over k, v (B, nh, S, hs), S >= T, query t seeing keys
+    0..S-T+t, as F.scaled_dot_product_attention(is_causal=True) for S == T, in C (gl_attend_prompt,
+    fp32; bf16 inputs are converted, the output rounded to bf16):
+    returns it as SDPA does, (B, nh, T, hs), a view of (B, T, nh, hs) memory (the heads side by
+    side, as c_proj takes them). A 512-token GPT-2 prompt's 12 layers took PyTorch's flash
+    attention 55 ms on an AMD EPYC Zen 5 held to AVX2, and this 35 ms."""
+    dtype = q.dtype
+    if dtype is torch.bfloat16:  # computed in fp32 (bf16 converts exactly), the output rounded once
+        q, k, v = q.float(), k.float(), v.float()
+    B, nh, T, hs = q.shape
+    S = k.size(2)
+    out = torch.empty(B, T, nh, hs)
+    strides = [torch.tensor(t.stride()[:3], dtype=torch.long) for t in (q, k, v)]  # (batch, head, row)
+    check(
+        _library().lib.gl_attend_prompt(
+            q.data_ptr(), strides[0].data_ptr(), k.data_ptr(), strides[1].data_ptr(), v.data_ptr(),
+            strides[2].data_ptr(), out.data_ptr(), B, nh, T, S, hs, torch.get_num_threads(),
+        )
+    )  # fmt: skip
+    return out.to(dtype).transpose(1, 2)
+
+
 def decode_attention(qkv: torch.Tensor, kv, cache_pos: int, mask: torch.Tensor | None, n_head: int) -> torch.Tensor:
     """One decoding step of causal self-attention for one layer, in C: writes the new key and
     value from qkv (B, 1, 3C) into the layer's cache (k, v), each (B, nh, max_len, hs), at slot
@@ -694,6 +737,21 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+    """F.gelu(x, approximate=approximate); GPT-2's tanh form in C for CPU inference in fp32 or bf16
+    (computed in fp32, rounded once, as PyTorch does) where the kernels have SIMD. A 512-token
+    GPT-2 prefill's GELUs took PyTorch 24 ms of ~500 on an AMD EPYC Zen 5 held to AVX2
+    (`ATEN_CPU_CAPABILITY=avx2`), and gl_gelu_tanh 6."""
+    if not (approximate == "tanh" and x.dtype in (torch.float32, torch.bfloat16) and x.is_contiguous()):
+        return F.gelu(x, approximate=approximate)
+    if not (_inference_on_cpu(x) and variant() not in (None, "portable") and _library().float_ok):
+        return F.gelu(x, approximate=approximate)  # portable C: ~4x slower than PyTorch's
+    y = torch.empty_like(x)
+    bf16 = x.dtype is torch.bfloat16
+    check(_library().lib.gl_gelu_tanh(x.data_ptr(), y.data_ptr(), x.numel(), int(bf16), torch.get_num_threads()))
+    return y
+
+
 def dequantize_int4(weight, scales, zeros, group_size: int) -> torch.Tensor:
     """The fp32 (N, K) matrix of an int4 layer (as gptlab.quantize.dequantize_int4), in C."""
     N, K = weight.size(0), weight.size(1) * 2
@@ -803,13 +861,15 @@ def bf16_linear_in_fp32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     fits WHOLE_BYTES, and multiplied as F.linear; else a slab of rows at a time (SLAB_BYTES, so it
     stays in cache), multiplied transposed, W x^T, as MKL runs that faster. AMD EPYC, 512 rows,
     2026-12-02: the 50,257-row head (scoring) 720 -> 472 ms in slabs; GPT-2's block layers
-    together 79.3 ms in slabs, 70.5 converted whole, 66.7 for fp32 weights."""
+    together 79.3 ms in slabs, 70.5 converted whole, 66.7 for fp32 weights. A whole weight is
+    multiplied as an fp32 layer is (`linear`): in gl_sgemm from PROMPT_GEMM_ROWS rows where
+    gemm_choice() gives gptlab."""
     K, N = weight.size(1), weight.size(0)
     xf = x.reshape(-1, K).float()  # (M, K)
     if N * K * 4 <= WHOLE_BYTES:
         w = _fp32_buffer(N * K)[: N * K].view(N, K)
         w.copy_(weight)  # bf16 -> fp32, exact
-        y = F.linear(xf, w, None if bias is None else bias.float())  # (M, N)
+        y = linear(xf, w, None if bias is None else bias.float())  # (M, N); a long prompt's in gl_sgemm
         return y.to(torch.bfloat16).view(*x.shape[:-1], N)  # rounded once
     rows = max(16, SLAB_BYTES // (4 * K))
     slab = _fp32_buffer(rows * K)

@@ -236,6 +236,8 @@ class CausalSelfAttention(nn.Module):
                 probs_out.append(probs)
         elif T == 1 and q.dtype != torch.float32 and q.device.type == "cpu":
             y = single_query_attention(q, k, v, mask)  # (B, nh, 1, hs)
+        elif kernels.prompt_attention_applies(q, k, v, mask, self.dropout if self.training else 0.0):
+            y = kernels.prompt_attention(q, k, v)  # (B, nh, T, hs): a prompt's causal attention in C
         else:
             y = attention(q, k, v, mask, self.dropout if self.training else 0.0)  # (B, nh, T, hs)
         y = self.hook_z(y.transpose(1, 2)).contiguous().view(B, T, C)  # (B, T, nh, hs): heads side by side
@@ -264,7 +266,7 @@ class MLP(nn.Module):
             gate, up = h.chunk(2, dim=-1)
             h = F.silu(self.hook_pre(gate)) * self.hook_pre_linear(up)
         else:
-            h = F.gelu(self.hook_pre(h), approximate=self.gelu_approximate)
+            h = kernels.gelu(self.hook_pre(h), approximate=self.gelu_approximate)
         return self.dropout(self.c_proj(self.hook_post(h)))  # (B, T, C)
 
 

@@ -1,4 +1,5 @@
-/* Decoding attention over a layer's KV cache, and greedy sampling's argmax. */
+/* Decoding attention over a layer's KV cache, a prompt's causal attention, and greedy sampling's
+ * argmax. */
 #include "common.h"
 
 #define MAX_HS 256 /* kernels.MAX_HEAD_SIZE */
@@ -75,6 +76,83 @@ int gl_attend_one(const void *qkv, void *k_cache, void *v_cache, int pos, const 
     const int C = nh * hs;
     return gl_attend_rows(qkv, 3 * C, k_cache, v_cache, pos, mask, pos + 1, out, C, B, nh, hs, max_len, bf16,
                           nthreads);
+}
+
+/* ---------------------------------------------------------------- a prompt's causal attention */
+
+#define AP_ROWS 48 /* queries per task: a multiple of gemm.c's 6-row tiles; their scores stay in L2 */
+
+/* The strides of a (B, nh, rows, hs) operand, in elements, its hs values adjacent. */
+typedef struct {
+    long b, h, row;
+} ap_strides_t;
+
+/* A row of scores (`keys` of them) into e^((s - max) scale) over its first `seen`, zeros past them;
+ * returns the sum of the exponentials (the caller divides by it). */
+static float softmax_seen(float *row, int seen, int keys, float scale) {
+    int j = 0;
+    vf vmax = vf_set1(-INFINITY);
+    for (; j + VW <= seen; j += VW) vmax = vf_max(vmax, vf_load(row + j));
+    float top = vf_hmax(vmax);
+    for (; j < seen; j++) top = row[j] > top ? row[j] : top;
+    const vf shift = vf_set1(-top * scale), sc = vf_set1(scale);
+    vf sum = vf_zero();
+    for (j = 0; j + VW <= seen; j += VW) {
+        const vf e = vf_exp(vf_fma(vf_load(row + j), sc, shift));
+        vf_store(row + j, e);
+        sum = vf_add(sum, e);
+    }
+    float total = vf_sum(sum);
+    for (; j < seen; j++) total += row[j] = expf((row[j] - top) * scale);
+    memset(row + seen, 0, sizeof(float) * (size_t)(keys - seen));
+    return total;
+}
+
+/* Causal attention of T queries per (batch row, head) over S >= T keys, fp32:
+ *   out[b, t, h, :] = softmax(q_t . k_j / sqrt(hs), j <= S - T + t) . v_j
+ * q (B, nh, T, hs), k and v (B, nh, S, hs) at any strides (e.g. views of c_attn's output, or the
+ * KV cache), out (B, T, nh, hs) contiguous: the heads side by side, as c_proj takes them. Each task
+ * is AP_ROWS queries of one head: their scores against the keys they can see, then those
+ * probabilities times the values, both in gemm.c's blocked product on one thread; the rows of
+ * scores a query cannot see are zeroed after its softmax. Returns 0, or -1 out of memory. */
+int gl_attend_prompt(const float *q, const long *qs, const float *k, const long *ks, const float *v,
+                     const long *vs, float *out, int B, int nh, int T, int S, int hs, int nthreads) {
+    const ap_strides_t sq = {qs[0], qs[1], qs[2]}, sk = {ks[0], ks[1], ks[2]}, sv = {vs[0], vs[1], vs[2]};
+    const int blocks = (T + AP_ROWS - 1) / AP_ROWS, tasks = B * nh * blocks;
+    const float scale = 1.0f / sqrtf((float)hs);
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads)
+    {
+        float *scores = malloc(sizeof(float) * (size_t)AP_ROWS * S);
+#pragma omp for schedule(dynamic, 1)
+        for (int task = 0; task < tasks; task++) { /* the last (longest) query blocks first */
+            const int blk = blocks - 1 - task / (B * nh), bh = task % (B * nh), b = bh / nh, h = bh % nh;
+            const int t0 = blk * AP_ROWS, m = T - t0 < AP_ROWS ? T - t0 : AP_ROWS, keys = S - T + t0 + m;
+            const float *qb = q + b * sq.b + h * sq.h + t0 * sq.row;
+            const float *kb = k + b * sk.b + h * sk.h, *vb = v + b * sv.b + h * sv.h;
+            if (!scores || gemm(&GEMM_F32, m, keys, hs, qb, sq.row, 1, kb, 1, sk.row, scores, keys, 0, 1)) {
+#pragma omp atomic write
+                failed = 1;
+                continue;
+            }
+            float inv[AP_ROWS]; /* query t0 + i sees keys [0, S - T + t0 + i] */
+            for (int i = 0; i < m; i++)
+                inv[i] = 1.0f / softmax_seen(scores + (size_t)i * keys, S - T + t0 + i + 1, keys, scale);
+            float *ob = out + (((size_t)b * T + t0) * nh + h) * hs;
+            const long ldo = (long)nh * hs;
+            if (gemm(&GEMM_F32, m, hs, keys, scores, keys, 1, vb, sv.row, 1, ob, ldo, 0, 1)) {
+#pragma omp atomic write
+                failed = 1;
+                continue;
+            }
+            for (int i = 0; i < m; i++) { /* the probabilities' normalization, on hs values instead of keys */
+                float *o = ob + i * ldo;
+                for (int d = 0; d < hs; d += VW) vf_store_n(o + d, vf_mul(vf_load_n(o + d, hs - d), vf_set1(inv[i])), hs - d);
+            }
+        }
+        free(scores);
+    }
+    return failed ? -1 : 0;
 }
 
 /* out[m] = the index of the largest of x[m, 0..N) (the first one on ties, as torch.argmax; NaN wins). */

@@ -7,8 +7,10 @@
  *   cpu.c          gl_abi, gl_variant, gl_cpu_features (cpuid, HWCAP), scratch, huge pages
  *   linear.c       gl_linear_f32, gl_linear_bf16: fp32 and bf16 weights
  *   quantized.c    gl_linear_i8, gl_linear_i4 with 8-bit activations; gl_dequantize_i4/_i8
- *   attention.c    gl_attend_one (a decoding step's attention over the KV cache), gl_argmax_f32
- *   decode_step.c  gl_decode_step: a whole model's forward of a few new tokens over its KV cache
+ *   attention.c    gl_attend_one (a decoding step's attention over the KV cache), gl_attend_prompt
+ *                  (a prompt's causal attention, on gemm.c's products), gl_argmax_f32
+ *   decode_step.c  gl_decode_step: a whole model's forward of a few new tokens over its KV cache;
+ *                  gl_gelu_tanh, its GELU, for the PyTorch forward's prompts
  *   loss.c         gl_softmax_xent: softmax cross-entropy, with what its gradient needs (training) or without (scoring)
  *   gemm.c         gl_sgemm, gl_gemm_bf16: blocked matrix products in fp32, and in bf16 with vdpbf16ps
  *                  (AVX512-BF16), for the training head's three products
@@ -18,7 +20,7 @@
 #include "cpu.c"
 #include "linear.c"
 #include "quantized.c"
+#include "gemm.c"
 #include "attention.c"
 #include "decode_step.c"
 #include "loss.c"
-#include "gemm.c"
