@@ -57,15 +57,26 @@ def _spy(fn, calls):
     return wrapped
 
 
+def added(out: torch.Tensor, accumulate: bool, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """What mm adds to the product: out's values when accumulating, plus the bias on every row."""
+    if not accumulate and bias is None:
+        return None
+    return (out.clone() if accumulate else torch.zeros_like(out)) + (0 if bias is None else bias)
+
+
 @pytest.mark.usefixtures("kernel_variant")
+@pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("accumulate", [False, True])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s[:3])) + "aT" * s[3] + "bT" * s[4])
-def test_sgemm_is_the_product_on_every_variant(gptlab_gemm, shape, accumulate):
+def test_sgemm_is_the_product_on_every_variant(gptlab_gemm, shape, accumulate, with_bias):
+    """(+)= a b, plus a bias on every row (in the tiles' first block over K: once, past 4,096
+    columns too)."""
     a, b = operands(*shape)
     out = torch.randn(shape[0], shape[1])
-    before = out.clone() if accumulate else None
-    want = a.double() @ b.double() + (before.double() if accumulate else 0)
-    kernels.mm(a, b, out, accumulate=accumulate)
+    bias = torch.randn(shape[1]) if with_bias else None
+    before = added(out, accumulate, bias)
+    want = a.double() @ b.double() + (0 if before is None else before.double())
+    kernels.mm(a, b, out, accumulate=accumulate, bias=bias)
     assert gptlab_gemm == [True]  # gl_sgemm ran, not torch.mm
     assert_close_to_float64(out, want, a, b, before)
 
@@ -133,8 +144,12 @@ def test_mm_falls_back_to_torch_where_sgemm_does_not_apply(gptlab_gemm, monkeypa
     kernels.mm(ad, b.double(), outd)
     torch.testing.assert_close(outd, ad @ b.double())
     monkeypatch.setenv("GPTLAB_GEMM", "torch")  # chosen off
-    kernels.mm(a, b, torch.empty(9, 8))
+    out, bias = torch.randn(9, 8), torch.randn(8)
+    want = out + a @ b + bias
+    torch.testing.assert_close(kernels.mm(a, b, out, accumulate=True, bias=bias), want)
     assert gptlab_gemm == [False, False, False]
+    with pytest.raises(ValueError, match=r"bias must be a contiguous fp32 \(8,\), not torch.float32 \(9,\)"):
+        kernels.mm(a, b, out, bias=torch.randn(9))
 
 
 @pytest.mark.usefixtures("kernel_variant")
@@ -200,17 +215,19 @@ def test_gemm_bf16_runs_where_the_cpu_has_avx512_bf16():
     assert BF16_VARIANTS == expected
 
 
+@pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("accumulate", [False, True])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s[:3])) + "aT" * s[3] + "bT" * s[4])
-def test_gemm_bf16_is_the_product_of_bf16_operands(bf16_gemm, shape, accumulate):
+def test_gemm_bf16_is_the_product_of_bf16_operands(bf16_gemm, shape, accumulate, with_bias):
     """Both packings of A (its rows adjacent: by k; else by rows), odd depths (a pair half past K),
-    edge tiles (12 x 32), B whole and blocked: the float64 product of the bf16-rounded operands, to
-    fp32 summation (measured <= 2.2e-7 of each element's sum of |a b|)."""
+    edge tiles (12 x 32), B whole and blocked, a bias (fp32): the float64 product of the
+    bf16-rounded operands, to fp32 summation (measured <= 2.2e-7 of each element's sum of |a b|)."""
     a, b = operands(*shape)
     out = torch.randn(shape[0], shape[1])
-    before = out.clone() if accumulate else None
-    want = bf16_rounded(a) @ bf16_rounded(b) + (before.double() if accumulate else 0)
-    kernels.mm(a, b, out, accumulate=accumulate, bf16=True)
+    bias = torch.randn(shape[1]) if with_bias else None
+    before = added(out, accumulate, bias)
+    want = bf16_rounded(a) @ bf16_rounded(b) + (0 if before is None else before.double())
+    kernels.mm(a, b, out, accumulate=accumulate, bf16=True, bias=bias)
     assert bf16_gemm == [True]
     assert_close_to_float64(out, want, bf16_rounded(a), bf16_rounded(b), before)
 

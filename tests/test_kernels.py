@@ -317,6 +317,20 @@ def test_prompts_attend_in_c_where_the_attention_is_plain_causal(calls, kernel_v
     assert calls["gl_attend_prompt"] == 4 * simd
 
 
+@needs_float
+def test_the_gelu_overwrites_c_fc_output_only_where_no_hook_sees_it(kernel_variant):
+    """The MLP's GELU runs in place on c_fc's fresh output, unless a hook on hook_pre holds it."""
+    model = tiny_model()
+    idx = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad():
+        logits = model(idx)[0]
+        seen = []
+        model.transformer.h[0].mlp.hook_pre.add_hook(lambda act, hook: seen.append(act))
+        assert torch.equal(model(idx)[0], logits)
+    # still c_fc's output: the GELU leaves nothing under its minimum, -0.17
+    assert len(seen) == 1 and seen[0].min() < -0.2  # measured -0.29
+
+
 def test_argmax_matches_torch_including_ties():
     torch.manual_seed(6)
     logits = torch.randn(4, 50257)

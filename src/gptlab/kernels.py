@@ -73,9 +73,9 @@ _SIGNATURES = {  # name: argument types; each returns 0, or -1 when out of memor
     "gl_softmax_xent": [_P, _P, _P, _P, _P, _I, _I, _I, _I],
     # model, kv caches, x, B, T, pos, max_len, mask, rope, logits, all_logits, threads
     "gl_decode_step": [_P, _P, _P, _P, _I, _I, _I, _I, _P, _P, _P, _I, _I],
-    # M, N, K, a, a's row and column strides, b, its strides, c, c's row stride, accumulate, threads
-    "gl_sgemm": [_I, _I, _I, _P, _L, _L, _P, _L, _L, _P, _L, _I, _I],
-    "gl_gemm_bf16": [_I, _I, _I, _P, _L, _L, _P, _L, _L, _P, _L, _I, _I],  # as gl_sgemm; -2: no AVX512-BF16
+    # M, N, K, a, a's row and column strides, b, its strides, c, c's row stride, bias, accumulate, threads
+    "gl_sgemm": [_I, _I, _I, _P, _L, _L, _P, _L, _L, _P, _L, _P, _I, _I],
+    "gl_gemm_bf16": [_I, _I, _I, _P, _L, _L, _P, _L, _L, _P, _L, _P, _I, _I],  # as gl_sgemm; -2: no AVX512-BF16
     "gl_has_gemm_bf16": [],
     "gl_set_decode_rows": [_I],  # 1 or ROWS, 0 for the CPU's default; returns the rows in use or -1
     "gl_decode_rows": [],
@@ -656,40 +656,51 @@ def gemm_choice() -> str:
 
 
 def mm(
-    a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate: bool = False, bf16: bool = False
+    a: torch.Tensor,
+    b: torch.Tensor,
+    out: torch.Tensor,
+    accumulate: bool = False,
+    bf16: bool = False,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """out = a @ b, or out += a @ b when accumulate; a (M, K), b (K, N) and out (M, N) 2-D with any
-    strides (out's rows contiguous), no autograd. On CPU fp32 in gl_sgemm where gemm_choice() says
-    gptlab (whatever the thread count, each element sums in the same order), else torch.mm/addmm_.
+    """out = a @ b (+ bias), or out += a @ b (+ bias) when accumulate; a (M, K), b (K, N) and out
+    (M, N) 2-D with any strides (out's rows contiguous), bias (N,) fp32 contiguous or None, no
+    autograd. On CPU fp32 in gl_sgemm where gemm_choice() says gptlab (whatever the thread count,
+    each element sums in the same order), else torch.mm/addmm_.
 
     bf16: a and b fp32, each rounded to bf16 before it is multiplied, the sums in fp32 (bf16
     autocast's product, without its bf16 result): in gl_gemm_bf16 where gemm_bf16_runs(), else
     through torch's bf16 product."""
+    if bias is not None and not (bias.dtype is torch.float32 and bias.shape == out.shape[1:] and bias.is_contiguous()):
+        raise ValueError(f"mm: bias must be a contiguous fp32 ({out.size(1)},), not {bias.dtype} {tuple(bias.shape)}")
     if bf16:
-        return _mm_bf16(a, b, out, accumulate)
+        return _mm_bf16(a, b, out, accumulate, bias)
     if _sgemm_runs(a, b, out):
-        _gemm(_library().lib.gl_sgemm, a, b, out, accumulate)
+        _gemm(_library().lib.gl_sgemm, a, b, out, accumulate, bias)
         return out
-    return out.addmm_(a, b) if accumulate else torch.mm(a, b, out=out)
+    out = out.addmm_(a, b) if accumulate else torch.mm(a, b, out=out)
+    return out if bias is None else out.add_(bias)
 
 
-def _gemm(fn, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate: bool) -> None:
+def _gemm(fn, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate: bool, bias) -> None:
     (M, K), N = a.shape, b.size(1)
     status = fn(
         M, N, K, a.data_ptr(), a.stride(0), a.stride(1), b.data_ptr(), b.stride(0), b.stride(1),
-        out.data_ptr(), out.stride(0), int(accumulate), torch.get_num_threads(),
+        out.data_ptr(), out.stride(0), None if bias is None else bias.data_ptr(), int(accumulate),
+        torch.get_num_threads(),
     )  # fmt: skip
     check(status)
 
 
-def _mm_bf16(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate: bool) -> torch.Tensor:
+def _mm_bf16(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate: bool, bias) -> torch.Tensor:
     if not all(t.dtype == torch.float32 for t in (a, b, out)):
         raise ValueError(f"mm(bf16=True) takes fp32 operands, not {a.dtype}, {b.dtype} -> {out.dtype}")
     if gemm_bf16_runs(out.device) and _sgemm_runs(a, b, out):
-        _gemm(_library().lib.gl_gemm_bf16, a, b, out, accumulate)
+        _gemm(_library().lib.gl_gemm_bf16, a, b, out, accumulate, bias)
         return out
     product = (a.bfloat16() @ b.bfloat16()).float()  # (M, N)
-    return out.add_(product) if accumulate else out.copy_(product)
+    out = out.add_(product) if accumulate else out.copy_(product)
+    return out if bias is None else out.add_(bias)
 
 
 def gemm_bf16_choice() -> str:
@@ -737,16 +748,17 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
-    """F.gelu(x, approximate=approximate); GPT-2's tanh form in C for CPU inference in fp32 or bf16
-    (computed in fp32, rounded once, as PyTorch does) where the kernels have SIMD. A 512-token
-    GPT-2 prefill's GELUs took PyTorch 24 ms of ~500 on an AMD EPYC Zen 5 held to AVX2
-    (`ATEN_CPU_CAPABILITY=avx2`), and gl_gelu_tanh 6."""
+def gelu(x: torch.Tensor, approximate: str = "none", inplace: bool = False) -> torch.Tensor:
+    """F.gelu(x, approximate=approximate), into x itself when inplace (where the C kernel runs);
+    GPT-2's tanh form in C for CPU inference in fp32 or bf16 (computed in fp32, rounded once, as
+    PyTorch does) where the kernels have SIMD. A 512-token GPT-2 prefill's GELUs took PyTorch 24
+    ms of ~500 on an AMD EPYC Zen 5 held to AVX2 (`ATEN_CPU_CAPABILITY=avx2`), gl_gelu_tanh 6 in
+    place and 15 into fresh tensors (their page faults)."""
     if not (approximate == "tanh" and x.dtype in (torch.float32, torch.bfloat16) and x.is_contiguous()):
         return F.gelu(x, approximate=approximate)
     if not (_inference_on_cpu(x) and variant() not in (None, "portable") and _library().float_ok):
         return F.gelu(x, approximate=approximate)  # portable C: ~4x slower than PyTorch's
-    y = torch.empty_like(x)
+    y = x if inplace else torch.empty_like(x)
     bf16 = x.dtype is torch.bfloat16
     check(_library().lib.gl_gelu_tanh(x.data_ptr(), y.data_ptr(), x.numel(), int(bf16), torch.get_num_threads()))
     return y
@@ -833,11 +845,8 @@ def sgemm_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     """F.linear of fp32 x (..., K) and weight (N, K) in gl_sgemm: y = b + x W^T."""
     N, K = weight.shape
     x2 = x.reshape(-1, K)  # (M, K)
-    if bias is None:
-        y = torch.empty(x2.size(0), N)
-    else:
-        y = bias.detach().float().expand(x2.size(0), N).contiguous()  # (M, N), the products added to it
-    mm(x2, weight.detach().t(), y, accumulate=bias is not None)
+    y = torch.empty(x2.size(0), N)  # (M, N)
+    mm(x2, weight.detach().t(), y, bias=None if bias is None else bias.detach().float().contiguous())
     return y.view(*x.shape[:-1], N)
 
 

@@ -266,7 +266,8 @@ class MLP(nn.Module):
             gate, up = h.chunk(2, dim=-1)
             h = F.silu(self.hook_pre(gate)) * self.hook_pre_linear(up)
         else:
-            h = kernels.gelu(self.hook_pre(h), approximate=self.gelu_approximate)
+            h = self.hook_pre(h)  # c_fc's fresh output: the GELU may overwrite it unless a hook sees it
+            h = kernels.gelu(h, approximate=self.gelu_approximate, inplace=not self.hook_pre.active)
         return self.dropout(self.c_proj(self.hook_post(h)))  # (B, T, C)
 
 

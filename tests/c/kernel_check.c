@@ -22,7 +22,8 @@ typedef int (*linear_i4_t)(const float *, const uint8_t *, const uint16_t *, con
 typedef int (*softmax_xent_t)(float *, const int64_t *, float *, float *, float *, int, int, int, int);
 typedef int (*attend_one_t)(const void *, void *, void *, int, const uint8_t *, void *, int, int, int, int, int, int);
 typedef int (*argmax_t)(const float *, int64_t *, int, int);
-typedef int (*sgemm_t)(int, int, int, const float *, long, long, const float *, long, long, float *, long, int, int);
+typedef int (*sgemm_t)(int, int, int, const float *, long, long, const float *, long, long, float *, long,
+                       const float *, int, int);
 
 typedef struct {
     const char *path, *variant;
@@ -221,16 +222,18 @@ static void check_argmax(const lib_t *ref, const lib_t *l, int M, int N) {
     free(x), free(a0), free(a);
 }
 
-/* C (M, N) (+)= A B with A stored (M, K) or transposed (K, M), B (K, N) or (N, K), against float64:
- * within 1e-6 of the sum of |a b| over each element's products (fp32 sums: measured <= 1.9e-7).
+/* C (M, N) (+)= A B (+ a bias for odd M) with A stored (M, K) or transposed (K, M), B (K, N) or
+ * (N, K), against float64: within 1e-6 of the sum of |a b| over each element's products (fp32
+ * sums: measured <= 1.9e-7).
  * bf16: gl_gemm_bf16, against the float64 product of A and B rounded to bf16 (measured <= 1.2e-7). */
 static void check_gemm(const lib_t *l, int M, int N, int K, int a_t, int b_t, int accumulate, int bf16_operands) {
     float *a = floats((size_t)M * K, 1), *b = floats((size_t)K * N, 1), *c = floats((size_t)M * N, 1);
+    float *bias = M & 1 ? floats((size_t)N, 1) : NULL;
     double *want = malloc(sizeof(double) * M * N), *scale = malloc(sizeof(double) * M * N);
     const long rsa = a_t ? 1 : K, csa = a_t ? M : 1, rsb = b_t ? 1 : N, csb = b_t ? K : 1;
     for (int i = 0; i < M; i++)
         for (int j = 0; j < N; j++) {
-            double s = accumulate ? c[i * N + j] : 0, m = fabs(s);
+            double s = (accumulate ? c[i * N + j] : 0) + (bias ? bias[j] : 0), m = fabs(s);
             for (int k = 0; k < K; k++) {
                 float x = a[i * rsa + k * csa], y = b[k * rsb + j * csb];
                 if (bf16_operands) x = from_bf16(bf16(x)), y = from_bf16(bf16(y));
@@ -239,17 +242,17 @@ static void check_gemm(const lib_t *l, int M, int N, int K, int a_t, int b_t, in
             }
             want[i * N + j] = s, scale[i * N + j] = m;
         }
-    (bf16_operands ? l->gemm_bf16 : l->sgemm)(M, N, K, a, rsa, csa, b, rsb, csb, c, N, accumulate, 2);
+    (bf16_operands ? l->gemm_bf16 : l->sgemm)(M, N, K, a, rsa, csa, b, rsb, csb, c, N, bias, accumulate, 2);
     double w = 0;
     for (int i = 0; i < M * N; i++) {
         const double e = fabs(c[i] - want[i]) / (1e-6 * scale[i] + 1e-30);
         if (!(e <= w)) w = e;
     }
     char shape[64];
-    snprintf(shape, sizeof shape, "M=%d N=%d K=%d%s%s%s", M, N, K, a_t ? " a^T" : "", b_t ? " b^T" : "",
-             accumulate ? " +=" : "");
+    snprintf(shape, sizeof shape, "M=%d N=%d K=%d%s%s%s%s", M, N, K, a_t ? " a^T" : "", b_t ? " b^T" : "",
+             accumulate ? " +=" : "", bias ? " +bias" : "");
     report(bf16_operands ? "gemm_bf16 vs float64" : "sgemm vs float64", l, shape, w);
-    free(a), free(b), free(c), free(want), free(scale);
+    free(a), free(b), free(c), free(want), free(scale), free(bias);
 }
 
 /* The head's three layouts (W x^T, e^T W, e x), B packed whole and a block at a time (B over 2 MB,

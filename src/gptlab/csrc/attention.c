@@ -130,7 +130,7 @@ int gl_attend_prompt(const float *q, const long *qs, const float *k, const long 
             const int t0 = blk * AP_ROWS, m = T - t0 < AP_ROWS ? T - t0 : AP_ROWS, keys = S - T + t0 + m;
             const float *qb = q + b * sq.b + h * sq.h + t0 * sq.row;
             const float *kb = k + b * sk.b + h * sk.h, *vb = v + b * sv.b + h * sv.h;
-            if (!scores || gemm(&GEMM_F32, m, keys, hs, qb, sq.row, 1, kb, 1, sk.row, scores, keys, 0, 1)) {
+            if (!scores || gemm(&GEMM_F32, m, keys, hs, qb, sq.row, 1, kb, 1, sk.row, scores, keys, NULL, 0, 1)) {
 #pragma omp atomic write
                 failed = 1;
                 continue;
@@ -140,7 +140,7 @@ int gl_attend_prompt(const float *q, const long *qs, const float *k, const long 
                 inv[i] = 1.0f / softmax_seen(scores + (size_t)i * keys, S - T + t0 + i + 1, keys, scale);
             float *ob = out + (((size_t)b * T + t0) * nh + h) * hs;
             const long ldo = (long)nh * hs;
-            if (gemm(&GEMM_F32, m, hs, keys, scores, keys, 1, vb, sv.row, 1, ob, ldo, 0, 1)) {
+            if (gemm(&GEMM_F32, m, hs, keys, scores, keys, 1, vb, sv.row, 1, ob, ldo, NULL, 0, 1)) {
 #pragma omp atomic write
                 failed = 1;
                 continue;

@@ -34,7 +34,7 @@ typedef struct {
     int a_rows; /* A's panels hold each row's k values together, GEMM_KC of them, instead of each k's mr rows */
     void (*pack_a)(const float *a, long rsa, long csa, int m, int kc, void *ap);
     void (*pack_b)(const float *b, long rsb, long csb, int n, int kc, int p0, int p1, void *bp);
-    void (*tile)(int kc, const void *a, const void *b, float *c, long ldc, int first, int m, int n);
+    void (*tile)(int kc, const void *a, const void *b, float *c, long ldc, int first, const float *bias, int m, int n);
 } gemm_kind_t;
 
 /* 32-bit elements of a packed panel `width` wide over kc values of k. */
@@ -47,9 +47,11 @@ static size_t a_panel_elems(const gemm_kind_t *kind, int kc) {
     return panel_elems(kind, kind->a_rows ? GEMM_KC : kc, kind->mr);
 }
 
-/* The MR x NR tile c (row stride ldc) = (first ? 0 : c) + a b over kc: a packed [kc][MR], b packed
- * [kc][NR]. Only the first m rows and n columns are written (the packed padding is zeros). */
-static void gemm_tile(int kc, const void *ap, const void *bp, float *c, long ldc, int first, int m, int n) {
+/* The MR x NR tile c (row stride ldc) = (first ? 0 : c) + a b (+ bias, NR values, unless NULL) over
+ * kc: a packed [kc][MR], b packed [kc][NR]. Only the first m rows and n columns are written (the
+ * packed padding is zeros). */
+static void gemm_tile(int kc, const void *ap, const void *bp, float *c, long ldc, int first, const float *bias, int m,
+                      int n) {
     const float *a = ap, *b = bp;
     vf acc[GEMM_MR][2];
 #pragma GCC unroll 6
@@ -62,6 +64,10 @@ static void gemm_tile(int kc, const void *ap, const void *bp, float *c, long ldc
             acc[i][0] = vf_fma(ai, b0, acc[i][0]);
             acc[i][1] = vf_fma(ai, b1, acc[i][1]);
         }
+    }
+    if (bias) {
+        const vf bias0 = vf_load_n(bias, n), bias1 = vf_load_n(bias + VW, n - VW);
+        for (int i = 0; i < GEMM_MR; i++) acc[i][0] = vf_add(acc[i][0], bias0), acc[i][1] = vf_add(acc[i][1], bias1);
     }
     if (m == GEMM_MR && n == GEMM_NR) {
 #pragma GCC unroll 6
@@ -118,7 +124,7 @@ static void gemm_pack_b(const float *b, long rsb, long csb, int n, int kc, int p
 typedef struct {
     const gemm_kind_t *kind;
     int M, N, K, r0, r1, accumulate;
-    const float *a, *b;
+    const float *a, *b, *bias;
     long rsa, csa, rsb, csb, ldc;
     float *c;
 } gemm_t;
@@ -163,8 +169,9 @@ static void gemm_block(const gemm_t *g, int ic, int mc, int jc, int nc, int pc, 
         const int nr = nc - p * NR < NR ? nc - p * NR : NR;
         for (int ir = 0; ir < mc; ir += MR) {
             gemm_fetch(&next, per_tile);
+            const float *bias = g->bias && pc == 0 ? g->bias + jc + p * NR : NULL; /* added once, with the first kc */
             kind->tile(kc, ap + ir / MR * a_panel, bp + p * b_panel, g->c + (ic + ir) * g->ldc + jc + p * NR, g->ldc,
-                       first, mc - ir < MR ? mc - ir : MR, nr);
+                       first, bias, mc - ir < MR ? mc - ir : MR, nr);
         }
     }
 }
@@ -194,17 +201,18 @@ static void gemm_rows_blocked(const gemm_t *g, int jc, int nc, int pc, const uin
 
 static void *alloc_elems(size_t n) { return aligned_alloc(64, (n * 4 + 63) / 64 * 64); }
 
-/* C (M, N) = A (M, K) B (K, N), or C += A B when accumulate, as `kind` multiplies: element (i, k)
- * of A at a[i rsa + k csa], (k, j) of B at b[k rsb + j csb], (i, j) of C at c[i ldc + j]. Each
+/* C (M, N) = A (M, K) B (K, N) + bias, or C += A B + bias when accumulate, as `kind` multiplies
+ * (bias: N values added to every row, or NULL for none): element (i, k) of A at a[i rsa + k csa],
+ * (k, j) of B at b[k rsb + j csb], (i, j) of C at c[i ldc + j]. Each
  * thread takes a contiguous range of C's rows, so the summation order of every element is that of
  * one thread's loop: results do not depend on nthreads. B is packed whole once where it fits
  * GEMM_B_WHOLE, else a kc x nc block at a time. Returns 0, or -1 out of memory. */
 static int gemm(const gemm_kind_t *kind, int M, int N, int K, const float *a, long rsa, long csa, const float *b,
-                long rsb, long csb, float *c, long ldc, int accumulate, int nthreads) {
+                long rsb, long csb, float *c, long ldc, const float *bias, int accumulate, int nthreads) {
     if (M <= 0 || N <= 0) return 0;
     if (K <= 0) {
-        if (!accumulate)
-            for (int i = 0; i < M; i++) memset(c + i * ldc, 0, sizeof(float) * N);
+        for (int i = 0; i < M; i++)
+            for (int j = 0; j < N; j++) c[i * ldc + j] = (accumulate ? c[i * ldc + j] : 0.0f) + (bias ? bias[j] : 0.0f);
         return 0;
     }
     const int MR = kind->mr, NR = kind->nr;
@@ -220,7 +228,7 @@ static int gemm(const gemm_kind_t *kind, int M, int N, int K, const float *a, lo
     {
         const int nt = omp_get_num_threads(), id = omp_get_thread_num();
         const int r0 = (int)((long)tiles * id / nt) * MR, r1 = (int)((long)tiles * (id + 1) / nt) * MR;
-        const gemm_t g = {kind, M, N, K, r0, r1 < M ? r1 : M, accumulate, a, b, rsa, csa, rsb, csb, ldc, c};
+        const gemm_t g = {kind, M, N, K, r0, r1 < M ? r1 : M, accumulate, a, b, bias, rsa, csa, rsb, csb, ldc, c};
         uint32_t *ap = alloc_elems((GEMM_MC / MR + 1) * a_panel_elems(kind, kc_max));
         if (!ap) {
 #pragma omp atomic write
@@ -256,10 +264,10 @@ static int gemm(const gemm_kind_t *kind, int M, int N, int K, const float *a, lo
 
 static const gemm_kind_t GEMM_F32 = {GEMM_MR, GEMM_NR, 1, 0, gemm_pack_a, gemm_pack_b, gemm_tile};
 
-/* fp32: C (M, N) = A (M, K) B (K, N), or C += A B when accumulate (see gemm). */
+/* fp32: C (M, N) = A (M, K) B (K, N) + bias, or C += A B + bias when accumulate (see gemm). */
 int gl_sgemm(int M, int N, int K, const float *a, long rsa, long csa, const float *b, long rsb, long csb, float *c,
-             long ldc, int accumulate, int nthreads) {
-    return gemm(&GEMM_F32, M, N, K, a, rsa, csa, b, rsb, csb, c, ldc, accumulate, nthreads);
+             long ldc, const float *bias, int accumulate, int nthreads) {
+    return gemm(&GEMM_F32, M, N, K, a, rsa, csa, b, rsb, csb, c, ldc, bias, accumulate, nthreads);
 }
 
 /* ---------------------------------------------------------------- bf16 products (AVX512-BF16) */
@@ -359,7 +367,8 @@ static void gemm_pack_b_bf16(const float *b, long rsb, long csb, int n, int kc, 
  * vdpbf16ps adds both products of a pair to each lane. */
 __attribute__((target("avx512f,avx512bf16"))) static inline void tile_bf16(int kc, const uint32_t *a, const int si,
                                                                             const int sk, const uint32_t *b, float *c,
-                                                                            long ldc, int first, int m, int n) {
+                                                                            long ldc, int first, const float *bias,
+                                                                            int m, int n) {
     __m512 acc[BF_MR][2];
 #pragma GCC unroll 12
     for (int i = 0; i < BF_MR; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
@@ -374,10 +383,14 @@ __attribute__((target("avx512f,avx512bf16"))) static inline void tile_bf16(int k
     }
     const __mmask16 m0 = n >= 16 ? 0xffff : (__mmask16)((1u << n) - 1);
     const __mmask16 m1 = n >= 32 ? 0xffff : n <= 16 ? 0 : (__mmask16)((1u << (n - 16)) - 1);
+    const __m512 bias0 = bias ? _mm512_maskz_loadu_ps(m0, bias) : _mm512_setzero_ps();
+    const __m512 bias1 = bias ? _mm512_maskz_loadu_ps(m1, bias + 16) : _mm512_setzero_ps();
 #pragma GCC unroll 12
     for (int i = 0; i < BF_MR; i++) {
         if (i >= m) break;
         float *ci = c + i * ldc;
+        acc[i][0] = _mm512_add_ps(acc[i][0], bias0);
+        acc[i][1] = _mm512_add_ps(acc[i][1], bias1);
         if (!first) {
             acc[i][0] = _mm512_add_ps(acc[i][0], _mm512_maskz_loadu_ps(m0, ci));
             acc[i][1] = _mm512_add_ps(acc[i][1], _mm512_maskz_loadu_ps(m1, ci + 16));
@@ -388,15 +401,15 @@ __attribute__((target("avx512f,avx512bf16"))) static inline void tile_bf16(int k
 }
 
 __attribute__((target("avx512f,avx512bf16"))) static void gemm_tile_bf16(int kc, const void *ap, const void *bp,
-                                                                          float *c, long ldc, int first, int m,
-                                                                          int n) {
-    tile_bf16(kc, ap, 1, BF_MR, bp, c, ldc, first, m, n);
+                                                                          float *c, long ldc, int first,
+                                                                          const float *bias, int m, int n) {
+    tile_bf16(kc, ap, 1, BF_MR, bp, c, ldc, first, bias, m, n);
 }
 
 __attribute__((target("avx512f,avx512bf16"))) static void gemm_tile_bf16_rows(int kc, const void *ap, const void *bp,
-                                                                               float *c, long ldc, int first, int m,
-                                                                               int n) {
-    tile_bf16(kc, ap, GEMM_KC / 2, 1, bp, c, ldc, first, m, n);
+                                                                               float *c, long ldc, int first,
+                                                                               const float *bias, int m, int n) {
+    tile_bf16(kc, ap, GEMM_KC / 2, 1, bp, c, ldc, first, bias, m, n);
 }
 
 /* A packed to suit its layout: by k when its rows are adjacent, else by rows. */
@@ -419,13 +432,13 @@ int gl_has_gemm_bf16(void) {
 /* As gl_sgemm with A and B rounded to bf16 (nearest even) as they are packed; the products of
  * each pair and the sums in fp32 (vdpbf16ps). Returns -2 where it does not run (gl_has_gemm_bf16). */
 int gl_gemm_bf16(int M, int N, int K, const float *a, long rsa, long csa, const float *b, long rsb, long csb,
-                 float *c, long ldc, int accumulate, int nthreads) {
+                 float *c, long ldc, const float *bias, int accumulate, int nthreads) {
 #if defined(__AVX512F__)
     if (gl_has_gemm_bf16())
-        return gemm(rsa == 1 ? &GEMM_BF16 : &GEMM_BF16_ROWS, M, N, K, a, rsa, csa, b, rsb, csb, c, ldc, accumulate,
-                    nthreads);
+        return gemm(rsa == 1 ? &GEMM_BF16 : &GEMM_BF16_ROWS, M, N, K, a, rsa, csa, b, rsb, csb, c, ldc, bias,
+                    accumulate, nthreads);
 #endif
     (void)M, (void)N, (void)K, (void)a, (void)rsa, (void)csa, (void)b, (void)rsb, (void)csb, (void)c, (void)ldc;
-    (void)accumulate, (void)nthreads;
+    (void)bias, (void)accumulate, (void)nthreads;
     return -2;
 }
