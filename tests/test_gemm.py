@@ -82,6 +82,27 @@ def test_sgemm_is_the_product_on_every_variant(gptlab_gemm, shape, accumulate, w
 
 
 @pytest.mark.usefixtures("kernel_variant")
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s[:3])) + "aT" * s[3] + "bT" * s[4])
+def test_sgemm_of_a_bf16_b_is_the_product_of_b_widened(gptlab_gemm, shape, monkeypatch):
+    """b stored as bf16 (a bf16 layer's weight): gl_sgemm_bf16_b widens it as it packs it, the same
+    fp32 product as of b.float(): within fp32 summation of the exact one, and bit-equal to gl_sgemm's
+    on the widened copy."""
+    a, b = operands(*shape)
+    b16 = b.bfloat16()
+    out, bias = torch.randn(shape[0], shape[1]), torch.randn(shape[1])
+    before = out.clone() + bias
+    want = a.double() @ b16.double() + before.double()
+    widened = out.clone()
+    kernels.mm(a, b16, out, accumulate=True, bias=bias)
+    kernels.mm(a, b16.float(), widened, accumulate=True, bias=bias)
+    assert gptlab_gemm == [True, True]
+    assert_close_to_float64(out, want, a, b16.float(), before)
+    assert torch.equal(out, widened)
+    monkeypatch.setenv("GPTLAB_GEMM", "torch")  # PyTorch's product of the widened b
+    torch.testing.assert_close(kernels.mm(a, b16, torch.empty(shape[0], shape[1])), a @ b16.float())
+
+
+@pytest.mark.usefixtures("kernel_variant")
 def test_sgemm_writes_only_its_own_rows_and_columns(gptlab_gemm):
     """out may be a view into a wider buffer (its row stride): nothing outside it changes."""
     a, b = operands(37, 21, 300, False, False)

@@ -76,6 +76,7 @@ _SIGNATURES = {  # name: argument types; each returns 0, or -1 when out of memor
     # M, N, K, a, a's row and column strides, b, its strides, c, c's row stride, bias, accumulate, threads
     "gl_sgemm": [_I, _I, _I, _P, _L, _L, _P, _L, _L, _P, _L, _P, _I, _I],
     "gl_gemm_bf16": [_I, _I, _I, _P, _L, _L, _P, _L, _L, _P, _L, _P, _I, _I],  # as gl_sgemm; -2: no AVX512-BF16
+    "gl_sgemm_bf16_b": [_I, _I, _I, _P, _L, _L, _P, _L, _L, _P, _L, _P, _I, _I],  # as gl_sgemm, b bf16
     "gl_has_gemm_bf16": [],
     "gl_set_decode_rows": [_I],  # 1 or ROWS, 0 for the CPU's default; returns the rows in use or -1
     "gl_decode_rows": [],
@@ -666,7 +667,8 @@ def mm(
     """out = a @ b (+ bias), or out += a @ b (+ bias) when accumulate; a (M, K), b (K, N) and out
     (M, N) 2-D with any strides (out's rows contiguous), bias (N,) fp32 contiguous or None, no
     autograd. On CPU fp32 in gl_sgemm where gemm_choice() says gptlab (whatever the thread count,
-    each element sums in the same order), else torch.mm/addmm_.
+    each element sums in the same order), else torch.mm/addmm_. b may be bf16 (a bf16 layer's
+    weight): widened exactly as gl_sgemm_bf16_b packs it, the same product as of b.float().
 
     bf16: a and b fp32, each rounded to bf16 before it is multiplied, the sums in fp32 (bf16
     autocast's product, without its bf16 result): in gl_gemm_bf16 where gemm_bf16_runs(), else
@@ -676,8 +678,11 @@ def mm(
     if bf16:
         return _mm_bf16(a, b, out, accumulate, bias)
     if _sgemm_runs(a, b, out):
-        _gemm(_library().lib.gl_sgemm, a, b, out, accumulate, bias)
+        _gemm(_library().lib.gl_sgemm_bf16_b if b.dtype is torch.bfloat16 else _library().lib.gl_sgemm, a, b, out,
+              accumulate, bias)  # fmt: skip
         return out
+    if b.dtype is torch.bfloat16 and a.dtype is torch.float32:
+        b = b.float()  # widens exactly
     out = out.addmm_(a, b) if accumulate else torch.mm(a, b, out=out)
     return out if bias is None else out.add_(bias)
 
@@ -715,7 +720,9 @@ def head_gemm() -> str:
 
 
 def _sgemm_runs(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> bool:
-    if not (_enabled and all(t.device.type == "cpu" and t.dtype == torch.float32 for t in (a, b, out))):
+    if not (_enabled and all(t.device.type == "cpu" for t in (a, b, out))):
+        return False
+    if not (a.dtype is out.dtype is torch.float32 and b.dtype in (torch.float32, torch.bfloat16)):
         return False
     if out.dim() != 2 or out.stride(1) != 1 or a.shape[1] != b.shape[0] or out.shape != (a.shape[0], b.shape[1]):
         return False
@@ -842,11 +849,11 @@ def prompt_gemm_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def sgemm_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """F.linear of fp32 x (..., K) and weight (N, K) in gl_sgemm: y = b + x W^T."""
+    """F.linear of fp32 x (..., K) and weight (N, K), fp32 or bf16, in gl_sgemm: y = b + x W^T."""
     N, K = weight.shape
     x2 = x.reshape(-1, K)  # (M, K)
     y = torch.empty(x2.size(0), N)  # (M, N)
-    mm(x2, weight.detach().t(), y, bias=None if bias is None else bias.detach().float().contiguous())
+    mm(x2, weight.detach().t(), y, bias=None if bias is None else bias.detach().float().contiguous())  # W fp32 or bf16
     return y.view(*x.shape[:-1], N)
 
 
@@ -870,15 +877,19 @@ def bf16_linear_in_fp32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     fits WHOLE_BYTES, and multiplied as F.linear; else a slab of rows at a time (SLAB_BYTES, so it
     stays in cache), multiplied transposed, W x^T, as MKL runs that faster. AMD EPYC, 512 rows,
     2026-12-02: the 50,257-row head (scoring) 720 -> 472 ms in slabs; GPT-2's block layers
-    together 79.3 ms in slabs, 70.5 converted whole, 66.7 for fp32 weights. A whole weight is
-    multiplied as an fp32 layer is (`linear`): in gl_sgemm from PROMPT_GEMM_ROWS rows where
-    gemm_choice() gives gptlab."""
+    together 79.3 ms in slabs, 70.5 converted whole, 66.7 for fp32 weights. From PROMPT_GEMM_ROWS
+    rows, where gemm_choice() gives gptlab, gl_sgemm_bf16_b multiplies the bf16 weight itself,
+    widening it as it packs it (no fp32 copy: a 512-token bf16 GPT-2 prefill 457 -> 437 ms on the
+    Zen 5 held to AVX2)."""
     K, N = weight.size(1), weight.size(0)
     xf = x.reshape(-1, K).float()  # (M, K)
+    if xf.size(0) >= PROMPT_GEMM_ROWS and gemm_choice() == "gptlab" and _library().float_ok:
+        y = sgemm_linear(xf, weight, bias)  # (M, N); gl_sgemm_bf16_b widens the weight as it packs it
+        return y.to(torch.bfloat16).view(*x.shape[:-1], N)  # rounded once
     if N * K * 4 <= WHOLE_BYTES:
         w = _fp32_buffer(N * K)[: N * K].view(N, K)
         w.copy_(weight)  # bf16 -> fp32, exact
-        y = linear(xf, w, None if bias is None else bias.float())  # (M, N); a long prompt's in gl_sgemm
+        y = F.linear(xf, w, None if bias is None else bias.float())  # (M, N)
         return y.to(torch.bfloat16).view(*x.shape[:-1], N)  # rounded once
     rows = max(16, SLAB_BYTES // (4 * K))
     slab = _fp32_buffer(rows * K)

@@ -1,5 +1,8 @@
-/* Matrix products for the training head (gptlab.chunked_loss): C = A B, or C += A B, in fp32
- * (gl_sgemm) or with A and B rounded to bf16 and fp32 sums (gl_gemm_bf16, on CPUs with AVX512-BF16).
+/* Matrix products for the training head (gptlab.chunked_loss) and long prompts' layers
+ * (kernels.sgemm_linear): C = A B (+ bias), or C += A B (+ bias), in fp32 (gl_sgemm; B stored as
+ * bf16 and widened as it is packed: gl_sgemm_bf16_b) or with A and B rounded to bf16 and fp32 sums
+ * (gl_gemm_bf16, on CPUs with AVX512-BF16). Attention's products for prompts use it too
+ * (attention.c).
  *
  * A small head's three products, W x^T, e^T W and e x (GPT-2's 50,257-row vocabulary by 128-1024
  * rows of x and a 128-wide model), are most of a training step, and MKL runs them at 75-110
@@ -27,13 +30,14 @@
 #define GEMM_B_WHOLE (2 << 20) /* B packed whole, once, when it fits this many bytes */
 
 /* One kind of product: its tile (mr x nr), the k values per packed 32-bit element (1: an fp32;
- * 2: a pair of bf16), and how it packs A's and B's panels and multiplies one tile (see the fp32
- * kind's functions below for their contracts). */
+ * 2: a pair of bf16), the bytes of one element of B as stored (4: fp32; 2: bf16), and how it packs
+ * A's and B's panels and multiplies one tile (see the fp32 kind's functions below for their
+ * contracts). */
 typedef struct {
-    int mr, nr, ksub;
+    int mr, nr, ksub, b_size;
     int a_rows; /* A's panels hold each row's k values together, GEMM_KC of them, instead of each k's mr rows */
     void (*pack_a)(const float *a, long rsa, long csa, int m, int kc, void *ap);
-    void (*pack_b)(const float *b, long rsb, long csb, int n, int kc, int p0, int p1, void *bp);
+    void (*pack_b)(const void *b, long rsb, long csb, int n, int kc, int p0, int p1, void *bp);
     void (*tile)(int kc, const void *a, const void *b, float *c, long ldc, int first, const float *bias, int m, int n);
 } gemm_kind_t;
 
@@ -105,7 +109,8 @@ static void gemm_pack_a(const float *a, long rsa, long csa, int m, int kc, void 
 
 /* B's rows [0, kc) and the columns of panels [p0, p1) (element (k, j) at b[k rsb + j csb]) into
  * panels of NR columns, each [kc][NR], the columns past n zero; panel p at bp + p kc NR. */
-static void gemm_pack_b(const float *b, long rsb, long csb, int n, int kc, int p0, int p1, void *panels) {
+static void gemm_pack_b(const void *bv, long rsb, long csb, int n, int kc, int p0, int p1, void *panels) {
+    const float *b = bv;
     float *bp = panels;
     for (int p = p0; p < p1; p++) {
         const int j0 = p * GEMM_NR, nr = n - j0 < GEMM_NR ? n - j0 : GEMM_NR;
@@ -120,11 +125,25 @@ static void gemm_pack_b(const float *b, long rsb, long csb, int n, int kc, int p
     }
 }
 
+/* As gemm_pack_b from B stored as bf16 (element (k, j) at b[k rsb + j csb], 2 bytes each), each
+ * value widened to fp32 exactly as it is packed: a bf16 layer's weight needs no fp32 copy. */
+static void gemm_pack_b_from_bf16(const void *bv, long rsb, long csb, int n, int kc, int p0, int p1, void *panels) {
+    const uint16_t *b = bv;
+    float *bp = panels;
+    for (int p = p0; p < p1; p++) {
+        const int j0 = p * GEMM_NR, nr = n - j0 < GEMM_NR ? n - j0 : GEMM_NR;
+        const uint16_t *bj = b + j0 * csb;
+        float *out = bp + (size_t)p * kc * GEMM_NR;
+        for (int k = 0; k < kc; k++)
+            for (int j = 0; j < GEMM_NR; j++) out[k * GEMM_NR + j] = j < nr ? bf16_to_f32(bj[k * rsb + j * csb]) : 0.0f;
+    }
+}
+
 /* The operands, the kind of product, and one thread's rows of C [r0, r1). */
 typedef struct {
     const gemm_kind_t *kind;
     int M, N, K, r0, r1, accumulate;
-    const float *a, *b, *bias;
+    const float *a, *bias;
     long rsa, csa, rsb, csb, ldc;
     float *c;
 } gemm_t;
@@ -199,6 +218,11 @@ static void gemm_rows_blocked(const gemm_t *g, int jc, int nc, int pc, const uin
     }
 }
 
+/* B's element `offset` (in elements of the kind's stored size). */
+static const void *b_at(const gemm_kind_t *kind, const void *b, long offset) {
+    return (const char *)b + offset * kind->b_size;
+}
+
 static void *alloc_elems(size_t n) { return aligned_alloc(64, (n * 4 + 63) / 64 * 64); }
 
 /* C (M, N) = A (M, K) B (K, N) + bias, or C += A B + bias when accumulate, as `kind` multiplies
@@ -207,7 +231,7 @@ static void *alloc_elems(size_t n) { return aligned_alloc(64, (n * 4 + 63) / 64 
  * thread takes a contiguous range of C's rows, so the summation order of every element is that of
  * one thread's loop: results do not depend on nthreads. B is packed whole once where it fits
  * GEMM_B_WHOLE, else a kc x nc block at a time. Returns 0, or -1 out of memory. */
-static int gemm(const gemm_kind_t *kind, int M, int N, int K, const float *a, long rsa, long csa, const float *b,
+static int gemm(const gemm_kind_t *kind, int M, int N, int K, const float *a, long rsa, long csa, const void *b,
                 long rsb, long csb, float *c, long ldc, const float *bias, int accumulate, int nthreads) {
     if (M <= 0 || N <= 0) return 0;
     if (K <= 0) {
@@ -228,7 +252,7 @@ static int gemm(const gemm_kind_t *kind, int M, int N, int K, const float *a, lo
     {
         const int nt = omp_get_num_threads(), id = omp_get_thread_num();
         const int r0 = (int)((long)tiles * id / nt) * MR, r1 = (int)((long)tiles * (id + 1) / nt) * MR;
-        const gemm_t g = {kind, M, N, K, r0, r1 < M ? r1 : M, accumulate, a, b, bias, rsa, csa, rsb, csb, ldc, c};
+        const gemm_t g = {kind, M, N, K, r0, r1 < M ? r1 : M, accumulate, a, bias, rsa, csa, rsb, csb, ldc, c};
         uint32_t *ap = alloc_elems((GEMM_MC / MR + 1) * a_panel_elems(kind, kc_max));
         if (!ap) {
 #pragma omp atomic write
@@ -237,8 +261,8 @@ static int gemm(const gemm_kind_t *kind, int M, int N, int K, const float *a, lo
         if (whole) {
             const int panels = (N + NR - 1) / NR;
             for (int pc = 0; pc < K; pc += GEMM_KC) /* the threads pack B's panels together */
-                kind->pack_b(b + pc * rsb, rsb, csb, N, kc_at(&g, pc), panels * id / nt, panels * (id + 1) / nt,
-                             bp + block * (pc / GEMM_KC));
+                kind->pack_b(b_at(kind, b, pc * rsb), rsb, csb, N, kc_at(&g, pc), panels * id / nt,
+                             panels * (id + 1) / nt, bp + block * (pc / GEMM_KC));
 #pragma omp barrier
             if (ap) gemm_rows_whole(&g, bp, block, ap);
         } else { /* each thread packs its own copy of each block of B: no barriers between blocks */
@@ -246,7 +270,8 @@ static int gemm(const gemm_kind_t *kind, int M, int N, int K, const float *a, lo
             for (int jc = 0; own && ap && jc < N; jc += GEMM_NC) {
                 const int nc = N - jc < GEMM_NC ? N - jc : GEMM_NC;
                 for (int pc = 0; pc < K; pc += GEMM_KC) {
-                    kind->pack_b(b + pc * rsb + jc * csb, rsb, csb, nc, kc_at(&g, pc), 0, (nc + NR - 1) / NR, own);
+                    kind->pack_b(b_at(kind, b, pc * rsb + jc * csb), rsb, csb, nc, kc_at(&g, pc), 0, (nc + NR - 1) / NR,
+                                 own);
                     gemm_rows_blocked(&g, jc, nc, pc, own, ap);
                 }
             }
@@ -262,12 +287,20 @@ static int gemm(const gemm_kind_t *kind, int M, int N, int K, const float *a, lo
     return failed ? -1 : 0;
 }
 
-static const gemm_kind_t GEMM_F32 = {GEMM_MR, GEMM_NR, 1, 0, gemm_pack_a, gemm_pack_b, gemm_tile};
+static const gemm_kind_t GEMM_F32 = {GEMM_MR, GEMM_NR, 1, 4, 0, gemm_pack_a, gemm_pack_b, gemm_tile};
+static const gemm_kind_t GEMM_F32_BF16_B = {GEMM_MR, GEMM_NR, 1, 2, 0, gemm_pack_a, gemm_pack_b_from_bf16, gemm_tile};
 
 /* fp32: C (M, N) = A (M, K) B (K, N) + bias, or C += A B + bias when accumulate (see gemm). */
 int gl_sgemm(int M, int N, int K, const float *a, long rsa, long csa, const float *b, long rsb, long csb, float *c,
              long ldc, const float *bias, int accumulate, int nthreads) {
     return gemm(&GEMM_F32, M, N, K, a, rsa, csa, b, rsb, csb, c, ldc, bias, accumulate, nthreads);
+}
+
+/* As gl_sgemm with B stored as bf16 (its strides in bf16 elements), widened exactly: the same
+ * fp32 product as of B converted to fp32 first (a bf16 model's long prompts, kernels.mm). */
+int gl_sgemm_bf16_b(int M, int N, int K, const float *a, long rsa, long csa, const uint16_t *b, long rsb, long csb,
+                    float *c, long ldc, const float *bias, int accumulate, int nthreads) {
+    return gemm(&GEMM_F32_BF16_B, M, N, K, a, rsa, csa, b, rsb, csb, c, ldc, bias, accumulate, nthreads);
 }
 
 /* ---------------------------------------------------------------- bf16 products (AVX512-BF16) */
@@ -343,7 +376,8 @@ static void gemm_pack_a_bf16_rows(const float *a, long rsa, long csa, int m, int
 
 /* B's rows [0, kc) and the columns of panels [p0, p1) into panels of BF_NR columns, each
  * [kc / 2][BF_NR] pairs; panel p at bp + p (kc / 2) BF_NR. */
-static void gemm_pack_b_bf16(const float *b, long rsb, long csb, int n, int kc, int p0, int p1, void *panels) {
+static void gemm_pack_b_bf16(const void *bv, long rsb, long csb, int n, int kc, int p0, int p1, void *panels) {
+    const float *b = bv;
     const int kp = (kc + 1) / 2;
     for (int p = p0; p < p1; p++) {
         const int j0 = p * BF_NR, nr = n - j0 < BF_NR ? n - j0 : BF_NR;
@@ -413,8 +447,8 @@ __attribute__((target("avx512f,avx512bf16"))) static void gemm_tile_bf16_rows(in
 }
 
 /* A packed to suit its layout: by k when its rows are adjacent, else by rows. */
-static const gemm_kind_t GEMM_BF16 = {BF_MR, BF_NR, 2, 0, gemm_pack_a_bf16, gemm_pack_b_bf16, gemm_tile_bf16};
-static const gemm_kind_t GEMM_BF16_ROWS = {BF_MR, BF_NR, 2, 1, gemm_pack_a_bf16_rows, gemm_pack_b_bf16,
+static const gemm_kind_t GEMM_BF16 = {BF_MR, BF_NR, 2, 4, 0, gemm_pack_a_bf16, gemm_pack_b_bf16, gemm_tile_bf16};
+static const gemm_kind_t GEMM_BF16_ROWS = {BF_MR, BF_NR, 2, 4, 1, gemm_pack_a_bf16_rows, gemm_pack_b_bf16,
                                            gemm_tile_bf16_rows};
 #endif
 

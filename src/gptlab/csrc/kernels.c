@@ -13,7 +13,8 @@
  *                  gl_gelu_tanh, its GELU, for the PyTorch forward's prompts
  *   loss.c         gl_softmax_xent: softmax cross-entropy, with what its gradient needs (training) or without (scoring)
  *   gemm.c         gl_sgemm, gl_gemm_bf16: blocked matrix products in fp32, and in bf16 with vdpbf16ps
- *                  (AVX512-BF16), for the training head's three products
+ *                  (AVX512-BF16), for the training head's three products and long prompts;
+ *                  gl_sgemm_bf16_b: fp32 products of bf16-stored weights
  *
  * Shapes are checked on the Python side.
  */
