@@ -24,6 +24,11 @@ typedef int (*attend_one_t)(const void *, void *, void *, int, const uint8_t *, 
 typedef int (*argmax_t)(const float *, int64_t *, int, int);
 typedef int (*sgemm_t)(int, int, int, const float *, long, long, const float *, long, long, float *, long,
                        const float *, int, int);
+typedef int (*sgemm_bf16_b_t)(int, int, int, const float *, long, long, const uint16_t *, long, long, float *, long,
+                              const float *, int, int);
+typedef int (*attend_prompt_t)(const float *, const long *, const float *, const long *, const float *, const long *,
+                               float *, int, int, int, int, int, int);
+typedef int (*gelu_t)(const void *, void *, long, int, int);
 
 typedef struct {
     const char *path, *variant;
@@ -36,6 +41,9 @@ typedef struct {
     argmax_t argmax;
     sgemm_t sgemm, gemm_bf16;
     int (*has_gemm_bf16)(void);
+    sgemm_bf16_b_t sgemm_bf16_b;
+    attend_prompt_t attend_prompt;
+    gelu_t gelu_tanh;
 } lib_t;
 
 static int failures = 0;
@@ -58,7 +66,8 @@ static lib_t open_lib(const char *path) {
     lib_t l = {path, ((const char *(*)(void))need(h, "gl_variant"))(), need(h, "gl_linear_f32"),
                need(h, "gl_linear_bf16"), need(h, "gl_linear_i8"), need(h, "gl_linear_i4"),
                need(h, "gl_softmax_xent"), need(h, "gl_attend_one"), need(h, "gl_argmax_f32"), need(h, "gl_sgemm"),
-               need(h, "gl_gemm_bf16"), need(h, "gl_has_gemm_bf16")};
+               need(h, "gl_gemm_bf16"), need(h, "gl_has_gemm_bf16"), need(h, "gl_sgemm_bf16_b"),
+               need(h, "gl_attend_prompt"), need(h, "gl_gelu_tanh")};
     return l;
 }
 
@@ -209,6 +218,55 @@ static void check_attention(const lib_t *ref, const lib_t *l, int B, int nh, int
     free(qkv), free(k0), free(v0), free(k), free(v), free(mask), free(o0), free(o);
 }
 
+/* A prompt's causal attention: q a strided view of c_attn's output (B, T, 3C), k and v a cache's
+ * first S = T + cached slots, out (B, T, nh, hs); against the reference variant. */
+static void check_attend_prompt(const lib_t *ref, const lib_t *l, int B, int nh, int hs, int T, int cached) {
+    const int C = nh * hs, S = T + cached, L = S + 5;
+    float *qkv = floats((size_t)B * T * 3 * C, 1), *k = floats((size_t)B * nh * L * hs, 1);
+    float *v = floats((size_t)B * nh * L * hs, 1);
+    const long qs[3] = {(long)T * 3 * C, hs, 3 * C}, cs[3] = {(long)nh * L * hs, (long)L * hs, hs};
+    float *o0 = malloc(sizeof(float) * B * T * C), *o = malloc(sizeof(float) * B * T * C);
+    ref->attend_prompt(qkv, qs, k, cs, v, cs, o0, B, nh, T, S, hs, 2);
+    l->attend_prompt(qkv, qs, k, cs, v, cs, o, B, nh, T, S, hs, 2);
+    char shape[64];
+    snprintf(shape, sizeof shape, "B=%d nh=%d hs=%d T=%d S=%d", B, nh, hs, T, S);
+    report("attend_prompt", l, shape, worst(o, o0, (size_t)B * T * C, 1e-6, 1e-5));
+    free(qkv), free(k), free(v), free(o0), free(o);
+}
+
+/* GPT-2's tanh GELU over n values, fp32 and bf16 (rounded once), against the reference variant. */
+static void check_gelu(const lib_t *ref, const lib_t *l, int n) {
+    float *x = floats((size_t)n, 6), *y0 = malloc(sizeof(float) * n), *y = malloc(sizeof(float) * n);
+    ref->gelu_tanh(x, y0, n, 0, 2);
+    l->gelu_tanh(x, y, n, 0, 2);
+    char shape[32];
+    snprintf(shape, sizeof shape, "n=%d", n);
+    report("gelu_tanh", l, shape, worst(y, y0, (size_t)n, 1e-6, 1e-6)); /* vf_exp and the order of products */
+    uint16_t *xh = bf16s((size_t)n, 6), *h0 = malloc(2 * (size_t)n), *h = malloc(2 * (size_t)n);
+    ref->gelu_tanh(xh, h0, n, 1, 2);
+    l->gelu_tanh(xh, h, n, 1, 2);
+    for (int i = 0; i < n; i++) y0[i] = from_bf16(h0[i]), y[i] = from_bf16(h[i]);
+    report("gelu_tanh bf16", l, shape, worst(y, y0, (size_t)n, 1e-6, 1.0 / 128)); /* one bf16 rounding apart */
+    free(x), free(y0), free(y), free(xh), free(h0), free(h);
+}
+
+/* A long prompt's bf16 layer, y = x W^T + b with W (N, K) stored as bf16: the same bits as gl_sgemm of
+ * W widened to fp32 (each variant against itself, then against the reference). */
+static void check_sgemm_bf16_b(const lib_t *ref, const lib_t *l, int M, int N, int K) {
+    float *x = floats((size_t)M * K, 1), *b = floats((size_t)N, 1), *wf = malloc(sizeof(float) * N * K);
+    uint16_t *w = bf16s((size_t)N * K, 0.1f);
+    for (int i = 0; i < N * K; i++) wf[i] = from_bf16(w[i]);
+    float *y0 = malloc(sizeof(float) * M * N), *y = malloc(sizeof(float) * M * N), *yw = malloc(sizeof(float) * M * N);
+    ref->sgemm_bf16_b(M, N, K, x, K, 1, w, 1, K, y0, N, b, 0, 2);
+    l->sgemm_bf16_b(M, N, K, x, K, 1, w, 1, K, y, N, b, 0, 2);
+    l->sgemm(M, N, K, x, K, 1, wf, 1, K, yw, N, b, 0, 2);
+    char shape[64];
+    snprintf(shape, sizeof shape, "M=%d N=%d K=%d", M, N, K);
+    report("sgemm_bf16_b = sgemm of W widened", l, shape, memcmp(y, yw, sizeof(float) * M * N) ? 2 : 0);
+    report("sgemm_bf16_b", l, shape, worst(y, y0, (size_t)M * N, 1e-5, 1e-5));
+    free(x), free(b), free(wf), free(w), free(y0), free(y), free(yw);
+}
+
 static void check_argmax(const lib_t *ref, const lib_t *l, int M, int N) {
     float *x = floats((size_t)M * N, 1);
     int64_t *a0 = malloc(8 * M), *a = malloc(8 * M);
@@ -283,6 +341,9 @@ static void check_all(const lib_t *ref, const lib_t *l) {
     check_softmax_xent(ref, l, 13, 301), check_softmax_xent(ref, l, 64, 2000);
     check_attention(ref, l, 2, 3, 16, 0), check_attention(ref, l, 3, 2, 64, 37);
     check_argmax(ref, l, 3, 1000), check_argmax(ref, l, 1, 7);
+    check_attend_prompt(ref, l, 2, 3, 40, 101, 0), check_attend_prompt(ref, l, 1, 2, 64, 50, 37);
+    check_gelu(ref, l, 4099), check_gelu(ref, l, 7);
+    check_sgemm_bf16_b(ref, l, 37, 70, 300), check_sgemm_bf16_b(ref, l, 5, 4100, 20);
     check_sgemms(l);
 }
 
