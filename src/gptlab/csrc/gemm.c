@@ -107,36 +107,32 @@ static void gemm_pack_a(const float *a, long rsa, long csa, int m, int kc, void 
     }
 }
 
-/* B's rows [0, kc) and the columns of panels [p0, p1) (element (k, j) at b[k rsb + j csb]) into
- * panels of NR columns, each [kc][NR], the columns past n zero; panel p at bp + p kc NR. */
-static void gemm_pack_b(const void *bv, long rsb, long csb, int n, int kc, int p0, int p1, void *panels) {
-    const float *b = bv;
+/* B's rows [0, kc) and the columns of panels [p0, p1) (element (k, j) at b[k rsb + j csb], fp32,
+ * or bf16 widened exactly when bf16) into panels of NR columns, each [kc][NR], the columns past n
+ * zero; panel p at bp + p kc NR. */
+static void pack_b_f32(const void *b, long rsb, long csb, int n, int kc, int p0, int p1, void *panels, int bf16) {
     float *bp = panels;
     for (int p = p0; p < p1; p++) {
         const int j0 = p * GEMM_NR, nr = n - j0 < GEMM_NR ? n - j0 : GEMM_NR;
-        const float *bj = b + j0 * csb;
         float *out = bp + (size_t)p * kc * GEMM_NR;
-        if (csb == 1 && nr == GEMM_NR) {
+        if (!bf16 && csb == 1 && nr == GEMM_NR) {
+            const float *bj = (const float *)b + j0;
             for (int k = 0; k < kc; k++) memcpy(out + k * GEMM_NR, bj + k * rsb, sizeof(float) * GEMM_NR);
             continue;
         }
         for (int k = 0; k < kc; k++)
-            for (int j = 0; j < GEMM_NR; j++) out[k * GEMM_NR + j] = j < nr ? bj[k * rsb + j * csb] : 0.0f;
+            for (int j = 0; j < GEMM_NR; j++)
+                out[k * GEMM_NR + j] = j < nr ? param(b, (size_t)(k * rsb + (j0 + j) * csb), bf16) : 0.0f;
     }
 }
 
-/* As gemm_pack_b from B stored as bf16 (element (k, j) at b[k rsb + j csb], 2 bytes each), each
- * value widened to fp32 exactly as it is packed: a bf16 layer's weight needs no fp32 copy. */
-static void gemm_pack_b_from_bf16(const void *bv, long rsb, long csb, int n, int kc, int p0, int p1, void *panels) {
-    const uint16_t *b = bv;
-    float *bp = panels;
-    for (int p = p0; p < p1; p++) {
-        const int j0 = p * GEMM_NR, nr = n - j0 < GEMM_NR ? n - j0 : GEMM_NR;
-        const uint16_t *bj = b + j0 * csb;
-        float *out = bp + (size_t)p * kc * GEMM_NR;
-        for (int k = 0; k < kc; k++)
-            for (int j = 0; j < GEMM_NR; j++) out[k * GEMM_NR + j] = j < nr ? bf16_to_f32(bj[k * rsb + j * csb]) : 0.0f;
-    }
+static void gemm_pack_b(const void *b, long rsb, long csb, int n, int kc, int p0, int p1, void *panels) {
+    pack_b_f32(b, rsb, csb, n, kc, p0, p1, panels, 0);
+}
+
+/* A bf16 layer's weight as B: widened as it is packed, so it needs no fp32 copy. */
+static void gemm_pack_b_from_bf16(const void *b, long rsb, long csb, int n, int kc, int p0, int p1, void *panels) {
+    pack_b_f32(b, rsb, csb, n, kc, p0, p1, panels, 1);
 }
 
 /* The operands, the kind of product, and one thread's rows of C [r0, r1). */
