@@ -879,7 +879,7 @@ def bf16_linear_in_fp32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     2026-12-02: the 50,257-row head (scoring) 720 -> 472 ms in slabs; GPT-2's block layers
     together 79.3 ms in slabs, 70.5 converted whole, 66.7 for fp32 weights. From PROMPT_GEMM_ROWS
     rows, where gemm_choice() gives gptlab, gl_sgemm_bf16_b multiplies the bf16 weight itself,
-    widening it as it packs it (no fp32 copy: a 512-token bf16 GPT-2 prefill 457 -> 437 ms on the
+    widening it as it packs it (no fp32 copy: a 512-token bf16 GPT-2 prefill 457 -> 440 ms on the
     Zen 5 held to AVX2)."""
     K, N = weight.size(1), weight.size(0)
     xf = x.reshape(-1, K).float()  # (M, K)
