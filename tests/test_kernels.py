@@ -296,10 +296,12 @@ def test_prompt_attention_is_causal_sdpa(dtype, cached):
 
 
 @needs_float
-def test_prompts_attend_in_c_where_the_attention_is_plain_causal(calls, kernel_variant):
+@pytest.mark.parametrize("arch", list(VARIANTS))
+def test_prompts_attend_in_c_where_the_attention_is_plain_causal(calls, kernel_variant, arch):
     """The model's prompts (several queries, inference, no mask, no dropout) attend in C where the
-    kernels have SIMD, to PyTorch's result; padded batches (a mask) and autograd keep SDPA."""
-    model = tiny_model()
+    kernels have SIMD, to PyTorch's result, on every architecture variant (rotary q and k come
+    rotated, not as views of c_attn's output); padded batches (a mask) and autograd keep SDPA."""
+    model = tiny_model(**VARIANTS[arch])
     idx = torch.randint(0, 97, (2, 20), generator=torch.Generator().manual_seed(0))
     with kernels.use_kernels(False), torch.no_grad():
         ref = model(idx)[0]
