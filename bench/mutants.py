@@ -203,6 +203,8 @@ MUTANTS = [
     Mutant("prompt/attention-sees-one-key-too-few", "csrc/attention.c",
            "softmax_seen(scores + (size_t)i * keys, S - T + t0 + i + 1, keys, scale)",
            "softmax_seen(scores + (size_t)i * keys, S - T + t0 + i, keys, scale)", FUSED_TESTS),
+    Mutant("prompt/attention-every-head-against-the-first-heads-keys", "csrc/attention.c",
+           "qb, sq.row, 1, kt + packed * bh, scores, keys)", "qb, sq.row, 1, kt, scores, keys)", FUSED_TESTS),
     Mutant("prompt/attention-normalized-by-the-first-row", "csrc/attention.c",
            "vf_set1(inv[i])), hs - d)", "vf_set1(inv[0])), hs - d)", FUSED_TESTS),
     Mutant("prompt/attention-values-at-the-keys-strides", "kernels.py",

@@ -286,6 +286,25 @@ static int gemm(const gemm_kind_t *kind, int M, int N, int K, const float *a, lo
 static const gemm_kind_t GEMM_F32 = {GEMM_MR, GEMM_NR, 1, 4, 0, gemm_pack_a, gemm_pack_b, gemm_tile};
 static const gemm_kind_t GEMM_F32_BF16_B = {GEMM_MR, GEMM_NR, 1, 2, 0, gemm_pack_a, gemm_pack_b_from_bf16, gemm_tile};
 
+/* One fp32 operand B (K, N), K <= GEMM_KC, packed once for many products (gemm_prepacked): its
+ * elements, and the packing (panels of NR columns, [K][NR] each). */
+static size_t gemm_packed_elems(int N, int K) { return (size_t)(N + GEMM_NR - 1) / GEMM_NR * K * GEMM_NR; }
+static void gemm_pack_whole(const float *b, long rsb, long csb, int N, int K, float *bp) {
+    gemm_pack_b(b, rsb, csb, N, K, 0, (N + GEMM_NR - 1) / GEMM_NR, bp);
+}
+
+/* On this thread: C (M, N) = A (M, K) B, B packed by gemm_pack_whole for N or more columns (its
+ * first panels serve a narrower product). Returns 0, or -1 out of memory. */
+static int gemm_prepacked(int M, int N, int K, const float *a, long rsa, long csa, const float *bp, float *c,
+                          long ldc) {
+    uint32_t *ap = alloc_elems((GEMM_MC / GEMM_MR + 1) * a_panel_elems(&GEMM_F32, K));
+    if (!ap) return -1;
+    const gemm_t g = {&GEMM_F32, M, N, K, 0, M, 0, a, NULL, rsa, csa, 0, 0, ldc, c};
+    gemm_rows_whole(&g, (const uint32_t *)bp, 0, ap);
+    free(ap);
+    return 0;
+}
+
 /* fp32: C (M, N) = A (M, K) B (K, N) + bias, or C += A B + bias when accumulate (see gemm). */
 int gl_sgemm(int M, int N, int K, const float *a, long rsa, long csa, const float *b, long rsb, long csb, float *c,
              long ldc, const float *bias, int accumulate, int nthreads) {
