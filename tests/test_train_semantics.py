@@ -56,6 +56,11 @@ def test_auto_runs_what_it_measured_and_reports(byte_data, tmp_path, monkeypatch
     assert again.precision == trainer.precision and len(calls) == 1
     cached = json.loads((tmp_path / "cache" / precision.CACHE_FILE).read_text())
     assert len(cached) == 1 and "torch " + torch.__version__ in next(iter(cached))
+    # Held to fewer instructions (e.g. oneDNN to AVX2), the same machine measures again.
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    Trainer(config(byte_data, tmp_path / "run3", precision="auto"))
+    assert len(calls) == 2
+    assert "ONEDNN_MAX_CPU_ISA=AVX2" in list(json.loads((tmp_path / "cache" / precision.CACHE_FILE).read_text()))[1]
 
 
 def test_auto_takes_fp32_unmeasured_where_the_cpu_has_no_bf16(byte_data, tmp_path, monkeypatch, caplog):  # noqa: F811

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -84,6 +85,18 @@ def may_have_native_bf16() -> bool:
     return any(f in flags for f in BF16_FLAGS)
 
 
+# Settings that hold the libraries under a precision to fewer instructions than the CPU has (e.g. to
+# stand in for an AVX2-only CPU, gptlab.bench.generate.AVX2_ENV): a probe measured without them
+# does not hold with them (bf16 under ONEDNN_MAX_CPU_ISA=AVX2 on a Zen 5: 45 s a demo step).
+ISA_SETTINGS = ("GPTLAB_KERNELS", "GPTLAB_GEMM", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+
+
+def isa_settings() -> str:
+    """The ISA_SETTINGS this process runs under, as part of the probe's cache key ("" for none)."""
+    settings = " ".join(f"{name}={os.environ[name]}" for name in ISA_SETTINGS if os.environ.get(name))
+    return f" | {settings}" if settings else ""
+
+
 def cached_probe(model, device: torch.device, rows: tuple[int, int]) -> tuple[dict, str]:
     """Seconds per forward + backward in each precision, from the cache or measured now."""
     from gptlab import kernels
@@ -91,7 +104,7 @@ def cached_probe(model, device: torch.device, rows: tuple[int, int]) -> tuple[di
     batch, block = _probe_shape(*rows)
     cfg = model.config
     key = (f"{kernels.cpu_name()} {' '.join(sorted(kernels.cpu_features()))} | torch {torch.__version__} | {torch.get_num_threads()} threads | "
-           f"L{cfg.n_layer} C{cfg.n_embd} H{cfg.n_head} V{cfg.vocab_size} | {batch}x{block}")  # fmt: skip
+           f"L{cfg.n_layer} C{cfg.n_embd} H{cfg.n_head} V{cfg.vocab_size} | {batch}x{block}{isa_settings()}")  # fmt: skip
     path = kernels.cache_dir() / CACHE_FILE
     cache = _read_cache(path)
     if key in cache:
