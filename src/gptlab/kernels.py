@@ -292,6 +292,12 @@ def variant() -> str | None:
     return lib.variant if lib.lib is not None else None
 
 
+def has_simd() -> bool:
+    """Whether the variant that runs has SIMD (not portable C, not none): where gptlab's GEMM, prompt
+    attention and GELU beat PyTorch's."""
+    return variant() not in (None, "portable")
+
+
 def decode_rows() -> int | None:
     """Weight rows per block in the active variant's decoding kernels (1: one memory stream per
     thread, 4: four), as chosen at load from the CPU (csrc/cpu.c: 4 for AVX-512 on CPUs other than
@@ -507,7 +513,7 @@ def prompt_attention_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         and all(t.dtype is q.dtype and t.stride(-1) == 1 for t in (q, k, v))
         and q.size(-1) <= MAX_HEAD_SIZE
         and _inference_on_cpu(q)
-        and variant() not in (None, "portable")
+        and has_simd()
         and _library().float_ok
     )
 
@@ -652,8 +658,7 @@ def gemm_choice() -> str:
         raise ValueError(f"GPTLAB_GEMM={want!r}: expected one of {', '.join(GEMM_CHOICES)}")
     if want != "auto":
         return want
-    simd = variant() not in (None, "portable")
-    return "gptlab" if simd and kernel_build.is_x86() and cpu_vendor() != "GenuineIntel" else "torch"
+    return "gptlab" if has_simd() and kernel_build.is_x86() and cpu_vendor() != "GenuineIntel" else "torch"
 
 
 def mm(
@@ -763,7 +768,7 @@ def gelu(x: torch.Tensor, approximate: str = "none", inplace: bool = False) -> t
     place and 15 into fresh tensors (their page faults)."""
     if not (approximate == "tanh" and x.dtype in (torch.float32, torch.bfloat16) and x.is_contiguous()):
         return F.gelu(x, approximate=approximate)
-    if not (_inference_on_cpu(x) and variant() not in (None, "portable") and _library().float_ok):
+    if not (_inference_on_cpu(x) and has_simd() and _library().float_ok):
         return F.gelu(x, approximate=approximate)  # portable C: ~4x slower than PyTorch's
     y = x if inplace else torch.empty_like(x)
     bf16 = x.dtype is torch.bfloat16

@@ -140,7 +140,7 @@ typedef struct {
     const gemm_kind_t *kind;
     int M, N, K, r0, r1, accumulate;
     const float *a, *bias;
-    long rsa, csa, rsb, csb, ldc;
+    long rsa, csa, ldc; /* B is packed before its rows are multiplied: its strides are the packing's */
     float *c;
 } gemm_t;
 
@@ -248,7 +248,7 @@ static int gemm(const gemm_kind_t *kind, int M, int N, int K, const float *a, lo
     {
         const int nt = omp_get_num_threads(), id = omp_get_thread_num();
         const int r0 = (int)((long)tiles * id / nt) * MR, r1 = (int)((long)tiles * (id + 1) / nt) * MR;
-        const gemm_t g = {kind, M, N, K, r0, r1 < M ? r1 : M, accumulate, a, bias, rsa, csa, rsb, csb, ldc, c};
+        const gemm_t g = {kind, M, N, K, r0, r1 < M ? r1 : M, accumulate, a, bias, rsa, csa, ldc, c};
         uint32_t *ap = alloc_elems((GEMM_MC / MR + 1) * a_panel_elems(kind, kc_max));
         if (!ap) {
 #pragma omp atomic write
@@ -299,7 +299,7 @@ static int gemm_prepacked(int M, int N, int K, const float *a, long rsa, long cs
                           long ldc) {
     uint32_t *ap = alloc_elems((GEMM_MC / GEMM_MR + 1) * a_panel_elems(&GEMM_F32, K));
     if (!ap) return -1;
-    const gemm_t g = {&GEMM_F32, M, N, K, 0, M, 0, a, NULL, rsa, csa, 0, 0, ldc, c};
+    const gemm_t g = {&GEMM_F32, M, N, K, 0, M, 0, a, NULL, rsa, csa, ldc, c};
     gemm_rows_whole(&g, (const uint32_t *)bp, 0, ap);
     free(ap);
     return 0;
