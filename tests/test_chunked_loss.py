@@ -26,6 +26,39 @@ def test_matches_plain_cross_entropy_and_its_gradients(chunk_rows):
     torch.testing.assert_close(fw, gw, rtol=1e-5, atol=1e-7)
 
 
+def test_an_incoming_gradient_scales_the_gradients_and_they_accumulate():
+    """Backward with a gradient other than 1 (a loss divided over micro-batches, or scaled), twice
+    into the same .grad: the gradients of the plain computation. Backward hands out the stored
+    gradients themselves when the incoming one is 1; they must not be reused or changed."""
+    torch.manual_seed(1)
+    x = torch.randn(2, 9, 16, requires_grad=True)
+    w = torch.randn(50, 16, requires_grad=True)
+    t = torch.randint(0, 50, (2, 9))
+    (F.cross_entropy((x @ w.t()).view(-1, 50), t.view(-1)) * 0.25).backward()
+    F.cross_entropy((x @ w.t()).view(-1, 50), t.view(-1)).backward()  # .grad: 1.25x the loss's gradients
+    want = x.grad.clone(), w.grad.clone()
+    x.grad = w.grad = None
+    (linear_cross_entropy(x, w, t) * 0.25).backward()
+    linear_cross_entropy(x, w, t).backward()
+    torch.testing.assert_close(x.grad, want[0], rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(w.grad, want[1], rtol=1e-5, atol=1e-7)
+
+
+def test_the_c_softmax_given_the_maxima_reads_the_logits_once_to_the_same_bits():
+    """softmax_exp_ with each column's largest logit given (mm_colmax's) skips its first pass: the
+    same exps, losses and inverse sums as when it finds them, on a padded (V, n) view."""
+    torch.manual_seed(2)
+    logits = torch.randn(1000, 37 + 16)[:, :37] * 4  # (V, n), rows 53 apart
+    t = torch.randint(0, 1000, (37,))
+    t[3] = -100
+    found, given = logits.clone(), logits.clone()
+    a = kernels.softmax_exp_(found, t)
+    if a is None:
+        pytest.skip("the C softmax is not built here")
+    b = kernels.softmax_exp_(given, t, logits.amax(dim=0))
+    assert torch.equal(found, given) and all(torch.equal(u, v) for u, v in zip(a, b, strict=True))
+
+
 def test_model_loss_is_the_same_with_and_without_logits():
     model = tiny_model().train()
     idx = torch.randint(0, 97, (2, 12))

@@ -115,6 +115,31 @@ def test_sgemm_writes_only_its_own_rows_and_columns(gptlab_gemm):
     assert (buf[outside] == 7.0).all()
 
 
+@pytest.mark.usefixtures("kernel_variant")
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s[:3])) + "aT" * s[3] + "bT" * s[4])
+def test_mm_colmax_is_the_product_and_the_largest_of_each_column(gptlab_gemm, shape):
+    """mm_colmax (the head's W x^T with what its softmax needs): the same bits as mm's product, and
+    each column's largest value, found tile by tile (B whole and in blocks, edge tiles, columns
+    past one block of B); out a view into a wider buffer, as the chunked loss's padded workspace."""
+    a, b = operands(*shape)
+    want = kernels.mm(a, b, torch.empty(shape[0], shape[1]))
+    out = torch.full((shape[0], shape[1] + 5), 7.0)[:, : shape[1]]
+    top = kernels.mm_colmax(a, b, out)
+    assert gptlab_gemm == [True, True]
+    assert torch.equal(out, want)
+    assert torch.equal(top, want.amax(dim=0))
+
+
+def test_mm_colmax_is_none_where_gptlabs_gemm_does_not_run(monkeypatch):
+    """Where PyTorch's BLAS multiplies (GPTLAB_GEMM=torch), out is left alone and the softmax finds
+    the maxima itself."""
+    monkeypatch.setenv("GPTLAB_GEMM", "torch")
+    a, b = operands(30, 20, 10, False, True)
+    out = torch.full((30, 20), 7.0)
+    assert kernels.mm_colmax(a, b, out) is None
+    assert (out == 7.0).all()
+
+
 def products_on_threads(bf16: bool, threads=(1, 2, 3)) -> list[torch.Tensor]:
     """The same product through kernels.mm on each number of threads."""
     a, b = operands(301, 40, 600, True, False)
@@ -251,6 +276,15 @@ def test_gemm_bf16_is_the_product_of_bf16_operands(bf16_gemm, shape, accumulate,
     kernels.mm(a, b, out, accumulate=accumulate, bf16=True, bias=bias)
     assert bf16_gemm == [True]
     assert_close_to_float64(out, want, bf16_rounded(a), bf16_rounded(b), before)
+
+
+def test_mm_colmax_in_bf16_is_the_bf16_product_and_its_columns_maxima(bf16_gemm):
+    a, b = operands(301, 40, 16, False, True)
+    want = kernels.mm(a, b, torch.empty(301, 40), bf16=True)
+    out = torch.empty(301, 40)
+    top = kernels.mm_colmax(a, b, out, bf16=True)
+    assert bf16_gemm == [True, True]
+    assert torch.equal(out, want) and torch.equal(top, want.amax(dim=0))
 
 
 def test_gemm_bf16_takes_any_strides_and_writes_only_its_own_part(bf16_gemm):

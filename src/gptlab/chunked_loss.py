@@ -42,11 +42,13 @@ def _chunk_grad(x_c, w, t_c, out: torch.Tensor, bf16: bool = False):
     backward products (measured on the AMD EPYC, 2 threads, 512 rows: 95 against 67 GFLOP/s
     forward; 107/82 against 119/74 for the inputs' and the weight's gradients: ~15% less in all).
     bf16: x_c and w fp32, multiplied as bf16 (kernels.mm)."""
+    peak = None
     if out.dtype == x_c.dtype:
-        logits = kernels.mm(w, x_c.t(), out, bf16=bf16)  # (V, n)
+        peak = kernels.mm_colmax(w, x_c.t(), out, bf16=bf16)  # (n,) each row's largest logit, or None
+        logits = out if peak is not None else kernels.mm(w, x_c.t(), out, bf16=bf16)  # (V, n)
     else:
         logits = out.copy_(w @ x_c.t().contiguous())  # (V, n) fp32 from bf16/fp16 logits
-    scored = kernels.softmax_exp_(logits, t_c)  # in C on CPU: 2 passes over the logits, not 5
+    scored = kernels.softmax_exp_(logits, t_c, peak)  # in C on CPU: 1-2 passes over the logits, not 5
     if scored is not None:
         row_loss, inv = scored
         return row_loss.sum(), logits, inv
@@ -61,11 +63,11 @@ def _chunk_grad(x_c, w, t_c, out: torch.Tensor, bf16: bool = False):
     return row_loss.masked_fill(~valid, 0.0).sum(), e, inv
 
 
-def _accumulate_grads(e, inv, t_c, x_c, w, w_t, grad_x_c, grad_w, first: bool, bf16: bool = False) -> None:
+def _accumulate_grads(e, inv, t_c, x_c, w, w_t, grad_x_c, grad_w, first: bool, scale: float, bf16: bool = False):
     """grad_x_c = d^T @ w and grad_w += d @ x_c (= on the first chunk: grad_w starts uninitialized,
-    sparing a 26 MB zero fill per step) for one chunk's d = inv * e - onehot(t_c): e (V, n), inv (n,),
-    x_c (n, C), w (V, C). The scaling and the one-hot go to the (n, C) side, so the (V, n) matrix
-    is read only by the two products.
+    sparing a 26 MB zero fill per step) for one chunk's d = scale (inv * e - onehot(t_c)): e (V, n),
+    inv (n,), x_c (n, C), w (V, C). The scaling and the one-hot go to the (n, C) side, so the (V, n)
+    matrix is read only by the two products.
 
     fp32 (and bf16 in gl_gemm_bf16, which takes fp32 operands): BLAS takes the transposed e as it
     is; grad_w (V, C) is written in place with no temporaries. bf16/fp16: oneDNN copies a
@@ -74,6 +76,7 @@ def _accumulate_grads(e, inv, t_c, x_c, w, w_t, grad_x_c, grad_w, first: bool, b
     """
     rows = (t_c != IGNORE_INDEX).nonzero().squeeze(1)  # (k,) rows with a target
     targets = t_c[rows]  # (k,)
+    inv = inv * scale  # (n,)
     x_scaled = x_c * inv.to(x_c.dtype)[:, None]  # (n, C)
     if e.dtype == torch.float32:
         kernels.mm(e.t(), w, grad_x_c, bf16=bf16)
@@ -85,16 +88,25 @@ def _accumulate_grads(e, inv, t_c, x_c, w, w_t, grad_x_c, grad_w, first: bool, b
         else:
             grad_w += e @ x_scaled
     grad_x_c.mul_(inv[:, None])
-    grad_x_c.index_add_(0, rows, w[targets].to(grad_x_c.dtype), alpha=-1.0)  # the one-hot's part
-    grad_w.index_add_(0, targets, x_c[rows].to(grad_w.dtype), alpha=-1.0)
+    grad_x_c.index_add_(0, rows, w[targets].to(grad_x_c.dtype), alpha=-scale)  # the one-hot's part
+    grad_w.index_add_(0, targets, x_c[rows].to(grad_w.dtype), alpha=-scale)
 
 
 _WORKSPACE: dict[torch.device, torch.Tensor] = {}
 
 
+# Floats between the starts of the workspace's rows beyond its `rows`: one cache line. A chunk of
+# 1024 rows would otherwise put its logits' rows exactly 4 KB apart, and the products reading them
+# down a column (e^T W packs 256 of them per block) land every row in the same few sets of L1 and
+# L2. Measured on the AMD EPYC Zen 5 held to AVX2 (2 threads, the demo's 1024 x 128 x 50,257
+# head, medians of 5): W x^T, e^T W, e x 52.2, 67.1, 61.8 ms unpadded; 51.5, 59.6, 58.2 padded by
+# 16 (8, 32 and 64: 166-169 ms in all).
+ROW_PAD = 16
+
+
 def _workspace(rows: int, vocab: int, device: torch.device) -> torch.Tensor:
-    """A (vocab, rows) fp32 buffer for one chunk's transposed logits, kept between calls on CPU
-    (a view of its first vocab * rows values, so a shorter last chunk is contiguous too).
+    """A (vocab, rows) fp32 buffer for one chunk's transposed logits, its rows ROW_PAD floats
+    longer than `rows` (a view), kept between calls on CPU.
 
     A fresh tensor of this size (~100 MB for 512 rows of GPT-2's vocabulary) comes from mmap and
     is zero-filled page by page by the kernel on every call: measured ~20 ms per chunk on a 2-core
@@ -102,10 +114,11 @@ def _workspace(rows: int, vocab: int, device: torch.device) -> torch.Tensor:
     """
     if device.type != "cpu":
         return torch.empty(vocab, rows, dtype=torch.float32, device=device)  # caching allocator reuses it
+    stride = rows + ROW_PAD
     buf = _WORKSPACE.get(device)
-    if buf is None or buf.numel() < rows * vocab:
-        buf = _WORKSPACE[device] = torch.empty(rows * vocab, dtype=torch.float32, device=device)
-    return buf[: rows * vocab].view(vocab, rows)
+    if buf is None or buf.numel() < stride * vocab:
+        buf = _WORKSPACE[device] = torch.empty(stride * vocab, dtype=torch.float32, device=device)
+    return buf[: stride * vocab].view(vocab, stride)[:, :rows]
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -118,7 +131,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             raise ValueError(
                 f"target {int(t[bad][0])} outside the vocabulary [0, {weight.size(0)}) (and not {IGNORE_INDEX})"
             )
-        n_valid = (t != IGNORE_INDEX).sum().clamp_min(1)
+        n_valid = max(int((t != IGNORE_INDEX).sum()), 1)
         bf16 = compute_dtype == torch.bfloat16 and kernels.gemm_bf16_runs(x.device)  # gl_gemm_bf16 rounds fp32 operands
         mm_dtype = torch.float32 if bf16 else compute_dtype
         xc = x2.to(mm_dtype)
@@ -137,23 +150,24 @@ class _LinearCrossEntropy(torch.autograd.Function):
             chunk_loss, e, inv = _chunk_grad(x_c, w, t_c, buffer, bf16)
             loss += chunk_loss
             if need_grad:
-                _accumulate_grads(
-                    e.to(mm_dtype), inv, t_c, x_c, w, w_t, grad_x[s : s + chunk_rows], grad_w, first=s == 0, bf16=bf16
-                )
-        ctx.save_for_backward(grad_x, grad_w, n_valid)
+                _accumulate_grads(e.to(mm_dtype), inv, t_c, x_c, w, w_t, grad_x[s : s + chunk_rows], grad_w,
+                                  first=s == 0, scale=1.0 / n_valid, bf16=bf16)  # fmt: skip
+        ctx.save_for_backward(grad_x, grad_w)  # the mean's gradients
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
         return loss / n_valid
 
     @staticmethod
     def backward(ctx, grad_loss):
-        grad_x, grad_w, n_valid = ctx.saved_tensors
-        scale = grad_loss / n_valid
-        gx = (grad_x * scale).to(ctx.x_dtype).reshape(ctx.x_shape) if ctx.needs_input_grad[0] else None
+        grad_x, grad_w = ctx.saved_tensors
+        # A loss backpropagated as it is (grad_loss 1) takes the stored gradients themselves: the
+        # head's (V, C) is 26 MB for GPT-2's vocabulary, and a scaled copy of it cost ~3.4 ms of
+        # a ~250 ms demo step (AMD EPYC Zen 5 at AVX2).
+        unit = bool(grad_loss == 1)
+        gx = gw = None
+        if ctx.needs_input_grad[0]:
+            gx = (grad_x if unit else grad_x * grad_loss).to(ctx.x_dtype).reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:
-            gw = grad_w * scale  # (V, C)
-            gw = gw.to(ctx.w_dtype).contiguous()
-        else:
-            gw = None
+            gw = (grad_w if unit else grad_w * grad_loss).to(ctx.w_dtype).contiguous()  # (V, C)
         return gx, gw, None, None, None
 
 

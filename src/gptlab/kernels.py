@@ -53,7 +53,7 @@ MAX_HEAD_SIZE = 256  # the C attention's limit (MAX_HS in attention.c)
 VARIANTS = tuple(kernel_build.VARIANTS)  # best first
 FEATURES = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512vnni", "avxvnni",
             "asimd", "asimddp", "avx512bf16")  # fmt: skip  # gl_cpu_features' bits, in order
-_ABI = 13
+_ABI = 14
 _P = ctypes.c_void_p
 _I = ctypes.c_int
 _L = ctypes.c_long
@@ -69,14 +69,15 @@ _SIGNATURES = {  # name: argument types; each returns 0, or -1 when out of memor
     "gl_gelu_tanh": [_P, _P, _L, _I, _I],  # x, y, n, bf16, threads
     # q, its (batch, head, row) strides, k, strides, v, strides, out, B, nh, T, S, hs, threads
     "gl_attend_prompt": [_P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I],
-    # logits (V, n), targets, loss, peak, inv, n, V, grad, threads
-    "gl_softmax_xent": [_P, _P, _P, _P, _P, _I, _I, _I, _I],
+    # logits (V, n), its row stride, targets, loss, peak, inv, n, V, grad, the peaks given or NULL, threads
+    "gl_softmax_xent": [_P, _L, _P, _P, _P, _P, _I, _I, _I, _P, _I],
     # model, kv caches, x, B, T, pos, max_len, mask, rope, logits, all_logits, threads
     "gl_decode_step": [_P, _P, _P, _P, _I, _I, _I, _I, _P, _P, _P, _I, _I],
     # M, N, K, a, a's row and column strides, b, its strides, c, c's row stride, bias, accumulate, threads
     "gl_sgemm": [_I, _I, _I, _P, _L, _L, _P, _L, _L, _P, _L, _P, _I, _I],
     "gl_gemm_bf16": [_I, _I, _I, _P, _L, _L, _P, _L, _L, _P, _L, _P, _I, _I],  # as gl_sgemm; -2: no AVX512-BF16
     "gl_sgemm_bf16_b": [_I, _I, _I, _P, _L, _L, _P, _L, _L, _P, _L, _P, _I, _I],  # as gl_sgemm, b bf16
+    "gl_sgemm_colmax": [_I, _I, _I, _P, _L, _L, _P, _L, _L, _P, _L, _P, _I, _I],  # ..., c, ldc, colmax, bf16, threads
     "gl_has_gemm_bf16": [],
     "gl_set_decode_rows": [_I],  # 1 or ROWS, 0 for the CPU's default; returns the rows in use or -1
     "gl_decode_rows": [],
@@ -560,16 +561,19 @@ def decode_attention(qkv: torch.Tensor, kv, cache_pos: int, mask: torch.Tensor |
     return out
 
 
-def softmax_exp_(logits_t: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+def softmax_exp_(
+    logits_t: torch.Tensor, targets: torch.Tensor, peak: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Training's softmax cross-entropy over n rows of logits stored transposed, logits_t (V, n)
-    fp32 (row r's logits in column r), in place: they become exp(logits - max) per column; returns
-    (the rows' losses (n,), inv (n,)) with inv = 1 / sum of the column's exps, 0 where the target is
-    IGNORE_INDEX (-100; loss 0 there). d(sum of losses)/d(logits) is then inv * logits_t - onehot:
-    gptlab.chunked_loss folds inv and the one-hot into the products after it, so the logits take
-    two passes (max; exp and sum) and are written once. None where the kernel does not run (not
-    built, off, not CPU fp32): the caller computes it with PyTorch. Raises ValueError for a target
-    outside [0, V)."""
-    out = _softmax_xent(logits_t, targets, grad=True)
+    fp32 (row r's logits in column r; each of the V rows contiguous, their stride n or more), in
+    place: they become exp(logits - max) per column; returns (the rows' losses (n,), inv (n,)) with
+    inv = 1 / sum of the column's exps, 0 where the target is IGNORE_INDEX (-100; loss 0 there).
+    d(sum of losses)/d(logits) is then inv * logits_t - onehot: gptlab.chunked_loss folds inv and
+    the one-hot into the products after it, so the logits take two passes (max; exp and sum) and
+    are written once; one pass when peak (n,), each column's largest logit (mm_colmax's), is
+    given. None where the kernel does not run (not built, off, not CPU fp32): the caller computes
+    it with PyTorch. Raises ValueError for a target outside [0, V)."""
+    out = _softmax_xent(logits_t, targets, grad=True, peak=peak)
     return None if out is None else (out[0], out[2])
 
 
@@ -594,20 +598,25 @@ def cross_entropy_t(logits_t: torch.Tensor, targets: torch.Tensor) -> tuple[torc
     return None if out is None else out[:2]
 
 
-def _softmax_xent(logits_t: torch.Tensor, targets: torch.Tensor, grad: bool):
+def _rows_dense(m: torch.Tensor) -> bool:
+    """Whether matrix m's rows are each contiguous, and apart by at least a row (the padded
+    workspaces of gptlab.chunked_loss)."""
+    return m.dim() == 2 and m.stride(1) == 1 and m.stride(0) >= m.size(1)
+
+
+def _softmax_xent(logits_t: torch.Tensor, targets: torch.Tensor, grad: bool, peak: torch.Tensor | None = None):
     """(losses, peaks, inv) from gl_softmax_xent, or None where it does not run."""
-    if not (
-        _enabled and logits_t.device.type == "cpu" and logits_t.dtype == torch.float32 and logits_t.is_contiguous()
-    ):
+    if not (_enabled and logits_t.device.type == "cpu" and logits_t.dtype == torch.float32 and _rows_dense(logits_t)):
         return None
     if torch.compiler.is_compiling() or not _library().float_ok:  # compiled graphs cannot trace ctypes
         return None
     V, n = logits_t.shape
     t = targets.to(torch.int64).contiguous()
+    given = None if peak is None else peak.to(torch.float32).contiguous()  # (n,)
     loss, peak, inv = torch.empty(n), torch.empty(n), torch.empty(n)
     status = _library().lib.gl_softmax_xent(
-        logits_t.data_ptr(), t.data_ptr(), loss.data_ptr(), peak.data_ptr(), inv.data_ptr(), n, V, int(grad),
-        torch.get_num_threads(),
+        logits_t.data_ptr(), logits_t.stride(0), t.data_ptr(), loss.data_ptr(), peak.data_ptr(), inv.data_ptr(), n, V,
+        int(grad), None if given is None else given.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     if status == -3:
         bad = t[(t != -100) & ((t < 0) | (t >= V))]
@@ -700,6 +709,24 @@ def _gemm(fn, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate: b
         torch.get_num_threads(),
     )  # fmt: skip
     check(status)
+
+
+def mm_colmax(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, bf16: bool = False) -> torch.Tensor | None:
+    """out = a @ b as mm(a, b, out, bf16=bf16), and the largest value of each of out's columns
+    (N,), found as gptlab's GEMM writes out's tiles (the training head's W x^T: softmax_exp_ then
+    reads the logits once instead of twice). None, with out untouched, where gptlab's GEMM does
+    not run the product."""
+    runs = gemm_bf16_runs(out.device) if bf16 else b.dtype is torch.float32
+    if not (runs and _sgemm_runs(a, b, out)):
+        return None
+    (M, K), N = a.shape, b.size(1)
+    top = torch.empty(N)  # (N,)
+    status = _library().lib.gl_sgemm_colmax(
+        M, N, K, a.data_ptr(), a.stride(0), a.stride(1), b.data_ptr(), b.stride(0), b.stride(1),
+        out.data_ptr(), out.stride(0), top.data_ptr(), int(bf16), torch.get_num_threads(),
+    )  # fmt: skip
+    check(status)
+    return top
 
 
 def _mm_bf16(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate: bool, bias) -> torch.Tensor:

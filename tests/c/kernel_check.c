@@ -19,11 +19,14 @@ typedef int (*linear_i8_t)(const float *, const int8_t *, const uint16_t *, cons
                            int, int, int, int);
 typedef int (*linear_i4_t)(const float *, const uint8_t *, const uint16_t *, const uint16_t *, const float *, float *,
                            int, int, int, int, int);
-typedef int (*softmax_xent_t)(float *, const int64_t *, float *, float *, float *, int, int, int, int);
+typedef int (*softmax_xent_t)(float *, long, const int64_t *, float *, float *, float *, int, int, int, const float *,
+                               int);
 typedef int (*attend_one_t)(const void *, void *, void *, int, const uint8_t *, void *, int, int, int, int, int, int);
 typedef int (*argmax_t)(const float *, int64_t *, int, int);
 typedef int (*sgemm_t)(int, int, int, const float *, long, long, const float *, long, long, float *, long,
                        const float *, int, int);
+typedef int (*sgemm_colmax_t)(int, int, int, const float *, long, long, const float *, long, long, float *, long,
+                              float *, int, int);
 typedef int (*sgemm_bf16_b_t)(int, int, int, const float *, long, long, const uint16_t *, long, long, float *, long,
                               const float *, int, int);
 typedef int (*attend_prompt_t)(const float *, const long *, const float *, const long *, const float *, const long *,
@@ -42,6 +45,7 @@ typedef struct {
     sgemm_t sgemm, gemm_bf16;
     int (*has_gemm_bf16)(void);
     sgemm_bf16_b_t sgemm_bf16_b;
+    sgemm_colmax_t sgemm_colmax;
     attend_prompt_t attend_prompt;
     gelu_t gelu_tanh;
 } lib_t;
@@ -67,7 +71,7 @@ static lib_t open_lib(const char *path) {
                need(h, "gl_linear_bf16"), need(h, "gl_linear_i8"), need(h, "gl_linear_i4"),
                need(h, "gl_softmax_xent"), need(h, "gl_attend_one"), need(h, "gl_argmax_f32"), need(h, "gl_sgemm"),
                need(h, "gl_gemm_bf16"), need(h, "gl_has_gemm_bf16"), need(h, "gl_sgemm_bf16_b"),
-               need(h, "gl_attend_prompt"), need(h, "gl_gelu_tanh")};
+               need(h, "gl_sgemm_colmax"), need(h, "gl_attend_prompt"), need(h, "gl_gelu_tanh")};
     return l;
 }
 
@@ -184,16 +188,20 @@ static void check_linear_i4(const lib_t *ref, const lib_t *l, int M, int N, int 
     free(x), free(b), free(w), free(sc), free(ze), free(y0), free(y);
 }
 
-static void check_softmax_xent(const lib_t *ref, const lib_t *l, int n, int V) {
-    float *z0 = floats((size_t)V * n, 4), *z = malloc(sizeof(float) * V * n);
-    memcpy(z, z0, sizeof(float) * V * n);
+/* given_peak: the variant is handed the reference's maxima (as gl_sgemm_colmax finds them) and
+ * skips its first pass. */
+static void check_softmax_xent(const lib_t *ref, const lib_t *l, int n, int V, int given_peak) {
+    const int ldz = n + 5; /* the variant's rows padded apart, as gptlab.chunked_loss's workspace */
+    float *z0 = floats((size_t)V * n, 4), *z = malloc(sizeof(float) * V * ldz);
+    for (int v = 0; v < V; v++) memcpy(z + (size_t)v * ldz, z0 + (size_t)v * n, sizeof(float) * n);
     int64_t *t = malloc(sizeof(int64_t) * n);
     for (int r = 0; r < n; r++) t[r] = r % 5 == 3 ? -100 : (int64_t)((uniform() + 1) / 2 * (V - 1));
     float *out0 = malloc(sizeof(float) * 3 * n), *out = malloc(sizeof(float) * 3 * n);
-    ref->softmax_xent(z0, t, out0, out0 + n, out0 + 2 * n, n, V, 1, 2);
-    l->softmax_xent(z, t, out, out + n, out + 2 * n, n, V, 1, 2);
+    ref->softmax_xent(z0, n, t, out0, out0 + n, out0 + 2 * n, n, V, 1, NULL, 2);
+    l->softmax_xent(z, ldz, t, out, out + n, out + 2 * n, n, V, 1, given_peak ? out0 + n : NULL, 2);
+    for (int v = 0; v < V; v++) memmove(z + (size_t)v * n, z + (size_t)v * ldz, sizeof(float) * n);
     char shape[64];
-    snprintf(shape, sizeof shape, "n=%d V=%d", n, V);
+    snprintf(shape, sizeof shape, "n=%d V=%d%s", n, V, given_peak ? " peak given" : "");
     report("softmax_xent loss, max, inv", l, shape, worst(out, out0, 3 * (size_t)n, 1e-6, 1e-5));
     report("softmax_xent exp(z - max)", l, shape, worst(z, z0, (size_t)V * n, 1e-7, 1e-5)); /* vf_exp: < 2e-8 */
     free(z0), free(z), free(t), free(out0), free(out);
@@ -310,6 +318,18 @@ static void check_gemm(const lib_t *l, int M, int N, int K, int a_t, int b_t, in
     snprintf(shape, sizeof shape, "M=%d N=%d K=%d%s%s%s%s", M, N, K, a_t ? " a^T" : "", b_t ? " b^T" : "",
              accumulate ? " +=" : "", bias ? " +bias" : "");
     report(bf16_operands ? "gemm_bf16 vs float64" : "sgemm vs float64", l, shape, w);
+    if (!accumulate && !bias) { /* the same product with its columns' maxima: the same bits, and their max */
+        float *c2 = malloc(sizeof(float) * M * N), *top = malloc(sizeof(float) * N);
+        l->sgemm_colmax(M, N, K, a, rsa, csa, b, rsb, csb, c2, N, top, bf16_operands, 2);
+        int bad = memcmp(c, c2, sizeof(float) * M * N) != 0;
+        for (int j = 0; j < N; j++) {
+            float m = -INFINITY;
+            for (int i = 0; i < M; i++) m = fmaxf(m, c[i * N + j]);
+            bad |= top[j] != m;
+        }
+        report(bf16_operands ? "gemm_bf16 colmax" : "sgemm colmax", l, shape, bad ? 2 : 0);
+        free(c2), free(top);
+    }
     free(a), free(b), free(c), free(want), free(scale), free(bias);
 }
 
@@ -319,7 +339,7 @@ static void check_gemm(const lib_t *l, int M, int N, int K, int a_t, int b_t, in
 static void check_sgemms(const lib_t *l) {
     static const int mm[][6] = {{1, 1, 1, 0, 0, 0},      {301, 40, 16, 0, 1, 0}, {40, 16, 301, 1, 0, 0},
                                 {301, 16, 40, 0, 0, 1},  {13, 70, 600, 0, 0, 1}, {50, 700, 800, 1, 1, 0},
-                                {3, 4100, 20, 0, 1, 1}};
+                                {3, 4100, 20, 0, 1, 1},  {302, 40, 16, 0, 1, 0}};
     for (int bf16_operands = 0; bf16_operands <= l->has_gemm_bf16(); bf16_operands++)
         for (size_t i = 0; i < sizeof mm / sizeof *mm; i++)
             check_gemm(l, mm[i][0], mm[i][1], mm[i][2], mm[i][3], mm[i][4], mm[i][5], bf16_operands);
@@ -338,7 +358,8 @@ static void check_all(const lib_t *ref, const lib_t *l) {
     for (size_t i = 0; i < sizeof i4 / sizeof *i4; i++)
         for (size_t j = 0; j < sizeof groups / sizeof *groups; j++)
             check_linear_i4(ref, l, i4[i][0], i4[i][1], i4[i][2], groups[j]);
-    check_softmax_xent(ref, l, 13, 301), check_softmax_xent(ref, l, 64, 2000);
+    for (int given_peak = 0; given_peak <= 1; given_peak++)
+        check_softmax_xent(ref, l, 13, 301, given_peak), check_softmax_xent(ref, l, 64, 2000, given_peak);
     check_attention(ref, l, 2, 3, 16, 0), check_attention(ref, l, 3, 2, 64, 37);
     check_argmax(ref, l, 3, 1000), check_argmax(ref, l, 1, 7);
     check_attend_prompt(ref, l, 2, 3, 40, 101, 0), check_attend_prompt(ref, l, 1, 2, 64, 50, 37);

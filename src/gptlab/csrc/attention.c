@@ -149,7 +149,7 @@ int gl_attend_prompt(const float *q, const long *qs, const float *k, const long 
             float inv[AP_ROWS]; /* query t0 + i sees keys [0, S - T + t0 + i] */
             for (int i = 0; i < m; i++)
                 inv[i] = 1.0f / softmax_seen(scores + (size_t)i * keys, S - T + t0 + i + 1, keys, scale);
-            if (gemm(&GEMM_F32, m, hs, keys, scores, keys, 1, vb, sv.row, 1, ob, ldo, NULL, 0, 1)) {
+            if (gemm(&GEMM_F32, m, hs, keys, scores, keys, 1, vb, sv.row, 1, ob, ldo, NULL, 0, NULL, 1)) {
 #pragma omp atomic write
                 failed = 1;
                 continue;

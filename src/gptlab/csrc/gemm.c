@@ -135,14 +135,29 @@ static void gemm_pack_b_from_bf16(const void *b, long rsb, long csb, int n, int 
     pack_b_f32(b, rsb, csb, n, kc, p0, p1, panels, 1);
 }
 
-/* The operands, the kind of product, and one thread's rows of C [r0, r1). */
+/* The operands, the kind of product, one thread's rows of C [r0, r1), and its maxima of C's
+ * columns over those rows (N values, or NULL for none). */
 typedef struct {
     const gemm_kind_t *kind;
     int M, N, K, r0, r1, accumulate;
     const float *a, *bias;
     long rsa, csa, ldc; /* B is packed before its rows are multiplied: its strides are the packing's */
-    float *c;
+    float *c, *colmax;
 } gemm_t;
+
+/* colmax[j] = max(colmax[j], c[i ldc + j]) over the m x n tile at c. */
+static void tile_colmax(const float *c, long ldc, int m, int n, int nr, float *colmax) {
+    if (n == nr && nr % VW == 0) {
+        for (int j = 0; j < nr; j += VW) {
+            vf top = vf_load(colmax + j);
+            for (int i = 0; i < m; i++) top = vf_max(top, vf_load(c + i * ldc + j));
+            vf_store(colmax + j, top);
+        }
+        return;
+    }
+    for (int i = 0; i < m; i++)
+        for (int j = 0; j < n; j++) colmax[j] = fmaxf(colmax[j], c[i * ldc + j]);
+}
 
 /* A block of A still in memory, fetched into the caches a few lines at a time while the block
  * before it is multiplied: packing it then finds it there (AMD EPYC, the head's e^T W and e x:
@@ -185,8 +200,10 @@ static void gemm_block(const gemm_t *g, int ic, int mc, int jc, int nc, int pc, 
         for (int ir = 0; ir < mc; ir += MR) {
             gemm_fetch(&next, per_tile);
             const float *bias = g->bias && pc == 0 ? g->bias + jc + p * NR : NULL; /* added once, with the first kc */
-            kind->tile(kc, ap + ir / MR * a_panel, bp + p * b_panel, g->c + (ic + ir) * g->ldc + jc + p * NR, g->ldc,
-                       first, bias, mc - ir < MR ? mc - ir : MR, nr);
+            float *c = g->c + (ic + ir) * g->ldc + jc + p * NR;
+            const int m = mc - ir < MR ? mc - ir : MR;
+            kind->tile(kc, ap + ir / MR * a_panel, bp + p * b_panel, c, g->ldc, first, bias, m, nr);
+            if (g->colmax && pc + kc >= g->K) tile_colmax(c, g->ldc, m, nr, NR, g->colmax + jc + p * NR); /* final */
         }
     }
 }
@@ -223,16 +240,23 @@ static void *alloc_elems(size_t n) { return aligned_alloc(64, (n * 4 + 63) / 64 
 
 /* C (M, N) = A (M, K) B (K, N) + bias, or C += A B + bias when accumulate, as `kind` multiplies
  * (bias: N values added to every row, or NULL for none): element (i, k) of A at a[i rsa + k csa],
- * (k, j) of B at b[k rsb + j csb], (i, j) of C at c[i ldc + j]. Each
- * thread takes a contiguous range of C's rows, so the summation order of every element is that of
- * one thread's loop: results do not depend on nthreads. B is packed whole once where it fits
- * GEMM_B_WHOLE, else a kc x nc block at a time. Returns 0, or -1 out of memory. */
+ * (k, j) of B at b[k rsb + j csb], (i, j) of C at c[i ldc + j]. colmax, unless NULL, gets the
+ * largest value of each of C's N columns, taken from each tile as it is finished (the training
+ * head's logits: its softmax then skips a pass over them). Each thread takes a contiguous range
+ * of C's rows, so the summation order of every element is that of one thread's loop: results do
+ * not depend on nthreads. B is packed whole once where it fits GEMM_B_WHOLE, else a kc x nc block
+ * at a time. Returns 0, or -1 out of memory. */
 static int gemm(const gemm_kind_t *kind, int M, int N, int K, const float *a, long rsa, long csa, const void *b,
-                long rsb, long csb, float *c, long ldc, const float *bias, int accumulate, int nthreads) {
+                long rsb, long csb, float *c, long ldc, const float *bias, int accumulate, float *colmax,
+                int nthreads) {
     if (M <= 0 || N <= 0) return 0;
+    if (colmax)
+        for (int j = 0; j < N; j++) colmax[j] = -INFINITY;
     if (K <= 0) {
         for (int i = 0; i < M; i++)
             for (int j = 0; j < N; j++) c[i * ldc + j] = (accumulate ? c[i * ldc + j] : 0.0f) + (bias ? bias[j] : 0.0f);
+        if (colmax)
+            for (int i = 0; i < M; i++) tile_colmax(c + i * ldc, ldc, 1, N, 0, colmax);
         return 0;
     }
     const int MR = kind->mr, NR = kind->nr;
@@ -243,14 +267,17 @@ static int gemm(const gemm_kind_t *kind, int M, int N, int K, const float *a, lo
     uint32_t *bp = whole ? alloc_elems(block * kblocks) : NULL;
     if (whole && !bp) return -1;
     int failed = 0;
-    const int tiles = (M + MR - 1) / MR; /* whole MR tiles per thread: none straddles two */
+    const int tiles = (M + MR - 1) / MR, panels_all = (N + NR - 1) / NR; /* whole MR tiles per thread */
 #pragma omp parallel num_threads(nthreads)
     {
         const int nt = omp_get_num_threads(), id = omp_get_thread_num();
         const int r0 = (int)((long)tiles * id / nt) * MR, r1 = (int)((long)tiles * (id + 1) / nt) * MR;
-        const gemm_t g = {kind, M, N, K, r0, r1 < M ? r1 : M, accumulate, a, bias, rsa, csa, ldc, c};
+        float *mine = colmax ? alloc_elems((size_t)panels_all * NR) : NULL; /* this thread's column maxima */
+        if (mine)
+            for (int j = 0; j < panels_all * NR; j++) mine[j] = -INFINITY;
+        const gemm_t g = {kind, M, N, K, r0, r1 < M ? r1 : M, accumulate, a, bias, rsa, csa, ldc, c, mine};
         uint32_t *ap = alloc_elems((GEMM_MC / MR + 1) * a_panel_elems(kind, kc_max));
-        if (!ap) {
+        if (!ap || (colmax && !mine)) {
 #pragma omp atomic write
             failed = 1;
         }
@@ -278,6 +305,11 @@ static int gemm(const gemm_kind_t *kind, int M, int N, int K, const float *a, lo
             free(own);
         }
         free(ap);
+        if (mine) {
+#pragma omp critical
+            for (int j = 0; j < N; j++) colmax[j] = fmaxf(colmax[j], mine[j]); /* in any order: max is exact */
+        }
+        free(mine);
     }
     free(bp);
     return failed ? -1 : 0;
@@ -299,7 +331,7 @@ static int gemm_prepacked(int M, int N, int K, const float *a, long rsa, long cs
                           long ldc) {
     uint32_t *ap = alloc_elems((GEMM_MC / GEMM_MR + 1) * a_panel_elems(&GEMM_F32, K));
     if (!ap) return -1;
-    const gemm_t g = {&GEMM_F32, M, N, K, 0, M, 0, a, NULL, rsa, csa, ldc, c};
+    const gemm_t g = {&GEMM_F32, M, N, K, 0, M, 0, a, NULL, rsa, csa, ldc, c, NULL};
     gemm_rows_whole(&g, (const uint32_t *)bp, 0, ap);
     free(ap);
     return 0;
@@ -308,14 +340,14 @@ static int gemm_prepacked(int M, int N, int K, const float *a, long rsa, long cs
 /* fp32: C (M, N) = A (M, K) B (K, N) + bias, or C += A B + bias when accumulate (see gemm). */
 int gl_sgemm(int M, int N, int K, const float *a, long rsa, long csa, const float *b, long rsb, long csb, float *c,
              long ldc, const float *bias, int accumulate, int nthreads) {
-    return gemm(&GEMM_F32, M, N, K, a, rsa, csa, b, rsb, csb, c, ldc, bias, accumulate, nthreads);
+    return gemm(&GEMM_F32, M, N, K, a, rsa, csa, b, rsb, csb, c, ldc, bias, accumulate, NULL, nthreads);
 }
 
 /* As gl_sgemm with B stored as bf16 (its strides in bf16 elements), widened exactly: the same
  * fp32 product as of B converted to fp32 first (a bf16 model's long prompts, kernels.mm). */
 int gl_sgemm_bf16_b(int M, int N, int K, const float *a, long rsa, long csa, const uint16_t *b, long rsb, long csb,
                     float *c, long ldc, const float *bias, int accumulate, int nthreads) {
-    return gemm(&GEMM_F32_BF16_B, M, N, K, a, rsa, csa, b, rsb, csb, c, ldc, bias, accumulate, nthreads);
+    return gemm(&GEMM_F32_BF16_B, M, N, K, a, rsa, csa, b, rsb, csb, c, ldc, bias, accumulate, NULL, nthreads);
 }
 
 /* ---------------------------------------------------------------- bf16 products (AVX512-BF16) */
@@ -485,9 +517,22 @@ int gl_gemm_bf16(int M, int N, int K, const float *a, long rsa, long csa, const 
 #if defined(__AVX512F__)
     if (gl_has_gemm_bf16())
         return gemm(rsa == 1 ? &GEMM_BF16 : &GEMM_BF16_ROWS, M, N, K, a, rsa, csa, b, rsb, csb, c, ldc, bias,
-                    accumulate, nthreads);
+                    accumulate, NULL, nthreads);
 #endif
     (void)M, (void)N, (void)K, (void)a, (void)rsa, (void)csa, (void)b, (void)rsb, (void)csb, (void)c, (void)ldc;
     (void)bias, (void)accumulate, (void)nthreads;
     return -2;
+}
+
+/* C (M, N) = A B, as gl_sgemm, or as gl_gemm_bf16 when bf16 (-2 where that does not run), and
+ * colmax (N) the largest value of each column of C, found as C's tiles are written (the training
+ * head's W x^T: gptlab.chunked_loss hands them to gl_softmax_xent, sparing it a pass). */
+int gl_sgemm_colmax(int M, int N, int K, const float *a, long rsa, long csa, const float *b, long rsb, long csb,
+                    float *c, long ldc, float *colmax, int bf16, int nthreads) {
+    const gemm_kind_t *kind = &GEMM_F32;
+#if defined(__AVX512F__)
+    if (bf16 && gl_has_gemm_bf16()) kind = rsa == 1 ? &GEMM_BF16 : &GEMM_BF16_ROWS, bf16 = 0;
+#endif
+    if (bf16) return -2;
+    return gemm(kind, M, N, K, a, rsa, csa, b, rsb, csb, c, ldc, NULL, 0, colmax, nthreads);
 }
