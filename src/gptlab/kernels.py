@@ -67,6 +67,7 @@ _SIGNATURES = {  # name: argument types; each returns 0, or -1 when out of memor
     "gl_attend_one": [_P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _I],
     "gl_argmax_f32": [_P, _P, _I, _I],
     "gl_gelu_tanh": [_P, _P, _L, _I, _I],  # x, y, n, bf16, threads
+    "gl_gelu_tanh_backward": [_P, _P, _P, _L, _I],  # x, dy, dx, n, threads
     # q, its (batch, head, row) strides, k, strides, v, strides, out, B, nh, T, S, hs, threads
     "gl_attend_prompt": [_P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I],
     # logits (V, n), its row stride, targets, loss, peak, inv, n, V, grad, the peaks given or NULL, threads
@@ -788,19 +789,47 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
 
 
 def gelu(x: torch.Tensor, approximate: str = "none", inplace: bool = False) -> torch.Tensor:
-    """F.gelu(x, approximate=approximate), into x itself when inplace (where the C kernel runs);
-    GPT-2's tanh form in C for CPU inference in fp32 or bf16 (computed in fp32, rounded once, as
-    PyTorch does) where the kernels have SIMD. A 512-token GPT-2 prefill's GELUs took PyTorch 24
-    ms of ~500 on an AMD EPYC Zen 5 held to AVX2 (`ATEN_CPU_CAPABILITY=avx2`), gl_gelu_tanh 6 in
-    place and 15 into fresh tensors (their page faults)."""
+    """F.gelu(x, approximate=approximate), into x itself when inplace (in inference, where the C
+    kernel runs). GPT-2's tanh form runs in C on CPU where the kernels have SIMD: in inference in
+    fp32 or bf16 (computed in fp32, rounded once, as PyTorch does), and under autograd in fp32,
+    its backward too. A 512-token GPT-2 prefill's GELUs took PyTorch 24 ms of ~500 on an AMD EPYC
+    Zen 5 held to AVX2 (`ATEN_CPU_CAPABILITY=avx2`), gl_gelu_tanh 6 in place and 15 into fresh
+    tensors (their page faults)."""
     if not (approximate == "tanh" and x.dtype in (torch.float32, torch.bfloat16) and x.is_contiguous()):
         return F.gelu(x, approximate=approximate)
-    if not (_inference_on_cpu(x) and has_simd() and _library().float_ok):
+    if not (_enabled and x.device.type == "cpu" and not torch.compiler.is_compiling()):
+        return F.gelu(x, approximate=approximate)
+    if not (has_simd() and _library().float_ok):
         return F.gelu(x, approximate=approximate)  # portable C: ~4x slower than PyTorch's
-    y = x if inplace else torch.empty_like(x)
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _GeluTanh.apply(x) if x.dtype is torch.float32 else F.gelu(x, approximate=approximate)
+    return _gelu_tanh(x, x if inplace else torch.empty_like(x))
+
+
+def _gelu_tanh(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """y = gelu_tanh(x) in gl_gelu_tanh; x and y contiguous, of x's dtype (fp32 or bf16)."""
     bf16 = x.dtype is torch.bfloat16
     check(_library().lib.gl_gelu_tanh(x.data_ptr(), y.data_ptr(), x.numel(), int(bf16), torch.get_num_threads()))
     return y
+
+
+class _GeluTanh(torch.autograd.Function):
+    """The training MLP's tanh GELU, fp32, forward and backward in C (PyTorch's took ~5 ms of a
+    ~250 ms demo step on the AMD EPYC Zen 5 held to AVX2)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return _gelu_tanh(x, torch.empty_like(x))
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy):
+        (x,) = ctx.saved_tensors
+        dy, dx = dy.contiguous(), torch.empty_like(x)
+        check(_library().lib.gl_gelu_tanh_backward(x.data_ptr(), dy.data_ptr(), dx.data_ptr(), x.numel(),
+                                                   torch.get_num_threads()))  # fmt: skip
+        return dx
 
 
 def dequantize_int4(weight, scales, zeros, group_size: int) -> torch.Tensor:

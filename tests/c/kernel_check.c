@@ -32,6 +32,7 @@ typedef int (*sgemm_bf16_b_t)(int, int, int, const float *, long, long, const ui
 typedef int (*attend_prompt_t)(const float *, const long *, const float *, const long *, const float *, const long *,
                                float *, int, int, int, int, int, int);
 typedef int (*gelu_t)(const void *, void *, long, int, int);
+typedef int (*gelu_backward_t)(const float *, const float *, float *, long, int);
 
 typedef struct {
     const char *path, *variant;
@@ -48,6 +49,7 @@ typedef struct {
     sgemm_colmax_t sgemm_colmax;
     attend_prompt_t attend_prompt;
     gelu_t gelu_tanh;
+    gelu_backward_t gelu_tanh_backward;
 } lib_t;
 
 static int failures = 0;
@@ -71,7 +73,8 @@ static lib_t open_lib(const char *path) {
                need(h, "gl_linear_bf16"), need(h, "gl_linear_i8"), need(h, "gl_linear_i4"),
                need(h, "gl_softmax_xent"), need(h, "gl_attend_one"), need(h, "gl_argmax_f32"), need(h, "gl_sgemm"),
                need(h, "gl_gemm_bf16"), need(h, "gl_has_gemm_bf16"), need(h, "gl_sgemm_bf16_b"),
-               need(h, "gl_sgemm_colmax"), need(h, "gl_attend_prompt"), need(h, "gl_gelu_tanh")};
+               need(h, "gl_sgemm_colmax"), need(h, "gl_attend_prompt"), need(h, "gl_gelu_tanh"),
+               need(h, "gl_gelu_tanh_backward")};
     return l;
 }
 
@@ -255,7 +258,11 @@ static void check_gelu(const lib_t *ref, const lib_t *l, int n) {
     l->gelu_tanh(xh, h, n, 1, 2);
     for (int i = 0; i < n; i++) y0[i] = from_bf16(h0[i]), y[i] = from_bf16(h[i]);
     report("gelu_tanh bf16", l, shape, worst(y, y0, (size_t)n, 1e-6, 1.0 / 128)); /* one bf16 rounding apart */
-    free(x), free(y0), free(y), free(xh), free(h0), free(h);
+    float *dy = floats((size_t)n, 1);
+    ref->gelu_tanh_backward(x, dy, y0, n, 2);
+    l->gelu_tanh_backward(x, dy, y, n, 2);
+    report("gelu_tanh_backward", l, shape, worst(y, y0, (size_t)n, 1e-6, 1e-6));
+    free(x), free(y0), free(y), free(xh), free(h0), free(h), free(dy);
 }
 
 /* A long prompt's bf16 layer, y = x W^T + b with W (N, K) stored as bf16: the same bits as gl_sgemm of

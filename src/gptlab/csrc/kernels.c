@@ -10,11 +10,13 @@
  *   attention.c    gl_attend_one (a decoding step's attention over the KV cache), gl_attend_prompt
  *                  (a prompt's causal attention, on gemm.c's products), gl_argmax_f32
  *   decode_step.c  gl_decode_step: a whole model's forward of a few new tokens over its KV cache;
- *                  gl_gelu_tanh, its GELU, for the PyTorch forward's prompts
+ *                  gl_gelu_tanh, its GELU, for the PyTorch forward's prompts, and
+ *                  gl_gelu_tanh_backward, for training's
  *   loss.c         gl_softmax_xent: softmax cross-entropy, with what its gradient needs (training) or without (scoring)
  *   gemm.c         gl_sgemm, gl_gemm_bf16: blocked matrix products in fp32, and in bf16 with vdpbf16ps
  *                  (AVX512-BF16), for the training head's three products and long prompts;
- *                  gl_sgemm_bf16_b: fp32 products of bf16-stored weights
+ *                  gl_sgemm_bf16_b: fp32 products of bf16-stored weights; gl_sgemm_colmax: with
+ *                  the maxima of C's columns (the head's logits)
  *
  * Shapes are checked on the Python side.
  */
