@@ -227,6 +227,38 @@ def test_training_reduces_loss_and_writes_the_run(byte_data, tmp_path):
     assert state["config"]["max_steps"] == 30 and state["step"] == 30
 
 
+class FakeLibc:
+    """ctypes.CDLL("libc.so.6") standing in: records mallopt's calls, accepts them."""
+
+    def __init__(self, calls):
+        self.calls = calls
+
+    def mallopt(self, param, value):
+        self.calls.append((param, value))
+        return 1
+
+
+def test_cpu_training_keeps_freed_memory_for_reuse(byte_data, tmp_path, monkeypatch):
+    """On glibc, a CPU Trainer sets malloc's mmap threshold to 32 MB (M_MMAP_THRESHOLD, -3) and its
+    trim threshold to 1 GB (M_TRIM_THRESHOLD, -1): a step's freed tens of MB are reused instead
+    of page-faulted in again. Not where the environment sets either, nor off glibc."""
+    from gptlab.train import setup
+
+    calls = []
+    monkeypatch.setattr(setup.ctypes, "CDLL", lambda name: FakeLibc(calls) if name == "libc.so.6" else None)
+    monkeypatch.setattr(setup.platform, "system", lambda: "Linux")
+    monkeypatch.setattr(setup.platform, "libc_ver", lambda: ("glibc", "2.36"))
+    for name in setup.MALLOC_ENV:
+        monkeypatch.delenv(name, raising=False)
+    Trainer(config(byte_data, tmp_path / "run", max_steps=1, device="cpu"))
+    assert calls == [(-3, 32 << 20), (-1, 1 << 30)]
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "0")
+    assert not setup.keep_freed_memory() and len(calls) == 2  # the user's setting stands
+    monkeypatch.delenv("MALLOC_TRIM_THRESHOLD_")
+    monkeypatch.setattr(setup.platform, "libc_ver", lambda: ("musl", ""))
+    assert not setup.keep_freed_memory() and len(calls) == 2
+
+
 def test_nan_guard_skips_the_update(byte_data, tmp_path):
     trainer = Trainer(config(byte_data, tmp_path / "run", max_steps=10))
     trainer.step()

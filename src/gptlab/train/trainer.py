@@ -36,6 +36,8 @@ class Trainer:
         on_cuda = cfg.device.startswith("cuda") or (cfg.device == "auto" and torch.cuda.is_available())
         self.dist = setup.init_distributed("cuda" if on_cuda else "cpu")
         self.device = setup.resolve_device(cfg, self.dist)
+        if self.device.type == "cpu" and setup.keep_freed_memory():
+            log.debug("malloc: freed memory kept for reuse (%s)", setup.MALLOC_SETTINGS)
         setup.check_out_dir(self.out_dir, cfg.resume)
         torch.manual_seed(cfg.seed)  # the same initial weights on every rank
         labels = manifest["labels"] if manifest.get("kind") == "classify" else None
