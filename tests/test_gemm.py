@@ -199,6 +199,25 @@ def test_mm_falls_back_to_torch_where_sgemm_does_not_apply(gptlab_gemm, monkeypa
 
 
 @pytest.mark.usefixtures("kernel_variant")
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s[:3])) + "aT" * s[3] + "bT" * s[4])
+def test_sgemm_of_bf16_a_and_b_is_the_product_of_both_widened(gptlab_gemm, shape, monkeypatch):
+    """a and b stored as bf16 (a bf16 model's activations and weight, a long prompt): gl_sgemm_bf16_ab
+    widens both as it packs them, the same bits as gl_sgemm on the widened copies; PyTorch's
+    product of the widened copies where gptlab's GEMM does not run."""
+    a, b = operands(*shape)
+    a16, b16 = a.bfloat16(), b.bfloat16()
+    bias = torch.randn(shape[1])
+    out, widened = torch.empty(shape[0], shape[1]), torch.empty(shape[0], shape[1])
+    kernels.mm(a16, b16, out, bias=bias)
+    kernels.mm(a16.float(), b16.float(), widened, bias=bias)
+    assert gptlab_gemm == [True, True]
+    assert torch.equal(out, widened)
+    assert_close_to_float64(out, a16.double() @ b16.double() + bias.double(), a16.float(), b16.float(), bias)
+    monkeypatch.setenv("GPTLAB_GEMM", "torch")
+    torch.testing.assert_close(kernels.mm(a16, b16, torch.empty(shape[0], shape[1])), a16.float() @ b16.float())
+
+
+@pytest.mark.usefixtures("kernel_variant")
 @pytest.mark.parametrize("chunk_rows", [16, 1024])
 def test_the_chunked_loss_through_sgemm_equals_pytorchs(monkeypatch, gptlab_gemm, chunk_rows):
     """The head's three products per chunk in gl_sgemm (the weight's gradient accumulated over

@@ -418,21 +418,22 @@ def test_the_gelu_gradient_is_the_tanh_gelus_derivative(kernel_variant):
 
 
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("path", ["slabs", "whole", "gl_sgemm_bf16_b"])
+@pytest.mark.parametrize("path", ["slabs", "whole", "gl_sgemm_bf16_ab"])
 def test_bf16_linear_in_fp32_is_the_product_rounded_once(monkeypatch, calls, bias, path):
     """bf16 layers on CPUs without bf16 GEMMs: the product in fp32, of the weight converted whole
     or slab by slab of rows (here 16 rows a slab: 70 rows are five slabs, the last partial), or
-    for long prompts (here 16 rows) widened as gl_sgemm_bf16_b packs it, rounded to bf16 once."""
+    for long prompts (here 16 rows) with x widened as gl_sgemm_bf16_ab packs them, rounded to bf16
+    once."""
     torch.manual_seed(0)
     monkeypatch.setattr(kernels, "SLAB_BYTES", 16 * 4 * 96)
     monkeypatch.setattr(kernels, "WHOLE_BYTES", 70 * 96 * 4 if path == "whole" else 0)
-    monkeypatch.setattr(kernels, "PROMPT_GEMM_ROWS", 16 if path == "gl_sgemm_bf16_b" else 10**9)
+    monkeypatch.setattr(kernels, "PROMPT_GEMM_ROWS", 16 if path == "gl_sgemm_bf16_ab" else 10**9)
     monkeypatch.setenv("GPTLAB_GEMM", "gptlab")
     x = torch.randn(2, 9, 96).bfloat16()
     w = (torch.randn(70, 96) * 0.1).bfloat16()
     b = torch.randn(70).bfloat16() if bias else None
     got = kernels.bf16_linear_in_fp32(x, w, b)
-    assert calls["gl_sgemm_bf16_b"] == (path == "gl_sgemm_bf16_b")
+    assert calls["gl_sgemm_bf16_ab"] == (path == "gl_sgemm_bf16_ab")
     exact = x.double() @ w.double().t() + (b.double() if bias else 0)  # (2, 9, 70)
     assert got.shape == (2, 9, 70) and got.dtype == torch.bfloat16
     err = ((got.double() - exact).abs() / (exact.abs() + 1e-3)).max()

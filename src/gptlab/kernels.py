@@ -53,7 +53,7 @@ MAX_HEAD_SIZE = 256  # the C attention's limit (MAX_HS in attention.c)
 VARIANTS = tuple(kernel_build.VARIANTS)  # best first
 FEATURES = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512vnni", "avxvnni",
             "asimd", "asimddp", "avx512bf16")  # fmt: skip  # gl_cpu_features' bits, in order
-_ABI = 14
+_ABI = 15
 _P = ctypes.c_void_p
 _I = ctypes.c_int
 _L = ctypes.c_long
@@ -78,6 +78,7 @@ _SIGNATURES = {  # name: argument types; each returns 0, or -1 when out of memor
     "gl_sgemm": [_I, _I, _I, _P, _L, _L, _P, _L, _L, _P, _L, _P, _I, _I],
     "gl_gemm_bf16": [_I, _I, _I, _P, _L, _L, _P, _L, _L, _P, _L, _P, _I, _I],  # as gl_sgemm; -2: no AVX512-BF16
     "gl_sgemm_bf16_b": [_I, _I, _I, _P, _L, _L, _P, _L, _L, _P, _L, _P, _I, _I],  # as gl_sgemm, b bf16
+    "gl_sgemm_bf16_ab": [_I, _I, _I, _P, _L, _L, _P, _L, _L, _P, _L, _P, _I, _I],  # as gl_sgemm, a and b bf16
     "gl_sgemm_colmax": [_I, _I, _I, _P, _L, _L, _P, _L, _L, _P, _L, _P, _I, _I],  # ..., c, ldc, colmax, bf16, threads
     "gl_has_gemm_bf16": [],
     "gl_set_decode_rows": [_I],  # 1 or ROWS, 0 for the CPU's default; returns the rows in use or -1
@@ -683,7 +684,8 @@ def mm(
     (M, N) 2-D with any strides (out's rows contiguous), bias (N,) fp32 contiguous or None, no
     autograd. On CPU fp32 in gl_sgemm where gemm_choice() says gptlab (whatever the thread count,
     each element sums in the same order), else torch.mm/addmm_. b may be bf16 (a bf16 layer's
-    weight): widened exactly as gl_sgemm_bf16_b packs it, the same product as of b.float().
+    weight), and then a too (its activations): widened exactly as gl_sgemm_bf16_b and
+    gl_sgemm_bf16_ab pack them, the same product as of a.float() and b.float().
 
     bf16: a and b fp32, each rounded to bf16 before it is multiplied, the sums in fp32 (bf16
     autocast's product, without its bf16 result): in gl_gemm_bf16 where gemm_bf16_runs(), else
@@ -693,11 +695,17 @@ def mm(
     if bf16:
         return _mm_bf16(a, b, out, accumulate, bias)
     if _sgemm_runs(a, b, out):
-        _gemm(_library().lib.gl_sgemm_bf16_b if b.dtype is torch.bfloat16 else _library().lib.gl_sgemm, a, b, out,
-              accumulate, bias)  # fmt: skip
+        lib = _library().lib
+        fn = (
+            lib.gl_sgemm
+            if b.dtype is torch.float32
+            else lib.gl_sgemm_bf16_ab
+            if a.dtype is b.dtype
+            else lib.gl_sgemm_bf16_b
+        )
+        _gemm(fn, a, b, out, accumulate, bias)
         return out
-    if b.dtype is torch.bfloat16 and a.dtype is torch.float32:
-        b = b.float()  # widens exactly
+    a, b = (t.float() if t.dtype is torch.bfloat16 else t for t in (a, b))  # bf16 widens exactly
     out = out.addmm_(a, b) if accumulate else torch.mm(a, b, out=out)
     return out if bias is None else out.add_(bias)
 
@@ -752,10 +760,13 @@ def head_gemm() -> str:
     return f"{gemm_choice()}, bf16 in {gemm_bf16_choice()}"
 
 
+_SGEMM_DTYPES = {(torch.float32, torch.float32), (torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16)}
+
+
 def _sgemm_runs(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> bool:
     if not (_enabled and all(t.device.type == "cpu" for t in (a, b, out))):
         return False
-    if not (a.dtype is out.dtype is torch.float32 and b.dtype in (torch.float32, torch.bfloat16)):
+    if not (out.dtype is torch.float32 and (a.dtype, b.dtype) in _SGEMM_DTYPES):
         return False
     if out.dim() != 2 or out.stride(1) != 1 or a.shape[1] != b.shape[0] or out.shape != (a.shape[0], b.shape[1]):
         return False
@@ -910,7 +921,8 @@ def prompt_gemm_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def sgemm_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """F.linear of fp32 x (..., K) and weight (N, K), fp32 or bf16, in gl_sgemm: y = b + x W^T."""
+    """F.linear of x (..., K) and weight (N, K) in gl_sgemm, y = b + x W^T in fp32: both fp32, or the
+    weight bf16 and x fp32 or bf16 (widened as they are packed)."""
     N, K = weight.shape
     x2 = x.reshape(-1, K)  # (M, K)
     y = torch.empty(x2.size(0), N)  # (M, N)
@@ -941,12 +953,13 @@ def bf16_linear_in_fp32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     together 79.3 ms in slabs, 70.5 converted whole, 66.7 for fp32 weights. From PROMPT_GEMM_ROWS
     rows, where gemm_choice() gives gptlab, gl_sgemm_bf16_b multiplies the bf16 weight itself,
     widening it as it packs it (no fp32 copy: a 512-token bf16 GPT-2 prefill 457 -> 440 ms on the
-    Zen 5 held to AVX2)."""
+    Zen 5 held to AVX2), and x too (gl_sgemm_bf16_ab: no fp32 copy of the activations, 461 -> 455
+    ms, medians of 7 alternating runs, where fp32's took 460)."""
     K, N = weight.size(1), weight.size(0)
+    if x.numel() >= PROMPT_GEMM_ROWS * K and gemm_choice() == "gptlab" and _library().float_ok:
+        y = sgemm_linear(x, weight, bias)  # (..., N) fp32; gl_sgemm_bf16_ab widens x and the weight as it packs them
+        return y.to(torch.bfloat16)  # rounded once
     xf = x.reshape(-1, K).float()  # (M, K)
-    if xf.size(0) >= PROMPT_GEMM_ROWS and gemm_choice() == "gptlab" and _library().float_ok:
-        y = sgemm_linear(xf, weight, bias)  # (M, N); gl_sgemm_bf16_b widens the weight as it packs it
-        return y.to(torch.bfloat16).view(*x.shape[:-1], N)  # rounded once
     if N * K * 4 <= WHOLE_BYTES:
         w = _fp32_buffer(N * K)[: N * K].view(N, K)
         w.copy_(weight)  # bf16 -> fp32, exact

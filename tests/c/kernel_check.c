@@ -27,6 +27,8 @@ typedef int (*sgemm_t)(int, int, int, const float *, long, long, const float *, 
                        const float *, int, int);
 typedef int (*sgemm_colmax_t)(int, int, int, const float *, long, long, const float *, long, long, float *, long,
                               float *, int, int);
+typedef int (*sgemm_bf16_ab_t)(int, int, int, const uint16_t *, long, long, const uint16_t *, long, long, float *,
+                               long, const float *, int, int);
 typedef int (*sgemm_bf16_b_t)(int, int, int, const float *, long, long, const uint16_t *, long, long, float *, long,
                               const float *, int, int);
 typedef int (*attend_prompt_t)(const float *, const long *, const float *, const long *, const float *, const long *,
@@ -47,6 +49,7 @@ typedef struct {
     int (*has_gemm_bf16)(void);
     sgemm_bf16_b_t sgemm_bf16_b;
     sgemm_colmax_t sgemm_colmax;
+    sgemm_bf16_ab_t sgemm_bf16_ab;
     attend_prompt_t attend_prompt;
     gelu_t gelu_tanh;
     gelu_backward_t gelu_tanh_backward;
@@ -73,8 +76,8 @@ static lib_t open_lib(const char *path) {
                need(h, "gl_linear_bf16"), need(h, "gl_linear_i8"), need(h, "gl_linear_i4"),
                need(h, "gl_softmax_xent"), need(h, "gl_attend_one"), need(h, "gl_argmax_f32"), need(h, "gl_sgemm"),
                need(h, "gl_gemm_bf16"), need(h, "gl_has_gemm_bf16"), need(h, "gl_sgemm_bf16_b"),
-               need(h, "gl_sgemm_colmax"), need(h, "gl_attend_prompt"), need(h, "gl_gelu_tanh"),
-               need(h, "gl_gelu_tanh_backward")};
+               need(h, "gl_sgemm_colmax"), need(h, "gl_sgemm_bf16_ab"), need(h, "gl_attend_prompt"),
+               need(h, "gl_gelu_tanh"), need(h, "gl_gelu_tanh_backward")};
     return l;
 }
 
@@ -279,7 +282,12 @@ static void check_sgemm_bf16_b(const lib_t *ref, const lib_t *l, int M, int N, i
     snprintf(shape, sizeof shape, "M=%d N=%d K=%d", M, N, K);
     report("sgemm_bf16_b = sgemm of W widened", l, shape, memcmp(y, yw, sizeof(float) * M * N) ? 2 : 0);
     report("sgemm_bf16_b", l, shape, worst(y, y0, (size_t)M * N, 1e-5, 1e-5));
-    free(x), free(b), free(wf), free(w), free(y0), free(y), free(yw);
+    uint16_t *xh = bf16s((size_t)M * K, 1); /* x stored as bf16 too: the same bits as both widened */
+    for (int i = 0; i < M * K; i++) x[i] = from_bf16(xh[i]);
+    l->sgemm_bf16_ab(M, N, K, xh, K, 1, w, 1, K, y, N, b, 0, 2);
+    l->sgemm(M, N, K, x, K, 1, wf, 1, K, yw, N, b, 0, 2);
+    report("sgemm_bf16_ab = sgemm widened", l, shape, memcmp(y, yw, sizeof(float) * M * N) ? 2 : 0);
+    free(x), free(b), free(wf), free(w), free(y0), free(y), free(yw), free(xh);
 }
 
 static void check_argmax(const lib_t *ref, const lib_t *l, int M, int N) {

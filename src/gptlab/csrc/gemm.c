@@ -30,13 +30,13 @@
 #define GEMM_B_WHOLE (2 << 20) /* B packed whole, once, when it fits this many bytes */
 
 /* One kind of product: its tile (mr x nr), the k values per packed 32-bit element (1: an fp32;
- * 2: a pair of bf16), the bytes of one element of B as stored (4: fp32; 2: bf16), and how it packs
- * A's and B's panels and multiplies one tile (see the fp32 kind's functions below for their
- * contracts). */
+ * 2: a pair of bf16), the bytes of one element of B and of A as stored (4: fp32; 2: bf16), and how
+ * it packs A's and B's panels and multiplies one tile (see the fp32 kind's functions below for
+ * their contracts). */
 typedef struct {
-    int mr, nr, ksub, b_size;
+    int mr, nr, ksub, b_size, a_size;
     int a_rows; /* A's panels hold each row's k values together, GEMM_KC of them, instead of each k's mr rows */
-    void (*pack_a)(const float *a, long rsa, long csa, int m, int kc, void *ap);
+    void (*pack_a)(const void *a, long rsa, long csa, int m, int kc, void *ap);
     void (*pack_b)(const void *b, long rsb, long csb, int n, int kc, int p0, int p1, void *bp);
     void (*tile)(int kc, const void *a, const void *b, float *c, long ldc, int first, const float *bias, int m, int n);
 } gemm_kind_t;
@@ -91,20 +91,31 @@ static void gemm_tile(int kc, const void *ap, const void *bp, float *c, long ldc
         for (int j = 0; j < n; j++) c[i * ldc + j] = first ? tile[i][j] : c[i * ldc + j] + tile[i][j];
 }
 
-/* A's rows [0, m) and columns [0, kc) (element (i, k) at a[i rsa + k csa]) into panels of MR rows,
- * each [kc][MR], the rows past m zero. */
-static void gemm_pack_a(const float *a, long rsa, long csa, int m, int kc, void *panels) {
+/* A's rows [0, m) and columns [0, kc) (element (i, k) at a[i rsa + k csa], fp32, or bf16 widened
+ * exactly when bf16) into panels of MR rows, each [kc][MR], the rows past m zero. */
+static void pack_a_f32(const void *a, long rsa, long csa, int m, int kc, void *panels, int bf16) {
     float *ap = panels;
     for (int i0 = 0; i0 < m; i0 += GEMM_MR, ap += (size_t)kc * GEMM_MR) {
         const int mr = m - i0 < GEMM_MR ? m - i0 : GEMM_MR;
-        const float *ai = a + i0 * rsa;
-        if (rsa == 1 && mr == GEMM_MR) { /* each k's MR values are adjacent */
+        const size_t a0 = (size_t)i0 * rsa;
+        if (!bf16 && rsa == 1 && mr == GEMM_MR) { /* each k's MR values are adjacent */
+            const float *ai = (const float *)a + a0;
             for (int k = 0; k < kc; k++) memcpy(ap + k * GEMM_MR, ai + k * csa, sizeof(float) * GEMM_MR);
             continue;
         }
         for (int k = 0; k < kc; k++)
-            for (int i = 0; i < GEMM_MR; i++) ap[k * GEMM_MR + i] = i < mr ? ai[i * rsa + k * csa] : 0.0f;
+            for (int i = 0; i < GEMM_MR; i++)
+                ap[k * GEMM_MR + i] = i < mr ? param(a, a0 + (size_t)(i * rsa + k * csa), bf16) : 0.0f;
     }
+}
+
+static void gemm_pack_a(const void *a, long rsa, long csa, int m, int kc, void *panels) {
+    pack_a_f32(a, rsa, csa, m, kc, panels, 0);
+}
+
+/* A bf16 model's activations as A: widened as they are packed, so they need no fp32 copy. */
+static void gemm_pack_a_from_bf16(const void *a, long rsa, long csa, int m, int kc, void *panels) {
+    pack_a_f32(a, rsa, csa, m, kc, panels, 1);
 }
 
 /* B's rows [0, kc) and the columns of panels [p0, p1) (element (k, j) at b[k rsb + j csb], fp32,
@@ -140,10 +151,16 @@ static void gemm_pack_b_from_bf16(const void *b, long rsb, long csb, int n, int 
 typedef struct {
     const gemm_kind_t *kind;
     int M, N, K, r0, r1, accumulate;
-    const float *a, *bias;
+    const void *a; /* elements of the kind's a_size */
+    const float *bias;
     long rsa, csa, ldc; /* B is packed before its rows are multiplied: its strides are the packing's */
     float *c, *colmax;
 } gemm_t;
+
+/* A's element (i, k). */
+static const void *a_at(const gemm_t *g, int i, int k) {
+    return (const char *)g->a + (i * g->rsa + k * g->csa) * g->kind->a_size;
+}
 
 /* colmax[j] = max(colmax[j], c[i ldc + j]) over the m x n tile at c. */
 static void tile_colmax(const float *c, long ldc, int m, int n, int nr, float *colmax) {
@@ -171,10 +188,11 @@ typedef struct {
 } gemm_ahead_t;
 
 static gemm_ahead_t gemm_ahead(const gemm_t *g, int ic, int mc, int pc, int kc) {
-    const float *start = g->a + ic * g->rsa + pc * g->csa;
+    const char *start = a_at(g, ic, pc);
+    const int size = g->kind->a_size, per_line = 64 / size;
     if (ic >= g->r1 || pc >= g->K) return (gemm_ahead_t){0}; /* no next block */
-    if (g->csa == 1) return (gemm_ahead_t){(const char *)start, g->rsa * 4, mc, kc / 16 + 2, 0, 0};
-    if (g->rsa == 1) return (gemm_ahead_t){(const char *)start, g->csa * 4, kc, mc / 16 + 2, 0, 0};
+    if (g->csa == 1) return (gemm_ahead_t){start, g->rsa * size, mc, kc / per_line + 2, 0, 0};
+    if (g->rsa == 1) return (gemm_ahead_t){start, g->csa * size, kc, mc / per_line + 2, 0, 0};
     return (gemm_ahead_t){0};
 }
 
@@ -191,7 +209,7 @@ static void gemm_block(const gemm_t *g, int ic, int mc, int jc, int nc, int pc, 
                        uint32_t *ap, gemm_ahead_t next) {
     const gemm_kind_t *kind = g->kind;
     const int MR = kind->mr, NR = kind->nr;
-    kind->pack_a(g->a + ic * g->rsa + pc * g->csa, g->rsa, g->csa, mc, kc, ap);
+    kind->pack_a(a_at(g, ic, pc), g->rsa, g->csa, mc, kc, ap);
     const int first = pc == 0 && !g->accumulate, panels = (nc + NR - 1) / NR;
     const int tiles = panels * ((mc + MR - 1) / MR), per_tile = next.runs * next.lines / tiles + 1;
     const size_t a_panel = a_panel_elems(kind, kc), b_panel = panel_elems(kind, kc, NR);
@@ -246,7 +264,7 @@ static void *alloc_elems(size_t n) { return aligned_alloc(64, (n * 4 + 63) / 64 
  * of C's rows, so the summation order of every element is that of one thread's loop: results do
  * not depend on nthreads. B is packed whole once where it fits GEMM_B_WHOLE, else a kc x nc block
  * at a time. Returns 0, or -1 out of memory. */
-static int gemm(const gemm_kind_t *kind, int M, int N, int K, const float *a, long rsa, long csa, const void *b,
+static int gemm(const gemm_kind_t *kind, int M, int N, int K, const void *a, long rsa, long csa, const void *b,
                 long rsb, long csb, float *c, long ldc, const float *bias, int accumulate, float *colmax,
                 int nthreads) {
     if (M <= 0 || N <= 0) return 0;
@@ -315,8 +333,10 @@ static int gemm(const gemm_kind_t *kind, int M, int N, int K, const float *a, lo
     return failed ? -1 : 0;
 }
 
-static const gemm_kind_t GEMM_F32 = {GEMM_MR, GEMM_NR, 1, 4, 0, gemm_pack_a, gemm_pack_b, gemm_tile};
-static const gemm_kind_t GEMM_F32_BF16_B = {GEMM_MR, GEMM_NR, 1, 2, 0, gemm_pack_a, gemm_pack_b_from_bf16, gemm_tile};
+static const gemm_kind_t GEMM_F32 = {GEMM_MR, GEMM_NR, 1, 4, 4, 0, gemm_pack_a, gemm_pack_b, gemm_tile};
+static const gemm_kind_t GEMM_F32_BF16_B = {GEMM_MR, GEMM_NR, 1, 2, 4, 0, gemm_pack_a, gemm_pack_b_from_bf16, gemm_tile};
+static const gemm_kind_t GEMM_F32_BF16_AB = {GEMM_MR, GEMM_NR, 1, 2, 2, 0, gemm_pack_a_from_bf16, gemm_pack_b_from_bf16,
+                                             gemm_tile};
 
 /* One fp32 operand B (K, N), K <= GEMM_KC, packed once for many products (gemm_prepacked): its
  * elements, and the packing (panels of NR columns, [K][NR] each). */
@@ -350,6 +370,13 @@ int gl_sgemm_bf16_b(int M, int N, int K, const float *a, long rsa, long csa, con
     return gemm(&GEMM_F32_BF16_B, M, N, K, a, rsa, csa, b, rsb, csb, c, ldc, bias, accumulate, NULL, nthreads);
 }
 
+/* As gl_sgemm_bf16_b with A stored as bf16 too, widened as it is packed: a bf16 model's long
+ * prompts multiply their activations with no fp32 copy of them. */
+int gl_sgemm_bf16_ab(int M, int N, int K, const uint16_t *a, long rsa, long csa, const uint16_t *b, long rsb, long csb,
+                     float *c, long ldc, const float *bias, int accumulate, int nthreads) {
+    return gemm(&GEMM_F32_BF16_AB, M, N, K, a, rsa, csa, b, rsb, csb, c, ldc, bias, accumulate, NULL, nthreads);
+}
+
 /* ---------------------------------------------------------------- bf16 products (AVX512-BF16) */
 
 #if defined(__AVX512F__)
@@ -378,7 +405,8 @@ static inline uint32_t pair_at(const float *v, long step, int k, int kc) {
 /* A's rows [0, m) and columns [0, kc), its rows adjacent (rsa 1), into panels of BF_MR rows, each
  * [kc / 2][BF_MR] pairs: the pair (k, k + 1) of row i at panel[k / 2 BF_MR + i]; rows past m and k
  * past kc are zeros. Each pair joins two runs of BF_MR values. */
-static void gemm_pack_a_bf16(const float *a, long rsa, long csa, int m, int kc, void *panels) {
+static void gemm_pack_a_bf16(const void *av, long rsa, long csa, int m, int kc, void *panels) {
+    const float *a = av;
     uint32_t *ap = panels;
     const int kp = (kc + 1) / 2;
     for (int i0 = 0; i0 < m; i0 += BF_MR, ap += (size_t)kp * BF_MR) {
@@ -404,7 +432,8 @@ static void gemm_pack_a_bf16(const float *a, long rsa, long csa, int m, int kc, 
  * the pair (k, k + 1) of row i at panel[i GEMM_KC / 2 + k / 2], so that a row whose columns are
  * adjacent (csa 1) packs as one run; rows past m are zeros (k past kc is never read, but the pair
  * that straddles kc has a zero). */
-static void gemm_pack_a_bf16_rows(const float *a, long rsa, long csa, int m, int kc, void *panels) {
+static void gemm_pack_a_bf16_rows(const void *av, long rsa, long csa, int m, int kc, void *panels) {
+    const float *a = av;
     uint32_t *ap = panels;
     for (int i0 = 0; i0 < m; i0 += BF_MR, ap += (size_t)BF_MR * GEMM_KC / 2)
         for (int i = 0; i < BF_MR; i++) {
@@ -494,8 +523,8 @@ __attribute__((target("avx512f,avx512bf16"))) static void gemm_tile_bf16_rows(in
 }
 
 /* A packed to suit its layout: by k when its rows are adjacent, else by rows. */
-static const gemm_kind_t GEMM_BF16 = {BF_MR, BF_NR, 2, 4, 0, gemm_pack_a_bf16, gemm_pack_b_bf16, gemm_tile_bf16};
-static const gemm_kind_t GEMM_BF16_ROWS = {BF_MR, BF_NR, 2, 4, 1, gemm_pack_a_bf16_rows, gemm_pack_b_bf16,
+static const gemm_kind_t GEMM_BF16 = {BF_MR, BF_NR, 2, 4, 4, 0, gemm_pack_a_bf16, gemm_pack_b_bf16, gemm_tile_bf16};
+static const gemm_kind_t GEMM_BF16_ROWS = {BF_MR, BF_NR, 2, 4, 4, 1, gemm_pack_a_bf16_rows, gemm_pack_b_bf16,
                                            gemm_tile_bf16_rows};
 #endif
 

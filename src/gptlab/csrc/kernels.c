@@ -15,8 +15,8 @@
  *   loss.c         gl_softmax_xent: softmax cross-entropy, with what its gradient needs (training) or without (scoring)
  *   gemm.c         gl_sgemm, gl_gemm_bf16: blocked matrix products in fp32, and in bf16 with vdpbf16ps
  *                  (AVX512-BF16), for the training head's three products and long prompts;
- *                  gl_sgemm_bf16_b: fp32 products of bf16-stored weights; gl_sgemm_colmax: with
- *                  the maxima of C's columns (the head's logits)
+ *                  gl_sgemm_bf16_b, gl_sgemm_bf16_ab: fp32 products of bf16-stored weights (and
+ *                  activations); gl_sgemm_colmax: with the maxima of C's columns (the head's logits)
  *
  * Shapes are checked on the Python side.
  */
