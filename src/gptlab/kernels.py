@@ -695,15 +695,7 @@ def mm(
     if bf16:
         return _mm_bf16(a, b, out, accumulate, bias)
     if _sgemm_runs(a, b, out):
-        lib = _library().lib
-        fn = (
-            lib.gl_sgemm
-            if b.dtype is torch.float32
-            else lib.gl_sgemm_bf16_ab
-            if a.dtype is b.dtype
-            else lib.gl_sgemm_bf16_b
-        )
-        _gemm(fn, a, b, out, accumulate, bias)
+        _gemm(getattr(_library().lib, _SGEMMS[a.dtype, b.dtype]), a, b, out, accumulate, bias)
         return out
     a, b = (t.float() if t.dtype is torch.bfloat16 else t for t in (a, b))  # bf16 widens exactly
     out = out.addmm_(a, b) if accumulate else torch.mm(a, b, out=out)
@@ -760,13 +752,18 @@ def head_gemm() -> str:
     return f"{gemm_choice()}, bf16 in {gemm_bf16_choice()}"
 
 
-_SGEMM_DTYPES = {(torch.float32, torch.float32), (torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16)}
+# (a's dtype, b's) -> the fp32 GEMM that widens what is bf16 as it packs it
+_SGEMMS = {
+    (torch.float32, torch.float32): "gl_sgemm",
+    (torch.float32, torch.bfloat16): "gl_sgemm_bf16_b",
+    (torch.bfloat16, torch.bfloat16): "gl_sgemm_bf16_ab",
+}
 
 
 def _sgemm_runs(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> bool:
     if not (_enabled and all(t.device.type == "cpu" for t in (a, b, out))):
         return False
-    if not (out.dtype is torch.float32 and (a.dtype, b.dtype) in _SGEMM_DTYPES):
+    if not (out.dtype is torch.float32 and (a.dtype, b.dtype) in _SGEMMS):
         return False
     if out.dim() != 2 or out.stride(1) != 1 or a.shape[1] != b.shape[0] or out.shape != (a.shape[0], b.shape[1]):
         return False
