@@ -66,7 +66,7 @@ def resolve_device(cfg: TrainConfig, dist: Dist) -> torch.device:
 # page-faults that memory in again. A CPU training step frees and reallocates tens of MB every step
 # (the tied head's 26 MB gradient and the embedding's, activations): the demo's ~9.5M minor page
 # faults in 750 steps. With these, measured on the AMD EPYC Zen 5 held to AVX2 (a demo step,
-# medians of 40, alternating runs): 236-249 ms a step against 226-230.
+# medians of 40, alternating runs): 236-249 ms a step against 226-240.
 MALLOC_SETTINGS = {-3: 32 << 20, -1: 1 << 30}  # M_MMAP_THRESHOLD (glibc's largest), M_TRIM_THRESHOLD
 MALLOC_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
 
