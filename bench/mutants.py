@@ -193,6 +193,18 @@ MUTANTS = [
            GEMM_TESTS),
     Mutant("gemm/transposed-a-packed-with-the-row-stride", "csrc/gemm.c",
            "memcpy(ap + k * GEMM_MR, ai + k * csa,", "memcpy(ap + k * GEMM_MR, ai + k * rsa,", GEMM_TESTS),
+    Mutant("gemm/rows-transposed-with-two-rows-swapped", "csrc/gemm.c",
+           "t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5);",
+           "t4 = _mm256_unpacklo_ps(r5, r4), t5 = _mm256_unpackhi_ps(r5, r4);", GEMM_TESTS, feature="avx2"),
+    Mutant("gemm/rows-transposed-stores-out-of-order", "csrc/gemm.c",
+           "for (int j = 0; j < 4; j++) _mm256_storeu_ps(out + j * GEMM_MR, _mm256_permute2f128_ps(lo[j], hi[j], 0x20));\n"
+           "        for (int j = 0; j < 4; j++) _mm256_storeu_ps(out + (j + 4) * GEMM_MR,",
+           "for (int j = 0; j < 4; j++) _mm256_storeu_ps(out + j * GEMM_MR, _mm256_permute2f128_ps(lo[j], hi[j], 0x20)),\n"
+           "                                    _mm256_storeu_ps(out + (j + 4) * GEMM_MR,", GEMM_TESTS, feature="avx2"),
+    Mutant("gemm/rows-transposed-tail-dropped", "csrc/gemm.c",
+           "    for (; k < kc; k++)\n        for (int i = 0; i < GEMM_MR; i++) ap[k * GEMM_MR + i] = a[i * rsa + k];",
+           "    for (; k < kc - 1; k++)\n        for (int i = 0; i < GEMM_MR; i++) ap[k * GEMM_MR + i] = a[i * rsa + k];",
+           GEMM_TESTS),
     Mutant("gemm/threads-rows-overlap", "csrc/gemm.c",
            "const int r0 = (int)((long)tiles * id / nt) * MR,",
            "const int r0 = (int)((long)tiles * id / nt) * MR - (id ? MR : 0),", GEMM_TESTS),
