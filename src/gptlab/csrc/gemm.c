@@ -91,36 +91,61 @@ static void gemm_tile(int kc, const void *ap, const void *bp, float *c, long ldc
         for (int j = 0; j < n; j++) c[i * ldc + j] = first ? tile[i][j] : c[i * ldc + j] + tile[i][j];
 }
 
-/* One panel of A from MR = 6 fp32 rows whose k values are adjacent (row i at a + i rsa): a
- * transpose, k values [0, kc) into ap [kc][6]. On x86 with AVX2 (every SIMD variant there), 8 k
- * values at a time by an 8 x 8 transpose in registers, the two missing rows zero, stored as 8
- * overlapping runs of 8 floats: each run's last two are the next run's first two, so the vector
- * loop stops one k short of the panel's end and the rest is scalar. The head's e x, whose A is
- * the logits' rows: 59.6 -> 55.1 ms scalar against this (AMD EPYC Zen 5 held to AVX2, 2 threads,
- * medians of 7; the same bits). */
-static void pack_a_rows(const float *a, long rsa, int kc, float *ap) {
-    _Static_assert(GEMM_MR == 6, "pack_a_rows transposes 6 rows");
+#if defined(__AVX2__)
+/* 8 values of element size 4 (fp32) or 2 (bf16, widened exactly) at p. */
+static inline __m256 load8(const void *p, int bf16) {
+    if (!bf16) return _mm256_loadu_ps(p);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+
+/* r[i] (8 k values of row i) -> r[k] (the 8 rows' values at k), in registers: pairs of rows
+ * interleaved, then fours, then the 128-bit halves swapped. */
+static inline void transpose8(__m256 r[8]) {
+    __m256 t[8], u[8];
+    for (int i = 0; i < 8; i += 2) t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]), t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    for (int i = 0; i < 8; i += 4) {
+        u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44), u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+        u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44), u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+    }
+    for (int i = 0; i < 4; i++) r[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20), r[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+}
+#endif
+
+/* A panel of `width` values per k from `width` rows whose k values are adjacent (a transpose):
+ * out[k width + i] = row i's k-th value, row i at src + i stride elements (fp32, or bf16 widened
+ * exactly), for k < kc. Long prompts' x (A) and the weights they multiply (B, stored (N, K)) and
+ * the head's logits in e x (A) are packed this way. On x86 with AVX2 (every SIMD variant there),
+ * 8 k values of 8 rows at a time by a transpose in registers: for a width of 8 or more (B's NR) in
+ * whole groups of 8 rows; for a narrower one (A's MR = 6) the missing rows are zeros and each k's
+ * 8 floats spill into the next k's, overwritten by its store, so that loop stops one k short of
+ * the panel's end. The rest is scalar, as every element was before (the same bits). Measured on
+ * the AMD EPYC Zen 5, 2 threads, against that: held to AVX2, the head's e x 59.6 -> 55.1 ms
+ * (medians of 7), a 512-token GPT-2 prefill 466 -> 450 ms in fp32 and 477 -> 458 in bf16 (medians
+ * of 9 alternating rounds); natively (avx512, 32 columns a panel) that fp32 prefill 335 -> 285 ms. */
+static void pack_rows(const void *src, long stride, int width, int kc, float *out, int bf16) {
+    const int size = bf16 ? 2 : 4;
+    const char *base = src;
     int k = 0;
 #if defined(__AVX2__)
-    for (; k + 8 < kc; k += 8) {
-        const __m256 r0 = _mm256_loadu_ps(a + k), r1 = _mm256_loadu_ps(a + rsa + k), r2 = _mm256_loadu_ps(a + 2 * rsa + k);
-        const __m256 r3 = _mm256_loadu_ps(a + 3 * rsa + k), r4 = _mm256_loadu_ps(a + 4 * rsa + k);
-        const __m256 r5 = _mm256_loadu_ps(a + 5 * rsa + k), zero = _mm256_setzero_ps();
-        /* pairs of rows interleaved, then fours: uJ holds k values J and J + 4 (one per 128-bit half) of rows 0-3 or 4-5 */
-        const __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1);
-        const __m256 t2 = _mm256_unpacklo_ps(r2, r3), t3 = _mm256_unpackhi_ps(r2, r3);
-        const __m256 t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5);
-        const __m256 lo[4] = {_mm256_shuffle_ps(t0, t2, 0x44), _mm256_shuffle_ps(t0, t2, 0xEE),
-                              _mm256_shuffle_ps(t1, t3, 0x44), _mm256_shuffle_ps(t1, t3, 0xEE)}; /* rows 0-3 */
-        const __m256 hi[4] = {_mm256_shuffle_ps(t4, zero, 0x44), _mm256_shuffle_ps(t4, zero, 0xEE),
-                              _mm256_shuffle_ps(t5, zero, 0x44), _mm256_shuffle_ps(t5, zero, 0xEE)}; /* rows 4-5, 0, 0 */
-        float *out = ap + k * GEMM_MR; /* stored in order of k: each store's spill is overwritten by the next */
-        for (int j = 0; j < 4; j++) _mm256_storeu_ps(out + j * GEMM_MR, _mm256_permute2f128_ps(lo[j], hi[j], 0x20));
-        for (int j = 0; j < 4; j++) _mm256_storeu_ps(out + (j + 4) * GEMM_MR, _mm256_permute2f128_ps(lo[j], hi[j], 0x31));
+    if (width % 8 == 0) {
+        for (; k + 8 <= kc; k += 8)
+            for (int g = 0; g < width; g += 8) {
+                __m256 r[8];
+                for (int i = 0; i < 8; i++) r[i] = load8(base + ((g + i) * stride + k) * size, bf16);
+                transpose8(r);
+                for (int kk = 0; kk < 8; kk++) _mm256_storeu_ps(out + (k + kk) * width + g, r[kk]);
+            }
+    } else if (width < 8) {
+        for (; k + 8 < kc; k += 8) {
+            __m256 r[8];
+            for (int i = 0; i < 8; i++) r[i] = i < width ? load8(base + (i * stride + k) * size, bf16) : _mm256_setzero_ps();
+            transpose8(r);
+            for (int kk = 0; kk < 8; kk++) _mm256_storeu_ps(out + (k + kk) * width, r[kk]); /* in order of k */
+        }
     }
 #endif
     for (; k < kc; k++)
-        for (int i = 0; i < GEMM_MR; i++) ap[k * GEMM_MR + i] = a[i * rsa + k];
+        for (int i = 0; i < width; i++) out[k * width + i] = param(src, (size_t)(i * stride + k), bf16);
 }
 
 /* A's rows [0, m) and columns [0, kc) (element (i, k) at a[i rsa + k csa], fp32, or bf16 widened
@@ -135,8 +160,8 @@ static void pack_a_f32(const void *a, long rsa, long csa, int m, int kc, void *p
             for (int k = 0; k < kc; k++) memcpy(ap + k * GEMM_MR, ai + k * csa, sizeof(float) * GEMM_MR);
             continue;
         }
-        if (!bf16 && csa == 1 && mr == GEMM_MR) { /* each row's k values are adjacent */
-            pack_a_rows((const float *)a + a0, rsa, kc, ap);
+        if (csa == 1 && mr == GEMM_MR) { /* each row's k values are adjacent */
+            pack_rows((const char *)a + a0 * (bf16 ? 2 : 4), rsa, GEMM_MR, kc, ap, bf16);
             continue;
         }
         for (int k = 0; k < kc; k++)
@@ -165,6 +190,10 @@ static void pack_b_f32(const void *b, long rsb, long csb, int n, int kc, int p0,
         if (!bf16 && csb == 1 && nr == GEMM_NR) {
             const float *bj = (const float *)b + j0;
             for (int k = 0; k < kc; k++) memcpy(out + k * GEMM_NR, bj + k * rsb, sizeof(float) * GEMM_NR);
+            continue;
+        }
+        if (rsb == 1 && nr == GEMM_NR) { /* each column's k values are adjacent: a weight stored (N, K) */
+            pack_rows((const char *)b + (size_t)j0 * csb * (bf16 ? 2 : 4), csb, GEMM_NR, kc, out, bf16);
             continue;
         }
         for (int k = 0; k < kc; k++)
