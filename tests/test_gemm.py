@@ -140,23 +140,33 @@ def test_mm_colmax_is_none_where_gptlabs_gemm_does_not_run(monkeypatch):
     assert (out == 7.0).all()
 
 
-def products_on_threads(bf16: bool, threads=(1, 2, 3)) -> list[torch.Tensor]:
-    """The same product through kernels.mm on each number of threads."""
-    a, b = operands(301, 40, 600, True, False)
+# Threads split a tall product by rows (the head's), a wide one whose B is packed in blocks by
+# columns (a prompt's layers: x W^T, W stored (N, K)).
+THREAD_SHAPES = [(301, 40, 600, True, False), (50, 700, 800, False, True)]
+
+
+def products_on_threads(bf16: bool, shape, threads=(1, 2, 3)) -> list[torch.Tensor]:
+    """The same product through kernels.mm on each number of threads, accumulated onto the same C."""
+    a, b = operands(*shape)
+    c = torch.randn(shape[0], shape[1], generator=torch.Generator().manual_seed(1))
     results = []
     for n in threads:
         before = torch.get_num_threads()
         torch.set_num_threads(n)
         try:
-            results.append(kernels.mm(a, b, torch.empty(301, 40), bf16=bf16))
+            results.append(kernels.mm(a, b, c.clone(), accumulate=True, bf16=bf16))
         finally:
             torch.set_num_threads(before)
     return results
 
 
-def test_sgemm_gives_the_same_bits_on_any_number_of_threads(gptlab_gemm):
-    first, *others = products_on_threads(bf16=False)
+@pytest.mark.parametrize("shape", THREAD_SHAPES, ids=["rows", "columns"])
+def test_sgemm_gives_the_same_bits_on_any_number_of_threads(gptlab_gemm, shape):
+    first, *others = products_on_threads(bf16=False, shape=shape)
     assert all(torch.equal(first, r) for r in others)
+    a, b = operands(*shape)
+    c = torch.randn(shape[0], shape[1], generator=torch.Generator().manual_seed(1))
+    assert_close_to_float64(first, a.double() @ b.double() + c.double(), a, b, c)
 
 
 def test_gemm_choice(monkeypatch):
@@ -331,8 +341,9 @@ def test_gemm_bf16_rounds_to_nearest_even_and_keeps_nan(bf16_gemm):
     assert out.isnan().all()
 
 
-def test_gemm_bf16_gives_the_same_bits_on_any_number_of_threads(bf16_gemm):
-    first, *others = products_on_threads(bf16=True)
+@pytest.mark.parametrize("shape", THREAD_SHAPES, ids=["rows", "columns"])
+def test_gemm_bf16_gives_the_same_bits_on_any_number_of_threads(bf16_gemm, shape):
+    first, *others = products_on_threads(bf16=True, shape=shape)
     assert all(torch.equal(first, r) for r in others)
 
 
