@@ -327,8 +327,8 @@ static void *alloc_elems(size_t n) { return aligned_alloc(64, (n * 4 + 63) / 64 
  * largest value of each of C's N columns, taken from each tile as it is finished (the training
  * head's logits: its softmax then skips a pass over them). Each thread takes a contiguous range
  * of C's rows (or of its columns, below), so the summation order of every element is that of one
- * thread's loop: results do not depend on nthreads. B is packed whole once where it fits GEMM_B_WHOLE, else a kc x nc block
- * at a time. Returns 0, or -1 out of memory. */
+ * thread's loop: results do not depend on nthreads. B is packed whole once where it fits
+ * GEMM_B_WHOLE, else a kc x nc block at a time. Returns 0, or -1 out of memory. */
 static int gemm(const gemm_kind_t *kind, int M, int N, int K, const void *a, long rsa, long csa, const void *b,
                 long rsb, long csb, float *c, long ldc, const float *bias, int accumulate, float *colmax,
                 int nthreads) {
@@ -381,7 +381,7 @@ static int gemm(const gemm_kind_t *kind, int M, int N, int K, const void *a, lon
                              panels * (id + 1) / nt, bp + block * (pc / GEMM_KC));
 #pragma omp barrier
             if (ap) gemm_rows_whole(&g, bp, block, ap);
-        } else { /* each thread packs its own copy of each block of B: no barriers between blocks */
+        } else { /* each thread packs its own copy of each block of B (of its columns, when split so): no barriers */
             uint32_t *own = alloc_elems(block);
             for (int jc = c0; own && ap && jc < c1; jc += GEMM_NC) {
                 const int nc = c1 - jc < GEMM_NC ? c1 - jc : GEMM_NC;
