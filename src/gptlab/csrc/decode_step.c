@@ -11,14 +11,13 @@ static void round_bf16(float *x, size_t n) {
     for (size_t i = 0; i < n; i++) x[i] = bf16_to_f32(f32_to_bf16(x[i]));
 }
 
-/* y = GPT-2's GELU of x, 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), n values (y may be
- * x); tanh(u) = sign(u) (1 - e) / (1 + e) with e = exp(-2|u|). */
 /* tanh(u) as (1 - e) / (1 + e), e = exp(-2 |u|), with u's sign: no overflow for any u. */
 static inline vf tanh_of(vf u) {
     const vf one = vf_set1(1.0f), e = vf_exp(vf_mul(vf_set1(-2.0f), vf_abs(u)));
     return vf_copysign(vf_div(vf_sub(one, e), vf_add(one, e)), u);
 }
 
+/* y = GPT-2's GELU of x, 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), n values (y may be x). */
 static void gelu_tanh(const float *x, float *y, int n) {
     const vf c = vf_set1(0.7978845608028654f), a = vf_set1(0.044715f), one = vf_set1(1.0f), half = vf_set1(0.5f);
     for (int i = 0; i < n; i += VW) {

@@ -112,8 +112,8 @@ static inline void transpose8(__m256 r[8]) {
 #endif
 
 /* A panel of `width` values per k from `width` rows whose k values are adjacent (a transpose):
- * out[k width + i] = row i's k-th value, row i at src + i stride elements (fp32, or bf16 widened
- * exactly), for k < kc. Long prompts' x (A) and the weights they multiply (B, stored (N, K)) and
+ * out[k width + i] = row i's k-th value, row i from element at + i stride of src (fp32, or bf16
+ * widened exactly), for k < kc. Long prompts' x (A) and the weights they multiply (B, stored (N, K)) and
  * the head's logits in e x (A) are packed this way. On x86 with AVX2 (every SIMD variant there),
  * 8 k values of 8 rows at a time by a transpose in registers: for a width of 8 or more (B's NR) in
  * whole groups of 8 rows; for a narrower one (A's MR = 6) the missing rows are zeros and each k's
@@ -122,9 +122,9 @@ static inline void transpose8(__m256 r[8]) {
  * the AMD EPYC Zen 5, 2 threads, against that: held to AVX2, the head's e x 59.6 -> 55.1 ms
  * (medians of 7), a 512-token GPT-2 prefill 466 -> 450 ms in fp32 and 477 -> 458 in bf16 (medians
  * of 9 alternating rounds); natively (avx512, 32 columns a panel) that fp32 prefill 335 -> 285 ms. */
-static void pack_rows(const void *src, long stride, int width, int kc, float *out, int bf16) {
+static void pack_rows(const void *src, size_t at, long stride, int width, int kc, float *out, int bf16) {
     const int size = bf16 ? 2 : 4;
-    const char *base = src;
+    const char *base = (const char *)src + at * size;
     int k = 0;
 #if defined(__AVX2__)
     if (width % 8 == 0) {
@@ -145,7 +145,7 @@ static void pack_rows(const void *src, long stride, int width, int kc, float *ou
     }
 #endif
     for (; k < kc; k++)
-        for (int i = 0; i < width; i++) out[k * width + i] = param(src, (size_t)(i * stride + k), bf16);
+        for (int i = 0; i < width; i++) out[k * width + i] = param(base, (size_t)(i * stride + k), bf16);
 }
 
 /* A's rows [0, m) and columns [0, kc) (element (i, k) at a[i rsa + k csa], fp32, or bf16 widened
@@ -161,7 +161,7 @@ static void pack_a_f32(const void *a, long rsa, long csa, int m, int kc, void *p
             continue;
         }
         if (csa == 1 && mr == GEMM_MR) { /* each row's k values are adjacent */
-            pack_rows((const char *)a + a0 * (bf16 ? 2 : 4), rsa, GEMM_MR, kc, ap, bf16);
+            pack_rows(a, a0, rsa, GEMM_MR, kc, ap, bf16);
             continue;
         }
         for (int k = 0; k < kc; k++)
@@ -193,7 +193,7 @@ static void pack_b_f32(const void *b, long rsb, long csb, int n, int kc, int p0,
             continue;
         }
         if (rsb == 1 && nr == GEMM_NR) { /* each column's k values are adjacent: a weight stored (N, K) */
-            pack_rows((const char *)b + (size_t)j0 * csb * (bf16 ? 2 : 4), csb, GEMM_NR, kc, out, bf16);
+            pack_rows(b, (size_t)j0 * csb, csb, GEMM_NR, kc, out, bf16);
             continue;
         }
         for (int k = 0; k < kc; k++)
