@@ -74,7 +74,7 @@ AI void i8_step(const int8_t *w, const uint8_t *xq, const int R, const int M, in
         xv[m] = tail ? vi_load_part(xq + (size_t)m * K + k, n) : vi_load(xq + (size_t)m * K + k);
     for (int r = 0; r < R; r++) {
         const int8_t *p = w + (size_t)r * K + k;
-        prefetch((const char *)p + PF_I8);
+        prefetch_stream((const char *)p + PF_I8, R == 1);
         vi wv = tail ? vi_load_part(p, n) : vi_load(p);
         for (int m = 0; m < M; m++) acc[r][m] = vi_dot_i8(acc[r][m], xv[m], wv);
     }
@@ -225,10 +225,12 @@ typedef struct {
     int K, G, gshift;
 } i4_args;
 
-/* R rows of an int4 W times M rows of x (R, M compile-time constants, as gshift); out[r][m]. The
+/* R rows of an int4 W times M rows of x (R, M compile-time constants, as gshift and nta: prefetch
+ * W non-temporally, common.h's prefetch_stream); out[r][m]. The
  * weight w = q * scale + (zero - 8 scale), so y = xs * (sum over blocks of scale * (sum q xq)) +
  * sum over groups of (zero - 8 scale) * gsum. */
-AI void i4_rows(const i4_args a, const int R, const int M, const int gshift, float out[2][I4_MROWS]) {
+AI void i4_rows(const i4_args a, const int R, const int M, const int gshift, const int nta,
+                float out[2][I4_MROWS]) {
     const int K = a.K, G = a.G, C = K / CHUNK;
     vf acc[2][I4_MROWS];
     for (int r = 0; r < R; r++)
@@ -238,7 +240,7 @@ AI void i4_rows(const i4_args a, const int R, const int M, const int gshift, flo
         vf scale[2];
         for (int r = 0; r < R; r++) {
             const uint8_t *p = a.w + (size_t)r * (K / 2) + VB * c;
-            prefetch((const char *)p + PF_I4);
+            prefetch_stream((const char *)p + PF_I4, nta);
             vi packed = vi_load(p);
             lo[r] = vi_low_nibbles(packed);  /* columns CHUNK c + 2i */
             hi[r] = vi_high_nibbles(packed); /* columns CHUNK c + 2i + 1 */
@@ -265,7 +267,7 @@ AI void i4_rows(const i4_args a, const int R, const int M, const int gshift, flo
 
 /* R (1 or 2, a constant once inlined) rows of W times M <= I4_MROWS rows of x, specialized per M. */
 AI void i4_block_r(const i4_args a, const int R, int M, float out[2][I4_MROWS]) {
-#define I4(MM) (a.gshift ? i4_rows(a, R, MM, a.gshift, out) : i4_rows(a, R, MM, 0, out))
+#define I4(MM) (a.gshift ? i4_rows(a, R, MM, a.gshift, 0, out) : i4_rows(a, R, MM, 0, 0, out))
     switch (M) {
     case 1: I4(1); break;
 #if I4_MROWS >= 2
@@ -287,13 +289,14 @@ AI void i4_block_r(const i4_args a, const int R, int M, float out[2][I4_MROWS]) 
 
 /* Rows [n0, n1) of W times M rows of x, two at a time ((n1 - n0) even), into y (M, N) + b:
  * decoding's product, one call per thread (thread_rows in common.h). */
-AI void i4_span(i4_args a, const int M, const int gshift, int n0, int n1, const float *b, float *y, int N) {
+AI void i4_span(i4_args a, const int M, const int gshift, const int nta, int n0, int n1, const float *b, float *y,
+                int N) {
     const size_t row = (size_t)a.K / 2, G = (size_t)a.G;
     for (int n = n0; n < n1; n += 2) {
         i4_args r = a;
         r.w += n * row, r.scales += n * G, r.zeros += n * G;
         float out[2][I4_MROWS];
-        i4_rows(r, 2, M, gshift, out);
+        i4_rows(r, 2, M, gshift, nta, out);
         for (int i = 0; i < 2; i++)
             for (int m = 0; m < M; m++) y[(size_t)m * N + n + i] = out[i][m] + (b ? b[n + i] : 0.0f);
     }
@@ -304,10 +307,11 @@ AI void i4_span(i4_args a, const int M, const int gshift, int n0, int n1, const 
  * (gshift 0, 1, 2+: the block scales' load and shuffle are then fixed; AMD EPYC Zen 5, avx512,
  * GPT-2's int4 layers decoding at g64: 2.46 ms with gshift known only at run time, 1.5-1.9 ms). */
 static void i4_span_m(const i4_args a, int M, int n0, int n1, const float *b, float *y, int N) {
-#define SPAN(MM, GS) i4_span(a, MM, GS, n0, n1, b, y, N)
-#define SPAN_G(MM) (a.gshift == 0 ? SPAN(MM, 0) : a.gshift == 1 ? SPAN(MM, 1) : SPAN(MM, a.gshift))
-    if (M == 1) SPAN_G(1);
-    else SPAN_G(2);
+#define SPAN(MM, GS, NTA) i4_span(a, MM, GS, NTA, n0, n1, b, y, N)
+#define SPAN_G(MM, NTA) (a.gshift == 0 ? SPAN(MM, 0, NTA) : a.gshift == 1 ? SPAN(MM, 1, NTA) : SPAN(MM, a.gshift, NTA))
+    const int nta = gl_decode_rows_ == 1; /* one stream pair per thread: as the float and int8 kernels' one stream */
+    if (M == 1) nta ? SPAN_G(1, 1) : SPAN_G(1, 0);
+    else nta ? SPAN_G(2, 1) : SPAN_G(2, 0);
 #undef SPAN_G
 #undef SPAN
 }
