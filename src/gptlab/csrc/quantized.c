@@ -305,11 +305,13 @@ AI void i4_span(i4_args a, const int M, const int gshift, const int nta, int n0,
 /* i4_span specialized per M <= 2 (batch-1 and batch-2 decoding; more rows of x take i4_block:
  * each instantiation of i4_rows costs compile time) and per group size 32, 64 and larger
  * (gshift 0, 1, 2+: the block scales' load and shuffle are then fixed; AMD EPYC Zen 5, avx512,
- * GPT-2's int4 layers decoding at g64: 2.46 ms with gshift known only at run time, 1.5-1.9 ms). */
+ * GPT-2's int4 layers decoding at g64: 2.46 ms with gshift known only at run time, 1.5-1.9 ms),
+ * and per prefetch hint: non-temporal where the float and int8 kernels stream one weight row per
+ * thread (gl_decode_rows 1; common.h's prefetch_stream). */
 static void i4_span_m(const i4_args a, int M, int n0, int n1, const float *b, float *y, int N) {
 #define SPAN(MM, GS, NTA) i4_span(a, MM, GS, NTA, n0, n1, b, y, N)
 #define SPAN_G(MM, NTA) (a.gshift == 0 ? SPAN(MM, 0, NTA) : a.gshift == 1 ? SPAN(MM, 1, NTA) : SPAN(MM, a.gshift, NTA))
-    const int nta = gl_decode_rows_ == 1; /* one stream pair per thread: as the float and int8 kernels' one stream */
+    const int nta = gl_decode_rows_ == 1;
     if (M == 1) nta ? SPAN_G(1, 1) : SPAN_G(1, 0);
     else nta ? SPAN_G(2, 1) : SPAN_G(2, 0);
 #undef SPAN_G
