@@ -337,10 +337,13 @@ def test_the_gelu_overwrites_c_fc_output_only_where_no_hook_sees_it(kernel_varia
     assert len(seen) == 1 and seen[0].min() < -0.2  # measured -0.29
 
 
-def test_argmax_matches_torch_including_ties():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_matches_torch_including_ties(dtype):
     torch.manual_seed(6)
     logits = torch.randn(4, 50257)
     logits[2, 7] = logits[2, 40000] = logits[2].max() + 1  # a tie: the first index wins, as in torch
+    logits[3, 9] = float("nan")  # NaN counts as the largest, as in torch
+    logits = logits.to(dtype)
     assert torch.equal(kernels.argmax(logits), logits.argmax(dim=-1))
 
 
