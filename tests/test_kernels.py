@@ -247,8 +247,9 @@ def test_quantized_generation_runs_the_int_kernels(mode, calls):
 @needs_float
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("padded", [False, True])
-def test_decode_attention_writes_the_cache_and_matches_sdpa(dtype, padded):
-    B, nh, hs, max_len, pos = 3, 4, 24, 16, 9  # hs not a multiple of 16: masked loads
+@pytest.mark.parametrize("hs", [24, 64, 128])  # 24: not a multiple of 16 (masked loads), and known only at run time
+def test_decode_attention_writes_the_cache_and_matches_sdpa(dtype, padded, hs):
+    B, nh, max_len, pos = 3, 4, 16, 9  # 10 keys: two groups of four, then two one by one
     torch.manual_seed(5)
     k_cache, v_cache = torch.randn(B, nh, max_len, hs).to(dtype), torch.randn(B, nh, max_len, hs).to(dtype)
     before = k_cache.clone(), v_cache.clone()

@@ -4,6 +4,75 @@
 
 #define MAX_HS 256 /* kernels.MAX_HEAD_SIZE */
 
+/* A row of scores (`keys` of them) into e^((s - max) scale) over its first `seen`, zeros past them;
+ * returns the sum of the exponentials (the caller divides by it). */
+static float softmax_seen(float *row, int seen, int keys, float scale) {
+    int j = 0;
+    vf vmax = vf_set1(-INFINITY);
+    for (; j + VW <= seen; j += VW) vmax = vf_max(vmax, vf_load(row + j));
+    float top = vf_hmax(vmax);
+    for (; j < seen; j++) top = row[j] > top ? row[j] : top;
+    const vf shift = vf_set1(-top * scale), sc = vf_set1(scale);
+    vf sum = vf_zero();
+    for (j = 0; j + VW <= seen; j += VW) {
+        const vf e = vf_exp(vf_fma(vf_load(row + j), sc, shift));
+        vf_store(row + j, e);
+        sum = vf_add(sum, e);
+    }
+    float total = vf_sum(sum);
+    for (; j < seen; j++) total += row[j] = expf((row[j] - top) * scale);
+    memset(row + seen, 0, sizeof(float) * (size_t)(keys - seen));
+    return total;
+}
+
+/* One head of one new token: q (hs values) against the keys and values kc, vc of slots 0..pos
+ * (S = pos + 1; mask: the row's bytes, or NULL), sc holding S scores; writes the hs outputs to out
+ * (fp32, or bf16 when bf16), normalized by 1 / sqrt(hs) as gl_attend_rows says. hs and bf16 are
+ * compile-time constants where gl_attend_rows specializes them, so q and the sums stay in registers
+ * (with hs known only at run time, the value sums went through memory: a store-forwarding chain
+ * per key). The scores run four keys at a time, their sums side by side and reduced together. */
+AI void attend_head(const char *qp, const char *kc, const char *vc, int pos, const uint8_t *mask, float *sc,
+                    const int hs, const int bf16, char *out) {
+    const int S = pos + 1, nv = (hs + VW - 1) / VW, es = bf16 ? 2 : 4;
+#define ROW(base, j, v) vf_load_any_n((base) + ((size_t)(j) * hs + VW * (v)) * es, bf16, hs - VW * (v))
+    vf q[MAX_HS / VW];
+    for (int v = 0; v < nv; v++) q[v] = ROW(qp, 0, v);
+    int j = 0;
+    for (; j + 4 <= S; j += 4) {
+        vf a[4] = {vf_zero(), vf_zero(), vf_zero(), vf_zero()};
+        for (int v = 0; v < nv; v++)
+            for (int i = 0; i < 4; i++) a[i] = vf_fma(q[v], ROW(kc, j + i, v), a[i]);
+        vf_sum4(a[0], a[1], a[2], a[3], sc + j);
+    }
+    for (; j < S; j++) {
+        vf a = vf_zero();
+        for (int v = 0; v < nv; v++) a = vf_fma(q[v], ROW(kc, j, v), a);
+        sc[j] = vf_sum(a);
+    }
+#define HIDDEN(j) (mask && !mask[j] && (j) != pos) /* a query always sees its own slot */
+    for (j = 0; j < S; j++)
+        if (HIDDEN(j)) sc[j] = -INFINITY;
+    const float inv = 1.0f / softmax_seen(sc, S, S, 1.0f / sqrtf((float)hs));
+    vf acc[MAX_HS / VW];
+    for (int v = 0; v < nv; v++) acc[v] = vf_zero();
+    for (j = 0; j < S; j++) {
+        if (HIDDEN(j)) continue;
+        const vf p = vf_set1(sc[j]);
+        for (int v = 0; v < nv; v++) acc[v] = vf_fma(p, ROW(vc, j, v), acc[v]);
+    }
+#undef HIDDEN
+#undef ROW
+    for (int v = 0; v < nv; v++) {
+        const int n = hs - VW * v >= VW ? VW : hs - VW * v;
+        float o[VW];
+        vf_store(o, vf_mul(acc[v], vf_set1(inv)));
+        for (int d = 0; d < n; d++) {
+            if (bf16) ((uint16_t *)out)[VW * v + d] = f32_to_bf16(o[d]);
+            else ((float *)out)[VW * v + d] = o[d];
+        }
+    }
+}
+
 /* One new token per row attends over its cache, for one layer: row b's qkv at qkv + b * qkv_stride
  * elements holds the token's query, key and value (heads side by side, as c_attn gives them); its
  * key and value are written to slot `pos` of the caches k_cache and v_cache (B, nh, max_len, hs), then
@@ -15,8 +84,7 @@ int gl_attend_rows(const void *qkv, int qkv_stride, void *k_cache, void *v_cache
                    int mask_stride, void *out, int out_stride, int B, int nh, int hs, int max_len, int bf16,
                    int nthreads) {
     if (hs > MAX_HS) return -1;
-    const int C = nh * hs, S = pos + 1, es = bf16 ? 2 : 4, nv = (hs + VW - 1) / VW;
-    const float scale = 1.0f / sqrtf((float)hs);
+    const int C = nh * hs, S = pos + 1, es = bf16 ? 2 : 4;
     float *scores_all = gl_scratch((size_t)B * nh * S * sizeof(float));
     if (!scores_all) return -1;
 #pragma omp parallel for num_threads(nthreads) collapse(2) schedule(static)
@@ -27,44 +95,15 @@ int gl_attend_rows(const void *qkv, int qkv_stride, void *k_cache, void *v_cache
             char *kc = (char *)k_cache + head * hs * es, *vc = (char *)v_cache + head * hs * es;
             memcpy(kc + (size_t)pos * hs * es, row + (size_t)(C + h * hs) * es, (size_t)hs * es);
             memcpy(vc + (size_t)pos * hs * es, row + (size_t)(2 * C + h * hs) * es, (size_t)hs * es);
-            vf q[MAX_HS / VW];
-            for (int v = 0; v < nv; v++)
-                q[v] = vf_mul(vf_load_any_n(row + (size_t)(h * hs + VW * v) * es, bf16, hs - VW * v), vf_set1(scale));
-            float *sc = scores_all + ((size_t)b * nh + h) * S, smax = -INFINITY;
-            for (int j = 0; j < S; j++) {
-                if (mask && !mask[(size_t)b * mask_stride + j] && j != pos) {
-                    sc[j] = -INFINITY;
-                    continue;
-                }
-                vf acc = vf_zero();
-                for (int v = 0; v < nv; v++)
-                    acc = vf_fma(q[v], vf_load_any_n(kc + ((size_t)j * hs + VW * v) * es, bf16, hs - VW * v), acc);
-                sc[j] = vf_sum(acc);
-                smax = sc[j] > smax ? sc[j] : smax;
-            }
-            float total = 0.0f;
-            for (int j = 0; j < S; j++) {
-                sc[j] = sc[j] == -INFINITY ? 0.0f : expf(sc[j] - smax);
-                total += sc[j];
-            }
-            vf acc[MAX_HS / VW];
-            for (int v = 0; v < nv; v++) acc[v] = vf_zero();
-            for (int j = 0; j < S; j++) {
-                if (sc[j] == 0.0f) continue;
-                vf p = vf_set1(sc[j] / total);
-                for (int v = 0; v < nv; v++)
-                    acc[v] = vf_fma(p, vf_load_any_n(vc + ((size_t)j * hs + VW * v) * es, bf16, hs - VW * v), acc[v]);
-            }
-            for (int v = 0; v < nv; v++) {
-                const int n = hs - VW * v >= VW ? VW : hs - VW * v;
-                float o[VW];
-                vf_store(o, acc[v]);
-                size_t at = (size_t)b * out_stride + h * hs + VW * v;
-                for (int d = 0; d < n; d++) {
-                    if (bf16) ((uint16_t *)out)[at + d] = f32_to_bf16(o[d]);
-                    else ((float *)out)[at + d] = o[d];
-                }
-            }
+            const char *q = row + (size_t)h * hs * es;
+            const uint8_t *m = mask ? mask + (size_t)b * mask_stride : NULL;
+            float *sc = scores_all + ((size_t)b * nh + h) * S;
+            char *o = (char *)out + ((size_t)b * out_stride + (size_t)h * hs) * es;
+#define HEAD(HS) (bf16 ? attend_head(q, kc, vc, pos, m, sc, HS, 1, o) : attend_head(q, kc, vc, pos, m, sc, HS, 0, o))
+            if (hs == 64) HEAD(64); /* GPT-2's heads, and most models' */
+            else if (hs == 128) HEAD(128);
+            else HEAD(hs);
+#undef HEAD
         }
     }
     return 0;
@@ -89,27 +128,6 @@ int gl_attend_one(const void *qkv, void *k_cache, void *v_cache, int pos, const 
 typedef struct {
     long b, h, row;
 } ap_strides_t;
-
-/* A row of scores (`keys` of them) into e^((s - max) scale) over its first `seen`, zeros past them;
- * returns the sum of the exponentials (the caller divides by it). */
-static float softmax_seen(float *row, int seen, int keys, float scale) {
-    int j = 0;
-    vf vmax = vf_set1(-INFINITY);
-    for (; j + VW <= seen; j += VW) vmax = vf_max(vmax, vf_load(row + j));
-    float top = vf_hmax(vmax);
-    for (; j < seen; j++) top = row[j] > top ? row[j] : top;
-    const vf shift = vf_set1(-top * scale), sc = vf_set1(scale);
-    vf sum = vf_zero();
-    for (j = 0; j + VW <= seen; j += VW) {
-        const vf e = vf_exp(vf_fma(vf_load(row + j), sc, shift));
-        vf_store(row + j, e);
-        sum = vf_add(sum, e);
-    }
-    float total = vf_sum(sum);
-    for (; j < seen; j++) total += row[j] = expf((row[j] - top) * scale);
-    memset(row + seen, 0, sizeof(float) * (size_t)(keys - seen));
-    return total;
-}
 
 /* Causal attention of T queries per (batch row, head) over S >= T keys, fp32:
  *   out[b, t, h, :] = softmax(q_t . k_j / sqrt(hs), j <= S - T + t) . v_j
