@@ -75,7 +75,7 @@ extern int gl_decode_rows_;
 int gl_default_decode_rows(void);
 
 /* Software prefetch distances, bytes ahead of each weight stream, per variant: avx512's tuned on an
- * Intel Xeon, avx512-256's on the AMD EPYC Zen 4 that auto gives it, avx2's on an AMD EPYC (Zen 3);
+ * Intel Xeon, avx512-256's on the AMD EPYC Zen 4 that auto gives it, avx2's on the AMD EPYC Zen 3 and Zen 5;
  * 2 threads, whole-model decode steps. */
 #if GL_VARIANT == GL_AVX512 /* Intel Xeon, 2026-12-01: fp32 16.2-16.6 vs 16.8-17.3 ms at 512; bf16 9.4-9.8 vs 11.3 */
 #define PF_DEFAULT_FLOAT 8192
@@ -87,8 +87,14 @@ int gl_default_decode_rows(void);
 #define PF_DEFAULT_FLOAT 8192
 #define PF_DEFAULT_I8 4096
 #define PF_DEFAULT_I4 4096
-#else /* AMD EPYC, 2026-12-01: bf16 decode 50-51 -> 56-59 tok/s at 16 KiB; the int distances within this VM's noise */
-#define PF_DEFAULT_FLOAT 16384
+#else
+/* AMD EPYC Zen 3, 2026-12-01, prefetching into every cache level: bf16 decode 50-51 -> 56-59 tok/s at
+ * 16 KiB against 8; the int distances within this VM's noise. Non-temporal prefetches (below) land
+ * in L1 only, where 16 KiB ahead plus a 3072-float x fill 7 of the Zen 3's 8 ways a set, and a line
+ * evicted before its use is read from memory again: 8 KiB. AMD EPYC Zen 5 held to AVX2,
+ * 2026-12-04, non-temporal, medians of 9 alternating rounds: fp32 decoding 8 KiB 1.05-1.22x 16 KiB,
+ * bf16 1.02-1.05x (4 KiB: fp32 1.03x); int4's 8 KiB (two streams) 1.08x 4 KiB. */
+#define PF_DEFAULT_FLOAT 8192
 #define PF_DEFAULT_I8 4096
 #define PF_DEFAULT_I4 8192
 #endif
