@@ -25,9 +25,9 @@ static float softmax_seen(float *row, int seen, int keys, float scale) {
     return total;
 }
 
-/* One head of one new token: q (hs values) against the keys and values kc, vc of slots 0..pos
- * (S = pos + 1; mask: the row's bytes, or NULL), sc holding S scores; writes the hs outputs to out
- * (fp32, or bf16 when bf16), normalized by 1 / sqrt(hs) as gl_attend_rows says. hs and bf16 are
+/* One head of one new token, as gl_attend_rows says: q (hs values) against the keys and values
+ * kc, vc of slots 0..pos (mask: the row's bytes, or NULL), sc room for pos + 1 scores; writes the
+ * hs outputs to out (fp32, or bf16 when bf16). Masked slots' probabilities are exactly 0. hs and bf16 are
  * compile-time constants where gl_attend_rows specializes them, so q and the sums stay in registers
  * (with hs known only at run time, the value sums went through memory: a store-forwarding chain
  * per key). The scores run four keys at a time, their sums side by side and reduced together. */
