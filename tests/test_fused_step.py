@@ -333,6 +333,23 @@ def test_a_new_cache_is_bound_afresh(steps):
         assert k2 is k1 and v2[:, :, 2].abs().sum() > 0 and torch.equal(v1[:, :, 2], torch.zeros_like(v1[:, :, 2]))
 
 
+def test_a_cache_whose_layers_change_in_place_is_bound_afresh(steps):
+    """The pointers remembered on a cache hold while its `layers` hold the same (k, v) pairs: a pair
+    replaced in the same list is looked up again at the next step (not written through the old one)."""
+    model = tiny_model()
+    with torch.no_grad():
+        cache = new_cache(model, 1, 8)
+        prefill(model, torch.tensor([[1, 2]]), cache)
+        decode_step(model, torch.tensor([3]), cache)  # slot 2; the pointers are remembered
+        old_k, old_v = cache.layers[1]
+        cache.layers[1] = (old_k.clone(), old_v.clone())
+        decode_step(model, torch.tensor([4]), cache)  # slot 3
+    assert steps["fused"] == 3
+    new_k, new_v = cache.layers[1]
+    assert new_k[:, :, 3].abs().sum() > 0 and new_v[:, :, 3].abs().sum() > 0
+    assert not old_k[:, :, 3].any() and not old_v[:, :, 3].any()
+
+
 def test_the_servers_batches_take_it(steps):
     """`gptlab serve`'s scheduler: rows joining a right-aligned shared cache, then one step for all."""
     from gptlab.serve.scheduler import BatchCache
