@@ -114,9 +114,9 @@ int gl_default_decode_rows(void);
  * and the Python objects of the next step stay. Only a window that fits L1 may go there: one weight
  * stream per thread (gl_decode_rows 1: AMD CPUs, AVX2 ones; the decoding kernels pass nta for it),
  * not the Intel Xeon's four 8 KiB streams, which keep the hint they were tuned with. AMD EPYC Zen 5,
- * 2026-12-04, 2 threads, GPT-2 decoding at batch 1, medians of 7-9 rounds alternating the two hints
- * in one process: at AVX2 fp32 +7.5-9%, bf16 +5-9%, int4 +2-10%, int8 level; at AVX-512 fp32 +10%,
- * bf16 +6%, int4 +2%, int8 level; prompts level. */
+ * 2026-12-04, 2 threads, GPT-2 decoding at batch 1, medians of 9 rounds alternating builds with and
+ * without it in one process: at AVX2 fp32 +6%, bf16 +14%, int8 +2%, int4 0% (+2-10% in earlier
+ * rounds); at AVX-512 fp32 +6%, bf16 +6%, int4 +3%, int8 level; prompts level. */
 AI void prefetch_stream(const void *p, const int nta) {
     if (nta) __builtin_prefetch(p, 0, 0);
     else __builtin_prefetch(p, 0, 3);
