@@ -245,6 +245,37 @@ def test_bench_variants_runs_each_variant_and_rates_it_against_autos(tmp_path, c
         variants.main(["--variants", "avx2"])
 
 
+def test_bench_variants_times_each_prefetch_hint_it_is_given(tmp_path, capsys, monkeypatch):
+    """NAME:nta and NAME:t0 run the variant with decoding's prefetch hint set, rated against the
+    first when auto's variant is not among them."""
+    from gptlab import kernels
+    from gptlab.bench import variants
+
+    seen = []  # (variant, hint) of each timed generate call
+    engine = variants.gptlab_engine
+
+    def spying_engine(model):
+        run = engine(model)
+
+        def spy(idx, n):
+            seen.append((kernels.variant(), kernels.prefetch_nta()))
+            return run(idx, n)
+
+        return spy
+
+    monkeypatch.setattr(variants, "gptlab_engine", spying_engine)
+    name = "portable"  # every CPU runs it
+    args = ["--preset", "gpt2-tiny", "--modes", "fp32", "--variants", f"{name}:t0,{name}:nta", "--new-tokens", "3",
+            "--prompt-len", "0", "--rounds", "1", "--gemm-rows", "0", "--out", ""]  # fmt: skip
+    assert variants.main(args) == 0
+    assert set(seen) == {(name, False), (name, True)}
+    assert kernels.prefetch_nta() == (kernels.decode_rows() == 1)  # the default again
+    out = capsys.readouterr().out
+    assert f"{name}:t0" in out and out.count("(1.00x)") == 1  # the first is the base
+    with pytest.raises(SystemExit, match=":nta or :t0"):
+        variants.main(["--variants", f"{name}:l2"])
+
+
 def test_bench_gemm_times_both_sides_and_the_bf16_products_where_they_run(tmp_path, capsys):
     from gptlab import kernels
     from gptlab.bench import gemm

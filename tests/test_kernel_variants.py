@@ -196,6 +196,52 @@ def test_decoding_takes_one_weight_stream_per_thread_but_on_intels_avx512():
             assert kernels.decode_rows() == (4 if variant == "avx512" and not amd else 1)
 
 
+def test_decoding_prefetches_non_temporally_where_one_weight_row_streams_per_thread():
+    """csrc/common.h's prefetch_nta: non-temporal (L1 only) with one weight row per block, whose
+    window fits L1, else into every cache level; use_prefetch_nta overrides it either way."""
+    for variant in kernels.runnable_variants():
+        with kernels.use_variant(variant):
+            assert kernels.prefetch_nta() == (kernels.decode_rows() == 1), variant
+            with kernels.use_decode_rows(4):
+                assert kernels.prefetch_nta() is False
+                with kernels.use_prefetch_nta(True):
+                    assert kernels.prefetch_nta() is True
+            with kernels.use_decode_rows(1):
+                assert kernels.prefetch_nta() is True
+                with kernels.use_prefetch_nta(False):
+                    assert kernels.prefetch_nta() is False
+            assert kernels.prefetch_nta() == (kernels.decode_rows() == 1)
+
+
+@pytest.mark.parametrize("mode", ["fp32", "bf16", "int8", "int4"])
+def test_both_prefetch_hints_give_the_same_bits(mode):
+    """The hint changes where the weights are cached, never a product: each variant's decoding
+    layers (one and two rows of x) give the same bits under both."""
+    torch.manual_seed(3)
+    linear = nn.Linear(256, 37)
+    x = torch.randn(2, 256)
+    if mode in ("int8", "int4"):
+        layer = Int8Linear.from_linear(linear, "int8") if mode == "int8" else Int4Linear.from_linear(linear, 64)
+    else:
+        layer = linear.to(torch.bfloat16 if mode == "bf16" else torch.float32)
+
+    def run():
+        with torch.no_grad():
+            if mode in ("int8", "int4"):
+                layer.prepare()
+                return [layer._decode(x[:m]) for m in (1, 2)]
+            w, b = layer.weight, layer.bias
+            return [kernels.float_linear(x[:m].to(w.dtype), w, b) for m in (1, 2)]
+
+    for nta in (False, True):
+        with kernels.use_prefetch_nta(nta):
+            out = on_each(run)
+        if not nta:
+            before = out
+    for variant in out:
+        assert all(torch.equal(a, b) for a, b in zip(out[variant], before[variant], strict=True)), variant
+
+
 def on_each_rows(fn, rows: int):
     """on_each(fn) with `rows` weight rows per decoding block, and the reference: portable at 1."""
     with kernels.use_decode_rows(rows):

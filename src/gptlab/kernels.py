@@ -53,7 +53,7 @@ MAX_HEAD_SIZE = 256  # the C attention's limit (MAX_HS in attention.c)
 VARIANTS = tuple(kernel_build.VARIANTS)  # best first
 FEATURES = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512vnni", "avxvnni",
             "asimd", "asimddp", "avx512bf16")  # fmt: skip  # gl_cpu_features' bits, in order
-_ABI = 15
+_ABI = 16
 _P = ctypes.c_void_p
 _I = ctypes.c_int
 _L = ctypes.c_long
@@ -83,6 +83,8 @@ _SIGNATURES = {  # name: argument types; each returns 0, or -1 when out of memor
     "gl_has_gemm_bf16": [],
     "gl_set_decode_rows": [_I],  # 1 or ROWS, 0 for the CPU's default; returns the rows in use or -1
     "gl_decode_rows": [],
+    "gl_set_prefetch_nta": [_I],  # 1 non-temporal, 0 temporal, -1 the CPU's default; returns the hint in use or -1
+    "gl_prefetch_nta": [],
 }
 _huge_paged: set[int] = set()  # weights already moved to huge pages (their data pointers)
 
@@ -322,6 +324,30 @@ def use_decode_rows(rows: int):
     finally:
         for lib in libs:
             lib.gl_set_decode_rows(0)
+
+
+def prefetch_nta() -> bool | None:
+    """Whether the active variant's decoding kernels prefetch the weights non-temporally (into L1
+    only, so the weights read once do not push the activations, the KV cache and Python's objects
+    out of L2 and L3): by default where one weight row per block streams per thread (decode_rows()
+    1), or as set by use_prefetch_nta; None without kernels."""
+    lib = _library().lib
+    return None if lib is None else bool(lib.gl_prefetch_nta())
+
+
+@contextlib.contextmanager
+def use_prefetch_nta(nta: bool):
+    """Within the block, every variant this CPU runs prefetches decoding's weights non-temporally
+    (True) or into every cache level (False) instead of its default, e.g. to time both on one CPU
+    (`gptlab bench variants --variants avx2:nta,avx2:t0`) or test both paths (not thread-safe)."""
+    libs = [_load(v) for v in runnable_variants()]
+    for lib in libs:
+        lib.gl_set_prefetch_nta(int(bool(nta)))
+    try:
+        yield
+    finally:
+        for lib in libs:
+            lib.gl_set_prefetch_nta(-1)
 
 
 _enabled = True
@@ -1010,7 +1036,9 @@ def main() -> int:
     print(f"  training head's GEMM: {gemm} ({'gl_sgemm' if gemm == 'gptlab' else 'PyTorch BLAS'}; GPTLAB_GEMM)")
     print(f"  its bf16 products (bf16 autocast): {gemm_bf16_choice()}")
     if lib.lib is not None:
-        print(f"  decoding: {decode_rows()} weight row(s) per block per thread ({cpu_vendor() or 'unknown vendor'})")
+        hint = "non-temporally" if prefetch_nta() else "into every cache level"
+        print(f"  decoding: {decode_rows()} weight row(s) per block per thread ({cpu_vendor() or 'unknown vendor'}),"
+              f" prefetched {hint}")  # fmt: skip
         print(f"  {lib.lib.path}")
     return 0
 

@@ -5,12 +5,15 @@ each variant in turn (kernels.use_variant), the variants interleaved round by ro
 machine's drift (20% within minutes on a shared VM) falls on all of them alike; the training
 head's three fp32 products (gl_sgemm, as `gptlab bench gemm` times them) likewise. Medians are
 printed with each variant's ratio to the one auto picks (kernels.auto_variant): the evidence for
-a CPU rule such as kernels.HALF_WIDTH_AVX512, measurable on any CPU.
+a CPU rule such as kernels.HALF_WIDTH_AVX512, measurable on any CPU. A variant named NAME:nta or
+NAME:t0 runs with decoding's weights prefetched non-temporally or into every cache level
+(kernels.use_prefetch_nta), the evidence for that rule likewise.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import time
@@ -29,7 +32,12 @@ def parse_args(argv):
     p = argparse.ArgumentParser(prog="gptlab bench variants", description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="gpt2", help="model shape (random weights, seeded)")
     p.add_argument("--modes", default="fp32,bf16,int8,int4", help="comma-separated precisions")
-    p.add_argument("--variants", default="", help="comma-separated (default: every SIMD one this CPU runs)")
+    p.add_argument(
+        "--variants",
+        default="",
+        help="comma-separated, each NAME or NAME:nta or NAME:t0 (decoding's "
+        "prefetch hint); default: every SIMD one this CPU runs",
+    )
     p.add_argument("--new-tokens", type=int, default=64, help="tokens decoded per timed run, batch 1")
     p.add_argument("--prompt-len", type=int, default=512, help="prompt tokens filled per timed run (0: skip)")
     p.add_argument("--rounds", type=int, default=3, help="timed rounds, every variant once per round")
@@ -40,16 +48,27 @@ def parse_args(argv):
 
 
 def chosen_variants(arg: str) -> list[str]:
-    """The variants to time: `arg`'s (each one this CPU must run), or every one it runs but the
-    portable reference (unless that is all it runs)."""
+    """The variants to time: `arg`'s (each one this CPU must run, with an optional :nta or :t0), or
+    every one it runs but the portable reference (unless that is all it runs)."""
     variants = [v.strip() for v in arg.split(",") if v.strip()]
     variants = variants or [v for v in kernels.runnable_variants() if v != "portable"] or ["portable"]
     for v in variants:
-        if v not in kernels.VARIANTS or kernels.missing_features(v):
+        name, _, hint = v.partition(":")
+        if hint not in ("", "nta", "t0"):
+            raise SystemExit(f"gptlab bench variants: {v!r}: a prefetch hint is :nta or :t0")
+        if name not in kernels.VARIANTS or kernels.missing_features(name):
             raise SystemExit(
-                f"gptlab bench variants: this CPU cannot run {v!r} (it runs {', '.join(kernels.runnable_variants())})"
+                f"gptlab bench variants: this CPU cannot run {name!r} (it runs {', '.join(kernels.runnable_variants())})"
             )
     return variants
+
+
+@contextlib.contextmanager
+def running(spec: str):
+    """Within the block, the variant NAME[:nta|:t0] runs, with decoding's prefetch hint when it names one."""
+    name, _, hint = spec.partition(":")
+    with kernels.use_variant(name), kernels.use_prefetch_nta(hint == "nta") if hint else contextlib.nullcontext():
+        yield
 
 
 def time_mode(model, variants: list[str], args, vocab: int) -> dict[str, dict[str, list[float]]]:
@@ -61,7 +80,7 @@ def time_mode(model, variants: list[str], args, vocab: int) -> dict[str, dict[st
     times = {v: {"decode_tok_s": [], "prefill_tok_s": []} for v in variants}
     for _ in range(args.rounds):
         for v in variants:
-            with kernels.use_variant(v), torch.no_grad():
+            with running(v), torch.no_grad():
                 run(short, 2)  # warm-up: this variant's library and caches
                 t0 = time.perf_counter()
                 run(short, args.new_tokens)
@@ -82,7 +101,7 @@ def time_gemm(variants: list[str], args) -> dict[str, list[float]]:
     try:
         for r in range(args.rounds + 1):  # the first round warms up
             for v in variants:
-                with kernels.use_variant(v):
+                with running(v):
                     seconds = sum(time_products("gptlab", False, *tensors))  # fp32
                 if r:
                     out[v].append(flop / seconds / 1e9)
@@ -113,17 +132,22 @@ def main(argv=None) -> int:
     if args.gemm_rows:
         for v, gflops in time_gemm(variants, args).items():
             rows.append({"mode": "head GEMM", "variant": v, "gflop_s": round(statistics.median(gflops), 1)})
-    print_rows(rows, auto)
+    print_rows(rows, auto if auto in variants else variants[0], auto)
     if args.out:
         path = write_results("variants", {"config": vars(args), "auto": auto, "rows": rows}, args.out)
         print(f"results: {path}")
     return 0
 
 
-def print_rows(rows: list[dict], auto: str) -> None:
-    """One line per (mode, variant): its medians and their ratios to auto's variant."""
+def print_rows(rows: list[dict], base_variant: str, auto: str) -> None:
+    """One line per (mode, variant): its medians and their ratios to base_variant's (auto's variant,
+    or the first one timed when auto's is not among them)."""
     base = {
-        (r["mode"], k): v for r in rows if r["variant"] == auto for k, v in r.items() if k not in ("mode", "variant")
+        (r["mode"], k): v
+        for r in rows
+        if r["variant"] == base_variant
+        for k, v in r.items()
+        if k not in ("mode", "variant")
     }
     for r in rows:
         cells = []

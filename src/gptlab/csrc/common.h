@@ -10,7 +10,7 @@
 
 #include "simd.h"
 
-#define GL_ABI 15 /* gptlab/kernels.py refuses a library of another ABI */
+#define GL_ABI 16 /* gptlab/kernels.py refuses a library of another ABI */
 
 /* Rows of W at a time (ROWS memory streams in flight) and rows of x at a time (MROWS, their
  * products kept in registers: 4 x 4 vectors fit AVX-512's 32 registers, 4 x 2 AVX2's 16). */
@@ -111,16 +111,21 @@ int gl_default_decode_rows(void);
 /* Prefetch a weight stream's next bytes; nta (a compile-time constant once inlined): without
  * temporal locality. Decoding reads each weight once: a non-temporal prefetch brings it into L1
  * only, so it neither fills L2 nor, through L2's evictions, L3, where the activations, the KV cache
- * and the Python objects of the next step stay. Only a window that fits L1 may go there: one weight
- * stream per thread (gl_decode_rows 1: AMD CPUs, AVX2 ones; the decoding kernels pass nta for it),
- * not the Intel Xeon's four 8 KiB streams, which keep the hint they were tuned with. AMD EPYC Zen 5,
- * 2026-12-04, 2 threads, GPT-2 decoding at batch 1, medians of 9 rounds alternating builds with and
- * without it in one process: at AVX2 fp32 +6%, bf16 +14%, int8 +2%, int4 0% (+2-10% in earlier
- * rounds); at AVX-512 fp32 +6%, bf16 +6%, int4 +3%, int8 level; prompts level. */
+ * and the Python objects of the next step stay. Only a window that fits L1 may go there. AMD EPYC
+ * Zen 5, 2026-12-04, 2 threads, GPT-2 decoding at batch 1, medians of 9 rounds alternating builds
+ * with and without it in one process: at AVX2 fp32 +6%, bf16 +14%, int8 +2%, int4 0% (+2-10% in
+ * earlier rounds); at AVX-512 fp32 +6%, bf16 +6%, int4 +3%, int8 level; prompts level. */
 AI void prefetch_stream(const void *p, const int nta) {
     if (nta) __builtin_prefetch(p, 0, 0);
     else __builtin_prefetch(p, 0, 3);
 }
+
+/* Whether decoding's spans prefetch non-temporally (the kernels specialize their spans on it):
+ * gl_prefetch_nta_ when set (cpu.c, gl_set_prefetch_nta), else with one weight stream per thread
+ * (gl_decode_rows 1: AMD CPUs and every variant but avx512), whose window fits L1; not the Intel
+ * Xeon's four 8 KiB streams, which keep the hint they were tuned with. */
+extern int gl_prefetch_nta_;
+static inline int prefetch_nta(void) { return gl_prefetch_nta_ < 0 ? gl_decode_rows_ == 1 : gl_prefetch_nta_; }
 
 static inline float bf16_to_f32(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;

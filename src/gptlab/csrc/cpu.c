@@ -105,6 +105,19 @@ int gl_set_decode_rows(int rows) {
 
 int gl_decode_rows(void) { return gl_decode_rows_; }
 
+int gl_prefetch_nta_ = -1; /* -1: follow the rows per block (common.h, prefetch_nta) */
+
+/* Set decoding's prefetch hint: 1 non-temporal, 0 temporal, -1 this CPU's default (non-temporal
+ * with one weight row per block); returns the hint now in use, or -1 (unchanged) for another value.
+ * For tests and benchmarks, as gl_set_decode_rows. */
+int gl_set_prefetch_nta(int nta) {
+    if (nta < -1 || nta > 1) return -1;
+    gl_prefetch_nta_ = nta;
+    return prefetch_nta();
+}
+
+int gl_prefetch_nta(void) { return prefetch_nta(); }
+
 void *gl_scratch(size_t nbytes) {
     static __thread void *buf = NULL;
     static __thread size_t cap = 0;

@@ -11,14 +11,14 @@
 
 /* acc[r][m] += w_r[k..k+VW) * x_m[k..k+VW), fp32 w (the first n lanes when tail), prefetching
  * PF_FLOAT bytes ahead of each weight stream (measured +3-8% over the hardware prefetcher alone),
- * non-temporally when it is the thread's one stream (R == 1, common.h's prefetch_stream). */
+ * non-temporally when nta (common.h's prefetch_stream). */
 AI void dot_step_f32(const float *w, const float *x, const int R, const int M, int K, int k, int n, int tail,
-                     vf acc[ROWS][MROWS]) {
+                     const int nta, vf acc[ROWS][MROWS]) {
     vf xv[MROWS];
     for (int m = 0; m < M; m++) xv[m] = tail ? vf_load_n(x + (size_t)m * K + k, n) : vf_load(x + (size_t)m * K + k);
     for (int r = 0; r < R; r++) {
         const float *p = w + (size_t)r * K + k;
-        prefetch_stream((const char *)p + PF_FLOAT, R == 1);
+        prefetch_stream((const char *)p + PF_FLOAT, nta);
         vf wv = tail ? vf_load_n(p, n) : vf_load(p);
         for (int m = 0; m < M; m++) acc[r][m] = vf_fma(wv, xv[m], acc[r][m]);
     }
@@ -28,7 +28,7 @@ AI void dot_step_f32(const float *w, const float *x, const int R, const int M, i
  * by a shift and the odd-indexed ones by a mask (no shuffles), against x stored with each block of
  * 2 VW as its VW even then its VW odd values (gl_order_pairs). */
 AI void dot_step_bf16_pairs(const uint16_t *w, const float *x, const int R, const int M, int K, int k,
-                            vf acc[ROWS][MROWS]) {
+                            const int nta, vf acc[ROWS][MROWS]) {
     vf xe[MROWS], xo[MROWS];
     for (int m = 0; m < M; m++) {
         xe[m] = vf_load(x + (size_t)m * K + k);
@@ -36,7 +36,7 @@ AI void dot_step_bf16_pairs(const uint16_t *w, const float *x, const int R, cons
     }
     for (int r = 0; r < R; r++) {
         const uint16_t *p = w + (size_t)r * K + k;
-        prefetch_stream((const char *)p + PF_FLOAT, R == 1);
+        prefetch_stream((const char *)p + PF_FLOAT, nta);
         vf even, odd;
         vf_bf16_pairs(p, &even, &odd);
         for (int m = 0; m < M; m++) {
@@ -59,7 +59,8 @@ AI void dot_step_bf16(const uint16_t *w, const float *x, const int R, const int 
 
 /* out[r][m] = dot(w_r, x_m) for R rows of w and M rows of x (compile-time constants after
  * inlining, so the R x M accumulators live in registers). */
-AI void dot_rm(const void *w, int bf16, const float *x, const int R, const int M, int K, float out[ROWS][MROWS]) {
+AI void dot_rm(const void *w, int bf16, const float *x, const int R, const int M, int K, const int nta,
+               float out[ROWS][MROWS]) {
     vf acc[ROWS][MROWS];
     for (int r = 0; r < ROWS; r++)
         for (int m = 0; m < M; m++) acc[r][m] = vf_zero();
@@ -68,15 +69,15 @@ AI void dot_rm(const void *w, int bf16, const float *x, const int R, const int M
         if (R == 1) /* one weight stream: ROWS sums along it in turn (SPLIT_SUMS in common.h) */
             for (; k + ROWS * 2 * VW <= K; k += ROWS * 2 * VW)
                 for (int j = 0; j < ROWS; j++)
-                    dot_step_bf16_pairs((const uint16_t *)w, x, 1, M, K, k + j * 2 * VW, acc + j);
-        for (; k + 2 * VW <= K; k += 2 * VW) dot_step_bf16_pairs((const uint16_t *)w, x, R, M, K, k, acc);
+                    dot_step_bf16_pairs((const uint16_t *)w, x, 1, M, K, k + j * 2 * VW, nta, acc + j);
+        for (; k + 2 * VW <= K; k += 2 * VW) dot_step_bf16_pairs((const uint16_t *)w, x, R, M, K, k, nta, acc);
         for (; k < K; k += VW) dot_step_bf16((const uint16_t *)w, x, R, M, K, k, K - k, acc);
     } else {
         if (R == 1)
             for (; k + ROWS * VW <= K; k += ROWS * VW)
-                for (int j = 0; j < ROWS; j++) dot_step_f32((const float *)w, x, 1, M, K, k + j * VW, VW, 0, acc + j);
-        for (; k + VW <= K; k += VW) dot_step_f32((const float *)w, x, R, M, K, k, VW, 0, acc);
-        if (k < K) dot_step_f32((const float *)w, x, R, M, K, k, K - k, 1, acc);
+                for (int j = 0; j < ROWS; j++) dot_step_f32((const float *)w, x, 1, M, K, k + j * VW, VW, 0, nta, acc + j);
+        for (; k + VW <= K; k += VW) dot_step_f32((const float *)w, x, R, M, K, k, VW, 0, nta, acc);
+        if (k < K) dot_step_f32((const float *)w, x, R, M, K, k, K - k, 1, nta, acc);
     }
     if (R == 4 || R == 1) {
         for (int m = 0; m < M; m++) {
@@ -93,7 +94,7 @@ AI void dot_rm(const void *w, int bf16, const float *x, const int R, const int M
 }
 
 static void dot_block(const void *w, int bf16, const float *x, int R, int M, int K, float out[ROWS][MROWS]) {
-#define DOT(RR, MM) dot_rm(w, bf16, x, RR, MM, K, out)
+#define DOT(RR, MM) dot_rm(w, bf16, x, RR, MM, K, 0, out)
     SWITCH_RM(R, M, DOT)
 #undef DOT
 }
@@ -118,18 +119,20 @@ AI void store_rows(float out[ROWS][MROWS], const void *bias, const int bias_bf16
 /* Rows [n0, n1) of W, R at a time ((n1 - n0) a multiple of R), times M <= MROWS rows of x into y:
  * decoding's product, one call per thread (thread_rows in common.h). */
 AI void dot_span(const void *w, int bf16, const float *x, const void *bias, const int bias_bf16, void *y, int y_bf16,
-                 const int R, const int M, int n0, int n1, int N, int K) {
+                 const int R, const int M, const int nta, int n0, int n1, int N, int K) {
     for (int n = n0; n < n1; n += R) {
         float out[ROWS][MROWS];
-        dot_rm(w_row(w, bf16, n, K), bf16, x, R, M, K, out);
+        dot_rm(w_row(w, bf16, n, K), bf16, x, R, M, K, nta, out);
         store_rows(out, bias, bias_bf16, y, y_bf16, R, M, n, N);
     }
 }
 
-/* dot_span specialized per R (1 or ROWS) and M <= MROWS. */
+/* dot_span specialized per R (1 or ROWS), M <= MROWS and prefetch hint (prefetch_nta in common.h). */
 static void dot_span_rm(const void *w, int bf16, const float *x, const void *bias, const int bias_bf16, void *y,
                         int y_bf16, int R, int M, int n0, int n1, int N, int K) {
-#define SPAN(RR, MM) dot_span(w, bf16, x, bias, bias_bf16, y, y_bf16, RR, MM, n0, n1, N, K)
+#define SPAN(RR, MM)                                                                                                   \
+    (prefetch_nta() ? dot_span(w, bf16, x, bias, bias_bf16, y, y_bf16, RR, MM, 1, n0, n1, N, K)                          \
+                    : dot_span(w, bf16, x, bias, bias_bf16, y, y_bf16, RR, MM, 0, n0, n1, N, K))
     SWITCH_RM(R, M, SPAN)
 #undef SPAN
 }

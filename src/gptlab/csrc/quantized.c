@@ -68,29 +68,30 @@ static inline vi vi_load_part(const void *p, int n) {
 /* acc[r][m] += the products of w_r[k..k+VB) and xq_m[k..k+VB) (the first n bytes when tail). A
  * zero weight byte adds nothing, whatever the activation byte (GL_I8_OFFSET included). */
 AI void i8_step(const int8_t *w, const uint8_t *xq, const int R, const int M, int K, int k, int n, int tail,
-                vi acc[ROWS][MROWS]) {
+                const int nta, vi acc[ROWS][MROWS]) {
     vi xv[MROWS];
     for (int m = 0; m < M; m++)
         xv[m] = tail ? vi_load_part(xq + (size_t)m * K + k, n) : vi_load(xq + (size_t)m * K + k);
     for (int r = 0; r < R; r++) {
         const int8_t *p = w + (size_t)r * K + k;
-        prefetch_stream((const char *)p + PF_I8, R == 1);
+        prefetch_stream((const char *)p + PF_I8, nta);
         vi wv = tail ? vi_load_part(p, n) : vi_load(p);
         for (int m = 0; m < M; m++) acc[r][m] = vi_dot_i8(acc[r][m], xv[m], wv);
     }
 }
 
 /* out[r][m] = sum_k xq[m, k] w[r, k] for R rows of w and M rows of xq (compile-time constants). */
-AI void i8_rm(const int8_t *w, const uint8_t *xq, const int R, const int M, int K, int32_t out[ROWS][MROWS]) {
+AI void i8_rm(const int8_t *w, const uint8_t *xq, const int R, const int M, int K, const int nta,
+              int32_t out[ROWS][MROWS]) {
     vi acc[ROWS][MROWS];
     for (int r = 0; r < ROWS; r++)
         for (int m = 0; m < M; m++) acc[r][m] = vi_zero();
     int k = 0;
     if (R == 1) /* one weight stream: ROWS sums along it in turn (SPLIT_SUMS in common.h) */
         for (; k + ROWS * VB <= K; k += ROWS * VB)
-            for (int j = 0; j < ROWS; j++) i8_step(w, xq, 1, M, K, k + j * VB, VB, 0, acc + j);
-    for (; k + VB <= K; k += VB) i8_step(w, xq, R, M, K, k, VB, 0, acc);
-    if (k < K) i8_step(w, xq, R, M, K, k, K - k, 1, acc);
+            for (int j = 0; j < ROWS; j++) i8_step(w, xq, 1, M, K, k + j * VB, VB, 0, nta, acc + j);
+    for (; k + VB <= K; k += VB) i8_step(w, xq, R, M, K, k, VB, 0, nta, acc);
+    if (k < K) i8_step(w, xq, R, M, K, k, K - k, 1, nta, acc);
     if (R == 4 || R == 1) {
         for (int m = 0; m < M; m++) {
             int32_t s4[4];
@@ -106,7 +107,7 @@ AI void i8_rm(const int8_t *w, const uint8_t *xq, const int R, const int M, int 
 }
 
 static void i8_block(const int8_t *w, const uint8_t *xq, int R, int M, int K, int32_t out[ROWS][MROWS]) {
-#define DOT(RR, MM) i8_rm(w, xq, RR, MM, K, out)
+#define DOT(RR, MM) i8_rm(w, xq, RR, MM, K, 0, out)
     SWITCH_RM(R, M, DOT)
 #undef DOT
 }
@@ -126,18 +127,20 @@ AI void i8_store(int32_t out[ROWS][MROWS], const float *xs, const uint16_t *ws, 
 /* Rows [n0, n1) of W, R at a time ((n1 - n0) a multiple of R), times M <= MROWS rows of xq into y:
  * decoding's product, one call per thread (thread_rows in common.h). */
 AI void i8_span(const int8_t *w, const uint8_t *xq, const float *xs, const uint16_t *ws, const int32_t *wsum,
-                const float *b, float *y, const int R, const int M, int n0, int n1, int N, int K) {
+                const float *b, float *y, const int R, const int M, const int nta, int n0, int n1, int N, int K) {
     for (int n = n0; n < n1; n += R) {
         int32_t out[ROWS][MROWS];
-        i8_rm(w + (size_t)n * K, xq, R, M, K, out);
+        i8_rm(w + (size_t)n * K, xq, R, M, K, nta, out);
         i8_store(out, xs, ws, wsum, b, y, R, M, n, N);
     }
 }
 
-/* i8_span specialized per R (1 or ROWS) and M <= MROWS. */
+/* i8_span specialized per R (1 or ROWS), M <= MROWS and prefetch hint (prefetch_nta in common.h). */
 static void i8_span_rm(const int8_t *w, const uint8_t *xq, const float *xs, const uint16_t *ws, const int32_t *wsum,
                        const float *b, float *y, int R, int M, int n0, int n1, int N, int K) {
-#define SPAN(RR, MM) i8_span(w, xq, xs, ws, wsum, b, y, RR, MM, n0, n1, N, K)
+#define SPAN(RR, MM)                                                                                                   \
+    (prefetch_nta() ? i8_span(w, xq, xs, ws, wsum, b, y, RR, MM, 1, n0, n1, N, K)                                        \
+                    : i8_span(w, xq, xs, ws, wsum, b, y, RR, MM, 0, n0, n1, N, K))
     SWITCH_RM(R, M, SPAN)
 #undef SPAN
 }
@@ -306,12 +309,11 @@ AI void i4_span(i4_args a, const int M, const int gshift, const int nta, int n0,
  * each instantiation of i4_rows costs compile time) and per group size 32, 64 and larger
  * (gshift 0, 1, 2+: the block scales' load and shuffle are then fixed; AMD EPYC Zen 5, avx512,
  * GPT-2's int4 layers decoding at g64: 2.46 ms with gshift known only at run time, 1.5-1.9 ms),
- * and per prefetch hint: non-temporal where the float and int8 kernels stream one weight row per
- * thread (gl_decode_rows 1; common.h's prefetch_stream). */
+ * and per prefetch hint (prefetch_nta in common.h). */
 static void i4_span_m(const i4_args a, int M, int n0, int n1, const float *b, float *y, int N) {
 #define SPAN(MM, GS, NTA) i4_span(a, MM, GS, NTA, n0, n1, b, y, N)
 #define SPAN_G(MM, NTA) (a.gshift == 0 ? SPAN(MM, 0, NTA) : a.gshift == 1 ? SPAN(MM, 1, NTA) : SPAN(MM, a.gshift, NTA))
-    const int nta = gl_decode_rows_ == 1;
+    const int nta = prefetch_nta();
     if (M == 1) nta ? SPAN_G(1, 1) : SPAN_G(1, 0);
     else nta ? SPAN_G(2, 1) : SPAN_G(2, 0);
 #undef SPAN_G
