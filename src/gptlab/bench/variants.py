@@ -35,8 +35,8 @@ def parse_args(argv):
     p.add_argument(
         "--variants",
         default="",
-        help="comma-separated, each NAME or NAME:nta or NAME:t0 (decoding's "
-        "prefetch hint); default: every SIMD one this CPU runs",
+        help="comma-separated NAME, NAME:nta or NAME:t0 (with decoding's prefetch hint set); "
+        "default: every SIMD one this CPU runs",
     )
     p.add_argument("--new-tokens", type=int, default=64, help="tokens decoded per timed run, batch 1")
     p.add_argument("--prompt-len", type=int, default=512, help="prompt tokens filled per timed run (0: skip)")
@@ -67,7 +67,8 @@ def chosen_variants(arg: str) -> list[str]:
 def running(spec: str):
     """Within the block, the variant NAME[:nta|:t0] runs, with decoding's prefetch hint when it names one."""
     name, _, hint = spec.partition(":")
-    with kernels.use_variant(name), kernels.use_prefetch_nta(hint == "nta") if hint else contextlib.nullcontext():
+    hinted = kernels.use_prefetch_nta(hint == "nta") if hint else contextlib.nullcontext()
+    with kernels.use_variant(name), hinted:
         yield
 
 
