@@ -312,18 +312,25 @@ def decode_rows() -> int | None:
 
 
 @contextlib.contextmanager
-def use_decode_rows(rows: int):
-    """Within the block, every variant this CPU runs decodes `rows` (1 or 4) weight rows per block
-    instead of its default, e.g. to test both paths or time them on one CPU (not thread-safe)."""
+def _tuned(setter: str, value: int, default: int, refused: str):
+    """Within the block, every variant this CPU runs has a decoding tuning knob set to `value` by
+    its library's `setter` (gl_set_decode_rows, gl_set_prefetch_nta), then back to `default` (the
+    CPU's choice); ValueError(refused) when a library refuses the value (its setter returns -1)."""
     libs = [_load(v) for v in runnable_variants()]
     for lib in libs:
-        if lib.gl_set_decode_rows(rows) != rows:
-            raise ValueError(f"decode rows must be 1 or 4, got {rows}")
+        if getattr(lib, setter)(value) == -1:
+            raise ValueError(refused)
     try:
         yield
     finally:
         for lib in libs:
-            lib.gl_set_decode_rows(0)
+            getattr(lib, setter)(default)
+
+
+def use_decode_rows(rows: int):
+    """Within the block, every variant this CPU runs decodes `rows` (1 or 4) weight rows per block
+    instead of its default, e.g. to test both paths or time them on one CPU (not thread-safe)."""
+    return _tuned("gl_set_decode_rows", rows, 0, f"decode rows must be 1 or 4, got {rows}")
 
 
 def prefetch_nta() -> bool | None:
@@ -335,19 +342,11 @@ def prefetch_nta() -> bool | None:
     return None if lib is None else bool(lib.gl_prefetch_nta())
 
 
-@contextlib.contextmanager
 def use_prefetch_nta(nta: bool):
     """Within the block, every variant this CPU runs prefetches decoding's weights non-temporally
     (True) or into every cache level (False) instead of its default, e.g. to time both on one CPU
     (`gptlab bench variants --variants avx2:nta,avx2:t0`) or test both paths (not thread-safe)."""
-    libs = [_load(v) for v in runnable_variants()]
-    for lib in libs:
-        lib.gl_set_prefetch_nta(int(bool(nta)))
-    try:
-        yield
-    finally:
-        for lib in libs:
-            lib.gl_set_prefetch_nta(-1)
+    return _tuned("gl_set_prefetch_nta", int(bool(nta)), -1, f"prefetch hint refused: {nta!r}")
 
 
 _enabled = True
