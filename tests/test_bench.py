@@ -1,9 +1,13 @@
 """gptlab bench generate on a tiny model: both engines, identical greedy tokens, the bandwidth figures."""
 
 import json
+import subprocess
+from pathlib import Path
 
 import pytest
+import torch
 
+from conftest import tiny_model
 from gptlab.bench.generate import BandwidthProbe, main, weight_bytes_per_token
 
 
@@ -58,7 +62,7 @@ def test_llama_bench_json_gives_the_best_repetition():
 
 
 def test_peer_rows_print_both_engines_and_the_ratio():
-    from gptlab.bench.llamacpp import ROW_HEADER, format_peer_row, peer_row
+    from gptlab.bench.llamacpp import format_peer_row, peer_row, row_header
 
     row = peer_row(
         "int4", {"decode_tok_s": 41.234, "prefill_tok_s": 1800.0}, {"decode_tok_s": 60.0, "prefill_tok_s": 900.0}
@@ -66,7 +70,9 @@ def test_peer_rows_print_both_engines_and_the_ratio():
     assert row["gguf_type"] == "Q4_0" and row["decode_ratio"] == 0.687 and row["prefill_ratio"] == 2.0
     line = format_peer_row(row)
     assert line.split() == ["int4", "Q4_0", "41.23", "60.00", "0.69x", "1800.0", "900.0", "2.00x"]
-    assert len(line) == len(ROW_HEADER.splitlines()[1])  # the columns line up under the header
+    for depth in (0, 896):  # the columns line up under the header
+        assert len(line) == len(row_header(depth).splitlines()[-1])
+    assert "after 896 tokens" in row_header(896) and "after" not in row_header(0)
     failed = peer_row(
         "fp32", {"decode_tok_s": 10.0, "prefill_tok_s": 10.0}, {"decode_tok_s": 0.0, "prefill_tok_s": 5.0}
     )
@@ -114,6 +120,29 @@ def test_llamacpp_avx2_build_is_cached_apart_built_for_avx2_and_refused_where_it
     with pytest.raises(ValueError, match="unknown llama.cpp ISA 'avx9'; choose from native, avx2"):
         llamacpp.build_root(isa="avx9")
     assert not (tmp_path / "cache").exists()
+
+
+def test_decoding_at_depth_times_the_steps_after_the_context_as_llama_bench_d(monkeypatch):
+    """--depth: gptlab's decoding timed from the prefill's token to the last of DECODE_TOKENS steps
+    after it (each clock read here one tick), llama-bench given -d; a depth past the model's is refused."""
+    from gptlab.bench import llamacpp
+
+    with pytest.raises(ValueError, match=r"--depth must be in \[0, 895\] for gpt2"):
+        main(["--peer", "llama.cpp", "--depth", "896"])  # before building or converting anything
+    monkeypatch.setattr(llamacpp, "DECODE_TOKENS", 5)
+    ticks = iter(range(1000))
+    monkeypatch.setattr(llamacpp.time, "perf_counter", lambda: float(next(ticks)))
+    assert llamacpp.decode_after(tiny_model(), torch.tensor([[1, 2, 3, 4]])) == 5.0
+    commands = []
+
+    def fake_run(step, cmd, **kw):
+        commands.append([str(c) for c in cmd])
+        return subprocess.CompletedProcess(cmd, 0, stdout=json.dumps([{"avg_ts": 9.0, "samples_ts": [9.0]}]))
+
+    monkeypatch.setattr(llamacpp, "run_step", fake_run)
+    fake = llamacpp.LlamaCpp(Path("/llama"), {})
+    assert llamacpp.time_llamacpp(fake, Path("m.gguf"), threads=2, repeats=1, depth=300)["decode_tok_s"] == 9.0
+    assert commands[0][commands[0].index("-d") + 1] == "300" and commands[1][commands[1].index("-d") + 1] == "0"
 
 
 def test_bench_generate_names_the_settings_that_hold_gptlab_to_avx2(monkeypatch):

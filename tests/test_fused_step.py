@@ -153,6 +153,24 @@ def test_quantized_step_matches_the_modules(mode, steps):
     assert torch.equal(fused.argmax(-1), plain.argmax(-1))
 
 
+def test_a_bf16_cache_of_fp32_activations_matches_the_modules(steps):
+    """model.kv_cache_dtype = bf16 (a quantized model's default): keys and values rounded into the
+    cache, the query and the sums fp32, in C as in the modules and in PyTorch's own attention."""
+    model = with_norms_shaken(tiny_model())
+    exact = decode_logits(model, fused=False)  # the fp32 cache
+    model.kv_cache_dtype = torch.bfloat16
+    fused, plain = decode_logits(model), decode_logits(model, fused=False)
+    assert steps["fused"] == 7
+    with kernels.use_kernels(False):
+        torch_only = decode_logits(model, fused=False)  # write_kv's rounding, then SDPA over the upcast keys
+    # measured: 1.7e-7 and 1.3-1.7e-7 of the largest logit from the modules' and PyTorch's, 2.3e-4
+    # from the fp32 cache's (the rounding is real); with the query rounded to bf16 in C as well,
+    # 2.2e-6 and 1.6e-5; keys truncated instead of rounded to nearest: fails as well
+    assert relative(fused, plain) <= 1e-6 and relative(fused, torch_only) <= 1e-6
+    assert 1e-5 <= relative(fused, exact) <= 1e-2
+    assert new_cache(model, 1, 4).layers[0][0].dtype == torch.bfloat16
+
+
 def test_a_padding_query_sees_its_own_slot(steps):
     """As GPT._attention_mask: a query whose own slot is masked (a padding token fed to keep a
     batch in step) still sees that slot, so its softmax stays finite."""

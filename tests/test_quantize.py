@@ -197,6 +197,27 @@ def test_save_and_load_round_trip(tmp_path, name):
     torch.testing.assert_close(loaded(idx)[0], qmodel(idx)[0], rtol=0, atol=0)
 
 
+def test_quantized_models_keep_a_bf16_kv_cache(tmp_path):
+    """A quantized model with fp32 activations caches its keys and values in bf16 by default, also
+    after a round trip through its files; model.kv_cache_dtype overrides it, for any model."""
+    from gptlab.generation import new_cache
+    from gptlab.model import cache_dtype
+
+    model = tiny_model(n_embd=64)
+    assert cache_dtype(model) is torch.float32 and cache_dtype(copy.deepcopy(model).bfloat16()) is torch.bfloat16
+    qmodel = quantize_model(copy.deepcopy(model), "int4", group_size=32)
+    save_quantized(qmodel, tmp_path / "q")
+    for m in (qmodel, load_model(str(tmp_path / "q"))):
+        assert {t.dtype for kv in new_cache(m, 2, 5).layers for t in kv} == {torch.bfloat16}
+    qmodel.kv_cache_dtype = torch.float32
+    assert new_cache(qmodel, 1, 5).layers[0][0].dtype is torch.float32
+    model.kv_cache_dtype = torch.bfloat16
+    assert new_cache(model, 1, 5).layers[-1][1].dtype is torch.bfloat16
+    model.kv_cache_dtype = torch.int8
+    with pytest.raises(ValueError, match="kv_cache_dtype must be a floating-point"):
+        new_cache(model, 1, 5)
+
+
 def test_loading_never_builds_the_float_weights(tmp_path, monkeypatch):
     import gptlab.quantize as quantize
 

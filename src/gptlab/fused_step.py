@@ -212,22 +212,27 @@ class Plan:
         return self._pointer(w, self.dtype)
 
     def cache_pointers(self, cache):
-        """Layer l's key and value caches' data pointers at 2l and 2l + 1, for this cache only (so
-        threads decoding with one model and their own caches never share them); None when a cache
-        tensor is not contiguous or not in the activations' dtype. Remembered on the cache while its
-        `layers` hold the same (k, v) pairs, whose tensors keep their storage (checking each costs
-        ~20 us a step with cold caches)."""
+        """(pointers, kv_bf16): layer l's key and value caches' data pointers at 2l and 2l + 1, for
+        this cache only (so threads decoding with one model and their own caches never share them),
+        and whether they are bf16 caches of fp32 activations; None when a cache tensor is not
+        contiguous, or neither in the activations' dtype nor bf16. Remembered on the cache while
+        its `layers` hold the same (k, v) pairs, whose tensors keep their storage (checking each
+        costs ~20 us a step with cold caches)."""
         layers = cache.layers
-        known = getattr(cache, "c_pointers", None)  # (dtype, the (k, v) pairs, their pointers)
+        known = getattr(cache, "c_pointers", None)  # (dtype, the (k, v) pairs, (pointers, kv_bf16))
         if known is not None and known[0] is self.dtype and len(known[1]) == len(layers):
             if all(map(operator.is_, known[1], layers)):
                 return known[2]
         tensors = [t for kv in layers for t in kv]
-        if any(t.dtype is not self.dtype or not t.is_contiguous() for t in tensors):
+        kv_dtype = tensors[0].dtype if tensors else self.dtype
+        if kv_dtype not in (self.dtype, torch.bfloat16):
+            return None
+        if any(t.dtype is not kv_dtype or not t.is_contiguous() for t in tensors):
             return None
         pointers = (_P * len(tensors))(*map(torch.Tensor.data_ptr, tensors))
-        cache.c_pointers = (self.dtype, tuple(layers), pointers)
-        return pointers
+        found = pointers, int(kv_dtype is torch.bfloat16)
+        cache.c_pointers = (self.dtype, tuple(layers), found)
+        return found
 
 
 class NoPlan:
@@ -290,16 +295,17 @@ def step(model, idx: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype, 
         p = cache.checked_plan = plan(model, dtype)
     if isinstance(p, NoPlan) or p.hooked():
         return None
-    kv = p.cache_pointers(cache)
-    if kv is None:
+    found = p.cache_pointers(cache)
+    if found is None:
         return None
+    kv, kv_bf16 = found
     tokens = idx.to(torch.int64).contiguous()  # (B, T)
     positions = positions.to(torch.int64).contiguous()  # (B, T)
     mask = None if key_mask is None else key_mask[:, : pos + T].contiguous()  # (B, pos + T)
     angles = None if rope is None else torch.cat(rope, dim=-1).float().contiguous()  # (B, 1, T, hs): cos, sin
     logits = torch.empty(B, 1 if last_only else T, model.lm_head.out_features)  # (B, T|1, V)
     status = kernels.library().gl_decode_step(
-        ctypes.byref(p.struct), kv, tokens.data_ptr(), positions.data_ptr(), B, T, pos, cache.layers[0][0].size(2),
+        ctypes.byref(p.struct), kv, kv_bf16, tokens.data_ptr(), positions.data_ptr(), B, T, pos, cache.layers[0][0].size(2),
         kernels.ptr(mask), kernels.ptr(angles), logits.data_ptr(), int(not last_only), torch.get_num_threads(),
     )  # fmt: skip
     if status == -2:

@@ -40,11 +40,11 @@ log = logging.getLogger(__name__)
 
 
 def new_cache(model, batch_size: int, max_len: int) -> KVCache:
-    """A KV cache for `batch_size` rows of up to `max_len` tokens, in the model's device and dtype."""
+    """A KV cache for `batch_size` rows of up to `max_len` tokens, on the model's device, in
+    gptlab.model.cache_dtype(model)."""
     if max_len > model.config.block_size:
         raise ValueError(f"cache length {max_len} exceeds block_size {model.config.block_size}")
-    device, dtype = model_device_dtype(model)
-    return KVCache(model.config, batch_size, max_len, device=device, dtype=dtype)
+    return KVCache.for_model(model, batch_size, max_len)
 
 
 @torch.no_grad()

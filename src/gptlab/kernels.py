@@ -53,7 +53,7 @@ MAX_HEAD_SIZE = 256  # the C attention's limit (MAX_HS in attention.c)
 VARIANTS = tuple(kernel_build.VARIANTS)  # best first
 FEATURES = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512vnni", "avxvnni",
             "asimd", "asimddp", "avx512bf16")  # fmt: skip  # gl_cpu_features' bits, in order
-_ABI = 16
+_ABI = 17
 _P = ctypes.c_void_p
 _I = ctypes.c_int
 _L = ctypes.c_long
@@ -64,7 +64,7 @@ _SIGNATURES = {  # name: argument types; each returns 0, or -1 when out of memor
     "gl_linear_i4": [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I],
     "gl_dequantize_i4": [_P, _P, _P, _P, _I, _I, _I, _I],
     "gl_dequantize_i8": [_P, _P, _P, _I, _I, _I],
-    "gl_attend_one": [_P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _I],
+    "gl_attend_one": [_P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _I, _I],
     "gl_argmax_f32": [_P, _P, _I, _I],
     "gl_gelu_tanh": [_P, _P, _L, _I, _I],  # x, y, n, bf16, threads
     "gl_gelu_tanh_backward": [_P, _P, _P, _L, _I],  # x, dy, dx, n, threads
@@ -73,7 +73,7 @@ _SIGNATURES = {  # name: argument types; each returns 0, or -1 when out of memor
     # logits (V, n), its row stride, targets, loss, peak, inv, n, V, grad, the peaks given or NULL, threads
     "gl_softmax_xent": [_P, _L, _P, _P, _P, _P, _I, _I, _I, _P, _I],
     # model, kv caches, x, B, T, pos, max_len, mask, rope, logits, all_logits, threads
-    "gl_decode_step": [_P, _P, _P, _P, _I, _I, _I, _I, _P, _P, _P, _I, _I],
+    "gl_decode_step": [_P, _P, _I, _P, _P, _I, _I, _I, _I, _P, _P, _P, _I, _I],
     # M, N, K, a, a's row and column strides, b, its strides, c, c's row stride, bias, accumulate, threads
     "gl_sgemm": [_I, _I, _I, _P, _L, _L, _P, _L, _L, _P, _L, _P, _I, _I],
     "gl_gemm_bf16": [_I, _I, _I, _P, _L, _L, _P, _L, _L, _P, _L, _P, _I, _I],  # as gl_sgemm; -2: no AVX512-BF16
@@ -517,12 +517,14 @@ def int4_decoder(weight, scales, zeros, group_size: int, bias):
 
 def decode_attention_applies(qkv: torch.Tensor, kv, cache_pos) -> bool:
     """Whether decode_attention takes this step: one new token per row, an int cache position,
-    CPU, fp32 or bf16 caches in the activations' dtype, no autograd."""
+    CPU, fp32 or bf16 caches in the activations' dtype (or bf16 caches of fp32 activations), no
+    autograd."""
     return (
         qkv.size(1) == 1
         and isinstance(cache_pos, int)
         and qkv.dtype in (torch.float32, torch.bfloat16)
-        and kv[0].dtype is qkv.dtype
+        and kv[0].dtype in (qkv.dtype, torch.bfloat16)
+        and kv[1].dtype is kv[0].dtype
         and kv[0].size(-1) <= MAX_HEAD_SIZE
         and _inference_on_cpu(qkv)
         and _library().float_ok
@@ -573,7 +575,8 @@ def decode_attention(qkv: torch.Tensor, kv, cache_pos: int, mask: torch.Tensor |
     """One decoding step of causal self-attention for one layer, in C: writes the new key and
     value from qkv (B, 1, 3C) into the layer's cache (k, v), each (B, nh, max_len, hs), at slot
     cache_pos, and returns softmax(q k^T / sqrt(hs)) v over slots 0..cache_pos as (B, 1, C).
-    mask: bool (B, 1, 1, cache_pos + 1), False at keys to skip (padding), or None."""
+    mask: bool (B, 1, 1, cache_pos + 1), False at keys to skip (padding), or None. A bf16 cache of
+    fp32 activations gets the new key and value rounded to bf16; the query and the sums stay fp32."""
     k_cache, v_cache = kv
     B, _, C3 = qkv.shape
     hs, max_len = k_cache.size(-1), k_cache.size(2)
@@ -582,7 +585,8 @@ def decode_attention(qkv: torch.Tensor, kv, cache_pos: int, mask: torch.Tensor |
     m = None if mask is None else mask.reshape(B, cache_pos + 1).contiguous()
     status = _library().lib.gl_attend_one(
         qkv.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), cache_pos, ptr(m), out.data_ptr(),
-        B, n_head, hs, max_len, int(qkv.dtype == torch.bfloat16), torch.get_num_threads(),
+        B, n_head, hs, max_len, int(qkv.dtype == torch.bfloat16), int(k_cache.dtype == torch.bfloat16),
+        torch.get_num_threads(),
     )  # fmt: skip
     check(status)
     return out

@@ -159,6 +159,12 @@ class KVCache:
         self.max_len = max_len
         self.checked_plan = None  # the model's gptlab.fused_step plan, as checked at this cache's last prompt
 
+    @classmethod
+    def for_model(cls, model, batch_size: int, max_len: int) -> KVCache:
+        """A cache for `model`'s activations: on its device, in cache_dtype(model)."""
+        device, _ = model_device_dtype(model)
+        return cls(model.config, batch_size, max_len, device=device, dtype=cache_dtype(model))
+
     def advance(self, n: int) -> None:
         """Move the write position past n newly written slots."""
         if int(self.pos) + n > self.max_len:
@@ -177,19 +183,35 @@ def model_device_dtype(model) -> tuple[torch.device, torch.dtype]:
     return weight.device, dtype
 
 
+def cache_dtype(model) -> torch.dtype:
+    """The dtype of the model's KV caches: `model.kv_cache_dtype` when set; else bf16 for a
+    quantized model with fp32 activations (its keys and values rounded to bf16, an error far below
+    its weights': half the bytes decoding reads from the cache at every token, as llama.cpp's F16
+    cache); else the activations' dtype."""
+    dtype = getattr(model, "kv_cache_dtype", None)
+    if dtype is not None:
+        if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise ValueError(f"kv_cache_dtype must be a floating-point torch.dtype, got {dtype!r}")
+        return dtype
+    _, dtype = model_device_dtype(model)
+    quantized = getattr(model, "quantization", None) is not None
+    return torch.bfloat16 if quantized and dtype is torch.float32 else dtype
+
+
 def write_kv(kv, start, k, v):
-    """Write k, v (B, nh, T, hs) into one layer's cache at slots start..start+T; return the keys
-    and values to attend over: slots 0..start+T, or all max_len slots when start is a tensor."""
+    """Write k, v (B, nh, T, hs) into one layer's cache at slots start..start+T (rounded to the
+    cache's dtype); return the keys and values to attend over, in k's dtype: slots 0..start+T, or
+    all max_len slots when start is a tensor."""
     k_cache, v_cache = kv
     T = k.size(2)
     if isinstance(start, torch.Tensor):
         slots = start + torch.arange(T, device=k.device)  # (T,)
-        k_cache.index_copy_(2, slots, k)
-        v_cache.index_copy_(2, slots, v)
-        return k_cache, v_cache
+        k_cache.index_copy_(2, slots, k.to(k_cache.dtype))
+        v_cache.index_copy_(2, slots, v.to(v_cache.dtype))
+        return k_cache.to(k.dtype), v_cache.to(v.dtype)
     k_cache[:, :, start : start + T] = k
     v_cache[:, :, start : start + T] = v
-    return k_cache[:, :, : start + T], v_cache[:, :, : start + T]
+    return k_cache[:, :, : start + T].to(k.dtype), v_cache[:, :, : start + T].to(v.dtype)
 
 
 class CausalSelfAttention(nn.Module):
@@ -295,6 +317,7 @@ class GPT(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.config = config
+        self.kv_cache_dtype = None  # the KV caches' dtype; None: gptlab.model.cache_dtype's choice
         modules = dict(wte=nn.Embedding(config.vocab_size, config.n_embd))
         if config.pos_embedding == "learned":
             modules["wpe"] = nn.Embedding(config.block_size, config.n_embd)

@@ -112,9 +112,9 @@ class RowCache:
     """
 
     def __init__(self, model, batch_size: int, max_len: int):
-        device, dtype = model_device_dtype(model)
+        device, _ = model_device_dtype(model)
         self.model, self.device = model, device
-        self.cache = KVCache(model.config, batch_size, max_len, device=device, dtype=dtype)
+        self.cache = KVCache.for_model(model, batch_size, max_len)
         self.key_mask = torch.zeros(batch_size, max_len, dtype=torch.bool, device=device)  # (B, max_len)
         self.lengths = [0] * batch_size
         self.holes = False  # whether key_mask has a False slot below the write position

@@ -21,7 +21,8 @@ typedef int (*linear_i4_t)(const float *, const uint8_t *, const uint16_t *, con
                            int, int, int, int, int);
 typedef int (*softmax_xent_t)(float *, long, const int64_t *, float *, float *, float *, int, int, int, const float *,
                                int);
-typedef int (*attend_one_t)(const void *, void *, void *, int, const uint8_t *, void *, int, int, int, int, int, int);
+typedef int (*attend_one_t)(const void *, void *, void *, int, const uint8_t *, void *, int, int, int, int, int, int,
+                            int);
 typedef int (*argmax_t)(const float *, int64_t *, int, int);
 typedef int (*sgemm_t)(int, int, int, const float *, long, long, const float *, long, long, float *, long,
                        const float *, int, int);
@@ -222,8 +223,8 @@ static void check_attention(const lib_t *ref, const lib_t *l, int B, int nh, int
     uint8_t *mask = malloc((size_t)B * (pos + 1));
     for (int i = 0; i < B * (pos + 1); i++) mask[i] = uniform() > -0.5f;
     float *o0 = malloc(sizeof(float) * B * C), *o = malloc(sizeof(float) * B * C);
-    ref->attend_one(qkv, k0, v0, pos, mask, o0, B, nh, hs, L, 0, 2);
-    l->attend_one(qkv, k, v, pos, mask, o, B, nh, hs, L, 0, 2);
+    ref->attend_one(qkv, k0, v0, pos, mask, o0, B, nh, hs, L, 0, 0, 2);
+    l->attend_one(qkv, k, v, pos, mask, o, B, nh, hs, L, 0, 0, 2);
     char shape[64];
     snprintf(shape, sizeof shape, "B=%d nh=%d hs=%d pos=%d", B, nh, hs, pos);
     report("attend_one", l, shape, worst(o, o0, (size_t)B * C, 1e-6, 1e-5));

@@ -258,6 +258,12 @@ def parse_args(argv):
         default=None,
         help=f"comma-separated, from {', '.join(MODES)} (default fp32,bf16; with --peer llama.cpp fp32,bf16,int8,int4)",
     )
+    p.add_argument(
+        "--depth",
+        type=int,
+        default=0,
+        help="with --peer llama.cpp: decode after this many tokens of context (llama-bench -d), prefill not timed",
+    )
     p.add_argument("--compile", action="store_true", help="also run gptlab with a torch.compile'd decode step")
     p.add_argument("--no-eager", action="store_true", help="with --compile, skip the eager gptlab rows")
     p.add_argument("--no-hf", action="store_true", help="skip transformers")
@@ -395,6 +401,9 @@ def run_llamacpp(args) -> int:
     for mode in modes:
         if mode not in llamacpp.GGUF_TYPES:
             raise ValueError(f"--peer llama.cpp runs modes {', '.join(llamacpp.GGUF_TYPES)}; got {mode!r}")
+    config = GPTConfig.from_name(args.preset)
+    if not 0 <= args.depth <= config.block_size - llamacpp.DECODE_TOKENS - 1:
+        raise ValueError(f"--depth must be in [0, {config.block_size - llamacpp.DECODE_TOKENS - 1}] for {args.preset}")
     threads = args.threads or os.cpu_count()
     torch.set_num_threads(threads)
     print(f"machine: {machine()}")
@@ -410,22 +419,22 @@ def run_llamacpp(args) -> int:
     native, why = cpu_has_native_bf16()
     if "bf16" in modes and not native:
         print(f"note: bf16 rows run without hardware bf16 for both engines ({why})")
-    config = GPTConfig.from_name(args.preset)
     gen = torch.Generator().manual_seed(args.seed)
     prompt = torch.randint(0, config.vocab_size, (1, llamacpp.PREFILL_TOKENS), generator=gen)
+    context = torch.randint(0, config.vocab_size, (1, args.depth), generator=gen) if args.depth else None
     rows, gguf_bytes = [], {}
     with tempfile.TemporaryDirectory() as tmp:
         torch.manual_seed(args.seed)
         GPT(config).save_pretrained(f"{tmp}/hf")
         print("converting to GGUF ...", flush=True)
         files = llamacpp.convert(llama, f"{tmp}/hf", tmp, [llamacpp.GGUF_TYPES[m] for m in modes])
-        print(llamacpp.ROW_HEADER, flush=True)
+        print(llamacpp.row_header(args.depth), flush=True)
         try:
             for mode in modes:
                 model = llamacpp.load_gptlab(f"{tmp}/hf", mode)
                 gguf = files[llamacpp.GGUF_TYPES[mode]]
                 gguf_bytes[mode] = gguf.stat().st_size
-                ours, theirs = llamacpp.time_alternating(model, prompt, llama, gguf, threads, args.repeats)
+                ours, theirs = llamacpp.time_alternating(model, prompt, llama, gguf, threads, args.repeats, context)
                 rows.append({**llamacpp.peer_row(mode, ours, theirs), "llamacpp_bench": theirs})
                 print(llamacpp.format_peer_row(rows[-1]), flush=True)
         except KeyboardInterrupt:
@@ -434,7 +443,8 @@ def run_llamacpp(args) -> int:
         results = {
             "settings": dict(
                 peer="llama.cpp", preset=args.preset, seed=args.seed, decode_tokens=llamacpp.DECODE_TOKENS,
-                decode_from=[[llamacpp.EOT]], prefill_tokens=llamacpp.PREFILL_TOKENS, greedy=True,
+                decode_from=f"{args.depth} random tokens" if args.depth else [[llamacpp.EOT]], depth=args.depth,
+                prefill_tokens=llamacpp.PREFILL_TOKENS, greedy=True,
                 repeats=args.repeats, best_of_repeats=True, threads=threads, native_bf16=native,
                 native_bf16_why=why, load_average=os.getloadavg(), rows_done=f"{len(rows)} of {len(modes)}",
                 peer_isa=args.peer_isa, isa_env={k: os.environ[k] for k in AVX2_ENV if k in os.environ},

@@ -33,6 +33,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -310,8 +311,11 @@ def parse_bench_json(text: str) -> dict:
     return {**{k: test[k] for k in keys if k in test}, "best_ts": max(samples), "samples_ts": samples}
 
 
-def llama_bench(llama: LlamaCpp, gguf: Path, *, threads: int, prompt: int, gen: int, repetitions: int) -> dict:
-    """llama-bench on one file: `-p prompt -n gen` (one of them 0), `repetitions` timed runs."""
+def llama_bench(
+    llama: LlamaCpp, gguf: Path, *, threads: int, prompt: int, gen: int, repetitions: int, depth: int = 0
+) -> dict:
+    """llama-bench on one file: `-p prompt -n gen` (one of them 0) after `-d depth` tokens of
+    context (not timed), `repetitions` timed runs."""
     cmd = [
         llama.tool("llama-bench"),
         "-m",
@@ -320,6 +324,8 @@ def llama_bench(llama: LlamaCpp, gguf: Path, *, threads: int, prompt: int, gen: 
         prompt,
         "-n",
         gen,
+        "-d",
+        depth,
         "-t",
         threads,
         "-r",
@@ -357,23 +363,38 @@ def load_gptlab(hf_dir, mode: str):
     return model
 
 
-def time_gptlab(model, prompt, repeats: int) -> dict:
-    """Best-of-`repeats` decode tok/s (DECODE_TOKENS new tokens from [[EOT]], greedy, the whole
-    generate call) and prefill tok/s (`prompt` (1, T) with one new token: T / time), after a warm-up."""
+def decode_after(model, context) -> float:
+    """Seconds for DECODE_TOKENS greedy steps after the context (1, D) was prefilled: the tokens
+    gptlab.generation.generate_tokens yields, timed from the first (the prefill's) to the last."""
+    from gptlab.generation import generate_tokens, sampling_params
+
+    params = sampling_params(max_new_tokens=DECODE_TOKENS + 1, temperature=0)
+    stamps = [time.perf_counter() for _ in generate_tokens(model, context, params)]
+    return stamps[-1] - stamps[0]
+
+
+def time_gptlab(model, prompt, repeats: int, context=None) -> dict:
+    """Best-of-`repeats` decode tok/s (DECODE_TOKENS new tokens, greedy: from [[EOT]], the whole
+    generate call; or after `context` (1, D), its prefill not timed, as llama-bench -d) and prefill
+    tok/s (`prompt` (1, T) with one new token: T / time), after a warm-up."""
     from gptlab.bench.common import repeat_seconds
     from gptlab.generation import generate
 
     def best_seconds(fn) -> float:
         return min(repeat_seconds(fn, repeats))
 
-    decode = best_seconds(lambda: generate(model, [[EOT]], DECODE_TOKENS, temperature=0))
+    if context is None:
+        decode = best_seconds(lambda: generate(model, [[EOT]], DECODE_TOKENS, temperature=0))
+    else:
+        decode = min(decode_after(model, context) for _ in range(repeats + 1))  # the first a warm-up
     prefill = best_seconds(lambda: generate(model, prompt, 1, temperature=0))
     return {"decode_tok_s": DECODE_TOKENS / decode, "prefill_tok_s": prompt.shape[-1] / prefill}
 
 
-def time_llamacpp(llama: LlamaCpp, gguf: Path, *, threads: int, repeats: int) -> dict:
-    """llama-bench's best repetition for decoding and prefill, and its facts about the run."""
-    decode = llama_bench(llama, gguf, threads=threads, prompt=0, gen=DECODE_TOKENS, repetitions=repeats)
+def time_llamacpp(llama: LlamaCpp, gguf: Path, *, threads: int, repeats: int, depth: int = 0) -> dict:
+    """llama-bench's best repetition for decoding (after `depth` tokens) and prefill, and its
+    facts about the run."""
+    decode = llama_bench(llama, gguf, threads=threads, prompt=0, gen=DECODE_TOKENS, repetitions=repeats, depth=depth)
     prefill = llama_bench(llama, gguf, threads=threads, prompt=PREFILL_TOKENS, gen=0, repetitions=repeats)
     return {
         "decode_tok_s": decode["best_ts"],
@@ -383,14 +404,18 @@ def time_llamacpp(llama: LlamaCpp, gguf: Path, *, threads: int, repeats: int) ->
     }
 
 
-def time_alternating(model, prompt, llama: LlamaCpp, gguf: Path, threads: int, repeats: int) -> tuple[dict, dict]:
+def time_alternating(
+    model, prompt, llama: LlamaCpp, gguf: Path, threads: int, repeats: int, context=None
+) -> tuple[dict, dict]:
     """(gptlab's, llama.cpp's) timings over `repeats` rounds, each round one run of each engine and
     the best round of each counting: this VM's memory bandwidth drifts over minutes (the same
     llama.cpp file measured 38 and 45 tok/s an hour apart on the AMD EPYC), and alternating makes a
     slow phase hit both engines alike."""
     ours, theirs = {}, {}
     for _ in range(repeats):
-        mine, peer = time_gptlab(model, prompt, 1), time_llamacpp(llama, gguf, threads=threads, repeats=1)
+        depth = 0 if context is None else context.size(1)
+        mine = time_gptlab(model, prompt, 1, context)
+        peer = time_llamacpp(llama, gguf, threads=threads, repeats=1, depth=depth)
         for key in ("decode_tok_s", "prefill_tok_s"):
             ours[key] = max(ours.get(key, 0.0), mine[key])
             if peer[key] > theirs.get(key, 0.0):
@@ -409,14 +434,17 @@ def peer_row(mode: str, ours: dict, theirs: dict) -> dict:
     return row
 
 
-ROW_HEADER = (
-    f"{'':<11}{f'decode tok/s (B=1, {DECODE_TOKENS} new)':<31}{f'prefill tok/s ({PREFILL_TOKENS}-token prompt)'}\n"
-    f"{'mode':<5} {'gguf':<5}{'gptlab':>9} {'llama.cpp':>9} {'ratio':>6}   {'gptlab':>9} {'llama.cpp':>9} {'ratio':>6}"
-)
+def row_header(depth: int = 0) -> str:
+    """The table's header: decoding (after `depth` tokens of context) and prefill, each engine and the ratio."""
+    context = f"decoding after {depth} tokens of context (llama-bench -d {depth}), not timed\n" if depth else ""
+    return (
+        f"{context}{'':<11}{f'decode tok/s (B=1, {DECODE_TOKENS} new)':<31}{f'prefill tok/s ({PREFILL_TOKENS}-token prompt)'}\n"
+        f"{'mode':<5} {'gguf':<5}{'gptlab':>9} {'llama.cpp':>9} {'ratio':>6}   {'gptlab':>9} {'llama.cpp':>9} {'ratio':>6}"
+    )
 
 
 def format_peer_row(row: dict) -> str:
-    """One line under ROW_HEADER; the ratios are gptlab / llama.cpp."""
+    """One line under row_header(); the ratios are gptlab / llama.cpp."""
 
     def ratio(r):
         return f"{r:5.2f}x" if r is not None else f"{'-':>6}"

@@ -7,7 +7,8 @@
 - Perplexity (with --model): the validation split (the last --val-fraction of --data) under each
   scheme, and its rise over fp32: whole windows at once (the prompt path), and the first
   --decode-tokens scored one token at a time through the KV cache (the decoding path, which runs
-  gptlab's int8-activation kernels).
+  gptlab's int8-activation kernels), through the quantized model's default bf16 cache and through
+  an fp32 one.
 Decode speed is `gptlab bench generate --modes fp32,int8,int8-wo,int4`.
 """
 
@@ -116,6 +117,7 @@ def perplexity_rows(args, text: str) -> dict:
     """Validation perplexity of --model under each scheme that fits its widths."""
     from gptlab.evaluate import perplexity
     from gptlab.loading import load_model, tokenizer_name
+    from gptlab.model import cache_dtype
     from gptlab.quantize import quantize_model
     from gptlab.tokenizer import get_tokenizer
 
@@ -136,12 +138,16 @@ def perplexity_rows(args, text: str) -> dict:
             continue
         qmodel = quantize_model(copy.deepcopy(model), **scheme)
         ppl = perplexity(qmodel, val, tok, stride=stride, batch_size=8)["perplexity"]
-        ppl_decode = decode_perplexity(qmodel, decoded, stride)
+        ppl_decode, kv_default = decode_perplexity(qmodel, decoded, stride), cache_dtype(qmodel)
+        qmodel.kv_cache_dtype = torch.float32  # what the default cache's rounding costs, beside it
+        ppl_decode_fp32 = decode_perplexity(qmodel, decoded, stride)
         rows[name] = {
             "perplexity": round(ppl, 4),
             "rise_pct": round(100 * (ppl / base - 1), 3),
             "decode_perplexity": round(ppl_decode, 4),
             "decode_rise_pct": round(100 * (ppl_decode / base_decode - 1), 3),
+            "kv_cache": str(kv_default).removeprefix("torch."),
+            "decode_perplexity_fp32_cache": round(ppl_decode_fp32, 4),
         }
         print(f"  {args.model} {name:<9} {rows[name]}", flush=True)
     return rows

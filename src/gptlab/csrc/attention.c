@@ -27,16 +27,17 @@ static float softmax_seen(float *row, int seen, int keys, float scale) {
 
 /* One head of one new token, as gl_attend_rows says: q (hs values) against the keys and values
  * kc, vc of slots 0..pos (mask: the row's bytes, or NULL), sc room for pos + 1 scores; writes the
- * hs outputs to out (fp32, or bf16 when bf16). Masked slots' probabilities are exactly 0. hs and bf16 are
- * compile-time constants where gl_attend_rows specializes them, so q and the sums stay in registers
- * (with hs known only at run time, the value sums went through memory: a store-forwarding chain
- * per key). The scores run four keys at a time, their sums side by side and reduced together. */
+ * hs outputs to out. q and out are fp32, or bf16 when qb; the caches fp32, or bf16 when kb. Masked
+ * slots' probabilities are exactly 0. hs, qb and kb are compile-time constants where
+ * gl_attend_rows specializes them, so q and the sums stay in registers (with hs known only at run
+ * time, the value sums went through memory: a store-forwarding chain per key). The scores run four
+ * keys at a time, their sums side by side and reduced together. */
 AI void attend_head(const char *qp, const char *kc, const char *vc, int pos, const uint8_t *mask, float *sc,
-                    const int hs, const int bf16, char *out) {
-    const int S = pos + 1, nv = (hs + VW - 1) / VW, es = bf16 ? 2 : 4;
-#define ROW(base, j, v) vf_load_any_n((base) + ((size_t)(j) * hs + VW * (v)) * es, bf16, hs - VW * (v))
+                    const int hs, const int qb, const int kb, char *out) {
+    const int S = pos + 1, nv = (hs + VW - 1) / VW, ks = kb ? 2 : 4;
+#define ROW(base, j, v) vf_load_any_n((base) + ((size_t)(j) * hs + VW * (v)) * ks, kb, hs - VW * (v))
     vf q[MAX_HS / VW];
-    for (int v = 0; v < nv; v++) q[v] = ROW(qp, 0, v);
+    for (int v = 0; v < nv; v++) q[v] = vf_load_any_n(qp + (size_t)VW * v * (qb ? 2 : 4), qb, hs - VW * v);
     int j = 0;
     for (; j + 4 <= S; j += 4) {
         vf a[4] = {vf_zero(), vf_zero(), vf_zero(), vf_zero()};
@@ -67,10 +68,18 @@ AI void attend_head(const char *qp, const char *kc, const char *vc, int pos, con
         float o[VW];
         vf_store(o, vf_mul(acc[v], vf_set1(inv)));
         for (int d = 0; d < n; d++) {
-            if (bf16) ((uint16_t *)out)[VW * v + d] = f32_to_bf16(o[d]);
+            if (qb) ((uint16_t *)out)[VW * v + d] = f32_to_bf16(o[d]);
             else ((float *)out)[VW * v + d] = o[d];
         }
     }
+}
+
+/* The new key or value (hs values of qkv's dtype) into its cache slot: copied, or rounded to bf16
+ * (to nearest even, as torch's .to) for a bf16 cache of fp32 activations. */
+static void store_slot(char *slot, const char *src, int hs, int bf16, int kv_bf16) {
+    if (bf16 == kv_bf16) memcpy(slot, src, (size_t)hs * (bf16 ? 2 : 4));
+    else
+        for (int d = 0; d < hs; d++) ((uint16_t *)slot)[d] = f32_to_bf16(((const float *)src)[d]);
 }
 
 /* One new token per row attends over its cache, for one layer: row b's qkv at qkv + b * qkv_stride
@@ -78,13 +87,15 @@ AI void attend_head(const char *qp, const char *kc, const char *vc, int pos, con
  * key and value are written to slot `pos` of the caches k_cache and v_cache (B, nh, max_len, hs), then
  *   out[b, h*hs:(h+1)*hs] = softmax(q . k_j / sqrt(hs), j <= pos, where mask[b, j] or j == pos) . v_j
  * (a query always sees its own slot, as the model's mask) with fp32 scores and sums, row b of out at
- * out + b * out_stride. mask: row b at mask + b * mask_stride bytes, or NULL. Tensors fp32, or bf16
- * when bf16 != 0. Returns -1 when hs > 256 or out of memory. */
+ * out + b * out_stride. mask: row b at mask + b * mask_stride bytes, or NULL. qkv and out fp32, or
+ * bf16 when bf16 != 0; the caches fp32, or bf16 when kv_bf16 != 0 (a bf16 cache of fp32
+ * activations: the new key and value rounded into it, the query and the sums fp32). Returns -1
+ * when hs > 256, for bf16 activations over an fp32 cache, or out of memory. */
 int gl_attend_rows(const void *qkv, int qkv_stride, void *k_cache, void *v_cache, int pos, const uint8_t *mask,
                    int mask_stride, void *out, int out_stride, int B, int nh, int hs, int max_len, int bf16,
-                   int nthreads) {
-    if (hs > MAX_HS) return -1;
-    const int C = nh * hs, S = pos + 1, es = bf16 ? 2 : 4;
+                   int kv_bf16, int nthreads) {
+    if (hs > MAX_HS || (bf16 && !kv_bf16)) return -1;
+    const int C = nh * hs, S = pos + 1, es = bf16 ? 2 : 4, ks = kv_bf16 ? 2 : 4;
     float *scores_all = gl_scratch((size_t)B * nh * S * sizeof(float));
     if (!scores_all) return -1;
 #pragma omp parallel for num_threads(nthreads) collapse(2) schedule(static)
@@ -92,18 +103,20 @@ int gl_attend_rows(const void *qkv, int qkv_stride, void *k_cache, void *v_cache
         for (int h = 0; h < nh; h++) {
             const char *row = (const char *)qkv + (size_t)b * qkv_stride * es;
             size_t head = ((size_t)b * nh + h) * max_len; /* first slot of this (b, h) in the caches */
-            char *kc = (char *)k_cache + head * hs * es, *vc = (char *)v_cache + head * hs * es;
-            memcpy(kc + (size_t)pos * hs * es, row + (size_t)(C + h * hs) * es, (size_t)hs * es);
-            memcpy(vc + (size_t)pos * hs * es, row + (size_t)(2 * C + h * hs) * es, (size_t)hs * es);
+            char *kc = (char *)k_cache + head * hs * ks, *vc = (char *)v_cache + head * hs * ks;
+            store_slot(kc + (size_t)pos * hs * ks, row + (size_t)(C + h * hs) * es, hs, bf16, kv_bf16);
+            store_slot(vc + (size_t)pos * hs * ks, row + (size_t)(2 * C + h * hs) * es, hs, bf16, kv_bf16);
             const char *q = row + (size_t)h * hs * es;
             const uint8_t *m = mask ? mask + (size_t)b * mask_stride : NULL;
             float *sc = scores_all + ((size_t)b * nh + h) * S;
             char *o = (char *)out + ((size_t)b * out_stride + (size_t)h * hs) * es;
-#define HEAD(HS) (bf16 ? attend_head(q, kc, vc, pos, m, sc, HS, 1, o) : attend_head(q, kc, vc, pos, m, sc, HS, 0, o))
+#define AH(HS, QB, KB) attend_head(q, kc, vc, pos, m, sc, HS, QB, KB, o)
+#define HEAD(HS) (bf16 ? AH(HS, 1, 1) : kv_bf16 ? AH(HS, 0, 1) : AH(HS, 0, 0))
             if (hs == 64) HEAD(64); /* GPT-2's heads, and most models' */
             else if (hs == 128) HEAD(128);
             else HEAD(hs);
 #undef HEAD
+#undef AH
         }
     }
     return 0;
@@ -111,10 +124,10 @@ int gl_attend_rows(const void *qkv, int qkv_stride, void *k_cache, void *v_cache
 
 /* gl_attend_rows for B rows of one token each, stored one after another; mask (B, pos + 1) or NULL. */
 int gl_attend_one(const void *qkv, void *k_cache, void *v_cache, int pos, const uint8_t *mask, void *out, int B,
-                  int nh, int hs, int max_len, int bf16, int nthreads) {
+                  int nh, int hs, int max_len, int bf16, int kv_bf16, int nthreads) {
     const int C = nh * hs;
     return gl_attend_rows(qkv, 3 * C, k_cache, v_cache, pos, mask, pos + 1, out, C, B, nh, hs, max_len, bf16,
-                          nthreads);
+                          kv_bf16, nthreads);
 }
 
 /* ---------------------------------------------------------------- a prompt's causal attention */

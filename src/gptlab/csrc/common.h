@@ -10,7 +10,7 @@
 
 #include "simd.h"
 
-#define GL_ABI 16 /* gptlab/kernels.py refuses a library of another ABI */
+#define GL_ABI 17 /* gptlab/kernels.py refuses a library of another ABI */
 
 /* Rows of W at a time (ROWS memory streams in flight) and rows of x at a time (MROWS, their
  * products kept in registers: 4 x 4 vectors fit AVX-512's 32 registers, 4 x 2 AVX2's 16). */
@@ -179,7 +179,7 @@ int gl_linear_i4(const float *x, const uint8_t *w, const uint16_t *scales, const
 
 int gl_attend_rows(const void *qkv, int qkv_stride, void *k_cache, void *v_cache, int pos, const uint8_t *mask,
                    int mask_stride, void *out, int out_stride, int B, int nh, int hs, int max_len, int bf16,
-                   int nthreads);
+                   int kv_bf16, int nthreads);
 
 /* ---------------------------------------------------------------- the model gl_decode_step runs */
 
@@ -205,7 +205,7 @@ typedef struct {
 
 typedef struct {
     int n_layer, n_embd, n_head, hidden; /* hidden: the MLP's width (SwiGLU: c_fc gives 2 * hidden) */
-    int norm, mlp, bf16;                 /* bf16: activations, caches and norms are bf16 */
+    int norm, mlp, bf16;                 /* bf16: activations, norms (and caches) are bf16 */
     float eps;
     const gl_block_t *blocks;
     const void *lnf_w, *lnf_b;

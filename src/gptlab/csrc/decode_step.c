@@ -217,9 +217,10 @@ static void embed(const gl_model_t *m, const int64_t *tokens, const int64_t *pos
 
 /* Self-attention of T new tokens per row, qkv (B*T, 3C) -> att (B*T, C): token t of each row
  * writes its key and value to slot pos + t and sees the slots up to its own (causal), where mask
- * (B, pos + T) allows. A bf16 model's caches are bf16: its qkv and att go through bf16 buffers. */
-static int attention(const gl_model_t *m, void *k_cache, void *v_cache, const float *qkv, float *att, uint16_t *spare,
-                     int B, int T, int pos, int max_len, const uint8_t *mask, int nthreads) {
+ * (B, pos + T) allows. A bf16 model's qkv and att go through bf16 buffers, its caches bf16; an fp32
+ * model's caches are fp32, or bf16 when kv_bf16 (gl_attend_rows rounds the new keys into them). */
+static int attention(const gl_model_t *m, void *k_cache, void *v_cache, int kv_bf16, const float *qkv, float *att,
+                     uint16_t *spare, int B, int T, int pos, int max_len, const uint8_t *mask, int nthreads) {
     const int C = m->n_embd, nh = m->n_head, hs = C / nh, R = m->bf16;
     const size_t n_qkv = (size_t)B * T * 3 * C;
     uint16_t *q16 = spare, *a16 = spare + n_qkv;
@@ -228,7 +229,7 @@ static int attention(const gl_model_t *m, void *k_cache, void *v_cache, const fl
         const void *q = R ? (const void *)(q16 + (size_t)t * 3 * C) : (const void *)(qkv + (size_t)t * 3 * C);
         void *o = R ? (void *)(a16 + (size_t)t * C) : (void *)(att + (size_t)t * C);
         int s = gl_attend_rows(q, T * 3 * C, k_cache, v_cache, pos + t, mask, pos + T, o, T * C, B, nh, hs,
-                            max_len, R, nthreads);
+                               max_len, R, kv_bf16, nthreads);
         if (s) return s;
     }
     if (R) from_bf16(a16, att, (size_t)B * T * C);
@@ -236,8 +237,8 @@ static int attention(const gl_model_t *m, void *k_cache, void *v_cache, const fl
 }
 
 /* One block on x (M = B*T rows, C), the residual stream, in place. */
-static int block_step(const gl_model_t *m, const gl_block_t *blk, void *const kv[2], float *x, float *work, int B,
-                      int T, int pos, int max_len, const uint8_t *mask, const float *rope, int nthreads) {
+static int block_step(const gl_model_t *m, const gl_block_t *blk, void *const kv[2], int kv_bf16, float *x, float *work,
+                      int B, int T, int pos, int max_len, const uint8_t *mask, const float *rope, int nthreads) {
     const int C = m->n_embd, H = m->hidden, R = m->bf16, M = B * T;
     const int Hfc = m->mlp == GL_SWIGLU ? 2 * H : H;
     float *h = work, *qkv = h + (size_t)M * C, *att = qkv + (size_t)M * 3 * C, *fc = att + (size_t)M * C;
@@ -246,7 +247,8 @@ static int block_step(const gl_model_t *m, const gl_block_t *blk, void *const kv
     norm_rows(m, x, blk->ln1_w, blk->ln1_b, h, M);
     if ((s = run_linear(&blk->attn, h, qkv, M, R, nthreads))) return s;
     if (rope) rope_rows(qkv, rope, M, C, m->n_head, R);
-    if ((s = attention(m, kv[0], kv[1], qkv, att, (uint16_t *)spare, B, T, pos, max_len, mask, nthreads))) return s;
+    if ((s = attention(m, kv[0], kv[1], kv_bf16, qkv, att, (uint16_t *)spare, B, T, pos, max_len, mask, nthreads)))
+        return s;
     if ((s = run_linear(&blk->attn_proj, att, h, M, R, nthreads))) return s;
     add_residual(x, h, (size_t)M * C, R);
     norm_rows(m, x, blk->ln2_w, blk->ln2_b, h, M);
@@ -270,14 +272,14 @@ static int block_step(const gl_model_t *m, const gl_block_t *blk, void *const kv
  * for learned position embeddings), embedded as the model's embedding modules do, run through
  * every block (token t's keys and values written to slot pos + t of each layer's cache: kv holds
  * layer l's key and value caches (B, nh, max_len, hs) at 2l and 2l + 1, in the activations'
- * dtype), the final norm and the head into logits: (B*T, V) when all_logits, else (B, V) for each
+ * dtype, or bf16 for an fp32 model when kv_bf16), the final norm and the head into logits: (B*T, V) when all_logits, else (B, V) for each
  * row's last token; fp32 (bf16 values for a bf16 model). mask (B, pos + T) bytes, False at slots
  * a row may not see, or NULL. rope (B*T, hs): each new token's rotary cos then sin (see
  * rope_rows), or NULL for a model without rotary positions. The caller checked that the ids and
  * positions are in range. Returns 0, -1 out of memory, -2 a layer kind it does not know. */
-int gl_decode_step(const gl_model_t *m, void *const *kv, const int64_t *tokens, const int64_t *positions, int B, int T,
-                   int pos, int max_len, const uint8_t *mask, const float *rope, float *logits, int all_logits,
-                   int nthreads) {
+int gl_decode_step(const gl_model_t *m, void *const *kv, int kv_bf16, const int64_t *tokens, const int64_t *positions,
+                   int B, int T, int pos, int max_len, const uint8_t *mask, const float *rope, float *logits,
+                   int all_logits, int nthreads) {
     const int C = m->n_embd, Hfc = (m->mlp == GL_SWIGLU ? 2 : 1) * m->hidden, M = B * T;
     float *x = malloc(sizeof(float) * (size_t)M * (8 * C + Hfc + m->hidden) + 64); /* x (M, C), then the work */
     if (!x) return -1;
@@ -285,7 +287,7 @@ int gl_decode_step(const gl_model_t *m, void *const *kv, const int64_t *tokens, 
     embed(m, tokens, positions, x, M);
     int s = 0;
     for (int l = 0; l < m->n_layer && !s; l++)
-        s = block_step(m, &m->blocks[l], kv + 2 * l, x, work, B, T, pos, max_len, mask, rope, nthreads);
+        s = block_step(m, &m->blocks[l], kv + 2 * l, kv_bf16, x, work, B, T, pos, max_len, mask, rope, nthreads);
     if (!s) {
         if (!all_logits) /* the head only for each row's last token */
             for (int b = 0; b < B; b++) memmove(x + (size_t)b * C, x + ((size_t)b * T + T - 1) * C, sizeof(float) * C);

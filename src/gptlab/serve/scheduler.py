@@ -127,9 +127,9 @@ class BatchCache:
     def __init__(self, model, max_batch: int, cache_len: int):
         if cache_len < model.config.block_size:
             raise ValueError(f"cache_len {cache_len} must be at least block_size {model.config.block_size}")
-        device, dtype = model_device_dtype(model)
+        device, _ = model_device_dtype(model)
         self.model = model
-        self.cache = KVCache(model.config, max_batch, cache_len, device=device, dtype=dtype)
+        self.cache = KVCache.for_model(model, max_batch, cache_len)
         self.key_mask = torch.zeros(max_batch, cache_len, dtype=torch.bool, device=device)  # (B, L)
         self.lengths = torch.zeros(max_batch, dtype=torch.long, device=device)  # (B,) tokens held per row
         self.rows = 0  # active rows, packed at [0, rows)
