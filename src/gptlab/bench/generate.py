@@ -31,7 +31,7 @@ import torch
 from gptlab import kernels
 from gptlab.bench.common import machine, repeat_seconds, write_results
 from gptlab.config import GPTConfig
-from gptlab.model import GPT
+from gptlab.model import GPT, cache_dtype
 
 log = logging.getLogger(__name__)
 
@@ -264,6 +264,12 @@ def parse_args(argv):
         default=0,
         help="with --peer llama.cpp: decode after this many tokens of context (llama-bench -d), prefill not timed",
     )
+    p.add_argument(
+        "--kv-cache",
+        choices=("auto", "float32", "bfloat16"),
+        default="auto",
+        help="with --peer llama.cpp: gptlab's KV cache dtype (auto: bf16 for int8/int4, the activations' otherwise)",
+    )
     p.add_argument("--compile", action="store_true", help="also run gptlab with a torch.compile'd decode step")
     p.add_argument("--no-eager", action="store_true", help="with --compile, skip the eager gptlab rows")
     p.add_argument("--no-hf", action="store_true", help="skip transformers")
@@ -432,10 +438,13 @@ def run_llamacpp(args) -> int:
         try:
             for mode in modes:
                 model = llamacpp.load_gptlab(f"{tmp}/hf", mode)
+                if args.kv_cache != "auto":
+                    model.kv_cache_dtype = getattr(torch, args.kv_cache)
                 gguf = files[llamacpp.GGUF_TYPES[mode]]
                 gguf_bytes[mode] = gguf.stat().st_size
                 ours, theirs = llamacpp.time_alternating(model, prompt, llama, gguf, threads, args.repeats, context)
-                rows.append({**llamacpp.peer_row(mode, ours, theirs), "llamacpp_bench": theirs})
+                kv = str(cache_dtype(model)).removeprefix("torch.")
+                rows.append({**llamacpp.peer_row(mode, ours, theirs), "kv_cache": kv, "llamacpp_bench": theirs})
                 print(llamacpp.format_peer_row(rows[-1]), flush=True)
         except KeyboardInterrupt:
             print(f"interrupted: {len(rows)} of {len(modes)} rows done")
@@ -444,6 +453,7 @@ def run_llamacpp(args) -> int:
             "settings": dict(
                 peer="llama.cpp", preset=args.preset, seed=args.seed, decode_tokens=llamacpp.DECODE_TOKENS,
                 decode_from=f"{args.depth} random tokens" if args.depth else [[llamacpp.EOT]], depth=args.depth,
+                kv_cache=args.kv_cache,
                 prefill_tokens=llamacpp.PREFILL_TOKENS, greedy=True,
                 repeats=args.repeats, best_of_repeats=True, threads=threads, native_bf16=native,
                 native_bf16_why=why, load_average=os.getloadavg(), rows_done=f"{len(rows)} of {len(modes)}",
