@@ -214,22 +214,26 @@ static void check_softmax_xent(const lib_t *ref, const lib_t *l, int n, int V, i
     free(z0), free(z), free(t), free(out0), free(out);
 }
 
-static void check_attention(const lib_t *ref, const lib_t *l, int B, int nh, int hs, int pos) {
+/* One decoding step's attention, against the reference library's: fp32 caches, or (kv16) bf16
+ * caches of fp32 activations, a quantized model's. */
+static void check_attention(const lib_t *ref, const lib_t *l, int B, int nh, int hs, int pos, int kv16) {
     const int C = nh * hs, L = pos + 8;
-    const size_t cache = (size_t)B * nh * L * hs;
-    float *qkv = floats((size_t)B * 3 * C, 1), *k0 = floats(cache, 1), *v0 = floats(cache, 1);
-    float *k = malloc(sizeof(float) * cache), *v = malloc(sizeof(float) * cache);
-    memcpy(k, k0, sizeof(float) * cache), memcpy(v, v0, sizeof(float) * cache);
+    const size_t cache = (size_t)B * nh * L * hs, bytes = cache * (kv16 ? 2 : 4);
+    float *qkv = floats((size_t)B * 3 * C, 1);
+    void *k0 = kv16 ? (void *)bf16s(cache, 1) : (void *)floats(cache, 1);
+    void *v0 = kv16 ? (void *)bf16s(cache, 1) : (void *)floats(cache, 1);
+    void *k = malloc(bytes), *v = malloc(bytes);
+    memcpy(k, k0, bytes), memcpy(v, v0, bytes);
     uint8_t *mask = malloc((size_t)B * (pos + 1));
     for (int i = 0; i < B * (pos + 1); i++) mask[i] = uniform() > -0.5f;
     float *o0 = malloc(sizeof(float) * B * C), *o = malloc(sizeof(float) * B * C);
-    ref->attend_one(qkv, k0, v0, pos, mask, o0, B, nh, hs, L, 0, 0, 2);
-    l->attend_one(qkv, k, v, pos, mask, o, B, nh, hs, L, 0, 0, 2);
+    ref->attend_one(qkv, k0, v0, pos, mask, o0, B, nh, hs, L, 0, kv16, 2);
+    l->attend_one(qkv, k, v, pos, mask, o, B, nh, hs, L, 0, kv16, 2);
     char shape[64];
-    snprintf(shape, sizeof shape, "B=%d nh=%d hs=%d pos=%d", B, nh, hs, pos);
+    snprintf(shape, sizeof shape, "B=%d nh=%d hs=%d pos=%d%s", B, nh, hs, pos, kv16 ? " bf16 cache" : "");
     report("attend_one", l, shape, worst(o, o0, (size_t)B * C, 1e-6, 1e-5));
-    const int same = !memcmp(k, k0, sizeof(float) * cache) && !memcmp(v, v0, sizeof(float) * cache);
-    report("attend_one caches", l, shape, same ? 0 : 2); /* the new key and value, copied */
+    const int same = !memcmp(k, k0, bytes) && !memcmp(v, v0, bytes);
+    report("attend_one caches", l, shape, same ? 0 : 2); /* the new key and value, copied or rounded */
     free(qkv), free(k0), free(v0), free(k), free(v), free(mask), free(o0), free(o);
 }
 
@@ -376,7 +380,8 @@ static void check_all(const lib_t *ref, const lib_t *l) {
             check_linear_i4(ref, l, i4[i][0], i4[i][1], i4[i][2], groups[j]);
     for (int given_peak = 0; given_peak <= 1; given_peak++)
         check_softmax_xent(ref, l, 13, 301, given_peak), check_softmax_xent(ref, l, 64, 2000, given_peak);
-    check_attention(ref, l, 2, 3, 16, 0), check_attention(ref, l, 3, 2, 64, 37);
+    for (int kv16 = 0; kv16 < 2; kv16++)
+        check_attention(ref, l, 2, 3, 16, 0, kv16), check_attention(ref, l, 3, 2, 64, 37, kv16);
     check_argmax(ref, l, 3, 1000), check_argmax(ref, l, 1, 7);
     check_attend_prompt(ref, l, 2, 3, 40, 101, 0), check_attend_prompt(ref, l, 1, 2, 64, 50, 37);
     check_gelu(ref, l, 4099), check_gelu(ref, l, 7);
