@@ -38,6 +38,22 @@ browser:
 demo: $(CORE)
 	$(PY) -m gptlab demo
 
+# The figures of the README's speed tables (Speed on each CPU) for this machine, each run written
+# to bench/results/ (~30-40 min; the first builds llama.cpp, ~8 min). The nanoGPT row needs a
+# checkout of karpathy/nanoGPT and the demo's data: `make demo`, then `make bench NANOGPT_DIR=path`.
+# Time `make demo` from a fresh clone apart.
+NANOGPT_DIR ?=
+bench: $(STAMP)
+	$(PY) -m gptlab bench generate --peer llama.cpp --repeats 3
+	$(PY) -m gptlab bench generate --peer llama.cpp --repeats 3 --modes int8,int4 --depth 895
+	$(PY) -m gptlab bench generate --modes fp32 --batch 1 --repeats 3
+	$(PY) -m gptlab bench train --rounds 3 --steps 2
+	V=$$($(PY) -c 'from gptlab import kernels; print(kernels.auto_variant())') && \
+		$(PY) -m gptlab bench variants --variants $$V:nta,$$V:t0 --rounds 7 --new-tokens 128 --prompt-len 0 --gemm-rows 0
+	@if [ -z "$(NANOGPT_DIR)" ]; then echo "skipped gptlab bench nanogpt: set NANOGPT_DIR to a nanoGPT checkout"; \
+	elif [ ! -f runs/demo/data/train.bin ]; then echo "skipped gptlab bench nanogpt: run make demo first (its data)"; \
+	else $(PY) -m gptlab bench nanogpt --nanogpt-dir "$(NANOGPT_DIR)" --data runs/demo/data --seconds 60; fi
+
 lint: $(STAMP)
 	$(PY) -m ruff check src tests
 

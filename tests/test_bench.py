@@ -320,3 +320,23 @@ def test_bench_gemm_times_both_sides_and_the_bf16_products_where_they_run(tmp_pa
     assert results["bf16_products"] == ("gl_gemm_bf16" if bf16 else "torch")
     assert ("products_bf16" in results) == bf16
     assert ("gl_gemm_bf16 against torch bf16" in capsys.readouterr().out) == bf16
+
+
+def test_make_bench_runs_benchmarks_whose_options_exist():
+    """`make bench` (the README's speed tables for this machine): every `gptlab bench NAME ...` it
+    runs parses with that benchmark's own options, so a renamed flag fails here, not in a 40-minute run."""
+    import importlib
+    import re
+    import shlex
+    import shutil
+
+    if shutil.which("make") is None:
+        pytest.skip("no make")
+    root = Path(__file__).resolve().parents[1]
+    text = subprocess.run(["make", "-n", "-W", ".venv/.installed", "bench", "NANOGPT_DIR=/nanogpt"], cwd=root,
+                          capture_output=True, text=True, check=True).stdout  # fmt: skip
+    runs = re.findall(r"-m gptlab bench (\w+) ([^;\n]*)", text)
+    assert [name for name, _ in runs] == ["generate", "generate", "generate", "train", "variants", "nanogpt"]
+    for name, options in runs:
+        argv = shlex.split(options.replace("$V", "avx2").rstrip("\\ "))
+        importlib.import_module(f"gptlab.bench.{name}").parse_args(argv)  # SystemExit on an unknown option
