@@ -103,12 +103,15 @@ def assert_ok_after(client):
 # The scheduler alone
 
 
+@pytest.mark.parametrize("kv_cache", [None, torch.bfloat16], ids=["cache-fp32", "cache-bf16"])
 @pytest.mark.parametrize("fast", [True, False], ids=["kernels", "torch"])
-def test_scheduler_mixed_batch_equals_generate(model, fast, monkeypatch):
+def test_scheduler_mixed_batch_equals_generate(model, fast, kv_cache, monkeypatch):
     """Requests of different lengths, n, sampling settings and seeds, joining at different times
     in a cache small enough to be shifted both ways, each equal gptlab.generation alone, with
-    gptlab's CPU kernels (as `gptlab serve` runs) and with PyTorch's alone."""
+    gptlab's CPU kernels (as `gptlab serve` runs) and with PyTorch's alone; with the model's fp32
+    KV cache, and with a bf16 one (a quantized model's default)."""
     monkeypatch.setattr(kernels, "_enabled", fast)  # what kernels.use_kernels(fast) sets
+    monkeypatch.setattr(model, "kv_cache_dtype", kv_cache)
     torch.manual_seed(1)
     cases = []
     for i in range(12):
@@ -129,6 +132,7 @@ def test_scheduler_mixed_batch_equals_generate(model, fast, monkeypatch):
 
     async def main():
         scheduler = Scheduler(model, max_batch=8, max_queue=16, cache_len=model.config.block_size)
+        assert scheduler.cache.cache.layers[0][0].dtype == (kv_cache or torch.float32)
         scheduler.cache.cache_len = 120  # a short cache forces shifts (the buffers are larger: harmless)
         scheduler.start()
         loop = asyncio.get_running_loop()

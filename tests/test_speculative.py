@@ -72,6 +72,20 @@ def test_greedy_equals_plain_decoding(variant, proposer, n_rows, adaptive):
         assert stats.accepted == stats.proposed and stats.steps == 4  # 5 tokens per verification
 
 
+@pytest.mark.parametrize("proposer", ["lookup", "draft"])
+@pytest.mark.parametrize("n_rows", [1, 3])
+def test_greedy_over_bf16_caches_equals_plain_decoding(proposer, n_rows):
+    """Both models' KV caches in bf16 (a quantized model's default): verifications write and read
+    rounded keys as one-token steps do, so the tokens are plain decoding's over the same caches."""
+    model, draft = tiny_model(0), tiny_model(1)
+    model.kv_cache_dtype = draft.kv_cache_dtype = torch.bfloat16
+    rows = prompts(n_rows)
+    plain = generate(model, rows, 20, temperature=0)
+    out, stats = run(model, rows, SamplingParams(temperature=0, max_new_tokens=20), **PROPOSERS[proposer](model, draft))
+    assert out == plain and stats.proposed > 0
+    assert spec.RowCache(model, 1, 4).cache.layers[0][0].dtype == torch.bfloat16
+
+
 @pytest.mark.parametrize("proposer", ["lookup", "self-draft"])
 def test_greedy_with_repetition_penalty_equals_plain_decoding(proposer):
     """Each verified position is penalised for the drafts before it, as plain decoding would be."""
