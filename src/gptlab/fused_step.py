@@ -214,8 +214,8 @@ class Plan:
     def cache_pointers(self, cache):
         """(pointers, kv_bf16): layer l's key and value caches' data pointers at 2l and 2l + 1, for
         this cache only (so threads decoding with one model and their own caches never share them),
-        and whether they are bf16 caches of fp32 activations; None when a cache tensor is not
-        contiguous, or neither in the activations' dtype nor bf16. Remembered on the cache while
+        and whether the caches are bf16 (a bf16 model's, or a quantized fp32 model's); None when a
+        cache tensor is not contiguous, or neither in the activations' dtype nor bf16. Remembered on the cache while
         its `layers` hold the same (k, v) pairs, whose tensors keep their storage (checking each
         costs ~20 us a step with cold caches)."""
         layers = cache.layers
@@ -305,8 +305,9 @@ def step(model, idx: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype, 
     angles = None if rope is None else torch.cat(rope, dim=-1).float().contiguous()  # (B, 1, T, hs): cos, sin
     logits = torch.empty(B, 1 if last_only else T, model.lm_head.out_features)  # (B, T|1, V)
     status = kernels.library().gl_decode_step(
-        ctypes.byref(p.struct), kv, kv_bf16, tokens.data_ptr(), positions.data_ptr(), B, T, pos, cache.layers[0][0].size(2),
-        kernels.ptr(mask), kernels.ptr(angles), logits.data_ptr(), int(not last_only), torch.get_num_threads(),
+        ctypes.byref(p.struct), kv, kv_bf16, tokens.data_ptr(), positions.data_ptr(), B, T, pos,
+        cache.layers[0][0].size(2), kernels.ptr(mask), kernels.ptr(angles), logits.data_ptr(), int(not last_only),
+        torch.get_num_threads(),
     )  # fmt: skip
     if status == -2:
         return None

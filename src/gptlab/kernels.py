@@ -72,7 +72,8 @@ _SIGNATURES = {  # name: argument types; each returns 0, or -1 when out of memor
     "gl_attend_prompt": [_P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I],
     # logits (V, n), its row stride, targets, loss, peak, inv, n, V, grad, the peaks given or NULL, threads
     "gl_softmax_xent": [_P, _L, _P, _P, _P, _P, _I, _I, _I, _P, _I],
-    # model, kv caches, x, B, T, pos, max_len, mask, rope, logits, all_logits, threads
+    # model, kv caches, whether they are bf16, tokens, positions, B, T, pos, max_len, mask, rope, logits,
+    # all_logits, threads
     "gl_decode_step": [_P, _P, _I, _P, _P, _I, _I, _I, _I, _P, _P, _P, _I, _I],
     # M, N, K, a, a's row and column strides, b, its strides, c, c's row stride, bias, accumulate, threads
     "gl_sgemm": [_I, _I, _I, _P, _L, _L, _P, _L, _L, _P, _L, _P, _I, _I],
