@@ -39,9 +39,9 @@ demo: $(CORE)
 	$(PY) -m gptlab demo
 
 # The figures of the README's speed tables (Speed on each CPU) for this machine, each run written
-# to bench/results/ (~30-40 min; the first builds llama.cpp, ~8 min). The nanoGPT row needs a
-# checkout of karpathy/nanoGPT and the demo's data: `make demo`, then `make bench NANOGPT_DIR=path`.
-# Time `make demo` from a fresh clone apart.
+# to bench/results/ (~8 min on a 2-core Zen 5; the first run builds llama.cpp, ~8 min more). The
+# nanoGPT row needs a checkout of karpathy/nanoGPT and the demo's data: `make demo`, then
+# `make bench NANOGPT_DIR=path`. Time `make demo` from a fresh clone apart.
 NANOGPT_DIR ?=
 bench: $(STAMP)
 	$(PY) -m gptlab bench generate --peer llama.cpp --repeats 3
