@@ -6,7 +6,9 @@ a shared home directory). `gptlab.kernels` picks, at load, the best variant the 
 
 This module imports nothing but the standard library: setup.py runs it at install time (`pip
 install .`, `make install`) to put the libraries into the package, and gptlab.kernels runs it at
-first use for a checkout without them, into the user's cache directory.
+first use for a checkout without them, into the user's cache directory. Run as a script
+(`python src/gptlab/kernel_build.py`), it builds them into the source tree: `make install` does
+that while pip installs torch, and setup.py then finds them current.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 CSRC = Path(__file__).parent / "csrc"
@@ -131,3 +134,47 @@ def build(variant: str, out: Path, cc: str | None = None) -> Path:
 def library_name(variant: str) -> str:
     """The file name of a variant's library, in the package (built at install) or the cache."""
     return f"libgptlab-{variant}.so"
+
+
+def is_current(path: str | Path) -> bool:
+    """Whether the library at `path` was built from these sources and flags: its compiled-in
+    gl_source_digest is this source_digest(). Read from the file, never loaded (it may be for
+    instructions this CPU lacks)."""
+    try:
+        return source_digest().encode() in Path(path).read_bytes()
+    except OSError:
+        return False
+
+
+def build_all(directory: str | Path, reuse: str | Path | None = None) -> list[str]:
+    """Every variant this machine compiles, into `directory`, one compiler per core, portable's
+    (the slowest to compile: its C is vectorized by the compiler) first. A library already current
+    there is kept, one current in `reuse` copied. Returns what happened to each, a line per
+    variant; a variant that cannot be built (no compiler) is reported, not raised: gptlab then
+    builds it at first use, or runs PyTorch's kernels."""
+    directory = Path(directory)
+
+    def one(variant: str) -> str:
+        out = directory / library_name(variant)
+        found = Path(reuse) / library_name(variant) if reuse is not None else None
+        try:
+            if is_current(out):
+                return f"gptlab: the {variant} kernels in {out} are current"
+            if found is not None and is_current(found):
+                out.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(found, out)
+                return f"gptlab: copied the current {variant} kernels from {found} to {out}"
+            build(variant, out)
+            return f"gptlab: built the {variant} kernels into {out}"
+        except (OSError, RuntimeError) as e:  # no compiler, or it refused: gptlab still runs
+            return f"gptlab: could not build the {variant} kernels ({e}); gptlab will try at first use"
+
+    order = sorted(buildable(), key=lambda v: v != "portable")
+    with ThreadPoolExecutor(os.cpu_count() or 1) as pool:  # the five x86 variants: 19 s, not 35, on 2 cores
+        lines = dict(zip(order, pool.map(one, order), strict=True))
+    return [lines[v] for v in buildable()]
+
+
+if __name__ == "__main__":
+    for line in build_all(Path(__file__).parent):
+        print(line)
