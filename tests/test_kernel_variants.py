@@ -151,6 +151,45 @@ def test_builds_name_their_instructions_not_the_machine():
     assert "-mavx512f" not in kernel_build.command("avx2", "out.so", cc="cc")
 
 
+def test_build_all_compiles_only_what_is_not_current(tmp_path, monkeypatch):
+    """kernel_build.build_all (setup.py's build, and `make install`'s while torch installs): every
+    buildable variant compiled once; a current library kept, or copied from `reuse`; a stale one
+    (other sources) compiled again; a compiler that fails reported per variant, not raised. The
+    compiler here is a stand-in that writes the -DGL_SOURCE_DIGEST value into its -o file."""
+    import stat
+    import sys
+
+    calls = tmp_path / "calls"
+    cc = tmp_path / "cc"
+    cc.write_text(
+        f"#!{sys.executable}\nimport sys\nargs = sys.argv[1:]\n"
+        f"open({str(calls)!r}, 'a').write(args[args.index('-o') + 1] + '\\n')\n"
+        "digest = next(a for a in args if a.startswith('-DGL_SOURCE_DIGEST=')).split('=', 1)[1].strip('\"')\n"
+        "open(args[args.index('-o') + 1], 'w').write('ELF ' + digest)\n"
+    )
+    cc.chmod(cc.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("CC", str(cc))
+    compiled = lambda: len(calls.read_text().splitlines()) if calls.exists() else 0  # noqa: E731
+    first, second = tmp_path / "first", tmp_path / "second"
+    lines = kernel_build.build_all(first)
+    assert compiled() == len(kernel_build.buildable()) and all("built the" in line for line in lines)
+    assert all(kernel_build.is_current(first / kernel_build.library_name(v)) for v in kernel_build.buildable())
+    assert all("are current" in line for line in kernel_build.build_all(first)) and compiled() == len(lines)
+    assert all("copied the current" in line for line in kernel_build.build_all(second, reuse=first))
+    assert compiled() == len(lines) and (second / "libgptlab-portable.so").read_bytes() == (
+        first / "libgptlab-portable.so"
+    ).read_bytes()
+    monkeypatch.setattr(kernel_build, "source_digest", lambda: "0123456789abcdef")  # "the sources changed"
+    assert not kernel_build.is_current(second / "libgptlab-portable.so")
+    assert all("built the" in line for line in kernel_build.build_all(second, reuse=first))
+    assert compiled() == 2 * len(lines) and kernel_build.is_current(second / "libgptlab-portable.so")
+    cc.write_text("#!/bin/sh\necho 'cc: error: unrecognized option' >&2\nexit 1\n")
+    monkeypatch.setattr(kernel_build, "source_digest", lambda: "fedcba9876543210")
+    failed = kernel_build.build_all(tmp_path / "third")
+    assert all("could not build the" in line and "unrecognized option" in line for line in failed)
+    assert not kernel_build.is_current(tmp_path / "missing.so")
+
+
 def test_a_stale_library_is_not_loaded_but_built_afresh(tmp_path, monkeypatch):
     """An installed library built from other sources (an editable install whose C changed) is
     passed over for a first-use build in the cache, which is then loaded."""
