@@ -13,10 +13,10 @@ STAMP := $(VENV)/.installed
 
 install: $(STAMP)
 
+# The kernels compile while pip installs torch (~10 s less); pip's build of the package then finds them current.
 $(CORE): pyproject.toml setup.py Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	# The kernels compile while pip installs torch (~10 s less); pip's build of the package then finds them current.
 	$(PY) src/gptlab/kernel_build.py & $(PY) -m pip install -q "$(TORCH_SPEC)"; status=$$?; wait; exit $$status
 	$(PY) -m pip install -q -e .
 	$(PY) -m gptlab.kernels  # pip built every kernel variant (setup.py); say which one this CPU runs
