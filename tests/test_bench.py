@@ -145,6 +145,21 @@ def test_decoding_at_depth_times_the_steps_after_the_context_as_llama_bench_d(mo
     assert commands[0][commands[0].index("-d") + 1] == "300" and commands[1][commands[1].index("-d") + 1] == "0"
 
 
+def test_the_llamacpp_rows_load_gptlab_with_the_kv_cache_asked(tmp_path):
+    """--kv-cache: auto keeps each mode's default (bf16 for int8/int4, the activations' otherwise);
+    float32 or bfloat16 sets it."""
+    from gptlab.bench.llamacpp import load_gptlab
+    from gptlab.generation import new_cache
+
+    tiny_model(n_embd=64).save_pretrained(tmp_path)
+
+    def cache(mode, kv="auto"):
+        return new_cache(load_gptlab(tmp_path, mode, kv), 1, 4).layers[0][0].dtype
+
+    assert cache("fp32") == torch.float32 and cache("int4") == cache("int8") == torch.bfloat16
+    assert cache("int4", "float32") == torch.float32 and cache("fp32", "bfloat16") == torch.bfloat16
+
+
 def test_bench_generate_names_the_settings_that_hold_gptlab_to_avx2(monkeypatch):
     from gptlab.bench.generate import AVX2_ENV, avx2_env_missing, parse_args
 

@@ -437,9 +437,7 @@ def run_llamacpp(args) -> int:
         print(llamacpp.row_header(args.depth), flush=True)
         try:
             for mode in modes:
-                model = llamacpp.load_gptlab(f"{tmp}/hf", mode)
-                if args.kv_cache != "auto":
-                    model.kv_cache_dtype = getattr(torch, args.kv_cache)
+                model = llamacpp.load_gptlab(f"{tmp}/hf", mode, args.kv_cache)
                 gguf = files[llamacpp.GGUF_TYPES[mode]]
                 gguf_bytes[mode] = gguf.stat().st_size
                 ours, theirs = llamacpp.time_alternating(model, prompt, llama, gguf, threads, args.repeats, context)

@@ -345,9 +345,11 @@ PREFILL_TOKENS = 512  # llama-bench -p 512
 EOT = 50256  # GPT-2's <|endoftext|>, the single token decoding starts from
 
 
-def load_gptlab(hf_dir, mode: str):
+def load_gptlab(hf_dir, mode: str, kv_cache: str = "auto"):
     """gptlab's model in `mode` through the public API only: from_pretrained, then quantize_model
-    (int4 in groups of 32, as Q4_0's blocks); whatever those do by default (e.g. prepacking) counts."""
+    (int4 in groups of 32, as Q4_0's blocks); whatever those do by default (e.g. prepacking, a
+    quantized model's bf16 KV cache) counts. kv_cache "float32" or "bfloat16" sets the KV cache's
+    dtype instead of the default ("auto")."""
     import torch
 
     from gptlab.model import GPT
@@ -360,6 +362,8 @@ def load_gptlab(hf_dir, mode: str):
         model = quantize_model(model, "int8")
     elif mode == "int4":
         model = quantize_model(model, "int4", group_size=32)
+    if kv_cache != "auto":
+        model.kv_cache_dtype = getattr(torch, kv_cache)
     return model
 
 
