@@ -451,8 +451,7 @@ def run_llamacpp(args) -> int:
             "settings": dict(
                 peer="llama.cpp", preset=args.preset, seed=args.seed, decode_tokens=llamacpp.DECODE_TOKENS,
                 decode_from=f"{args.depth} random tokens" if args.depth else [[llamacpp.EOT]], depth=args.depth,
-                kv_cache=args.kv_cache,
-                prefill_tokens=llamacpp.PREFILL_TOKENS, greedy=True,
+                kv_cache=args.kv_cache, prefill_tokens=llamacpp.PREFILL_TOKENS, greedy=True,
                 repeats=args.repeats, best_of_repeats=True, threads=threads, native_bf16=native,
                 native_bf16_why=why, load_average=os.getloadavg(), rows_done=f"{len(rows)} of {len(modes)}",
                 peer_isa=args.peer_isa, isa_env={k: os.environ[k] for k in AVX2_ENV if k in os.environ},

@@ -390,7 +390,7 @@ def time_gptlab(model, prompt, repeats: int, context=None) -> dict:
     if context is None:
         decode = best_seconds(lambda: generate(model, [[EOT]], DECODE_TOKENS, temperature=0))
     else:
-        decode = min(decode_after(model, context) for _ in range(repeats + 1))  # the first a warm-up
+        decode = min([decode_after(model, context) for _ in range(repeats + 1)][1:])  # after a warm-up
     prefill = best_seconds(lambda: generate(model, prompt, 1, temperature=0))
     return {"decode_tok_s": DECODE_TOKENS / decode, "prefill_tok_s": prompt.shape[-1] / prefill}
 
@@ -416,8 +416,8 @@ def time_alternating(
     llama.cpp file measured 38 and 45 tok/s an hour apart on the AMD EPYC), and alternating makes a
     slow phase hit both engines alike."""
     ours, theirs = {}, {}
+    depth = 0 if context is None else context.size(1)
     for _ in range(repeats):
-        depth = 0 if context is None else context.size(1)
         mine = time_gptlab(model, prompt, 1, context)
         peer = time_llamacpp(llama, gguf, threads=threads, repeats=1, depth=depth)
         for key in ("decode_tok_s", "prefill_tok_s"):
