@@ -13,16 +13,11 @@ STAMP := $(VENV)/.installed
 
 install: $(STAMP)
 
-# The kernels compile while pip installs torch and the package's dependencies (read from
-# pyproject.toml where Python has tomllib); pip's build of the package then finds them current and
-# its dependencies there: ~20 s less on 2 cores.
-DEPS := $(VENV)/dependencies.txt
+# The kernels compile while pip installs torch (~10 s less); pip's build of the package then finds them current.
 $(CORE): pyproject.toml setup.py Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -c 'import tomllib; print(*tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"], sep="\n")' \
-		> $(DEPS) 2>/dev/null || : > $(DEPS)
-	$(PY) src/gptlab/kernel_build.py & $(PY) -m pip install -q "$(TORCH_SPEC)" -r $(DEPS); status=$$?; wait; exit $$status
+	$(PY) src/gptlab/kernel_build.py & $(PY) -m pip install -q "$(TORCH_SPEC)"; status=$$?; wait; exit $$status
 	$(PY) -m pip install -q -e .
 	$(PY) -m gptlab.kernels  # pip built every kernel variant (setup.py); say which one this CPU runs
 	touch $@
