@@ -215,9 +215,9 @@ class Plan:
         """(pointers, kv_bf16): layer l's key and value caches' data pointers at 2l and 2l + 1, for
         this cache only (so threads decoding with one model and their own caches never share them),
         and whether the caches are bf16 (a bf16 model's, or a quantized fp32 model's); None when a
-        cache tensor is not contiguous, or neither in the activations' dtype nor bf16. Remembered on the cache while
-        its `layers` hold the same (k, v) pairs, whose tensors keep their storage (checking each
-        costs ~20 us a step with cold caches)."""
+        cache tensor is not contiguous, or neither in the activations' dtype nor bf16. Remembered
+        on the cache while its `layers` hold the same (k, v) pairs, whose tensors keep their storage
+        (checking each costs ~20 us a step with cold caches)."""
         layers = cache.layers
         known = getattr(cache, "c_pointers", None)  # (dtype, the (k, v) pairs, (pointers, kv_bf16))
         if known is not None and known[0] is self.dtype and len(known[1]) == len(layers):

@@ -272,8 +272,9 @@ static int block_step(const gl_model_t *m, const gl_block_t *blk, void *const kv
  * for learned position embeddings), embedded as the model's embedding modules do, run through
  * every block (token t's keys and values written to slot pos + t of each layer's cache: kv holds
  * layer l's key and value caches (B, nh, max_len, hs) at 2l and 2l + 1, in the activations'
- * dtype, or bf16 for an fp32 model when kv_bf16), the final norm and the head into logits: (B*T, V) when all_logits, else (B, V) for each
- * row's last token; fp32 (bf16 values for a bf16 model). mask (B, pos + T) bytes, False at slots
+ * dtype, or bf16 for an fp32 model when kv_bf16), the final norm and the head into logits:
+ * (B*T, V) when all_logits, else (B, V) for each row's last token; fp32 (bf16 values for a bf16
+ * model). mask (B, pos + T) bytes, False at slots
  * a row may not see, or NULL. rope (B*T, hs): each new token's rotary cos then sin (see
  * rope_rows), or NULL for a model without rotary positions. The caller checked that the ids and
  * positions are in range. Returns 0, -1 out of memory, -2 a layer kind it does not know. */
