@@ -123,7 +123,7 @@ def _workspace(rows: int, vocab: int, device: torch.device) -> torch.Tensor:
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, targets, compute_dtype, chunk_rows):
+    def forward(ctx, x, weight, targets, compute_dtype, chunk_rows, grad_mode):
         x2 = x.reshape(-1, x.size(-1))  # (N, C)
         t = targets.reshape(-1)  # (N,)
         bad = (t != IGNORE_INDEX) & ((t < 0) | (t >= weight.size(0)))  # (N,)
@@ -137,7 +137,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
         xc = x2.to(mm_dtype)
         w = weight.to(mm_dtype)  # (V, C)
         w_t = None if mm_dtype == torch.float32 else w.t().contiguous()  # (C, V): see _accumulate_grads
-        need_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        # needs_input_grad holds under torch.no_grad too (it follows requires_grad only), so the
+        # caller's grad mode comes as an argument: evaluation computes no gradients.
+        need_grad = grad_mode and (ctx.needs_input_grad[0] or ctx.needs_input_grad[1])
         grad_x = torch.empty(x2.shape, dtype=torch.float32, device=x.device) if need_grad else None
         # (V, C): the first chunk writes it whole; with no rows at all (every target ignored) it stays 0
         new = torch.empty if x2.size(0) else torch.zeros
@@ -168,7 +170,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             gx = (grad_x if unit else grad_x * grad_loss).to(ctx.x_dtype).reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:
             gw = (grad_w if unit else grad_w * grad_loss).to(ctx.w_dtype).contiguous()  # (V, C)
-        return gx, gw, None, None, None
+        return gx, gw, None, None, None, None
 
 
 def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_rows: int = CHUNK_ROWS):
@@ -186,7 +188,7 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.T
     else:
         compute_dtype = x.dtype
     with torch.autocast(device_type, enabled=False):
-        return _LinearCrossEntropy.apply(x, weight, targets, compute_dtype, chunk_rows)
+        return _LinearCrossEntropy.apply(x, weight, targets, compute_dtype, chunk_rows, torch.is_grad_enabled())
 
 
 @torch.no_grad()
