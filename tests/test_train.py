@@ -430,3 +430,59 @@ def test_demo_corpus_is_hash_checked(tmp_path, monkeypatch):
         pytest.skip(f"the download's success branch needs the real corpus at {real}")
     monkeypatch.setattr(urllib.request, "urlopen", lambda url, timeout: io.BytesIO(real.read_bytes()))
     assert demo.find_corpus(None, tmp_path).read_bytes() == real.read_bytes()
+
+
+# --------------------------------------------------------------------------------------------- demo deadline
+
+
+def test_demo_deadline_cuts_the_training_budget_only_where_it_must(capsys):
+    from gptlab.commands.demo import MIN_TRAIN_S, RESERVE_S, fit_to_deadline
+
+    cfg = TrainConfig(max_time="210s")
+    assert fit_to_deadline(cfg, deadline=1000.0 + 210 + RESERVE_S + 5, now=1000.0) is cfg  # room to spare
+    assert capsys.readouterr().out == ""
+    cut = fit_to_deadline(cfg, deadline=1000.0 + 150 + RESERVE_S, now=1000.0)  # a slow install took 60 s more
+    assert parse_duration(cut.max_time) == pytest.approx(150.0)
+    assert "training budget 150s (configured: 210s)" in capsys.readouterr().out
+    late = fit_to_deadline(cfg, deadline=1000.0, now=1000.0)  # the deadline cannot be kept: train the minimum
+    assert parse_duration(late.max_time) == MIN_TRAIN_S
+    assert f"{MIN_TRAIN_S + RESERVE_S:.0f} s too close" in capsys.readouterr().out
+    assert parse_duration(fit_to_deadline(TrainConfig(max_time=None), 1100.0 + RESERVE_S, 1000.0).max_time) == 100.0
+
+
+def test_demo_trains_under_the_deadline_it_is_given(tmp_path, monkeypatch):
+    """`gptlab demo --deadline T` hands training the cut budget (the demo's own config otherwise)."""
+    import argparse
+
+    import gptlab.train
+    from gptlab.commands import demo
+
+    monkeypatch.setattr(demo, "find_corpus", lambda explicit, out: tmp_path / "corpus.txt")
+    monkeypatch.setattr(demo, "prepared", lambda corpus, data_dir: data_dir)
+    monkeypatch.setattr(demo, "generate_passage", lambda *a: "ROMEO:\n")
+    seen = []
+
+    def fake_train(cfg):
+        seen.append(cfg)
+        return dict(
+            val_loss=5.0, step=1, seconds=1.0, precision="float32", tokens=1, checkpoint="c", metrics="m", plot="p"
+        )
+
+    monkeypatch.setattr(gptlab.train, "train", fake_train)
+    parser = argparse.ArgumentParser()
+    demo.add_arguments(parser)
+    demo.run(parser.parse_args(["--out", str(tmp_path / "run")]))
+    demo.run(parser.parse_args(["--out", str(tmp_path / "run"), "--deadline", str(time.time() + 100 + demo.RESERVE_S)]))
+    assert seen[0].max_time == "210s" and seen[0].optimizer == "muon"  # the packaged demo.toml
+    assert 98 <= parse_duration(seen[1].max_time) <= 100 and seen[1].optimizer == "muon"
+
+
+def test_make_demo_gives_the_demo_a_deadline_from_makes_start():
+    import re
+
+    root = Path(__file__).resolve().parents[1]
+    before = time.time()
+    text = subprocess.run(["make", "-n", "-W", ".venv/.installed-core", "demo", "DEMO_SECONDS=123"], cwd=root,
+                          capture_output=True, text=True, check=True).stdout  # fmt: skip
+    start, seconds = map(int, re.search(r"-m gptlab demo --deadline \$\(\((\d+) \+ (\d+)\)\)", text).groups())
+    assert int(before) <= start <= time.time() and seconds == 123
