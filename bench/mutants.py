@@ -99,6 +99,8 @@ MUTANTS = [
            'group["lr"] = lr * group.get("lr_scale", 1.0)', 'group["lr"] = lr', TRAIN_TESTS),
     Mutant("train/muon-steps-the-embedding", "train/setup.py",
            "model.transformer.h.parameters() if", "model.parameters() if", TRAIN_TESTS),
+    Mutant("train/demo-deadline-without-the-reserve", "commands/demo.py",
+           "left = deadline - now - RESERVE_S", "left = deadline - now", TRAIN_TESTS),
     Mutant("train/resume-skips-muons-momentum", "train/setup.py",
            "zip(self.optimizers, states, strict=True)", "zip(self.optimizers[:1], states[:1], strict=True)",
            TRAIN_TESTS),
@@ -325,6 +327,8 @@ MUTANTS = [
            "first=s == 0, scale=1.0 / n_valid,", "first=s == 0, scale=1.0,", LOSS_TESTS),
     Mutant("loss/head-gradient-ignores-the-incoming-gradient", "chunked_loss.py",
            "(grad_w if unit else grad_w * grad_loss)", "(grad_w if True else grad_w * grad_loss)", LOSS_TESTS),
+    Mutant("loss/evaluation-computes-gradients", "chunked_loss.py",
+           "need_grad = grad_mode and (", "need_grad = (", LOSS_TESTS),
     Mutant("loss/c-softmax-at-the-rows-width-not-their-stride", "kernels.py",
            "logits_t.data_ptr(), logits_t.stride(0), t.data_ptr()", "logits_t.data_ptr(), logits_t.size(1), t.data_ptr()",
            LOSS_TESTS),
@@ -445,13 +449,15 @@ EXTRA = {
 
 
 def copy_tree(dest: Path) -> Path:
-    """src/ and tests/ (and pyproject.toml, for pytest's settings) into dest/main, without caches;
+    """src/ and tests/ (and pyproject.toml, for pytest's settings; the Makefile, which tests read)
+    into dest/main, without caches;
     dest/shared links to the checkout's ../shared (the tests find tiny-shakespeare there). Returns dest/main."""
     root = dest / "main"
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc", ".pytest_cache")
     for part in ("src", "tests"):
         shutil.copytree(ROOT / part, root / part, ignore=ignore)
-    shutil.copy2(ROOT / "pyproject.toml", root / "pyproject.toml")
+    for name in ("pyproject.toml", "Makefile"):
+        shutil.copy2(ROOT / name, root / name)
     if (ROOT.parent / "shared").is_dir():
         (dest / "shared").symlink_to(ROOT.parent / "shared")
     return root
