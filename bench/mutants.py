@@ -327,6 +327,8 @@ MUTANTS = [
            "first=s == 0, scale=1.0 / n_valid,", "first=s == 0, scale=1.0,", LOSS_TESTS),
     Mutant("loss/head-gradient-ignores-the-incoming-gradient", "chunked_loss.py",
            "(grad_w if unit else grad_w * grad_loss)", "(grad_w if True else grad_w * grad_loss)", LOSS_TESTS),
+    Mutant("gemm/prompts-below-256-rows-left-to-torch", "kernels.py",
+           "PROMPT_GEMM_ROWS = MAX_ROWS + 1", "PROMPT_GEMM_ROWS = 256", GEMM_TESTS + ("tests/test_kernels.py",)),
     Mutant("loss/evaluation-computes-gradients", "chunked_loss.py",
            "need_grad = grad_mode and (", "need_grad = (", LOSS_TESTS),
     Mutant("loss/c-softmax-at-the-rows-width-not-their-stride", "kernels.py",

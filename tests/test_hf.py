@@ -47,10 +47,12 @@ CONFIGS = {
     "untied": dict(n_layer=2, n_head=1, n_embd=32, vocab_size=300, n_positions=32, tie_word_embeddings=False),
 }
 # fp32 max |logits difference| against transformers, measured on this CPU (torch 2.13, transformers 5.24):
-# the full gpt2 shape 1.6e-5 (12 layers, 768 wide: summation order over longer dot products); the
-# small configs 0 to 9.5e-7. Bounds at ~2x the measured figure, so a wrong epsilon, GELU or scale fails.
+# the full gpt2 shape 1.6-1.8e-5 where both multiply in MKL, 7.3e-5 where gptlab's prompts run
+# gl_sgemm (AMD; logits up to 3.1; each side against float64: transformers 5.5e-5, gptlab 7.7e-5:
+# fp32's own error, in another summation order); the small configs 0 to 9.5e-7. Bounds at ~2x the
+# measured figure, so a wrong epsilon, GELU or scale fails (LayerNorm's eps 1e-6 for 1e-5: 0.17).
 TOL = 2e-6
-TOL_GPT2_SHAPE = 3e-5
+TOL_GPT2_SHAPE = 1.5e-4
 
 
 def tol(name: str) -> float:

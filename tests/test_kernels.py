@@ -66,20 +66,21 @@ def test_fp32_kernel_matches_float64(shape, M):
 @pytest.mark.parametrize("gemm", ["gptlab", "torch"])
 @pytest.mark.parametrize("bias", [True, False])
 def test_long_fp32_prompts_run_gl_sgemm_where_it_is_chosen(gemm, bias, calls, monkeypatch):
-    """From PROMPT_GEMM_ROWS rows on, an fp32 inference forward runs gl_sgemm where gemm_choice()
-    says gptlab (auto: x86 CPUs not made by Intel); fewer rows, autograd or torch's choice: F.linear."""
+    """From MAX_ROWS + 1 rows on (PROMPT_GEMM_ROWS), an fp32 inference forward runs gl_sgemm where
+    gemm_choice() says gptlab (auto: x86 CPUs not made by Intel); fewer rows go to the decoding
+    kernel, autograd or torch's choice to F.linear."""
     monkeypatch.setenv("GPTLAB_GEMM", gemm)
     torch.manual_seed(5)
     layer = kernels.Linear(96, 70, bias=bias)
-    T = kernels.PROMPT_GEMM_ROWS // 2
-    x = torch.randn(2, T, 96)  # (B, T, K): PROMPT_GEMM_ROWS rows in all
+    T = kernels.MAX_ROWS + 1  # every prompt longer than the decoding kernels take
+    x = torch.randn(1, T, 96)  # (B, T, K)
     with torch.no_grad():
         y = layer(x)
         assert calls["gl_sgemm"] == (gemm == "gptlab")
-        layer(x[:, 1:])  # a row fewer per sequence
+        layer(x[:, 1:])  # a row fewer: the decoding kernel's
         assert calls["gl_sgemm"] == (gemm == "gptlab")
     ref = F.linear(x.double(), layer.weight.double(), layer.bias.double() if bias else None)
-    assert y.shape == (2, T, 70)
+    assert y.shape == (1, T, 70)
     assert (y.double() - ref).abs().max() <= 1e-6 * ref.abs().max()  # measured: ~4e-7
     layer(x).sum().backward()  # training: autograd's F.linear
     assert calls["gl_sgemm"] == (gemm == "gptlab") and layer.weight.grad is not None

@@ -927,11 +927,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
-# From this many rows on, an fp32 inference forward (a long prompt) runs in gl_sgemm where
-# gemm_choice() gives gptlab. AMD EPYC Zen 5 (avx512), GPT-2's four block layers, medians of 9:
-# 512 rows 24.8 ms against MKL's 36.7, 320: 16.4 / 22.5, 256: 15.5 / 17.9, 192: level, 128: 12.1 /
-# 11.2, 16: 8.9 / 3.4 (packing the operands costs gl_sgemm as much for a few rows as for many).
-PROMPT_GEMM_ROWS = 256
+# From this many rows on, an fp32 inference forward (a prompt longer than MAX_ROWS, which the
+# decoding kernels take) runs in gl_sgemm where gemm_choice() gives gptlab. It was 256 while each
+# thread packed all of B (12-04: GPT-2's block layers at 16 rows 8.9 ms against MKL's 3.4); since
+# the threads split B's columns, gl_sgemm is faster at every row count. AMD EPYC Zen 5, 2
+# threads, 2026-12-05, GPT-2's whole forward with all logits / the last only, 256 against 9 here
+# (medians of 5, best of 2 alternations): avx512 9 rows 1.58 / 1.43x, 16 1.60 / 1.38, 64 1.73,
+# 128 1.95 / 2.12; avx512-256 1.80 / 1.45, 1.48 / 1.30, 1.20 / 1.21, 1.29 / 1.17; held to AVX2
+# (MKL too) 1.79 / 1.50, 1.48 / 1.38, 1.26 / 1.22, 1.26 / 1.19, and a bf16 model there
+# (bf16_linear_in_fp32) 1.46 / 1.46 at 9 rows, 1.25 / 1.19 at 128.
+PROMPT_GEMM_ROWS = MAX_ROWS + 1
 
 
 def prompt_gemm_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
