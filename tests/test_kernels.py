@@ -50,7 +50,7 @@ def calls(monkeypatch):
 
 @needs_float
 @pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("M", [1, 3, 4, 8])
+@pytest.mark.parametrize("M", [1, 3, 4, 8, 13, 16])
 def test_fp32_kernel_matches_float64(shape, M):
     N, K = shape
     torch.manual_seed(0)
@@ -65,30 +65,38 @@ def test_fp32_kernel_matches_float64(shape, M):
 @needs_float
 @pytest.mark.parametrize("gemm", ["gptlab", "torch"])
 @pytest.mark.parametrize("bias", [True, False])
-def test_long_fp32_prompts_run_gl_sgemm_where_it_is_chosen(gemm, bias, calls, monkeypatch):
-    """From MAX_ROWS + 1 rows on (PROMPT_GEMM_ROWS), an fp32 inference forward runs gl_sgemm where
-    gemm_choice() says gptlab (auto: x86 CPUs not made by Intel); fewer rows go to the decoding
-    kernel, autograd or torch's choice to F.linear."""
+def test_prompts_run_the_float_kernel_then_gl_sgemm_where_it_is_chosen(gemm, bias, calls, monkeypatch):
+    """An fp32 inference forward of up to MAX_ROWS rows runs the float kernel. Where gemm_choice()
+    says gptlab (auto: x86 CPUs not made by Intel), so do up to KERNEL_ROWS_GPTLAB rows, and more
+    run gl_sgemm; under torch's choice more than MAX_ROWS go to F.linear, as training does."""
     monkeypatch.setenv("GPTLAB_GEMM", gemm)
     torch.manual_seed(5)
     layer = kernels.Linear(96, 70, bias=bias)
-    T = kernels.MAX_ROWS + 1  # every prompt longer than the decoding kernels take
-    x = torch.randn(1, T, 96)  # (B, T, K)
-    with torch.no_grad():
-        y = layer(x)
-        assert calls["gl_sgemm"] == (gemm == "gptlab")
-        layer(x[:, 1:])  # a row fewer: the decoding kernel's
-        assert calls["gl_sgemm"] == (gemm == "gptlab")
-    ref = F.linear(x.double(), layer.weight.double(), layer.bias.double() if bias else None)
-    assert y.shape == (1, T, 70)
-    assert (y.double() - ref).abs().max() <= 1e-6 * ref.abs().max()  # measured: ~4e-7
+    ours = gemm == "gptlab"
+    expected = {
+        kernels.MAX_ROWS: "gl_linear_f32",
+        kernels.MAX_ROWS + 1: "gl_linear_f32" if ours else None,
+        kernels.KERNEL_ROWS_GPTLAB: "gl_linear_f32" if ours else None,
+        kernels.KERNEL_ROWS_GPTLAB + 1: "gl_sgemm" if ours else None,
+        3 * kernels.KERNEL_ROWS_GPTLAB: "gl_sgemm" if ours else None,
+    }
+    for rows, kernel in expected.items():
+        x = torch.randn(1, rows, 96)  # (B, T, K)
+        calls.clear()
+        with torch.no_grad():
+            y = layer(x)
+        assert set(calls) == ({kernel} if kernel else set()), rows
+        ref = F.linear(x.double(), layer.weight.double(), layer.bias.double() if bias else None)
+        assert y.shape == (1, rows, 70)
+        assert (y.double() - ref).abs().max() <= 1e-6 * ref.abs().max()  # measured: ~4e-7
+    calls.clear()
     layer(x).sum().backward()  # training: autograd's F.linear
-    assert calls["gl_sgemm"] == (gemm == "gptlab") and layer.weight.grad is not None
+    assert not calls and layer.weight.grad is not None
 
 
 @needs_float
 @pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("M", [1, 5])
+@pytest.mark.parametrize("M", [1, 5, 13, 16])
 def test_bf16_kernel_is_the_fp32_sum_rounded_once(shape, M):
     N, K = shape
     torch.manual_seed(1)

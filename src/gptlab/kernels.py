@@ -408,12 +408,24 @@ def _inference_on_cpu(x: torch.Tensor) -> bool:
     )
 
 
+# Rows up to which the float kernel (each weight row read once for all rows of x) takes an
+# inference forward where gemm_choice() gives gptlab (x86 CPUs not made by Intel); elsewhere
+# MAX_ROWS, as on Intel's, where PyTorch's GEMM is MKL (not measured there). AMD EPYC Zen 5, 2
+# threads, 2026-12-05, GPT-2's whole forward with all logits, the kernel against gl_sgemm (fp32;
+# oneDNN's bf16 GEMM for bf16 natively; gl_sgemm widening bf16 held to AVX2), medians of 5, best of
+# 2 alternations: avx512 fp32 9 rows 2.05x, 16 1.72x, 32 1.39x, 64 1.16x; bf16 1.17x, 1.14x,
+# 0.69x at 32; held to AVX2 fp32 1.41x, 1.16x, 1.01x at 24, 0.89x at 48; bf16 1.81x, 1.44x, 1.19x.
+KERNEL_ROWS_GPTLAB = 16
+
+
 def kernel_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether the float kernel takes y = x W^T: CPU, fp32 or bf16, a few rows, no autograd."""
+    """Whether the float kernel takes y = x W^T: CPU, fp32 or bf16, a few rows (MAX_ROWS, or
+    KERNEL_ROWS_GPTLAB where gptlab's GEMM is chosen), no autograd."""
+    rows = x.numel() // max(x.size(-1), 1)
     return (
         x.dtype is weight.dtype
         and x.dtype in (torch.float32, torch.bfloat16)
-        and x.numel() <= MAX_ROWS * x.size(-1)
+        and (rows <= MAX_ROWS or (rows <= KERNEL_ROWS_GPTLAB and gemm_choice() == "gptlab"))
         and _inference_on_cpu(x)
         and not (torch.is_grad_enabled() and weight.requires_grad)
         and weight.is_contiguous()
@@ -927,8 +939,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
-# From this many rows on, an fp32 inference forward (a prompt longer than MAX_ROWS, which the
-# decoding kernels take) runs in gl_sgemm where gemm_choice() gives gptlab. It was 256 while each
+# From this many rows on, an fp32 inference forward (a prompt longer than MAX_ROWS; the float
+# kernel takes up to KERNEL_ROWS_GPTLAB first) runs in gl_sgemm where gemm_choice() gives gptlab. It was 256 while each
 # thread packed all of B (12-04: GPT-2's block layers at 16 rows 8.9 ms against MKL's 3.4); since
 # the threads split B's columns, gl_sgemm is faster at every row count. AMD EPYC Zen 5, 2
 # threads, 2026-12-05, GPT-2's whole forward with all logits / the last only, 256 against 9 here

@@ -21,7 +21,7 @@ penalty seeing the proposals before each position.
 
 Greedy identity holds up to floating point: a verification forward over k+1 rows and a one-token
 decode step compute the same sums through different kernels (SDPA vs the C decode-attention,
-torch's GEMM past kernels.MAX_ROWS rows), so logits differ in the last bits (~1e-6 relative,
+another GEMM past kernels.MAX_ROWS rows), so logits differ in the last bits (~1e-6 relative,
 measured in tests/test_speculative.py), which flips an argmax only on a near-exact tie.
 
 Caches. `RowCache` lets rows of a batch advance by different numbers of tokens: one shared write
@@ -407,9 +407,9 @@ def proposal_cost(model, draft_model) -> float:
 
 def most_draft_tokens(num_draft_tokens: int, batch_size: int, device) -> int:
     """The adaptive k's ceiling: num_draft_tokens, lowered on a CPU with gptlab's kernels so the
-    verification's B * (k+1) rows stay within kernels.MAX_ROWS; past them the linear layers
-    go to torch's GEMM, which read the weights far slower here (a gpt2 forward of 9 rows took
-    ~2.2x one of 8, measured under load). Left alone when even k=1 would not fit."""
+    verification's B * (k+1) rows stay within kernels.MAX_ROWS, the fused step's limit; past
+    them the modules run (a gpt2 forward of 9 rows took ~2.2x one of 8 when their linear layers
+    went to torch's GEMM, measured under load). Left alone when even k=1 would not fit."""
     fits = kernels.MAX_ROWS // batch_size - 1
     if torch.device(device).type != "cpu" or fits < 1 or not kernels.available()[0]:
         return num_draft_tokens
