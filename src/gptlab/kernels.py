@@ -940,13 +940,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 # From this many rows on, an fp32 inference forward (a prompt longer than MAX_ROWS; the float
-# kernel takes up to KERNEL_ROWS_GPTLAB first) runs in gl_sgemm where gemm_choice() gives gptlab. It was 256 while each
-# thread packed all of B (12-04: GPT-2's block layers at 16 rows 8.9 ms against MKL's 3.4); since
-# the threads split B's columns, gl_sgemm is faster at every row count. AMD EPYC Zen 5, 2
-# threads, 2026-12-05, GPT-2's whole forward with all logits / the last only, 256 against 9 here
-# (medians of 5, best of 2 alternations): avx512 9 rows 1.58 / 1.43x, 16 1.60 / 1.38, 64 1.73,
-# 128 1.95 / 2.12; avx512-256 1.80 / 1.45, 1.48 / 1.30, 1.20 / 1.21, 1.29 / 1.17; held to AVX2
-# (MKL too) 1.79 / 1.50, 1.48 / 1.38, 1.26 / 1.22, 1.26 / 1.19, and a bf16 model there
+# kernel takes up to KERNEL_ROWS_GPTLAB first) runs in gl_sgemm where gemm_choice() gives gptlab.
+# It was 256 while each thread packed all of B (12-04: GPT-2's block layers at 16 rows 8.9 ms
+# against MKL's 3.4); since the threads split B's columns, gl_sgemm beats MKL at every row count.
+# AMD EPYC Zen 5, 2 threads, 2026-12-05, GPT-2's whole forward with all logits / the last only,
+# 256 against 9 here (medians of 5, best of 2 alternations): avx512 9 rows 1.58 / 1.43x, 16 1.60 /
+# 1.38, 64 1.73, 128 1.95 / 2.12; avx512-256 1.80 / 1.45, 1.48 / 1.30, 1.20 / 1.21, 1.29 / 1.17;
+# held to AVX2 (MKL too) 1.79 / 1.50, 1.48 / 1.38, 1.26 / 1.22, 1.26 / 1.19, and a bf16 model there
 # (bf16_linear_in_fp32) 1.46 / 1.46 at 9 rows, 1.25 / 1.19 at 128.
 PROMPT_GEMM_ROWS = MAX_ROWS + 1
 
