@@ -1054,7 +1054,8 @@ def main() -> int:
             f"  auto takes {auto_variant()}: this CPU's AVX-512 is half width (family {cpu_family()}, see HALF_WIDTH_AVX512)"
         )
     gemm = gemm_choice()
-    print(f"  training head's GEMM: {gemm} ({'gl_sgemm' if gemm == 'gptlab' else 'PyTorch BLAS'}; GPTLAB_GEMM)")
+    which = "gl_sgemm" if gemm == "gptlab" else "PyTorch BLAS"
+    print(f"  GEMM of prompts and the training head: {gemm} ({which}; GPTLAB_GEMM)")
     print(f"  its bf16 products (bf16 autocast): {gemm_bf16_choice()}")
     if lib.lib is not None:
         hint = "non-temporally" if prefetch_nta() else "into every cache level"
