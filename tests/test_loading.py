@@ -1,10 +1,13 @@
 """gptlab.loading: every kind of --model spec reaches the right reader and comes back ready."""
 
+import json
+import os
+
 import pytest
 import torch
 
 from conftest import VARIANTS, tiny_model
-from gptlab import loading
+from gptlab import loading, run_files
 from gptlab.checkpoint import save_model
 from gptlab.hf import save_pretrained
 from gptlab.loading import is_preset, load_model, tokenizer_name
@@ -47,6 +50,24 @@ def test_hugging_face_directory(tmp_path):
     save_pretrained(model, tmp_path, tokenizer="byte")
     idx = torch.randint(0, 97, (2, 8))
     torch.testing.assert_close(logits(load_model(str(tmp_path)), idx), logits(model, idx), rtol=0, atol=0)
+
+
+def test_a_training_runs_directory_loads_the_checkpoint_latest_points_to(tmp_path):
+    """`--model runs/x` means runs/x/latest, as `init_from` does: not the first checkpoint found."""
+    old, new = tiny_model(seed=1), tiny_model(seed=2)
+    for step, model in ((1, new), (2, old), (3, new)):  # `latest` ends on step 3
+
+        def write(tmp, model=model, step=step):
+            save_model(model, tmp, tokenizer="byte")
+            (tmp / run_files.STATE_FILE).write_text(json.dumps({"step": step}))
+
+        run_files.write_checkpoint(tmp_path / "run", step, write)
+    idx = torch.randint(0, 97, (2, 8))
+    torch.testing.assert_close(logits(load_model(str(tmp_path / "run")), idx), logits(new, idx), rtol=0, atol=0)
+    assert tokenizer_name(str(tmp_path / "run")) == "byte"
+    (tmp_path / "run" / "latest").unlink()
+    os.symlink("ckpt-000002", tmp_path / "run" / "latest")  # the runs' own layout, pointed back
+    torch.testing.assert_close(logits(load_model(str(tmp_path / "run")), idx), logits(old, idx), rtol=0, atol=0)
 
 
 def test_directory_without_model_files(tmp_path):

@@ -4,7 +4,8 @@ A spec is, in the order tried:
 
 1. `preset:NAME`, or a small preset's bare name (gpt2-tiny, llama-tiny, ...): fresh random weights.
 2. A native gptlab directory (`gptlab.json`): float (`gptlab.checkpoint`) or quantized
-   (`gptlab.quantize`).
+   (`gptlab.quantize`); or a training run's directory, which means the checkpoint its `latest`
+   points to (`gptlab.run_files`).
 3. Another program's file: nanoGPT's ckpt.pt (or its out_dir), llm.c's .bin (`gptlab.formats`).
 4. A Hugging Face directory (`config.json`) or a Hub id (`gptlab.hf`); OpenAI's names (gpt2,
    gpt2-medium, gpt2-large, gpt2-xl) are Hub ids and load the released weights.
@@ -25,6 +26,7 @@ from gptlab.formats import reader_for
 from gptlab.hf import load_pretrained
 from gptlab.model import GPT
 from gptlab.quantize import load_quantized
+from gptlab.run_files import latest_checkpoint
 
 HUB_MODELS = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")  # presets that are also OpenAI's Hub ids
 
@@ -45,9 +47,9 @@ def load_model(spec: str, *, device=None, dtype=None, adapter=None) -> GPT:
 
 
 def _load_base(spec: str, *, device=None, dtype=None) -> GPT:
-    path = Path(spec)
     if is_preset(spec):
         return random_model(spec.removeprefix("preset:"), device=device, dtype=dtype)
+    path = checkpoint_path(spec)
     if (path / META_FILE).is_file():
         meta = read_meta(path)
         if meta.get("lora_base"):  # a LoRA run's checkpoint: its base, then its adapters
@@ -59,7 +61,8 @@ def _load_base(spec: str, *, device=None, dtype=None) -> GPT:
         return read_foreign(path, device=device, dtype=dtype)
     if path.is_dir() and not (path / "config.json").is_file():
         raise ValueError(
-            f"{spec}: directory holds neither {META_FILE} (gptlab), config.json (Hugging Face) nor ckpt.pt (nanoGPT)"
+            f"{spec}: directory holds neither {META_FILE} (gptlab), a `latest` link (a training run), "
+            "config.json (Hugging Face) nor ckpt.pt (nanoGPT)"
         )
     return load_pretrained(spec, device=device, dtype=dtype)
 
@@ -94,9 +97,18 @@ def random_model(name: str, *, device=None, dtype=None) -> GPT:
     return model.to(dtype=dtype).eval() if dtype is not None else model.eval()
 
 
+def checkpoint_path(spec: str) -> Path:
+    """The path a spec names: a training run's directory (its `latest` link) gives the checkpoint
+    `latest` points to; any other spec, itself."""
+    path = Path(spec)
+    if path.is_dir() and not (path / META_FILE).is_file():
+        return latest_checkpoint(path) or path
+    return path
+
+
 def tokenizer_name(spec: str) -> str:
     """The tokenizer a model spec uses: the name recorded with a native model, else gpt2."""
-    path = Path(spec)
+    path = checkpoint_path(spec)
     if (path / META_FILE).is_file():
         return read_meta(path).get("tokenizer", "gpt2")
     return "gpt2"

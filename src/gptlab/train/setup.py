@@ -121,8 +121,7 @@ def _base_model(cfg: TrainConfig, vocab_size: int, device: torch.device) -> GPT:
         with torch.device(device):
             return GPT(config)
     spec = cfg.init_from
-    latest = run_files.latest_checkpoint(spec) if Path(spec).is_dir() else None
-    model = load_model(str(latest or spec), device=device).train()
+    model = load_model(spec, device=device).train()  # a run directory loads its latest checkpoint
     _set_dropout(model, cfg.dropout)
     if model.config.block_size < cfg.block_size:
         raise ValueError(f"block_size {cfg.block_size} exceeds the model's context length {model.config.block_size}")
