@@ -354,11 +354,21 @@ def test_the_gelu_overwrites_c_fc_output_only_where_no_hook_sees_it(kernel_varia
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_argmax_matches_torch_including_ties(dtype):
     torch.manual_seed(6)
-    logits = torch.randn(4, 50257)
-    logits[2, 7] = logits[2, 40000] = logits[2].max() + 1  # a tie: the first index wins, as in torch
-    logits[3, 9] = float("nan")  # NaN counts as the largest, as in torch
+    logits = torch.randn(10, 50257)
+    logits[1, 7] = logits[1, 40000] = logits[1].max() + 1  # a tie in two blocks: the first index wins
+    logits[2, 3000] = logits[2, 3001] = logits[2].max() + 1  # a tie within one block
+    logits[3, 9] = float("nan")  # NaN counts as the largest, as in torch: the first NaN
+    logits[4, 45000], logits[4, 50256], logits[4, 100] = float("nan"), float("nan"), 1e30  # after the largest
+    logits[5, 20000], logits[5, 30000] = float("inf"), float("inf")  # infinities, no NaN
+    logits[6, 20000], logits[6, 20001] = float("inf"), float("nan")
+    logits[7] = float("-inf")
+    logits[8, 50256] = 100.0  # in the last, partial block, past the last whole vector
+    logits[9, :] = 0.0
     logits = logits.to(dtype)
     assert torch.equal(kernels.argmax(logits), logits.argmax(dim=-1))
+    for width in (1, 5, 17, 1024, 1031):  # rows shorter than a vector, a block, a block and a tail
+        short = logits[:, -width:].contiguous()
+        assert torch.equal(kernels.argmax(short), short.argmax(dim=-1)), width
 
 
 @needs_float
