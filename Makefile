@@ -45,8 +45,9 @@ demo: $(CORE)
 	$(PY) -m gptlab demo --deadline $$(($(DEMO_START) + $(DEMO_SECONDS)))
 
 # The figures of the README's speed tables (Speed on each CPU) for this machine, each run written
-# to bench/results/ (~8 min on a 2-core Zen 5; the first run builds llama.cpp, ~8 min more). The
-# nanoGPT row needs a checkout of karpathy/nanoGPT and the demo's data: `make demo`, then
+# to bench/results/ and summed up at the end by `gptlab bench summary` (~8 min on a 2-core Zen 5;
+# the first run builds llama.cpp, ~8 min more). The nanoGPT row needs a checkout of
+# karpathy/nanoGPT and the demo's data: `make demo`, then
 # `make bench NANOGPT_DIR=path`. Time `make demo` from a fresh clone apart.
 NANOGPT_DIR ?=
 bench: $(STAMP)
@@ -59,6 +60,7 @@ bench: $(STAMP)
 	@if [ -z "$(NANOGPT_DIR)" ]; then echo "skipped gptlab bench nanogpt: set NANOGPT_DIR to a nanoGPT checkout"; \
 	elif [ ! -f runs/demo/data/train.bin ]; then echo "skipped gptlab bench nanogpt: run make demo first (its data)"; \
 	else $(PY) -m gptlab bench nanogpt --nanogpt-dir "$(NANOGPT_DIR)" --data runs/demo/data --seconds 60; fi
+	$(PY) -m gptlab bench summary --results bench/results
 
 lint: $(STAMP)
 	$(PY) -m ruff check src tests

@@ -348,7 +348,69 @@ def test_make_bench_runs_benchmarks_whose_options_exist():
     text = subprocess.run(["make", "-n", "-W", ".venv/.installed", "bench", "NANOGPT_DIR=/nanogpt"], cwd=root,
                           capture_output=True, text=True, check=True).stdout  # fmt: skip
     runs = re.findall(r"-m gptlab bench (\w+) ([^;\n]*)", text)
-    assert [name for name, _ in runs] == ["generate", "generate", "generate", "train", "variants", "nanogpt"]
+    assert [name for name, _ in runs] == ["generate", "generate", "generate", "train", "variants", "nanogpt", "summary"]
     for name, options in runs:
         argv = shlex.split(options.replace("$V", "avx2").rstrip("\\ "))
         importlib.import_module(f"gptlab.bench.{name}").parse_args(argv)  # SystemExit on an unknown option
+
+
+# --- gptlab bench summary: the speed tables' figures from the results files
+
+
+def _result(out, name, stamp, machine, **fields):
+    (out / f"{name}-{stamp}.json").write_text(
+        json.dumps({"benchmark": name, "time": stamp, "machine": machine, **fields})
+    )
+
+
+def _llamacpp_rows(decode, prefill, tok_s, modes=("fp32", "bf16", "int8", "int4")):
+    return [{"mode": m, "decode_ratio": d, "prefill_ratio": p, "gptlab_decode_tok_s": t}
+            for m, d, p, t in zip(modes, decode, prefill, tok_s, strict=True)]  # fmt: skip
+
+
+def test_bench_summary_gives_each_machines_latest_figures(tmp_path, capsys, monkeypatch):
+    """Each machine's latest run of each kind, with its file: not an older run, not a run at depth
+    or with fewer precisions, and a run held to AVX2 on the same CPU as a machine of its own."""
+    from gptlab.bench import common, summary
+
+    zen5 = {"cpu": "AMD EPYC", "cpu_family_model": "26/2", "gptlab_kernels": "avx512", "cpu_capability": "AVX512"}
+    held = {**zen5, "gptlab_kernels": "avx2", "cpu_capability": "AVX2"}
+    full = _llamacpp_rows((1.1, 1.2, 1.3, 1.4), (1.5, 1.6, 1.7, 1.8), (100.0, 190.0, 400.0, 700.0))
+    same = (0.5,) * 4
+    peer = "generate-llamacpp"
+    _result(tmp_path, peer, "2026-12-01T00:00:00", zen5, rows=_llamacpp_rows(same, same, same))  # older
+    _result(tmp_path, peer, "2026-12-02T00:00:00", zen5, settings={"depth": 0}, rows=full)
+    _result(tmp_path, peer, "2026-12-03T00:00:00", zen5, settings={"depth": 895}, rows=_llamacpp_rows(same, same, same))
+    _result(tmp_path, peer, "2026-12-04T00:00:00", zen5, rows=_llamacpp_rows((8.0,), (8.0,), (8.0,), ("fp32",)))
+    _result(tmp_path, peer, "2026-12-05T00:00:00", held, rows=_llamacpp_rows((2.0,) * 4, (2.1,) * 4, (50.0,) * 4))
+    versus = {"fp32_eager_decode_vs_transformers": 2.5, "fp32_eager_prefill_vs_transformers": 1.75}
+    _result(tmp_path, "generate", "2026-12-02T00:00:00", zen5, summary=versus)
+    _result(tmp_path, "generate", "2026-12-03T00:00:00", zen5, summary={})  # a run without the fp32 rows
+    _result(tmp_path, "nanogpt", "2026-12-02T00:00:00", zen5, ratio=4.0)
+    _result(tmp_path, "nanogpt", "2026-12-01T00:00:00", zen5, ratio=3.0)
+    trained = [{"dtype": "bfloat16", "ratio": 9.0}, {"dtype": "float32", "ratio": 3.25}]
+    _result(tmp_path, "train", "2026-12-02T00:00:00", zen5, results=trained)
+    (tmp_path / "notes.json").write_text("[1, 2]")  # not a result: skipped
+
+    table = summary.summarize(summary.load_results(tmp_path))
+    assert list(table) == [summary.machine_key(zen5), summary.machine_key(held)]
+    assert table[summary.machine_key(zen5)] == {
+        "decode vs llama.cpp": ("1.10 / 1.20 / 1.30 / 1.40x", "generate-llamacpp-2026-12-02T00:00:00"),
+        "prefill 512 vs llama.cpp": ("1.50 / 1.60 / 1.70 / 1.80x", "generate-llamacpp-2026-12-02T00:00:00"),
+        "int4 / bf16 decode vs gptlab's fp32": ("7.00 / 1.90x", "generate-llamacpp-2026-12-02T00:00:00"),
+        "default path vs transformers": ("2.50 / 1.75x", "generate-2026-12-02T00:00:00"),
+        "training vs nanoGPT": ("4.00x", "nanogpt-2026-12-02T00:00:00"),
+        "training vs transformers (fp32)": ("3.25x", "train-2026-12-02T00:00:00"),
+    }
+    assert table[summary.machine_key(held)]["decode vs llama.cpp"][0] == "2.00 / 2.00 / 2.00 / 2.00x"
+
+    monkeypatch.setattr(common, "machine", lambda: held)
+    assert summary.main(["--results", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "kernels avx2, ATen AVX2" in out and "2.10 / 2.10 / 2.10 / 2.10x" in out and "avx512" not in out
+    assert summary.main(["--results", str(tmp_path), "--all", "--markdown"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].count(" | ") == 2 and lines[2].startswith("| decode vs llama.cpp | 1.10 / 1.20 / 1.30 / 1.40x (`")
+    monkeypatch.setattr(common, "machine", lambda: {**zen5, "cpu": "Intel(R) Xeon(R)"})
+    assert summary.main(["--results", str(tmp_path)]) == 1
+    assert "no results for this machine (Intel(R) Xeon(R) (26/2)" in capsys.readouterr().out

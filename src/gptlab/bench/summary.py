@@ -1,0 +1,167 @@
+"""gptlab bench summary: the README's speed-table figures for a machine, read from the latest
+results in bench/results/ (what `make bench` writes); it runs no benchmark.
+
+Every result records the machine it ran on (bench.common.machine). Runs are grouped by that
+machine's CPU name and family/model, the gptlab kernel variant that ran and ATen's CPU
+capability, so a run held to AVX2 on an AVX-512 CPU counts as a machine of its own. For each
+group the latest run of each kind gives its rows:
+
+- decode and a 512-token prefill against llama.cpp at fp32 / bf16 / int8 / int4, and int4 and
+  bf16 decoding against gptlab's own fp32: `gptlab bench generate --peer llama.cpp` without
+  --depth, the latest run with all four precisions;
+- the default path against transformers (fp32 decoding, a 64-token prefill): `gptlab bench
+  generate`'s fp32 batch-1 rows;
+- training against nanoGPT (`gptlab bench nanogpt`) and transformers (`gptlab bench train`, fp32).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+MODES = ("fp32", "bf16", "int8", "int4")
+ROWS = (
+    "decode vs llama.cpp",
+    "prefill 512 vs llama.cpp",
+    "int4 / bf16 decode vs gptlab's fp32",
+    "default path vs transformers",
+    "training vs nanoGPT",
+    "training vs transformers (fp32)",
+)
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="gptlab bench summary", description=__doc__.split("\n\n")[0])
+    p.add_argument("--results", default="bench/results", help="the results directory to read")
+    p.add_argument("--all", action="store_true", help="every machine in the results, not only this one")
+    p.add_argument("--markdown", action="store_true", help="a Markdown table, one column per machine")
+    return p.parse_args(argv)
+
+
+def machine_key(machine: dict) -> str:
+    """The machine a result ran on, as runs are grouped: CPU, family/model, kernels, ATen's level."""
+    cpu = machine.get("cpu", "?")
+    family = machine.get("cpu_family_model", "?")
+    kernels = machine.get("gptlab_kernels", "?")
+    return f"{cpu} ({family}), kernels {kernels}, ATen {machine.get('cpu_capability', '?')}"
+
+
+def load_results(directory: str | Path) -> list[dict]:
+    """Every result file in `directory` (a dict with its file's stem as "file"), oldest first; a file
+    that is not a result (unreadable JSON, no machine or time) is skipped with a warning."""
+    runs = []
+    for path in sorted(Path(directory).glob("*.json")):
+        try:
+            run = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            log.warning("skipped %s: %s", path, e)
+            continue
+        if not isinstance(run, dict) or not {"benchmark", "time", "machine"} <= run.keys():
+            log.warning("skipped %s: not a gptlab bench result", path)
+            continue
+        runs.append({**run, "file": path.stem})
+    return sorted(runs, key=lambda run: run["time"])
+
+
+def _ratios(values) -> str:
+    return " / ".join("-" if v is None else f"{v:.2f}" for v in values) + "x"
+
+
+def _llamacpp_rows(runs: list[dict]) -> dict[str, tuple[str, str]]:
+    runs = [r for r in runs if r["benchmark"] == "generate-llamacpp" and not r.get("settings", {}).get("depth")]
+    full = [r for r in runs if {row.get("mode") for row in r.get("rows", [])} >= set(MODES)]
+    if not (full or runs):
+        return {}
+    run = (full or runs)[-1]
+    by_mode = {row["mode"]: row for row in run.get("rows", [])}
+    rows = {
+        "decode vs llama.cpp": _ratios(by_mode.get(m, {}).get("decode_ratio") for m in MODES),
+        "prefill 512 vs llama.cpp": _ratios(by_mode.get(m, {}).get("prefill_ratio") for m in MODES),
+    }
+    fp32 = by_mode.get("fp32", {}).get("gptlab_decode_tok_s")
+    if fp32:
+        rows["int4 / bf16 decode vs gptlab's fp32"] = _ratios(
+            by_mode[m]["gptlab_decode_tok_s"] / fp32 if m in by_mode else None for m in ("int4", "bf16")
+        )
+    return {name: (value, run["file"]) for name, value in rows.items()}
+
+
+def _latest(runs: list[dict], benchmark: str, value) -> tuple[str, str] | None:
+    """(value(run), its file) for the latest run of `benchmark` for which value gives one."""
+    for run in reversed(runs):
+        if run["benchmark"] == benchmark and (v := value(run)) is not None:
+            return v, run["file"]
+    return None
+
+
+def _default_path(run: dict) -> str | None:
+    summary = run.get("summary", {})
+    decode, prefill = (summary.get(f"fp32_eager_{k}_vs_transformers") for k in ("decode", "prefill"))
+    return None if decode is None else _ratios((decode, prefill))
+
+
+def _nanogpt(run: dict) -> str | None:
+    return None if run.get("ratio") is None else _ratios([run["ratio"]])
+
+
+def _train_fp32(run: dict) -> str | None:
+    ratios = [r["ratio"] for r in run.get("results", []) if r.get("dtype") == "float32" and "ratio" in r]
+    return _ratios(ratios[:1]) if ratios else None
+
+
+def summarize(runs: list[dict]) -> dict[str, dict[str, tuple[str, str]]]:
+    """{machine: {row: (figure, results file)}} from results (oldest first), rows as in ROWS."""
+    machines: dict[str, list[dict]] = {}
+    for run in runs:
+        machines.setdefault(machine_key(run["machine"]), []).append(run)
+    table = {}
+    for key, group in machines.items():
+        rows = _llamacpp_rows(group)
+        found = {
+            "default path vs transformers": _latest(group, "generate", _default_path),
+            "training vs nanoGPT": _latest(group, "nanogpt", _nanogpt),
+            "training vs transformers (fp32)": _latest(group, "train", _train_fp32),
+        }
+        rows.update({name: cell for name, cell in found.items() if cell is not None})
+        if rows:
+            table[key] = rows
+    return table
+
+
+def render_text(table: dict) -> str:
+    lines = []
+    for key, rows in table.items():
+        lines.append(key)
+        lines += [f"  {name:38s} {rows[name][0]:28s} {rows[name][1]}" for name in ROWS if name in rows]
+    return "\n".join(lines)
+
+
+def render_markdown(table: dict) -> str:
+    keys = list(table)
+    lines = ["| | " + " | ".join(keys) + " |", "|---" * (len(keys) + 1) + "|"]
+    for name in ROWS:
+        cells = [f"{table[k][name][0]} (`{table[k][name][1]}`)" if name in table[k] else "-" for k in keys]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv or [])
+    table = summarize(load_results(args.results))
+    if not args.all:
+        from gptlab.bench.common import machine
+
+        here = machine_key(machine())
+        table = {key: rows for key, rows in table.items() if key == here}
+        if not table:
+            print(f"no results for this machine ({here}) in {args.results}: run `make bench`, or pass --all")
+            return 1
+    if not table:
+        print(f"no results in {args.results}")
+        return 1
+    print(render_markdown(table) if args.markdown else render_text(table))
+    return 0
