@@ -199,13 +199,22 @@ def test_gelu_mlp_matches_formula():
         (torch.zeros(1, 4), "integer tensor"),
         (torch.full((1, 4), 97), "outside the vocabulary"),
         (torch.full((1, 4), -1), "outside the vocabulary"),
+        (torch.tensor([[1, 96, 97, 2]]), "token id 97 outside the vocabulary"),  # among good ids
+        (torch.tensor([[3, -1, 2, 96]]), "token id -1 outside the vocabulary"),
         (torch.zeros(4, dtype=torch.long), "shape"),
     ],
-    ids=["too-long", "empty", "float", "too-big-id", "negative-id", "1d"],
+    ids=["too-long", "empty", "float", "too-big-id", "negative-id", "one-id-too-big", "one-id-negative", "1d"],
 )
 def test_bad_input_is_a_value_error(model, idx, message):
     with pytest.raises(ValueError, match=message):
         model(idx)
+
+
+def test_a_position_past_block_size_is_a_value_error(model):
+    """Positions given with the ids (left-padded batches) are checked too: one past the table."""
+    positions = torch.tensor([[0, 1, 32, 2]])  # block_size 32: position 32 has no embedding
+    with pytest.raises(ValueError, match="position 32 exceeds block_size 32"):
+        model(torch.zeros(1, 4, dtype=torch.long), positions=positions)
 
 
 def test_attention_index_errors(model):

@@ -312,4 +312,4 @@ def step(model, idx: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype, 
     if status == -2:
         return None
     kernels.check(status)
-    return logits.to(p.dtype)
+    return logits if p.dtype is torch.float32 else logits.to(p.dtype)

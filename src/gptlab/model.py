@@ -176,6 +176,24 @@ class KVCache:
         return sum(k.nbytes + v.nbytes for k, v in self.layers)
 
 
+def _extremes(t: torch.Tensor) -> tuple[int, int]:
+    """(min, max) of an integer tensor's values: a decoding step's few ids through one tolist (a
+    min and a max cost two reductions and two syncs, ~20 us a step right after the C step has
+    streamed the weights through the caches)."""
+    if 0 < t.numel() <= 64:
+        values = t.reshape(-1).tolist()
+        return min(values), max(values)
+    return int(t.min()), int(t.max())
+
+
+def _rows_dtype(wte: nn.Module) -> torch.dtype:
+    """The dtype of the rows a token embedding gives: an nn.Embedding's weight's, or the `dtype`
+    of one that reads its rows elsewhere (gptlab.quantize.QuantizedEmbedding)."""
+    if type(wte) is nn.Embedding:
+        return wte.weight.dtype
+    return getattr(wte, "dtype", None) or wte.weight.dtype
+
+
 def model_device_dtype(model) -> tuple[torch.device, torch.dtype]:
     """Where activations live and their dtype: those of the token embedding (float32 if it is not float)."""
     weight = model.transformer.wte.weight
@@ -416,10 +434,10 @@ class GPT(nn.Module):
         if positions is None:
             positions = (start + torch.arange(T, device=idx.device)).expand(B, T)  # (B, T)
         learned = self.config.pos_embedding == "learned"
-        dtype = getattr(self.transformer.wte, "dtype", None) or self.transformer.wte.weight.dtype  # of wte's rows
+        dtype = _rows_dtype(self.transformer.wte)
         rope = None if learned else rope_cos_sin(positions, self.config.head_size, self.config.rope_theta, dtype)
-        if learned and not torch.compiler.is_compiling() and int(positions.max()) >= self.config.block_size:
-            raise ValueError(f"position {int(positions.max())} exceeds block_size {self.config.block_size}")
+        if learned and not torch.compiler.is_compiling() and (top := _extremes(positions)[1]) >= self.config.block_size:
+            raise ValueError(f"position {top} exceeds block_size {self.config.block_size}")
         if targets is not None and not head:
             raise ValueError("head=False returns hidden states, not a loss: pass no targets")
         fused = head and kv_cache is not None and targets is None and attn_probs is None
@@ -482,7 +500,7 @@ class GPT(nn.Module):
         end = idx.size(1) + (int(kv_cache.pos) if kv_cache is not None else 0)
         if end > limit:
             raise ValueError(f"sequence length {end} exceeds the context length {limit} (block_size)")
-        lo, hi = int(idx.min()), int(idx.max())
+        lo, hi = _extremes(idx)
         if lo < 0 or hi >= self.config.vocab_size:
             raise ValueError(f"token id {lo if lo < 0 else hi} outside the vocabulary [0, {self.config.vocab_size})")
 
