@@ -1,6 +1,7 @@
 import argparse
 import logging
 import os
+import socket
 import subprocess
 import sys
 from importlib import import_module
@@ -107,6 +108,24 @@ def test_unwritable_json_path_is_a_one_line_error(tmp_path, capsys):
     (tmp_path / "file").write_text("")
     assert main(["info", "gpt2-tiny", "--json", str(tmp_path / "file" / "x.json")]) == 2
     assert str(tmp_path / "file") in one_line_error(capsys, "gptlab info: error: ")
+
+
+def test_serve_on_a_port_in_use_is_a_one_line_error_before_loading(monkeypatch, capsys):
+    from gptlab.commands import serve
+
+    loaded = []
+    monkeypatch.setattr(serve, "load", lambda args: loaded.append(args))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", "--model", "gpt2-tiny", "--port", str(port)]) == 2
+    assert f"cannot listen on 127.0.0.1:{port}: Address already in use" in one_line_error(
+        capsys, "gptlab serve: error: "
+    )
+    assert loaded == []
+    assert main(["serve", "--model", "gpt2-tiny", "--host", "192.0.2.1"]) == 2  # not this machine's address
+    assert "cannot listen on 192.0.2.1:8000" in one_line_error(capsys, "gptlab serve: error: ")
 
 
 def test_missing_file_is_a_one_line_error(tmp_path, capsys):

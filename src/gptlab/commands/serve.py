@@ -1,6 +1,7 @@
 """gptlab serve: an OpenAI-compatible completions API and the web explorer for one model."""
 
 import argparse
+import socket
 from pathlib import Path
 
 from gptlab.commands._model_args import add_model_arguments, load, model_from_args
@@ -19,6 +20,18 @@ def add_arguments(parser):
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 
+def check_listen(host: str, port: int) -> None:
+    """ValueError naming host:port when it cannot be bound (in use, or not this machine's address),
+    before the model loads; uvicorn would find out after, with a log line and exit code 3."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            sock.bind((host, port))
+        except OSError as e:
+            raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e} (--host, --port)") from None
+
+
 def run(args):
     import torch
     import uvicorn
@@ -28,6 +41,7 @@ def run(args):
     for flag in ("max_batch", "max_queue", "max_body"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be at least 1")
+    check_listen(args.host, args.port)
     if args.threads is not None:
         if args.threads < 1:
             raise ValueError("--threads must be at least 1")
