@@ -318,6 +318,9 @@ MUTANTS = [
            "kernels.mm(e, x_scaled, grad_w, accumulate=not first, bf16=bf16)",
            "kernels.mm(e, x_scaled, grad_w, accumulate=not first)", GEMM_TESTS, feature="avx512bf16"),
     # the loss
+    Mutant("eval/perplexity-targets-not-shifted", "evaluate.py",
+           "targets = torch.cat([tokens[f + 1 : e + 1] for b, e, f in batch])",
+           "targets = torch.cat([tokens[f:e] for b, e, f in batch])", ("tests/test_evaluate.py",)),
     Mutant("loss/targets-not-shifted", "data.py", "return w[:, :-1], w[:, 1:]", "return w[:, :-1], w[:, :-1]",
            LOSS_TESTS),
     Mutant("loss/chunked-ignore-index-not-honoured", "chunked_loss.py",

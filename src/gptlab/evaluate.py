@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from gptlab.checkpoint import atomic_write
+from gptlab.chunked_loss import token_logprobs
 from gptlab.model import GPT
 from gptlab.tokenizer import Tokenizer
 
@@ -76,7 +77,11 @@ def _batches(windows: list, batch_size: int) -> Iterator[list]:
 def sequence_nll(
     model: GPT, tokens: torch.Tensor, *, stride: int | None = None, batch_size: int = 4, progress: bool = False
 ) -> tuple[float, int]:
-    """Summed negative log-likelihood (nats) of tokens[1:] given what precedes, and their count."""
+    """Summed negative log-likelihood (nats) of tokens[1:] given what precedes, and their count.
+
+    The head runs only on the positions a window scores, and their log-probabilities come from
+    chunked_loss.token_logprobs, never as (B, T, V) logits: on the demo model's 50,257-token head,
+    a window's logits and their log-softmax were 26 MB each, allocated and freed per batch."""
     from tqdm import tqdm
 
     block_size = model.config.block_size
@@ -86,13 +91,12 @@ def sequence_nll(
     with tqdm(total=len(windows), unit="window", desc="perplexity", disable=not progress) as bar:
         for batch in _batches(windows, batch_size):
             x = torch.stack([tokens[b:e] for b, e, _ in batch]).to(device)  # (B, T)
-            y = torch.stack([tokens[b + 1 : e + 1] for b, e, _ in batch]).to(device)  # (B, T)
-            logits, _ = model(x)  # (B, T, V)
-            nll = F.cross_entropy(logits.float().transpose(1, 2), y, reduction="none")  # (B, T)
-            for row, (b, _, score_from) in zip(nll, batch, strict=True):
-                scored = row[score_from - b :]
-                total += scored.sum().item()
-                count += scored.numel()
+            hidden, _ = model(x, head=False)  # (B, T, C)
+            rows = torch.cat([h[f - b :] for h, (b, _, f) in zip(hidden, batch, strict=True)])  # (n, C) scored
+            targets = torch.cat([tokens[f + 1 : e + 1] for b, e, f in batch]).to(device)  # (n,)
+            logprob, _ = token_logprobs(rows, model.lm_head, targets)  # (n,)
+            total -= logprob.double().sum().item()
+            count += targets.numel()
             bar.update(len(batch))
     assert count == len(tokens) - 1
     return total, count
