@@ -241,21 +241,23 @@ def successor_table(pairs: dict[str, str]) -> torch.Tensor:
 
 def test_lambada_accuracy_and_perplexity(tmp_path):
     path = tmp_path / "lambada_test.jsonl"
-    texts = ["foo foo bar", "xx cat", "he said zz bat"]
+    texts = ["foo foo bar", "xx cat", "he said zz bat", "qq bar"]
     path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
-    # greedy continues 'o' -> ' ' -> 'b' -> 'a' -> 'r': only " bar" is produced in full
+    # greedy continues 'o' -> ' ' -> 'b' -> 'a' -> 'r': only the first " bar" is produced in full;
+    # after "qq" the space is not greedy, though the rest of the word is
     model = table_model(successor_table({"o": " ", " ": "b", "b": "a", "a": "r"}))
     examples = evaluate.lambada_examples(path)
     assert [(e["context"], e["target"]) for e in examples] == [
         ("foo foo", " bar"),
         ("xx", " cat"),
         ("he said zz", " bat"),
+        ("qq", " bar"),
     ]
-    result = evaluate.lambada(model, BYTE, examples, batch_size=2)
-    assert result["acc"] == pytest.approx(1 / 3)
+    result = evaluate.lambada(model, BYTE, examples, batch_size=3)
+    assert result["acc"] == pytest.approx(1 / 4)
     nll = [direct_nll(model, BYTE.encode(e["context"]), BYTE.encode(e["target"])) for e in examples]
-    assert result["perplexity"] == pytest.approx(math.exp(sum(nll) / 3), rel=1e-5)
-    assert result["token_perplexity"] == pytest.approx(math.exp(sum(nll) / 12), rel=1e-5)
+    assert result["perplexity"] == pytest.approx(math.exp(sum(nll) / 4), rel=1e-5)
+    assert result["token_perplexity"] == pytest.approx(math.exp(sum(nll) / 16), rel=1e-5)
 
 
 def test_context_longer_than_the_model_is_cropped_from_the_left():

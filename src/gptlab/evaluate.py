@@ -28,7 +28,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from gptlab.checkpoint import atomic_write
 from gptlab.chunked_loss import token_logprobs
@@ -190,7 +189,8 @@ def score_continuations(
     """For each (context ids, continuation ids): the continuation's summed NLL (nats), its token
     count, and whether greedy decoding reproduces all of it. Contexts are cropped from the left to
     fit the model's context; rows are batched by length, right-padded (causal attention never
-    looks at the padding that follows a row)."""
+    looks at the padding that follows a row). The head runs only on the positions that predict a
+    continuation (chunked_loss.token_logprobs), never on a batch's (B, T, V) logits."""
     from tqdm import tqdm
 
     block_size = model.config.block_size
@@ -211,17 +211,17 @@ def score_continuations(
             x = torch.zeros(len(chunk), width, dtype=torch.long)
             for r, i in enumerate(chunk):
                 x[r, : len(rows[i]) - 1] = torch.tensor(rows[i][:-1])
-            logits, _ = model(x.to(device))  # (B, T, V)
-            for r, i in enumerate(chunk):
-                n, k = len(rows[i]) - 1, len(pairs[i][1])
-                target = torch.tensor(rows[i][-k:], device=device)  # (k,)
-                cont_logits = logits[r, n - k : n].float()  # (k, V): the positions that predict the continuation
-                token_logp = F.log_softmax(cont_logits, dim=-1).gather(-1, target[:, None]).squeeze(-1)  # (k,)
-                greedy = cont_logits.argmax(-1)  # (k,)
+            hidden, _ = model(x.to(device), head=False)  # (B, T, C)
+            spans = [(len(rows[i]) - 1, len(pairs[i][1])) for i in chunk]  # (n, k): n - k.. predict the continuation
+            picked = torch.cat([hidden[r, n - k : n] for r, (n, k) in enumerate(spans)])  # (sum k, C)
+            targets = torch.tensor([t for i, (_, k) in zip(chunk, spans, strict=True) for t in rows[i][-k:]])
+            logprob, greedy = token_logprobs(picked, model.lm_head, targets.to(device))  # (sum k,) each
+            ends = np.cumsum([k for _, k in spans]).tolist()
+            for i, k, end in zip(chunk, (k for _, k in spans), ends, strict=True):
                 results[i] = {
-                    "nll": -token_logp.sum().item(),
+                    "nll": -logprob[end - k : end].double().sum().item(),
                     "tokens": k,
-                    "greedy": bool((greedy == target).all()),
+                    "greedy": bool(greedy[end - k : end].all()),
                 }
             bar.update(len(chunk))
     return results
