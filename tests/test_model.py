@@ -1,7 +1,10 @@
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
 from conftest import VARIANTS, tiny_config, tiny_model
@@ -254,3 +257,32 @@ def test_head_false_returns_what_the_head_reads(variant):
         torch.testing.assert_close(model.lm_head(hidden), logits, rtol=0, atol=0)
     with pytest.raises(ValueError, match="not a loss"):
         model(idx, targets=idx, head=False)
+
+
+def test_models_built_on_meta_skip_random_init_and_never_import_dynamo(tmp_path):
+    """meta_device() builds shapes without running torch.nn.init's random initializers on meta
+    tensors, whose torch._refs path imports torch._dynamo (~0.8 s of every command that loads a
+    model); tensors on a real device are initialized as usual, and the initializers come back."""
+    from gptlab.checkpoint import save_model
+    from gptlab.model import meta_device
+
+    save_model(GPT(tiny_config()), tmp_path / "m")
+    code = (
+        "import sys, torch\n"
+        "from gptlab import load_model\n"
+        "from gptlab.config import GPTConfig\n"
+        "from gptlab.model import GPT, meta_device\n"
+        "with meta_device():\n"
+        "    GPT(GPTConfig.from_name('gpt2'))\n"
+        f"load_model({str(tmp_path / 'm')!r})\n"
+        "print(sorted(m for m in sys.modules if m.startswith('torch._dynamo'))[:1])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+    before = torch.nn.init.normal_
+    real = torch.zeros(1000)
+    with meta_device():
+        torch.nn.init.normal_(real)
+        built = nn.Linear(4, 3)
+    assert real.std() > 0.9 and built.weight.is_meta  # a real tensor still drawn; the layer on meta
+    assert torch.nn.init.normal_ is before

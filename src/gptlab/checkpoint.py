@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 
 from gptlab.classifier import model_for
 from gptlab.config import GPTConfig
-from gptlab.model import GPT
+from gptlab.model import GPT, meta_device
 
 log = logging.getLogger(__name__)
 META_FILE = "gptlab.json"
@@ -88,7 +88,7 @@ def load_native(directory: str | os.PathLike, *, device=None, dtype=None) -> GPT
             f"{directory} holds a {meta['quantization']['mode']} quantized model; load it with gptlab.load_model (or gptlab.quantize.load_quantized)"
         )
     config = GPTConfig.from_dict(meta["config"])
-    with torch.device("meta"):
+    with meta_device():
         model = model_for(config)
     try:
         state = load_file(directory / WEIGHTS_FILE, device=str(device or "cpu"))

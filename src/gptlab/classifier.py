@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from gptlab.config import GPTConfig
 from gptlab.kernels import Linear
-from gptlab.model import GPT
+from gptlab.model import GPT, meta_device
 
 
 class GPTForSequenceClassification(GPT):
@@ -100,7 +100,7 @@ def from_language_model(lm: GPT, labels: list[str], pad_token_id: int | None = 5
     config = GPTConfig.from_dict({**lm.config.to_dict(), "num_labels": len(labels), "labels": list(labels),
                                   "pad_token_id": pad_token_id})  # fmt: skip
     device = lm.transformer.wte.weight.device
-    with torch.device("meta"):
+    with meta_device():
         model = GPTForSequenceClassification(config)
     model.transformer = lm.transformer
     model.score = Linear(config.n_embd, config.num_labels, bias=False, device=device)

@@ -31,7 +31,7 @@ from safetensors.torch import save_file
 from gptlab.checkpoint import atomic_write, atomic_write_text
 from gptlab.classifier import model_for
 from gptlab.config import GPTConfig
-from gptlab.model import GPT
+from gptlab.model import GPT, meta_device
 
 log = logging.getLogger(__name__)
 
@@ -350,7 +350,7 @@ def load_pretrained(name_or_path: str | os.PathLike, *, device=None, dtype=None)
     config = config_from_hf(read_config(directory), str(directory))
     files = weight_files(directory)
     plan = _plan(config, files, str(directory))  # gptlab name -> (file name, file, transpose)
-    with torch.device("meta"):
+    with meta_device():
         model = model_for(config)
     _check_shapes(plan, model.state_dict(), str(directory))
     file_name, file, _ = plan[PREFIX + "wte.weight"]

@@ -47,7 +47,7 @@ from safetensors.torch import load_file, save_file
 from gptlab import kernels
 from gptlab.checkpoint import META_FILE, WEIGHTS_FILE, atomic_write, atomic_write_text, load_state_strict, read_meta
 from gptlab.config import GPTConfig
-from gptlab.model import GPT
+from gptlab.model import GPT, meta_device
 
 log = logging.getLogger(__name__)
 
@@ -414,7 +414,7 @@ def dequantize_model(model: GPT) -> GPT:
             state[f"{name}.weight"] = m.dequantize()
     if model.config.tie_weights:
         state["transformer.wte.weight"] = state["lm_head.weight"]
-    with torch.device("meta"):
+    with meta_device():
         reference = GPT(model.config)
     load_state_strict(reference, state, "dequantize_model")
     reference.tie_weights()
@@ -451,7 +451,7 @@ def load_quantized(directory: str | os.PathLike, *, device=None) -> GPT:
     activations = scheme.get("activations", DEFAULT_ACTIVATIONS)
     _check_scheme(mode, group_size, activations)
     config = GPTConfig.from_dict(meta["config"])
-    with torch.device("meta"):
+    with meta_device():
         model = GPT(config)
         _swap_empty(model, mode, group_size, activations)
     try:

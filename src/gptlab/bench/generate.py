@@ -31,7 +31,7 @@ import torch
 from gptlab import kernels
 from gptlab.bench.common import machine, repeat_seconds, write_results
 from gptlab.config import GPTConfig
-from gptlab.model import GPT, cache_dtype
+from gptlab.model import GPT, cache_dtype, meta_device
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +113,7 @@ def cpu_has_native_bf16() -> tuple[bool, str]:
 
 def build_mode(mode: str, state: dict, config: GPTConfig) -> GPT:
     """A gptlab model in `mode` with the given fp32 weights."""
-    with torch.device("meta"):
+    with meta_device():
         model = GPT(config)
     model.load_state_dict(state, assign=True)
     model.tie_weights()

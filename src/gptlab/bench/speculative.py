@@ -33,7 +33,7 @@ from gptlab import speculative as spec
 from gptlab.bench.common import write_results
 from gptlab.generation import generate
 from gptlab.loading import load_model
-from gptlab.model import GPT
+from gptlab.model import GPT, meta_device
 from gptlab.sampling import SamplingParams
 
 
@@ -64,7 +64,7 @@ def early_exit_draft(model: GPT, n_layer: int) -> GPT:
     """A draft made of the target's first n_layer blocks, its embeddings, final norm and head
     (shared tensors, no copy)."""
     config = type(model.config).from_dict({**model.config.to_dict(), "n_layer": n_layer})
-    with torch.device("meta"):
+    with meta_device():
         draft = GPT(config)
     draft.transformer = torch.nn.ModuleDict(
         {name: (module[:n_layer] if name == "h" else module) for name, module in model.transformer.items()}

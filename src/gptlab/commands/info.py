@@ -16,18 +16,17 @@ def add_arguments(parser):
 
 
 def run(args):
-    import torch
 
     from gptlab.config import PRESETS, GPTConfig
     from gptlab.inspect import model_info
     from gptlab.loading import load_model
-    from gptlab.model import GPT
+    from gptlab.model import GPT, meta_device
 
     spec = args.model_opt or args.model or "gpt2"
     if args.context is not None and args.context < 1:
         raise ValueError(f"--context must be at least 1, got {args.context}")
     config = GPTConfig.from_name(spec) if spec in PRESETS and not Path(spec).exists() else load_model(spec).config
-    with torch.device("meta"):  # shapes are all the breakdown needs; a quantized model counts its logical weights
+    with meta_device():  # shapes are all the breakdown needs; a quantized model counts its logical weights
         model = GPT(config)
     info = model_info(model, args.context)
     print_info(spec, info)

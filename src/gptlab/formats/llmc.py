@@ -24,7 +24,7 @@ import torch
 
 from gptlab.checkpoint import atomic_write, load_state_strict
 from gptlab.config import GPTConfig
-from gptlab.model import GPT
+from gptlab.model import GPT, meta_device
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +110,7 @@ def load(path: str | os.PathLike, *, device=None, dtype=None) -> GPT:
     header = read_header(path)
     config = config_from_header(header)
     file_dtype = header["dtype"]
-    with torch.device("meta"):
+    with meta_device():
         model = GPT(config)
     expected = model.state_dict()
     names = tensor_order(config.n_layer)
@@ -211,7 +211,7 @@ def save(model: GPT, path: str | os.PathLike, *, dtype: torch.dtype = torch.floa
 
 def _shapes_with_biases(config: GPTConfig) -> dict[str, torch.Size]:
     """The shape of every parameter of this model with biases (llm.c always has them)."""
-    with torch.device("meta"):
+    with meta_device():
         model = GPT(GPTConfig(**{**config.to_dict(), "bias": True}))
     return {name: tensor.shape for name, tensor in model.state_dict().items()}
 

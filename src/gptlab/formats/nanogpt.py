@@ -27,7 +27,7 @@ import torch
 
 from gptlab.checkpoint import load_state_strict
 from gptlab.config import GPTConfig
-from gptlab.model import GPT
+from gptlab.model import GPT, meta_device
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +109,7 @@ def load(path: str | Path, *, device=None, dtype=None) -> GPT:
     checkpoint = read_checkpoint(path)
     state, tied = model_state(checkpoint["model"], str(path))
     config = config_from_model_args(checkpoint["model_args"], tied, str(path))
-    with torch.device("meta"):
+    with meta_device():
         model = GPT(config)
     dtype = dtype or (state[WTE].dtype if WTE in state else torch.float32)
     state = {k: v.to(device=device or "cpu", dtype=dtype) for k, v in state.items()}

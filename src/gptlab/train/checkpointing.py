@@ -18,6 +18,7 @@ import torch
 from gptlab import run_files
 from gptlab.checkpoint import load_state_strict, save_model
 from gptlab.classifier import model_for
+from gptlab.model import meta_device
 
 log = logging.getLogger(__name__)
 LORA_FILE = "lora.safetensors"  # a LoRA run's trained tensors, exactly, for resuming
@@ -53,7 +54,7 @@ def _write(trainer, directory: Path, model_state: dict, optim_state: dict, rng: 
     if trainer.cfg.lora_rank:
         _write_adapters(trainer, directory, model_state)
     elif trainer.sharded:  # a plain module around the gathered tensors, for save_model
-        with torch.device("meta"):
+        with meta_device():
             model = model_for(trainer.raw_model.config)
         load_state_strict(model, model_state, "gathered state")
         model.tie_weights()
