@@ -61,6 +61,11 @@ class Mutant:
 # fmt: off
 MUTANTS = [
     # sampling
+    Mutant("sampling/draw-not-scaled-to-the-rows-mass", "sampling.py",
+           "dtype=torch.float64, device=probs.device) * total", "dtype=torch.float64, device=probs.device)",
+           SAMPLING_TESTS),
+    Mutant("sampling/top-p-never-sorts-a-wide-nucleus", "sampling.py",
+           "    if not bool((mass[:, -1] >= p).all()):", "    if False:", SAMPLING_TESTS),
     Mutant("sampling/temperature-multiplies", "sampling.py",
            "logits = logits / max(params.temperature, torch.finfo(torch.float32).tiny)",
            "logits = logits * max(params.temperature, torch.finfo(torch.float32).tiny)",
@@ -69,7 +74,7 @@ MUTANTS = [
            'logits.masked_fill(logits < kth, float("-inf"))', 'logits.masked_fill(logits <= kth, float("-inf"))',
            SAMPLING_TESTS),
     Mutant("sampling/top-p-drops-the-crossing-token", "sampling.py",
-           "mass_before = probs.cumsum(dim=-1) - probs", "mass_before = probs.cumsum(dim=-1)", SAMPLING_TESTS),
+           "keep_top = mass - top < p", "keep_top = mass < p", SAMPLING_TESTS),
     Mutant("sampling/min-p-absolute-threshold", "sampling.py",
            "threshold = min_p * probs.max(dim=-1, keepdim=True).values", "threshold = min_p", SAMPLING_TESTS),
     Mutant("sampling/repetition-penalty-inverted", "sampling.py",

@@ -176,8 +176,8 @@ def exact_two_token_distribution(model, prompt, params):
 def test_speculative_sampling_matches_the_models_distribution(proposer):
     """6000 rows of one prompt in one batch, each drawing its first two tokens from one
     verification of two proposals (rows accept 0, 1 or 2): the pairs follow the model's exact
-    distribution (chi-square), as plain sampling's do. Measured p-values: 0.38 (draft), 0.17
-    (lookup); accepting always, or redrawing from p instead of norm(max(0, p - q)), gives < 1e-6."""
+    distribution (chi-square), as plain sampling's do. Measured p-values: 0.60 (draft), 0.84
+    (lookup), 0.30 plain; accepting always, or redrawing from p instead of norm(max(0, p - q)), gives < 1e-6."""
     model, draft = tiny_model(0, vocab_size=6, block_size=8), tiny_model(3, vocab_size=6, block_size=8)
     with torch.no_grad():
         model.lm_head.weight.mul_(4)  # p far from the draft's q
@@ -189,7 +189,7 @@ def test_speculative_sampling_matches_the_models_distribution(proposer):
                      adaptive=False, **kwargs)  # fmt: skip
     pairs = torch.tensor([r[3] * 6 + r[4] for r in out])
     assert chi_square_p_value(torch.bincount(pairs, minlength=36), exact) > 1e-3
-    assert 0.3 < stats.acceptance < 0.7  # measured 0.43 (draft), 0.57 (lookup): rows accepted different numbers
+    assert 0.3 < stats.acceptance < 0.7  # measured 0.42 (draft), 0.57 (lookup): rows accepted different numbers
     plain = generate(model, [prompt] * 6000, 2, generator=1)
     plain_pairs = torch.tensor([r[3] * 6 + r[4] for r in plain])
     assert chi_square_p_value(torch.bincount(plain_pairs, minlength=36), exact) > 1e-3

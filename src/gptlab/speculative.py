@@ -47,7 +47,7 @@ import torch
 
 from gptlab import kernels
 from gptlab.model import KVCache, model_device_dtype
-from gptlab.sampling import SamplingParams, probabilities, sample_next, seen_tokens
+from gptlab.sampling import SamplingParams, draw, probabilities, sample_next, seen_tokens
 
 log = logging.getLogger(__name__)
 
@@ -258,11 +258,6 @@ def _seen_per_position(seen: torch.Tensor | None, drafts: torch.Tensor) -> torch
     return out
 
 
-def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """One id per row from probs (B, V)."""
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # (B,)
-
-
 def accept_greedy(best: torch.Tensor, drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The rule at temperature 0 (p one-hot): keep drafts while each is the target's argmax.
 
@@ -300,7 +295,7 @@ def accept(
         residual = (p_next - q_next).clamp_(min=0.0)
     mass = residual.sum(-1, keepdim=True)  # (B, 1)
     residual = torch.where(mass > 0, residual / mass.clamp(min=1e-30), p_next)  # p == q: any draw from p is right
-    return accepted, _draw(residual, generator)
+    return accepted, draw(residual, generator)
 
 
 def verify(logits, drafts, q, params: SamplingParams, seen, generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -363,7 +358,7 @@ class _Draft:
                 d = sample_next(logits, params, seen=seen)  # (B,)
             else:
                 qs.append(probabilities(logits, params, seen))  # (B, V)
-                d = _draw(qs[-1], generator)
+                d = draw(qs[-1], generator)
             drafts.append(d)
             if seen is not None:
                 seen.scatter_(1, d[:, None], True)
