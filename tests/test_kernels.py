@@ -465,3 +465,31 @@ def test_bf16_linear_in_fp32_is_the_product_rounded_once(monkeypatch, calls, bia
     assert got.shape == (2, 9, 70) and got.dtype == torch.bfloat16
     err = ((got.double() - exact).abs() / (exact.abs() + 1e-3)).max()
     assert err <= 2**-8 + 1e-5, err  # half a bf16 ulp (8 significant bits) plus fp32's sums; measured 3.87e-3
+
+
+@needs_float
+def test_weights_move_to_huge_pages_behind_the_first_step_not_before_it(monkeypatch):
+    """kernels.stream hands a weight of 4 MiB or more to a background thread that calls
+    gl_huge_pages on it (Linux copies the pages: 0.84 s for GPT-2, which the first token waited
+    for); a smaller weight, or one already handed over, is not handed over again."""
+    import threading
+    import time
+
+    calls, done = [], threading.Event()
+
+    def slow(address, nbytes):
+        time.sleep(0.3)
+        calls.append((address, nbytes))
+        done.set()
+        return 0
+
+    monkeypatch.setattr(kernels._library().lib, "gl_huge_pages", slow)
+    monkeypatch.setattr(kernels, "_huge_paged", set())  # addresses of earlier tests' tensors recur
+    big, small = torch.empty(1 << 20), torch.empty(1 << 19)  # 4 MiB and 2 MiB of fp32
+    started = time.perf_counter()
+    assert kernels.stream(big) == big.data_ptr() and kernels.stream(small) == small.data_ptr()
+    assert kernels.stream(big) == big.data_ptr()
+    assert time.perf_counter() - started < 0.2  # not waiting for the move (measured ~0.1 ms)
+    assert done.wait(10) and calls == [(big.data_ptr(), big.nbytes)]
+    time.sleep(0.4)
+    assert len(calls) == 1
