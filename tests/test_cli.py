@@ -8,6 +8,7 @@ from importlib import import_module
 from pathlib import Path
 
 import pytest
+import torch
 
 from gptlab import cli
 from gptlab.cli import COMMANDS, command_parser, main
@@ -126,6 +127,30 @@ def test_serve_on_a_port_in_use_is_a_one_line_error_before_loading(monkeypatch, 
     assert loaded == []
     assert main(["serve", "--model", "gpt2-tiny", "--host", "192.0.2.1"]) == 2  # not this machine's address
     assert "cannot listen on 192.0.2.1:8000" in one_line_error(capsys, "gptlab serve: error: ")
+
+
+@pytest.mark.parametrize(
+    "argv, env, threads", [([], {}, 3), (["--threads", "2"], {}, 2), ([], {"OMP_NUM_THREADS": "4"}, None)]
+)
+def test_serve_leaves_a_core_to_the_event_loop_unless_told(monkeypatch, capsys, argv, env, threads):
+    """Decoding threads: --threads, else OMP_NUM_THREADS as torch read it, else the cores less one."""
+    import uvicorn
+
+    import gptlab.serve.app
+    from gptlab.commands import serve
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    asked = []
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
+    monkeypatch.setattr(torch, "set_num_threads", asked.append)
+    monkeypatch.setattr(serve, "load", lambda args: (None, None))
+    monkeypatch.setattr(gptlab.serve.app, "create_app", lambda *a, **k: None)
+    monkeypatch.setattr(uvicorn, "run", lambda *a, **k: None)
+    assert main(["serve", "--model", "gpt2-tiny", "--port", "0", *argv]) == 0
+    assert asked == ([] if threads is None else [threads])
+    assert "4 decoding threads" in capsys.readouterr().out  # torch's count, here the patched one
 
 
 def test_missing_file_is_a_one_line_error(tmp_path, capsys):
