@@ -65,7 +65,7 @@ MUTANTS = [
            "dtype=torch.float64, device=probs.device) * total", "dtype=torch.float64, device=probs.device)",
            SAMPLING_TESTS),
     Mutant("sampling/top-p-never-sorts-a-wide-nucleus", "sampling.py",
-           "    if not bool((mass[:, -1] >= p).all()):", "    if False:", SAMPLING_TESTS),
+           "    if not bool((mass[..., -1] >= p).all()):", "    if False:", SAMPLING_TESTS),
     Mutant("sampling/temperature-multiplies", "sampling.py",
            "logits = logits / max(params.temperature, torch.finfo(torch.float32).tiny)",
            "logits = logits * max(params.temperature, torch.finfo(torch.float32).tiny)",

@@ -142,6 +142,15 @@ def test_top_p_agrees_with_transformers_on_a_wide_nucleus_and_a_narrow_one(scale
     assert widest > sampling.TOP_P_FIRST if scale < 1 else widest < sampling.TOP_P_FIRST  # measured 4,186 and 6
 
 
+def test_top_p_takes_any_leading_dimensions():
+    """(..., V): a wide row before a narrow one in one (1, 2, V) tensor is masked as alone."""
+    flat = torch.randn(5000, generator=torch.Generator().manual_seed(5)) * 0.3
+    peaked = torch.randn(5000, generator=torch.Generator().manual_seed(6)) * 8.0
+    rows = torch.stack([flat, peaked])[None]  # (1, 2, V)
+    alone = torch.stack([top_p_mask(flat[None], 0.9)[0], top_p_mask(peaked[None], 0.9)[0]])[None]
+    assert torch.equal(top_p_mask(rows, 0.9).isinf(), alone.isinf())
+
+
 def test_draw_never_takes_a_zero_and_follows_each_rows_probabilities():
     probs = torch.zeros(3, 50)
     probs[0, [0, 7, 49]] = torch.tensor([0.2, 0.5, 0.3])  # the first and the last entries

@@ -123,7 +123,7 @@ def top_p_mask(logits: torch.Tensor, p: float) -> torch.Tensor:
     probs = F.softmax(logits.float(), dim=-1)  # (B, V)
     top, order = torch.topk(probs, min(probs.size(-1), TOP_P_FIRST), dim=-1)  # (B, k), most likely first
     mass = top.cumsum(dim=-1)  # (B, k)
-    if not bool((mass[:, -1] >= p).all()):  # a wider nucleus: every token, in order
+    if not bool((mass[..., -1] >= p).all()):  # a wider nucleus: every token, in order
         order = _argsort_descending(probs)  # (B, V)
         top = probs.gather(-1, order)
         mass = top.cumsum(dim=-1)
