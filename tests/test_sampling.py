@@ -143,12 +143,14 @@ def test_top_p_agrees_with_transformers_on_a_wide_nucleus_and_a_narrow_one(scale
 
 
 def test_top_p_takes_any_leading_dimensions():
-    """(..., V): a wide row before a narrow one in one (1, 2, V) tensor is masked as alone."""
+    """(..., V): a wide row before a narrow one in one (1, 2, V) tensor is masked as alone, and a
+    tensor that requires grad is masked the same (its wide row sorted through NumPy)."""
     flat = torch.randn(5000, generator=torch.Generator().manual_seed(5)) * 0.3
     peaked = torch.randn(5000, generator=torch.Generator().manual_seed(6)) * 8.0
     rows = torch.stack([flat, peaked])[None]  # (1, 2, V)
     alone = torch.stack([top_p_mask(flat[None], 0.9)[0], top_p_mask(peaked[None], 0.9)[0]])[None]
     assert torch.equal(top_p_mask(rows, 0.9).isinf(), alone.isinf())
+    assert torch.equal(top_p_mask(rows.clone().requires_grad_(), 0.9).isinf(), alone.isinf())  # under autograd too
 
 
 def test_draw_never_takes_a_zero_and_follows_each_rows_probabilities():

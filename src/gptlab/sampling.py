@@ -137,7 +137,7 @@ def _argsort_descending(x: torch.Tensor) -> torch.Tensor:
     over GPT-2's 50,257 probabilities 0.50 ms where torch.sort takes 2.9 (AMD EPYC Zen 5)."""
     if x.device.type != "cpu":
         return torch.sort(x, dim=-1, descending=True).indices
-    return torch.from_numpy(np.argsort(-x.numpy(), axis=-1))
+    return torch.from_numpy(np.argsort(-x.detach().numpy(), axis=-1))
 
 
 def min_p_mask(logits: torch.Tensor, min_p: float) -> torch.Tensor:
