@@ -484,7 +484,6 @@ def test_weights_move_to_huge_pages_behind_the_first_step_not_before_it(monkeypa
         return 0
 
     monkeypatch.setattr(kernels._library().lib, "gl_huge_pages", slow)
-    monkeypatch.setattr(kernels, "_huge_paged", set())  # addresses of earlier tests' tensors recur
     big, small = torch.empty(1 << 20), torch.empty(1 << 19)  # 4 MiB and 2 MiB of fp32
     started = time.perf_counter()
     assert kernels.stream(big) == big.data_ptr() and kernels.stream(small) == small.data_ptr()
@@ -493,3 +492,9 @@ def test_weights_move_to_huge_pages_behind_the_first_step_not_before_it(monkeypa
     assert done.wait(10) and calls == [(big.data_ptr(), big.nbytes)]
     time.sleep(0.4)
     assert len(calls) == 1
+    done.clear()
+    memory = big.untyped_storage()  # a weight freed and another made where it was: handed over again
+    del big
+    again = torch.empty(0).set_(memory)
+    assert kernels.stream(again) == again.data_ptr() and done.wait(10)
+    assert calls[1] == (again.data_ptr(), again.nbytes) == calls[0]

@@ -38,6 +38,7 @@ import platform
 import sys
 import threading
 import time
+import weakref
 from pathlib import Path
 
 import torch
@@ -87,7 +88,10 @@ _SIGNATURES = {  # name: argument types; each returns 0, or -1 when out of memor
     "gl_set_prefetch_nta": [_I],  # 1 non-temporal, 0 temporal, -1 the CPU's default; returns the hint in use or -1
     "gl_prefetch_nta": [],
 }
-_huge_paged: set[int] = set()  # weights already moved to huge pages (their data pointers)
+# id(weight) -> (a weak reference to it, its data pointer) for the weights handed to the huge-page
+# thread, dropped as each weight dies: a weight allocated where a freed one was, or one given new
+# data, is handed over again
+_huge_paged: dict[int, tuple[weakref.ref, int]] = {}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -392,9 +396,10 @@ def stream(weight: torch.Tensor) -> int:
     background thread that moves it to 2 MiB pages (gl_huge_pages in csrc/cpu.c: fewer TLB misses,
     same bytes, no copy kept). Linux copies the pages to do it: 0.84 s for GPT-2's 500 MB (AMD EPYC
     Zen 5), which the first token of every process waited for when it was done here."""
-    address = weight.data_ptr()
-    if address not in _huge_paged:
-        _huge_paged.add(address)
+    key, address = id(weight), weight.data_ptr()
+    known = _huge_paged.get(key)
+    if known is None or known[0]() is not weight or known[1] != address:
+        _huge_paged[key] = weakref.ref(weight, lambda _: _huge_paged.pop(key, None)), address
         if weight.nbytes >= 4 << 20:
             _huge_page_queue().put((_library().lib, weight))
     return address
