@@ -216,13 +216,14 @@ def score_continuations(
             picked = torch.cat([hidden[r, n - k : n] for r, (n, k) in enumerate(spans)])  # (sum k, C)
             targets = torch.tensor([t for i, (_, k) in zip(chunk, spans, strict=True) for t in rows[i][-k:]])
             logprob, greedy = token_logprobs(picked, model.lm_head, targets.to(device))  # (sum k,) each
-            ends = np.cumsum([k for _, k in spans]).tolist()
-            for i, k, end in zip(chunk, (k for _, k in spans), ends, strict=True):
+            start = 0
+            for i, (_, k) in zip(chunk, spans, strict=True):  # row i's k entries follow the rows before it
                 results[i] = {
-                    "nll": -logprob[end - k : end].double().sum().item(),
+                    "nll": -logprob[start : start + k].double().sum().item(),
                     "tokens": k,
-                    "greedy": bool(greedy[end - k : end].all()),
+                    "greedy": bool(greedy[start : start + k].all()),
                 }
+                start += k
             bar.update(len(chunk))
     return results
 

@@ -397,8 +397,8 @@ def stream(weight: torch.Tensor) -> int:
     same bytes, no copy kept). Linux copies the pages to do it: 0.84 s for GPT-2's 500 MB (AMD EPYC
     Zen 5), which the first token of every process waited for when it was done here."""
     key, address = id(weight), weight.data_ptr()
-    known = _huge_paged.get(key)
-    if known is None or known[0]() is not weight or known[1] != address:
+    known = _huge_paged.get(key)  # a dead weight's entry is gone before its id can be reused
+    if known is None or known[1] != address:
         _huge_paged[key] = weakref.ref(weight, lambda _: _huge_paged.pop(key, None)), address
         if weight.nbytes >= 4 << 20:
             _huge_page_queue().put((_library().lib, weight))

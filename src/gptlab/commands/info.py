@@ -16,7 +16,6 @@ def add_arguments(parser):
 
 
 def run(args):
-
     from gptlab.config import PRESETS, GPTConfig
     from gptlab.inspect import model_info
     from gptlab.loading import load_model
