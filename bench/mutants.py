@@ -458,6 +458,13 @@ MUTANTS = [
     Mutant("serve/text-offset-in-tokens", "serve/completions.py",
            "offset += len(text.decode(self.state.tokenizer.decode_bytes([token])))", "offset += 1",
            SERVE_LMEVAL_TESTS),
+    # the server's threads (a second thread that keeps OpenMP helpers makes every team sleep)
+    Mutant("serve/explorer-keeps-its-openmp-helpers", "serve/explorer.py",
+           '"/lens", computes(self.lens)', '"/lens", self.lens', ("tests/test_serve.py", "-k", "release")),
+    Mutant("serve/release-threads-does-nothing", "csrc/cpu.c",
+           "return omp_pause_resource_all(omp_pause_soft);", "return 0;", ("tests/test_serve.py", "-k", "release")),
+    Mutant("serve/step-view-keeps-its-first-position", "serve/scheduler.py",
+           "        view.pos = self.pos\n", "", ("tests/test_serve.py", "-k", "scheduler or replaced")),
 ]
 # fmt: on
 # The swapped-name mutant needs its table in the module: appended to hf.py with it.

@@ -130,10 +130,10 @@ def test_serve_on_a_port_in_use_is_a_one_line_error_before_loading(monkeypatch, 
 
 
 @pytest.mark.parametrize(
-    "argv, env, threads", [([], {}, 3), (["--threads", "2"], {}, 2), ([], {"OMP_NUM_THREADS": "4"}, None)]
+    "argv, env, threads", [([], {}, None), (["--threads", "2"], {}, 2), ([], {"OMP_NUM_THREADS": "4"}, None)]
 )
-def test_serve_leaves_a_core_to_the_event_loop_unless_told(monkeypatch, capsys, argv, env, threads):
-    """Decoding threads: --threads, else OMP_NUM_THREADS as torch read it, else the cores less one."""
+def test_serve_decodes_on_every_core_unless_told(monkeypatch, capsys, argv, env, threads):
+    """Decoding threads: --threads, else torch's count (OMP_NUM_THREADS, else every core)."""
     import uvicorn
 
     import gptlab.serve.app

@@ -27,7 +27,7 @@ from gptlab.checkpoint import save_model
 from gptlab.generation import generate
 from gptlab.sampling import SamplingParams
 from gptlab.serve.app import create_app
-from gptlab.serve.scheduler import GenerationRequest, QueueFull, Scheduler
+from gptlab.serve.scheduler import BatchCache, GenerationRequest, QueueFull, Scheduler
 from gptlab.tokenizer import get_tokenizer
 
 NAME = "tiny-byte"
@@ -552,6 +552,102 @@ def test_explorer_page_is_self_contained(url):
         r = httpx.get(f"{url}{asset}")
         assert r.status_code == 200 and "http://" not in r.text and "https://" not in r.text
     assert "https://" not in page.text and "http://" not in page.text
+
+
+def test_release_threads_ends_the_openmp_helpers_a_thread_started():
+    """A thread that ran a parallel region keeps its OpenMP helpers (libgomp), and while two
+    threads keep theirs on a 2-core machine, every thread sleeps between regions (a server's
+    decoding ran at ~40% of its speed); kernels.release_threads ends the calling thread's helpers,
+    and its next region starts them again."""
+    import os
+
+    def live_threads():
+        return len(os.listdir("/proc/self/task"))
+
+    x, seen = torch.ones(1 << 22), {}
+
+    def work():
+        torch.set_num_threads(2)
+        (x * 2).sum()  # a parallel region of 2 threads: one helper
+        seen["computed"] = live_threads()
+        seen["released"] = kernels.release_threads(), live_threads()
+        seen["sum"] = float((x * 2).sum())
+        seen["again"] = live_threads()
+
+    threads = torch.get_num_threads()
+    try:
+        worker = threading.Thread(target=work)
+        worker.start()
+        worker.join()
+    finally:
+        torch.set_num_threads(threads)
+    assert seen["released"] == (True, seen["computed"] - 1)
+    assert seen["again"] == seen["computed"] and seen["sum"] == 2 * x.numel()
+
+
+EXPLORER_POSTS = {
+    "/api/next": {"prompt": "Hello", "top": 3},
+    "/api/tokens": {"prompt": "abcd"},
+    "/api/attention": {"prompt": "hello", "layer": 1, "head": 0},
+    "/api/lens": {"prompt": "hello", "top": 2},
+    "/api/patch": {"clean": "abcdef", "corrupt": "abXdef", "right": "g", "wrong": "h"},
+    "/api/patch/cell": {"clean": "abcdef", "corrupt": "abXdef", "right": "g", "wrong": "h", "layer": 1, "unit": 2},
+}
+
+
+@pytest.mark.parametrize("path", list(EXPLORER_POSTS))
+def test_explorer_routes_release_their_threads_openmp_helpers(url, model, monkeypatch, path):
+    """Each explorer route runs the model in a thread of FastAPI's pool and then lets that thread's
+    OpenMP helpers go (kernels.release_threads), in that same thread: while they lived, the
+    scheduler's decoding ran at ~40% of its speed (GPT-2 int4 after one /api/next: 243 against 671 tok/s)."""
+    import gptlab.serve.explorer
+
+    computed, released = [], []
+    monkeypatch.setattr(gptlab.serve.explorer, "release_threads", lambda: released.append(threading.get_ident()))
+    hook = model.transformer.wte.register_forward_hook(lambda *_: computed.append(threading.get_ident()))
+    try:
+        assert httpx.post(f"{url}{path}", json=EXPLORER_POSTS[path]).status_code == 200
+    finally:
+        hook.remove()
+    assert computed and set(computed) == set(released) and len(released) == 1
+
+
+def test_the_thread_that_starts_the_server_releases_its_openmp_helpers(monkeypatch):
+    """The app's startup (the thread that loaded the model, under `gptlab serve`) lets its OpenMP
+    helpers go before the scheduler's thread decodes (see the test above)."""
+    import gptlab.serve.app
+
+    released = []
+    monkeypatch.setattr(gptlab.serve.app, "release_threads", lambda: released.append(threading.get_ident()))
+    with running(create_app(serve_model(), get_tokenizer("byte"), name=NAME)):
+        assert len(released) == 1 and released[0] != threading.get_ident()
+
+
+def test_batch_steps_decode_with_a_module_replaced_before_the_next_request():
+    """The batch's steps reuse one cache view per row count, so the C step keeps its KV pointers
+    and trusts the model's plan as checked at its first step; a layer replaced between two requests
+    is decoded with from the next request's prefill on, as generate does from its next prompt."""
+    import copy
+
+    model, prompt = serve_model(seed=3), [5, 6, 7]
+    cache = BatchCache(model, 4, model.config.block_size)
+
+    def greedy(n):
+        start, logits = cache.prefill(prompt, 1, all_logits=False)  # (1, V)
+        out = [int(logits[-1].argmax())]
+        while len(out) < n:
+            out.append(int(cache.step(torch.tensor([out[-1]]))[0].argmax()))
+        cache.release(start, 1)
+        return out
+
+    with torch.no_grad():
+        before = greedy(8)
+        assert before == generate(model, [prompt], 8, temperature=0)[0][3:]
+        fc = copy.deepcopy(model.transformer.h[1].mlp.c_fc)
+        fc.weight.copy_(torch.randn(fc.weight.shape, generator=torch.Generator().manual_seed(0)) * 0.5)
+        model.transformer.h[1].mlp.c_fc = fc
+        after = greedy(8)
+    assert after == generate(model, [prompt], 8, temperature=0)[0][3:] and after != before
 
 
 def test_serve_command_loads_a_saved_model(tmp_path, model, monkeypatch):

@@ -1,7 +1,6 @@
 """gptlab serve: an OpenAI-compatible completions API and the web explorer for one model."""
 
 import argparse
-import os
 import socket
 from pathlib import Path
 
@@ -16,7 +15,7 @@ def add_arguments(parser):
     parser.add_argument("--max-batch", type=int, default=16, help="rows decoded together (default 16)")
     parser.add_argument("--max-queue", type=int, default=64, help="waiting requests before answering 429 (default 64)")
     parser.add_argument("--max-body", type=int, default=1 << 20, help="largest request body in bytes (default 1 MiB)")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: OMP_NUM_THREADS, else the cores less one, for the event loop)")  # fmt: skip
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: OMP_NUM_THREADS, else every core)")  # fmt: skip
     parser.add_argument("--draft-model", default=None, help="speculative decoding: a smaller model with the same tokenizer proposes tokens")  # fmt: skip
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
@@ -33,14 +32,6 @@ def check_listen(host: str, port: int) -> None:
             raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e} (--host, --port)") from None
 
 
-def default_threads(cores: int) -> int:
-    """Decoding threads when --threads is not given: one core is left to the event loop, which
-    wakes for every token of every request. Were it to take a decoding thread's core, each of a
-    step's ~50 parallel regions would wait for that thread at its barrier. GPT-2 int4, 2 cores (AMD
-    EPYC Zen 5): 1 thread served 412 tok/s to one client and 760 to 16, where 2 served 196 and 627."""
-    return max(1, cores - 1)
-
-
 def run(args):
     import torch
     import uvicorn
@@ -53,8 +44,8 @@ def run(args):
     check_listen(args.host, args.port)
     if args.threads is not None and args.threads < 1:
         raise ValueError("--threads must be at least 1")
-    if args.threads is not None or "OMP_NUM_THREADS" not in os.environ:  # the user's OMP_NUM_THREADS stands
-        torch.set_num_threads(args.threads or default_threads(torch.get_num_threads()))
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     model, tokenizer = load(args)
     name = args.name or Path(args.model.rstrip("/")).name
     draft = (

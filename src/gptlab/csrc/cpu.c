@@ -1,5 +1,5 @@
 /* The library's identity and the CPU's: ABI, variant, the features cpuid reports, scratch
- * memory, huge pages. */
+ * memory, huge pages, the OpenMP threads. */
 #include <sys/mman.h>
 
 #include "common.h"
@@ -146,3 +146,10 @@ int gl_huge_pages(void *p, size_t n) {
     return -1;
 #endif
 }
+
+/* Let the calling thread's OpenMP helper threads exit (OpenMP 5.0's pause; in libgomp, the pool of
+ * the calling thread only). libgomp spins between parallel regions only while it manages no more
+ * threads than there are CPUs: once a second thread has computed, every team sleeps and wakes at
+ * each region's barrier instead (kernels.release_threads). Returns 0, or nonzero where the runtime
+ * did not. */
+int gl_release_threads(void) { return omp_pause_resource_all(omp_pause_soft); }

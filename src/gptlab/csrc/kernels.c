@@ -4,7 +4,8 @@
  *
  *   simd.h         the vector primitives, per variant (AVX-512, AVX2, NEON, portable C)
  *   common.h       bf16 conversions, scratch memory, the model description, shared prototypes
- *   cpu.c          gl_abi, gl_variant, gl_cpu_features (cpuid, HWCAP), scratch, huge pages
+ *   cpu.c          gl_abi, gl_variant, gl_cpu_features (cpuid, HWCAP), scratch, huge pages,
+ *                  gl_release_threads
  *   linear.c       gl_linear_f32, gl_linear_bf16: fp32 and bf16 weights
  *   quantized.c    gl_linear_i8, gl_linear_i4 with 8-bit activations; gl_dequantize_i4/_i8
  *   attention.c    gl_attend_one (a decoding step's attention over the KV cache), gl_attend_prompt

@@ -16,6 +16,7 @@ from fastapi import FastAPI
 from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
 
+from gptlab.kernels import release_threads
 from gptlab.serve.completions import Completions
 from gptlab.serve.errors import APIError, BodyLimit, declare_errors, install_error_handlers
 from gptlab.serve.explorer import Explorer
@@ -76,6 +77,7 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app):
+        release_threads()  # this thread loaded the model and computes no more: the scheduler's decodes
         scheduler.start()
         try:
             yield
