@@ -54,6 +54,7 @@ bench: $(STAMP)
 	$(PY) -m gptlab bench generate --peer llama.cpp --repeats 3
 	$(PY) -m gptlab bench generate --peer llama.cpp --repeats 3 --modes int8,int4 --depth 895
 	$(PY) -m gptlab bench generate --modes fp32 --batch 1 --repeats 3
+	$(PY) -m gptlab bench serve --rounds 3
 	$(PY) -m gptlab bench train --rounds 3 --steps 2
 	V=$$($(PY) -c 'from gptlab import kernels; print(kernels.auto_variant())') && \
 		$(PY) -m gptlab bench variants --variants $$V:nta,$$V:t0 --rounds 7 --new-tokens 128 --prompt-len 0 --gemm-rows 0

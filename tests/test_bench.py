@@ -348,10 +348,61 @@ def test_make_bench_runs_benchmarks_whose_options_exist():
     text = subprocess.run(["make", "-n", "-W", ".venv/.installed", "bench", "NANOGPT_DIR=/nanogpt"], cwd=root,
                           capture_output=True, text=True, check=True).stdout  # fmt: skip
     runs = re.findall(r"-m gptlab bench (\w+) ([^;\n]*)", text)
-    assert [name for name, _ in runs] == ["generate", "generate", "generate", "train", "variants", "nanogpt", "summary"]
+    assert [name for name, _ in runs] == ["generate", "generate", "generate", "serve", "train", "variants", "nanogpt",
+                                          "summary"]  # fmt: skip
     for name, options in runs:
         argv = shlex.split(options.replace("$V", "avx2").rstrip("\\ "))
         importlib.import_module(f"gptlab.bench.{name}").parse_args(argv)  # SystemExit on an unknown option
+
+
+# --- gptlab bench serve: the server against generate()
+
+
+def test_bench_serve_times_the_server_against_generate_and_checks_its_tokens(tmp_path, capsys):
+    """A real `gptlab serve` subprocess on a tiny model: each row's ratio is the server's rate over
+    generate()'s, and every completion is generate()'s greedy tokens."""
+    from gptlab.bench import serve
+    from gptlab.checkpoint import save_model
+
+    save_model(tiny_model(vocab_size=257, block_size=64), tmp_path / "tiny", tokenizer="byte")
+    argv = ["--model", str(tmp_path / "tiny"), "--mode", "fp32", "--new-tokens", "12", "--prompt-len", "4",
+            "--clients", "3", "--rounds", "1", "--threads", "1", "--out", str(tmp_path)]  # fmt: skip
+    assert serve.main(argv) == 0
+    (path,) = tmp_path.glob("serve-*.json")
+    results = json.loads(path.read_text())
+    assert [r["row"] for r in results["rows"]] == [
+        "1 client, non-streaming",
+        "1 client, streaming",
+        "3 clients at once",
+    ]
+    for row in results["rows"]:
+        ratio = row["server_tok_s"] / row["generate_tok_s"]
+        assert row["server_tok_s"] > 0 and row["ratio"] == pytest.approx(ratio, abs=1e-3)  # rounded to 3 places
+    assert results["mismatches"] == {} and "1 decoding thread" in results["settings"]["server"]
+    assert "token ids: as generate() gives them" in capsys.readouterr().out
+
+
+def test_bench_serve_tells_a_near_tie_from_a_wrong_token():
+    """Where a completion leaves generate()'s greedy tokens, the margin is how much generate()'s
+    logits prefer its own token there: ~0 at a tie, large for a token the model ranks low."""
+    from gptlab.bench.serve import NEAR_TIE, difference
+
+    model, prompt = tiny_model(), [1, 2, 3]
+    want = generate_greedy(model, prompt, 5)
+    assert difference(model, prompt, want, want) is None
+    with torch.no_grad():
+        logits, _ = model(torch.tensor([prompt + want[:2]]))  # (1, T, V)
+    worst = int(logits[0, -1].argmin())
+    wrong = want[:2] + [worst] + want[3:]
+    margin = difference(model, prompt, wrong, want)
+    assert margin == pytest.approx(float(logits[0, -1].max() - logits[0, -1, worst]), abs=1e-5)
+    assert margin > NEAR_TIE["fp32"] and difference(model, prompt, want[:4], want) == float("inf")
+
+
+def generate_greedy(model, prompt, n):
+    from gptlab.generation import generate
+
+    return generate(model, [prompt], n, temperature=0)[0][len(prompt) :]
 
 
 # --- gptlab bench summary: the speed tables' figures from the results files

@@ -16,6 +16,7 @@ BENCHMARKS = {
     "hooks": "hook points vs TransformerLens's TransformerBridge: run_with_cache and the patching grid",
     "finetune": "the fine-tuning recipes: speaker classification 4 ways, masked vs unmasked instruction tuning",
     "formats": "nanoGPT/GGUF readers and writers against nanoGPT's model.py, llama.cpp's converter and llama-perplexity",
+    "serve": "the OpenAI-compatible server (one client, streaming, many at once) vs generate() on the same weights",
     "summary": "the README's speed-table figures for this machine (or --all), from the latest results: runs nothing",
 }
 
