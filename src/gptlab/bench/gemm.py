@@ -9,6 +9,12 @@ training takes here. Defaults: the demo's shape (GPT-2's vocabulary, B8xT128 = 1
 Where gl_gemm_bf16 runs (AVX512-BF16, `kernels.gemm_bf16_runs`) it also times the bf16 products
 of bf16 autocast both ways: `kernels.mm(..., bf16=True)`, gl_gemm_bf16 against torch's bf16 product
 (oneDNN), each from the same fp32 operands.
+
+Then prompts' products, which `kernels.gemm_choice` decides too: GPT-2 small's four block layers
+at --layer-rows rows of x, fp32 weights through gl_sgemm against F.linear, and bf16 weights through
+`kernels.bf16_linear_in_fp32` both ways (gl_sgemm widening the weight as it packs it, against
+converting it for F.linear). On Intel CPUs, where auto keeps MKL without having been measured
+against it, these rows and the head's say whether it should.
 """
 
 from __future__ import annotations
@@ -29,6 +35,8 @@ def parse_args(argv):
     p.add_argument("--rows", type=int, default=1024, help="rows of x (tokens per chunk)")
     p.add_argument("--width", type=int, default=128, help="the model's width (n_embd)")
     p.add_argument("--rounds", type=int, default=9, help="timed rounds per side, alternating")
+    p.add_argument("--layer-rows", type=int, nargs="*", default=[16, 64, 512],
+                   help="rows of x for the block layers' products (none: skip them)")  # fmt: skip
     p.add_argument("--out", default="bench/results", help="results directory")
     return p.parse_args(argv)
 
@@ -54,6 +62,55 @@ def time_products(choice: str, bf16: bool, w, x, e, logits, grad_x, grad_w) -> l
         kernels.mm(a, b, out, bf16=bf16)
         seconds.append(time.perf_counter() - t0)
     return seconds
+
+
+LAYERS = {"attn c_attn": (2304, 768), "attn c_proj": (768, 768), "mlp c_fc": (3072, 768), "mlp c_proj": (768, 3072)}
+
+
+def time_layers(choice: str, dtype, xs: dict, weights: dict, reps: int) -> float:
+    """Seconds of `reps` forwards of the four block layers (x fp32 or bf16 as the weights), with
+    GPTLAB_GEMM=choice: fp32 through kernels.sgemm_linear or F.linear, bf16 through
+    kernels.bf16_linear_in_fp32 (which takes gl_sgemm or converts for F.linear by the choice)."""
+    import torch
+    import torch.nn.functional as F
+
+    from gptlab import kernels
+
+    os.environ["GPTLAB_GEMM"] = choice
+    if dtype is torch.float32:
+        linear = kernels.sgemm_linear if choice == "gptlab" else F.linear
+    else:
+        linear = kernels.bf16_linear_in_fp32
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        for name, w in weights.items():
+            linear(xs[name], w, None)
+    return time.perf_counter() - t0
+
+
+def layer_rows(rows_list: list[int], rounds: int) -> list[dict]:
+    """Medians (ms) of the four block layers' products per row count and weight dtype, gptlab's GEMM
+    against torch's, alternating round by round."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    weights32 = {name: torch.randn(N, K, generator=g) * 0.02 for name, (N, K) in LAYERS.items()}
+    rows = []
+    for M in rows_list:
+        reps = max(1, 2048 // M)  # ~0.1 GFLOP or more per timing
+        for dtype in (torch.float32, torch.bfloat16):
+            weights = {name: w.to(dtype) for name, w in weights32.items()}
+            xs = {name: torch.randn(M, LAYERS[name][1], generator=g).to(dtype) for name in LAYERS}
+            times = {"gptlab": [], "torch": []}
+            for side in times:
+                time_layers(side, dtype, xs, weights, 1)  # warm-up
+            for _ in range(rounds):
+                for side in times:
+                    times[side].append(time_layers(side, dtype, xs, weights, reps) / reps)
+            ms = {side: statistics.median(t) * 1e3 for side, t in times.items()}
+            rows.append({"rows": M, "weights": str(dtype).removeprefix("torch."), "gptlab_ms": round(ms["gptlab"], 4),
+                         "torch_ms": round(ms["torch"], 4), "speedup": round(ms["torch"] / ms["gptlab"], 3)})  # fmt: skip
+    return rows
 
 
 def main(argv=None) -> int:
@@ -99,6 +156,17 @@ def main(argv=None) -> int:
               f"{total['torch'] / total['gptlab']:.2f}x")  # fmt: skip
         key = "" if dtype == "float32" else "_bf16"  # fp32's keys as before
         results[f"products{key}"], results[f"total_ms{key}"] = rows, total
+    if args.layer_rows:
+        try:
+            results["block_layers"] = layer_rows(args.layer_rows, args.rounds)
+        finally:
+            if before is None:
+                os.environ.pop("GPTLAB_GEMM", None)
+            else:
+                os.environ["GPTLAB_GEMM"] = before
+        print(" GPT-2's four block layers, prompts (fp32: gl_sgemm against F.linear; bf16: gl_sgemm widening the weight against converting it for F.linear):")  # fmt: skip
+        for r in results["block_layers"]:
+            print(f"  {r['rows']:4d} rows, {r['weights']:8s} weights  gptlab {r['gptlab_ms']:7.2f} ms   torch {r['torch_ms']:7.2f} ms   {r['speedup']:.2f}x")  # fmt: skip
     path = write_results("gemm", results, args.out)
     print(f"results: {path}")
     return 0
