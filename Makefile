@@ -56,6 +56,7 @@ bench: $(STAMP)
 	$(PY) -m gptlab bench generate --modes fp32 --batch 1 --repeats 3
 	$(PY) -m gptlab bench serve --rounds 3
 	$(PY) -m gptlab bench train --rounds 3 --steps 2
+	$(PY) -m gptlab bench gemm --rounds 5
 	V=$$($(PY) -c 'from gptlab import kernels; print(kernels.auto_variant())') && \
 		$(PY) -m gptlab bench variants --variants $$V:nta,$$V:t0 --rounds 7 --new-tokens 128 --prompt-len 0 --gemm-rows 0
 	@if [ -z "$(NANOGPT_DIR)" ]; then echo "skipped gptlab bench nanogpt: set NANOGPT_DIR to a nanoGPT checkout"; \

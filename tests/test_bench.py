@@ -358,7 +358,7 @@ def test_make_bench_runs_benchmarks_whose_options_exist():
     text = subprocess.run(["make", "-n", "-W", ".venv/.installed", "bench", "NANOGPT_DIR=/nanogpt"], cwd=root,
                           capture_output=True, text=True, check=True).stdout  # fmt: skip
     runs = re.findall(r"-m gptlab bench (\w+) ([^;\n]*)", text)
-    assert [name for name, _ in runs] == ["generate", "generate", "generate", "serve", "train", "variants", "nanogpt",
+    assert [name for name, _ in runs] == ["generate", "generate", "generate", "serve", "train", "gemm", "variants", "nanogpt",
                                           "summary"]  # fmt: skip
     for name, options in runs:
         argv = shlex.split(options.replace("$V", "avx2").rstrip("\\ "))
