@@ -458,6 +458,10 @@ MUTANTS = [
     Mutant("serve/text-offset-in-tokens", "serve/completions.py",
            "offset += len(text.decode(self.state.tokenizer.decode_bytes([token])))", "offset += 1",
            SERVE_LMEVAL_TESTS),
+    # thread counts other than CI's 2: each thread's share of a kernel's rows
+    Mutant("kernels/last-thread-loses-its-last-rows-beyond-two-threads", "csrc/common.h",
+           "b = (int)(units * (t + 1) / nt) * unit;", "b = (int)(units * (t + 1) / nt - (nt > 2 && t == nt - 1)) * unit;",
+           ("tests/test_kernels.py", "-k", "same_bits_on_any")),
     # the server's threads (a second thread that keeps OpenMP helpers makes every team sleep)
     Mutant("serve/explorer-keeps-its-openmp-helpers", "serve/explorer.py",
            '"/lens", computes(self.lens)', '"/lens", self.lens', ("tests/test_serve.py", "-k", "release")),

@@ -498,3 +498,46 @@ def test_weights_move_to_huge_pages_behind_the_first_step_not_before_it(monkeypa
     again = torch.empty(0).set_(memory)
     assert kernels.stream(again) == again.data_ptr() and done.wait(10)
     assert calls[1] == (again.data_ptr(), again.nbytes) == calls[0]
+
+
+def _forwards(model) -> list[torch.Tensor]:
+    """Logits of a 21-token prompt (the prompts' kernels), then of a 13-token prompt and 4 one-token
+    steps over a KV cache (the fused decoding step), 2 rows each."""
+    from gptlab.model import KVCache
+
+    prompt = torch.randint(0, model.config.vocab_size, (2, 21), generator=torch.Generator().manual_seed(0))
+    cache = KVCache.for_model(model, 2, 40)
+    outs = [model(prompt)[0]]
+    for t0, t1 in [(0, 13), *((t, t + 1) for t in range(13, 17))]:
+        outs.append(model(prompt[:, t0:t1], kv_cache=cache)[0])  # (2, t1 - t0, V)
+        cache.advance(t1 - t0)
+    return outs
+
+
+@needs_float
+@pytest.mark.parametrize("mode", ["fp32", "bf16", "int8", "int4"])
+def test_the_kernels_give_the_same_bits_on_any_number_of_threads(kernel_variant, mode):
+    """CI has 2 cores; users have 1 or 16. Each kernel splits its rows (and the prompts' GEMM its
+    columns) among the threads, and no sum is split, so every output is the same bits on 1, 3 and 5
+    threads as on 2: a thread's share computed twice or not at all, or a tail lost, shows. The
+    portable variant leaves long prompts' products to PyTorch, whose sums depend on the threads
+    (measured: 1.5e-7 of a logit)."""
+    model = tiny_model(0)
+    if mode == "bf16":
+        model = model.to(torch.bfloat16)
+    elif mode in ("int8", "int4"):
+        model = quantize_model(model, mode, **({"group_size": 32} if mode == "int4" else {}))
+    before = torch.get_num_threads()
+    try:
+        with torch.no_grad():
+            torch.set_num_threads(2)
+            want = _forwards(model)
+            for threads in (1, 3, 5):
+                torch.set_num_threads(threads)
+                for got, ref in zip(_forwards(model), want, strict=True):
+                    if kernel_variant == "portable" and mode == "fp32":
+                        torch.testing.assert_close(got, ref, rtol=0, atol=1e-6)
+                    else:
+                        assert torch.equal(got, ref), f"{threads} threads"
+    finally:
+        torch.set_num_threads(before)
