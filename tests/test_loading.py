@@ -118,3 +118,44 @@ def test_the_public_name_is_this_function():
     import gptlab
 
     assert gptlab.load_model is load_model
+
+
+def test_load_config_reads_no_weights(tmp_path, monkeypatch):
+    """load_config (`gptlab info`) gives load_model's config from a gptlab, quantized, training-run
+    or Hugging Face directory without touching a weight: every weight reader fails here."""
+    from gptlab import hf
+
+    small, other = tiny_model(), tiny_model(n_layer=3, n_embd=48)
+    save_model(small, tmp_path / "native", tokenizer="byte")
+    save_quantized(quantize_model(tiny_model(), "int8"), tmp_path / "int8", tokenizer="byte")
+    save_pretrained(other, tmp_path / "hf", tokenizer="byte")
+
+    def write(tmp):
+        save_model(other, tmp, tokenizer="byte")
+        (tmp / run_files.STATE_FILE).write_text(json.dumps({"step": 1}))
+
+    run_files.write_checkpoint(tmp_path / "run", 1, write)
+    specs = {"native": small, "int8": small, "hf": other, "run": other}
+    want = {name: load_model(str(tmp_path / name)).config for name in specs}
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("a weight was read")
+
+    for reader in ("load_native", "load_quantized", "load_pretrained"):
+        monkeypatch.setattr(loading, reader, no_weights)
+    monkeypatch.setattr(hf, "weight_files", no_weights)
+    for name, model in specs.items():
+        assert loading.load_config(str(tmp_path / name)) == want[name] == model.config, name
+    assert loading.load_config("preset:gpt2-tiny") == loading.GPTConfig.from_name("gpt2-tiny")
+    with pytest.raises(ValueError, match="neither gptlab.json"):
+        loading.load_config(str(tmp_path))
+
+
+def test_load_config_of_a_hub_id_fetches_config_json_alone(tmp_path, monkeypatch):
+    import huggingface_hub
+
+    save_pretrained(tiny_model(n_layer=3), tmp_path, tokenizer="byte")
+    asked = []
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda repo, allow_patterns: asked.append((repo, allow_patterns)) or str(tmp_path))  # fmt: skip
+    assert loading.load_config("org/some-gpt2").n_layer == 3
+    assert asked == [("org/some-gpt2", ["config.json"])]

@@ -409,22 +409,33 @@ def read_config(directory: Path) -> dict:
         raise ValueError(f"{path}: not a readable Hugging Face config ({e})") from e
 
 
-def resolve(name_or_path: str) -> Path:
-    """A local directory as is; otherwise a Hub id, downloaded into (or found in) the HF cache."""
+def load_config(name_or_path: str | os.PathLike) -> GPTConfig:
+    """The GPTConfig of a GPT-2 in the Hugging Face format from its config.json alone (a Hub id
+    fetches that file only), checked as load_pretrained checks it."""
+    directory = resolve(str(name_or_path), config_only=True)
+    return config_from_hf(read_config(directory), str(directory))
+
+
+def resolve(name_or_path: str, *, config_only: bool = False) -> Path:
+    """A local directory as is; otherwise a Hub id, downloaded into (or found in) the HF cache
+    (config_only: its config.json alone)."""
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         return path
     if path.exists() or name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1:
         raise ValueError(f"{name_or_path}: not a directory in the Hugging Face layout, and not a Hub id")
-    return download(name_or_path)
+    return download(name_or_path, config_only=config_only)
 
 
-def download(repo_id: str) -> Path:
-    """Fetch a model's config, weights and tokenizer files through huggingface_hub's cache."""
+def download(repo_id: str, *, config_only: bool = False) -> Path:
+    """Fetch a model's config, weights and tokenizer files (config_only: its config.json) through
+    huggingface_hub's cache."""
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError
 
     try:
+        if config_only:
+            return Path(snapshot_download(repo_id, allow_patterns=[CONFIG_FILE]))
         folder = Path(snapshot_download(repo_id, allow_patterns=HUB_PATTERNS))
         if not (folder / SAFETENSORS_FILE).is_file() and not (folder / SAFETENSORS_INDEX).is_file():
             folder = Path(snapshot_download(repo_id, allow_patterns=HUB_BIN_PATTERNS))  # older repos: .bin only

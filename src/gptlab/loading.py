@@ -23,6 +23,7 @@ import torch
 from gptlab.checkpoint import META_FILE, load_native, read_meta
 from gptlab.config import PRESETS, GPTConfig
 from gptlab.formats import reader_for
+from gptlab.hf import load_config as hf_config
 from gptlab.hf import load_pretrained
 from gptlab.model import GPT
 from gptlab.quantize import load_quantized
@@ -65,6 +66,22 @@ def _load_base(spec: str, *, device=None, dtype=None) -> GPT:
             "config.json (Hugging Face) nor ckpt.pt (nanoGPT)"
         )
     return load_pretrained(spec, device=device, dtype=dtype)
+
+
+def load_config(spec: str) -> GPTConfig:
+    """The GPTConfig of the model a --model spec names, without reading its weights where the
+    format keeps the config apart: presets, gptlab directories (and training runs), Hugging Face
+    directories and Hub ids (config.json alone). nanoGPT's and llm.c's files are read whole."""
+    if is_preset(spec):
+        return GPTConfig.from_name(spec.removeprefix("preset:"))
+    path = checkpoint_path(spec)
+    if (path / META_FILE).is_file():
+        return GPTConfig.from_dict(read_meta(path)["config"])
+    if reader_for(path) is not None:
+        return _load_base(spec).config
+    if path.is_dir() and not (path / "config.json").is_file():
+        return _load_base(spec).config  # the reader's error names what the directory lacks
+    return hf_config(spec)
 
 
 def _lora_run(path: Path, meta: dict, *, device=None, dtype=None) -> GPT:

@@ -18,13 +18,13 @@ def add_arguments(parser):
 def run(args):
     from gptlab.config import PRESETS, GPTConfig
     from gptlab.inspect import model_info
-    from gptlab.loading import load_model
+    from gptlab.loading import load_config
     from gptlab.model import GPT, meta_device
 
     spec = args.model_opt or args.model or "gpt2"
     if args.context is not None and args.context < 1:
         raise ValueError(f"--context must be at least 1, got {args.context}")
-    config = GPTConfig.from_name(spec) if spec in PRESETS and not Path(spec).exists() else load_model(spec).config
+    config = GPTConfig.from_name(spec) if spec in PRESETS and not Path(spec).exists() else load_config(spec)
     with meta_device():  # shapes are all the breakdown needs; a quantized model counts its logical weights
         model = GPT(config)
     info = model_info(model, args.context)
