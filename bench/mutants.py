@@ -134,8 +134,8 @@ MUTANTS = [
     Mutant("fused/int4-embedding-rows-not-centred", "csrc/decode_step.c",
            "(float)(v - 8) * bf16_to_f32", "(float)v * bf16_to_f32", FUSED_TESTS),
     Mutant("fused/values-written-to-the-key-cache", "fused_step.py",
-           "tensors = [t for kv in cache.layers for t in kv]",
-           "tensors = [t for k, v in cache.layers for t in (k, k)]", FUSED_TESTS),
+           "tensors = [t for kv in layers for t in kv]",
+           "tensors = [t for k, v in layers for t in (k, k)]", FUSED_TESTS),
     # each kernel variant's own primitives (csrc/simd.h): each test of the kernels runs on every
     # variant this CPU can execute, so a bug in one variant fails there
     Mutant("kernels/avx512-int8-offset-not-removed", "csrc/simd.h",
@@ -186,7 +186,7 @@ MUTANTS = [
     Mutant("kernels/split-sums-drop-one", "csrc/linear.c",
            "out[0][m] = (s4[0] + s4[1]) + (s4[2] + s4[3]);", "out[0][m] = (s4[0] + s4[1]) + s4[2];", FUSED_TESTS),
     Mutant("kernels/tail-of-inputs-dropped", "csrc/linear.c",
-           "        if (k < K) dot_step_f32((const float *)w, x, R, M, K, k, K - k, 1, acc);\n", "", FUSED_TESTS),
+           "        if (k < K) dot_step_f32((const float *)w, x, R, M, K, k, K - k, 1, nta, acc);\n", "", FUSED_TESTS),
     Mutant("kernels/avx512-tail-mask-a-lane-short", "csrc/simd.h",
            "return (__mmask16)((1u << n) - 1u); }", "return (__mmask16)((1u << n) - 2u); }", FUSED_TESTS, "avx512"),
     Mutant("kernels/avx2-bf16-tail-shifted-wrong", "csrc/simd.h",
