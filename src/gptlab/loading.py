@@ -77,10 +77,8 @@ def load_config(spec: str) -> GPTConfig:
     path = checkpoint_path(spec)
     if (path / META_FILE).is_file():
         return GPTConfig.from_dict(read_meta(path)["config"])
-    if reader_for(path) is not None:
-        return _load_base(spec).config
-    if path.is_dir() and not (path / "config.json").is_file():
-        return _load_base(spec).config  # the reader's error names what the directory lacks
+    if reader_for(path) is not None or (path.is_dir() and not (path / "config.json").is_file()):
+        return _load_base(spec).config  # their configs live inside the weights' files; else _load_base's error
     return hf_config(spec)
 
 

@@ -20,6 +20,7 @@ against it, these rows and the head's say whether it should.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import time
@@ -39,6 +40,19 @@ def parse_args(argv):
                    help="rows of x for the block layers' products (none: skip them)")  # fmt: skip
     p.add_argument("--out", default="bench/results", help="results directory")
     return p.parse_args(argv)
+
+
+@contextlib.contextmanager
+def gemm_env_kept():
+    """Within the block the timings set GPTLAB_GEMM to each side in turn; after it, it is as it was."""
+    before = os.environ.get("GPTLAB_GEMM")
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("GPTLAB_GEMM", None)
+        else:
+            os.environ["GPTLAB_GEMM"] = before
 
 
 def operands(V: int, n: int, C: int):
@@ -121,7 +135,6 @@ def main(argv=None) -> int:
     args = parse_args(argv or [])
     if not kernels.available()[0]:
         raise SystemExit(f"gptlab's kernels are not available here: {kernels.available()[2]}")
-    before = os.environ.get("GPTLAB_GEMM")
     chosen, bf16_runs = kernels.gemm_choice(), kernels.gemm_bf16_runs()
     V, n, C = args.vocab, args.rows, args.width
     tensors = operands(V, n, C)
@@ -132,17 +145,12 @@ def main(argv=None) -> int:
     for dtype in ("float32", "bfloat16") if bf16_runs else ("float32",):
         bf16 = dtype == "bfloat16"
         times = {"gptlab": [], "torch": []}
-        try:
+        with gemm_env_kept():
             for side in times:  # warm-up
                 time_products(side, bf16, *tensors)
             for _ in range(args.rounds):
                 for side in times:
                     times[side].append(time_products(side, bf16, *tensors))
-        finally:
-            if before is None:
-                os.environ.pop("GPTLAB_GEMM", None)
-            else:
-                os.environ["GPTLAB_GEMM"] = before
         print(f" {dtype} ({'gl_gemm_bf16 against torch bf16 (oneDNN)' if bf16 else 'gl_sgemm against torch.mm'}):")
         rows = []
         for i, name in enumerate(PRODUCTS):
@@ -157,13 +165,8 @@ def main(argv=None) -> int:
         key = "" if dtype == "float32" else "_bf16"  # fp32's keys as before
         results[f"products{key}"], results[f"total_ms{key}"] = rows, total
     if args.layer_rows:
-        try:
+        with gemm_env_kept():
             results["block_layers"] = layer_rows(args.layer_rows, args.rounds)
-        finally:
-            if before is None:
-                os.environ.pop("GPTLAB_GEMM", None)
-            else:
-                os.environ["GPTLAB_GEMM"] = before
         print(" GPT-2's four block layers, prompts (fp32: gl_sgemm against F.linear; bf16: gl_sgemm widening the weight against converting it for F.linear):")  # fmt: skip
         for r in results["block_layers"]:
             print(f"  {r['rows']:4d} rows, {r['weights']:8s} weights  gptlab {r['gptlab_ms']:7.2f} ms   torch {r['torch_ms']:7.2f} ms   {r['speedup']:.2f}x")  # fmt: skip
