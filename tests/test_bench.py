@@ -146,6 +146,34 @@ def test_decoding_at_depth_times_the_steps_after_the_context_as_llama_bench_d(mo
     assert commands[0][commands[0].index("-d") + 1] == "300" and commands[1][commands[1].index("-d") + 1] == "0"
 
 
+def test_each_llamacpp_round_times_every_mode_and_each_row_keeps_its_best(monkeypatch):
+    """Rounds run fp32, int4, fp32, int4, ... (each engine after the other), so a slow phase of the
+    VM hits every precision alike; each engine's row keeps its fastest round, with llama-bench's facts
+    of that round."""
+    from gptlab.bench import llamacpp
+
+    calls, speeds = [], iter([10.0, 40.0, 30.0, 20.0, 20.0, 50.0])  # fp32, int4 per round, 3 rounds
+
+    def fake_gptlab(model, prompt, repeats, context):
+        calls.append(("gptlab", model))
+        speed = next(speeds)
+        return {"decode_tok_s": speed, "prefill_tok_s": 100 * speed}
+
+    def fake_llamacpp(llama, gguf, *, threads, repeats, depth):
+        calls.append(("llama.cpp", gguf))
+        speed = 2.0 * len(calls)
+        return {"decode_tok_s": speed, "prefill_tok_s": speed, "decode": {"call": len(calls)}, "prefill": {}}
+
+    monkeypatch.setattr(llamacpp, "time_gptlab", fake_gptlab)
+    monkeypatch.setattr(llamacpp, "time_llamacpp", fake_llamacpp)
+    models, ggufs = {"fp32": "m32", "int4": "m4"}, {"fp32": "F32.gguf", "int4": "Q4_0.gguf"}
+    best = llamacpp.time_interleaved(models, ggufs, None, None, threads=2, repeats=3)
+    assert calls == [("gptlab", "m32"), ("llama.cpp", "F32.gguf"), ("gptlab", "m4"), ("llama.cpp", "Q4_0.gguf")] * 3
+    assert best["fp32"][0] == {"decode_tok_s": 30.0, "prefill_tok_s": 3000.0}
+    assert best["int4"][0] == {"decode_tok_s": 50.0, "prefill_tok_s": 5000.0}
+    assert best["int4"][1]["decode_tok_s"] == 24.0 and best["int4"][1]["decode"] == {"call": 12}
+
+
 def test_the_llamacpp_rows_load_gptlab_with_the_kv_cache_asked(tmp_path):
     """--kv-cache: auto keeps each mode's default (bf16 for int8/int4, the activations' otherwise);
     float32 or bfloat16 sets it."""

@@ -428,31 +428,33 @@ def run_llamacpp(args) -> int:
     gen = torch.Generator().manual_seed(args.seed)
     prompt = torch.randint(0, config.vocab_size, (1, llamacpp.PREFILL_TOKENS), generator=gen)
     context = torch.randint(0, config.vocab_size, (1, args.depth), generator=gen) if args.depth else None
-    rows, gguf_bytes = [], {}
+    rows = []
     with tempfile.TemporaryDirectory() as tmp:
         torch.manual_seed(args.seed)
         GPT(config).save_pretrained(f"{tmp}/hf")
         print("converting to GGUF ...", flush=True)
         files = llamacpp.convert(llama, f"{tmp}/hf", tmp, [llamacpp.GGUF_TYPES[m] for m in modes])
-        print(llamacpp.row_header(args.depth), flush=True)
+        models = {mode: llamacpp.load_gptlab(f"{tmp}/hf", mode, args.kv_cache) for mode in modes}
+        ggufs = {mode: files[llamacpp.GGUF_TYPES[mode]] for mode in modes}
+        gguf_bytes = {mode: gguf.stat().st_size for mode, gguf in ggufs.items()}
+        print(f"{args.repeats} rounds, each timing {', '.join(modes)} in turn ...", flush=True)
         try:
-            for mode in modes:
-                model = llamacpp.load_gptlab(f"{tmp}/hf", mode, args.kv_cache)
-                gguf = files[llamacpp.GGUF_TYPES[mode]]
-                gguf_bytes[mode] = gguf.stat().st_size
-                ours, theirs = llamacpp.time_alternating(model, prompt, llama, gguf, threads, args.repeats, context)
-                kv = str(cache_dtype(model)).removeprefix("torch.")
-                rows.append({**llamacpp.peer_row(mode, ours, theirs), "kv_cache": kv, "llamacpp_bench": theirs})
-                print(llamacpp.format_peer_row(rows[-1]), flush=True)
+            best = llamacpp.time_interleaved(models, ggufs, prompt, llama, threads, args.repeats, context)
         except KeyboardInterrupt:
-            print(f"interrupted: {len(rows)} of {len(modes)} rows done")
+            print("interrupted: no rows (each row needs every round)")
+            best = {}
+        print(llamacpp.row_header(args.depth), flush=True)
+        for mode, (ours, theirs) in best.items():
+            kv = str(cache_dtype(models[mode])).removeprefix("torch.")
+            rows.append({**llamacpp.peer_row(mode, ours, theirs), "kv_cache": kv, "llamacpp_bench": theirs})
+            print(llamacpp.format_peer_row(rows[-1]), flush=True)
     if args.out:
         results = {
             "settings": dict(
                 peer="llama.cpp", preset=args.preset, seed=args.seed, decode_tokens=llamacpp.DECODE_TOKENS,
                 decode_from=f"{args.depth} random tokens" if args.depth else [[llamacpp.EOT]], depth=args.depth,
                 kv_cache=args.kv_cache, prefill_tokens=llamacpp.PREFILL_TOKENS, greedy=True,
-                repeats=args.repeats, best_of_repeats=True, threads=threads, native_bf16=native,
+                repeats=args.repeats, best_of_repeats=True, modes_interleaved=True, threads=threads, native_bf16=native,
                 native_bf16_why=why, load_average=os.getloadavg(), rows_done=f"{len(rows)} of {len(modes)}",
                 peer_isa=args.peer_isa, isa_env={k: os.environ[k] for k in AVX2_ENV if k in os.environ},
             ),

@@ -408,23 +408,28 @@ def time_llamacpp(llama: LlamaCpp, gguf: Path, *, threads: int, repeats: int, de
     }
 
 
-def time_alternating(
-    model, prompt, llama: LlamaCpp, gguf: Path, threads: int, repeats: int, context=None
-) -> tuple[dict, dict]:
-    """(gptlab's, llama.cpp's) timings over `repeats` rounds, each round one run of each engine and
-    the best round of each counting: this VM's memory bandwidth drifts over minutes (the same
-    llama.cpp file measured 38 and 45 tok/s an hour apart on the AMD EPYC), and alternating makes a
-    slow phase hit both engines alike."""
-    ours, theirs = {}, {}
+def time_interleaved(
+    models: dict, ggufs: dict, prompt, llama: LlamaCpp, threads: int, repeats: int, context=None
+) -> dict[str, tuple[dict, dict]]:
+    """Per mode of `models` (mode -> gptlab model; `ggufs`: mode -> llama.cpp's file), (gptlab's,
+    llama.cpp's) best timings over `repeats` rounds. Each round runs every mode once, each engine
+    right after the other. This VM's memory bandwidth drifts over minutes (the same llama.cpp file
+    measured 38 and 45 tok/s an hour apart on the AMD EPYC; gptlab's fp32 decoding 74-114 tok/s
+    within 15 minutes on the Zen 4): alternating makes a slow phase hit both engines alike, and
+    interleaving the modes makes it hit every precision alike, so that the rows' ratios to each
+    other (int4 decoding against fp32's) hold as well as each row's ratio to llama.cpp."""
+    best = {mode: ({}, {}) for mode in models}
     depth = 0 if context is None else context.size(1)
     for _ in range(repeats):
-        mine = time_gptlab(model, prompt, 1, context)
-        peer = time_llamacpp(llama, gguf, threads=threads, repeats=1, depth=depth)
-        for key in ("decode_tok_s", "prefill_tok_s"):
-            ours[key] = max(ours.get(key, 0.0), mine[key])
-            if peer[key] > theirs.get(key, 0.0):
-                theirs[key], theirs[key.split("_")[0]] = peer[key], peer[key.split("_")[0]]
-    return ours, theirs
+        for mode, model in models.items():
+            mine = time_gptlab(model, prompt, 1, context)
+            peer = time_llamacpp(llama, ggufs[mode], threads=threads, repeats=1, depth=depth)
+            ours, theirs = best[mode]
+            for key in ("decode_tok_s", "prefill_tok_s"):
+                ours[key] = max(ours.get(key, 0.0), mine[key])
+                if peer[key] > theirs.get(key, 0.0):
+                    theirs[key], theirs[key.split("_")[0]] = peer[key], peer[key.split("_")[0]]
+    return best
 
 
 def peer_row(mode: str, ours: dict, theirs: dict) -> dict:
