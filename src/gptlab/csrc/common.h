@@ -83,10 +83,12 @@ int gl_default_decode_rows(void);
 #define PF_DEFAULT_I4 8192
 #elif defined(__AVX512F__)
 /* avx512-256, AMD Zen 4, 2026-12-03, interleaved runs: float 8 KiB against 16 (bf16 median 108 vs
- * 98 tok/s, fp32 58 vs 56, 8 runs each); int4 4 KiB against 8 (median 182 vs 170, 10 runs each). */
+ * 98 tok/s, fp32 58 vs 56, 8 runs each); int4 4 KiB against 8 (median 182 vs 170, 10 runs each).
+ * int4 since 2026-12-05: 16 KiB ahead into L2 (PF_I4_LOCALITY) instead of 4 KiB into L1 (below). */
 #define PF_DEFAULT_FLOAT 8192
 #define PF_DEFAULT_I8 4096
-#define PF_DEFAULT_I4 4096
+#define PF_DEFAULT_I4 16384
+#define PF_DEFAULT_I4_LOCALITY 2
 #else
 /* AMD EPYC Zen 3, 2026-12-01, prefetching into every cache level: bf16 decode 50-51 -> 56-59 tok/s at
  * 16 KiB against 8; the int distances within this VM's noise. Non-temporal prefetches (below) land
@@ -107,6 +109,22 @@ int gl_default_decode_rows(void);
 #ifndef PF_I4
 #define PF_I4 PF_DEFAULT_I4
 #endif
+/* Where int4's spans prefetch their weights when non-temporal (prefetch_nta below): the locality
+ * of __builtin_prefetch, 0 (prefetchnta: L1 only) unless a variant sets it. On the AMD EPYC Zen 4
+ * (avx512-256) an int4 row of 768 inputs is 384 bytes and its loop does little per byte, so the
+ * stream waited on L1's few outstanding misses (perf: 14% of int4 decoding's samples on the
+ * prefetchnta itself); prefetcht1 lands in L2, which holds more in flight. GPT-2 int4 decoding,
+ * whole model, two builds alternating in one process (2026-12-05, medians of the per-round
+ * ratios, 10-12 rounds): against prefetchnta at 4 KiB, prefetcht1 at 4 KiB 1.00x, at 8 KiB 1.10x,
+ * at 16 KiB 1.10x and 1.12x (every round 1.04-1.29x), prefetcht2 at 8 KiB 1.11x; prefetcht1 at 16
+ * KiB against 8 KiB 1.00x. Float decoding measured slower with it (fp32 0.93x, bf16 0.91-0.97x),
+ * int8 level within the VM's noise, so they keep theirs. */
+#ifndef PF_DEFAULT_I4_LOCALITY
+#define PF_DEFAULT_I4_LOCALITY 0
+#endif
+#ifndef PF_I4_LOCALITY
+#define PF_I4_LOCALITY PF_DEFAULT_I4_LOCALITY
+#endif
 
 /* Prefetch a weight stream's next bytes; nta (a compile-time constant once inlined): without
  * temporal locality. Decoding reads each weight once: a non-temporal prefetch brings it into L1
@@ -117,6 +135,11 @@ int gl_default_decode_rows(void);
  * earlier rounds); at AVX-512 fp32 +6%, bf16 +6%, int4 +3%, int8 level; prompts level. */
 AI void prefetch_stream(const void *p, const int nta) {
     if (nta) __builtin_prefetch(p, 0, 0);
+    else __builtin_prefetch(p, 0, 3);
+}
+/* prefetch_stream for int4's weights: non-temporal at PF_I4_LOCALITY. */
+AI void prefetch_stream_i4(const void *p, const int nta) {
+    if (nta) __builtin_prefetch(p, 0, PF_I4_LOCALITY);
     else __builtin_prefetch(p, 0, 3);
 }
 

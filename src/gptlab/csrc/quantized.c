@@ -229,7 +229,7 @@ typedef struct {
 } i4_args;
 
 /* R rows of an int4 W times M rows of x (R, M compile-time constants, as gshift and nta: prefetch
- * W non-temporally, common.h's prefetch_stream); out[r][m]. The
+ * W non-temporally, common.h's prefetch_stream_i4); out[r][m]. The
  * weight w = q * scale + (zero - 8 scale), so y = xs * (sum over blocks of scale * (sum q xq)) +
  * sum over groups of (zero - 8 scale) * gsum. */
 AI void i4_rows(const i4_args a, const int R, const int M, const int gshift, const int nta,
@@ -243,7 +243,7 @@ AI void i4_rows(const i4_args a, const int R, const int M, const int gshift, con
         vf scale[2];
         for (int r = 0; r < R; r++) {
             const uint8_t *p = a.w + (size_t)r * (K / 2) + VB * c;
-            prefetch_stream((const char *)p + PF_I4, nta);
+            prefetch_stream_i4((const char *)p + PF_I4, nta);
             vi packed = vi_load(p);
             lo[r] = vi_low_nibbles(packed);  /* columns CHUNK c + 2i */
             hi[r] = vi_high_nibbles(packed); /* columns CHUNK c + 2i + 1 */
