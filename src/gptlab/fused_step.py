@@ -4,7 +4,8 @@ With gptlab's kernels, the matrix products of a decoding step are fast enough th
 other ~400 small operations and Python module calls per token cost as much as they do (1.7 of
 4.3 ms per token for an int4 GPT-2 on a 2-core Xeon). `GPT.forward` therefore hands a forward over
 the KV cache of up to `kernels.MAX_ROWS` new tokens in all (a decoding step of up to 8 rows, a
-speculative verification, a short prompt; inference, CPU) to `step`, which runs the blocks, the
+speculative verification, a short prompt; an int4 model's decoding steps of up to `INT4_STEP_ROWS`
+rows; inference, CPU) to `step`, which runs the blocks, the
 final norm and the head in C, computing what the modules compute op by op, with the same linear
 kernels, for every variant (learned or rotary positions, LayerNorm/RMSNorm, GELU/SwiGLU, biases or
 not). Whatever it does not cover runs the modules as before: forward hooks on any module, autograd,
@@ -268,12 +269,31 @@ def plan(model, dtype: torch.dtype) -> Plan | NoPlan:
     return cached
 
 
+# An int4 model's one-token decoding steps run in C up to this many rows, not MAX_ROWS: its kernel
+# takes any number of rows (quantized.c), as in the modules, so C saves their Python and PyTorch
+# overhead at every batch size. GPT-2 int4 batches decoding 16 tokens, fused against the modules
+# alternating (AMD EPYC Zen 4, 2 threads, 2026-12-05, medians of 4): avx512-256 at 9 / 16 / 24 /
+# 32 / 64 rows 1.21 / 1.15 / 1.09 / 1.08 / 1.03x, avx2 1.20 / 1.13 / 1.02 (32) / 1.03 (64),
+# avx512 1.21 / 1.09 / 1.07 (32). An int8 model keeps MAX_ROWS: from 12 rows its modules
+# multiply in fbgemm, faster than gl_linear_i8 (fused 0.96x at 12 rows, 0.83x at 16, 0.77x at 32).
+INT4_STEP_ROWS = 64
+
+
+def _rows_fit(model, idx: torch.Tensor) -> bool:
+    rows = idx.numel()
+    if rows <= kernels.MAX_ROWS:
+        return True
+    int4 = (getattr(model, "quantization", None) or {}).get("mode") == "int4"
+    return int4 and idx.size(-1) == 1 and rows <= INT4_STEP_ROWS
+
+
 def applies(model, idx: torch.Tensor, cache) -> bool:
     """Whether `step` may take this forward: up to MAX_ROWS new tokens in all (one decoding step
-    of a batch, a speculative verification, a short prompt) over a KV cache at an int position,
-    inference on the CPU with gptlab's kernels, no dropout in play."""
+    of a batch, a speculative verification, a short prompt), or an int4 model's decoding step of
+    up to INT4_STEP_ROWS rows, over a KV cache at an int position, inference on the CPU with
+    gptlab's kernels, no dropout in play."""
     return (
-        idx.numel() <= kernels.MAX_ROWS
+        _rows_fit(model, idx)
         and isinstance(cache.pos, int)
         and idx.device.type == "cpu"
         and not torch.is_grad_enabled()
