@@ -469,6 +469,12 @@ MUTANTS = [
            "return omp_pause_resource_all(omp_pause_soft);", "return 0;", ("tests/test_serve.py", "-k", "release")),
     Mutant("serve/step-view-keeps-its-first-position", "serve/scheduler.py",
            "        view.pos = self.pos\n", "", ("tests/test_serve.py", "-k", "scheduler or replaced")),
+    Mutant("fused/many-rows-last-row-not-normed", "csrc/decode_step.c",
+           "    for (int r = 0; r < M; r++) {\n        const float *xr = x + (size_t)r * C;",
+           "    for (int r = 0; r < M - (M >= PARALLEL_ROWS); r++) {\n        const float *xr = x + (size_t)r * C;",
+           ("tests/test_fused_step.py", "-k", "many_rows")),
+    Mutant("fused/int8-steps-of-many-rows-in-c", "fused_step.py",
+           '.get("mode") == "int4"', '.get("mode") in ("int4", "int8")', ("tests/test_fused_step.py", "-k", "many_rows")),
 ]
 # fmt: on
 # The swapped-name mutant needs its table in the module: appended to hf.py with it.
