@@ -23,8 +23,8 @@ import torch
 from gptlab.checkpoint import META_FILE, load_native, read_meta
 from gptlab.config import PRESETS, GPTConfig
 from gptlab.formats import reader_for
+from gptlab.hf import CONFIG_FILE, load_pretrained
 from gptlab.hf import load_config as hf_config
-from gptlab.hf import load_pretrained
 from gptlab.model import GPT
 from gptlab.quantize import load_quantized
 from gptlab.run_files import latest_checkpoint
@@ -77,7 +77,7 @@ def load_config(spec: str) -> GPTConfig:
     path = checkpoint_path(spec)
     if (path / META_FILE).is_file():
         return GPTConfig.from_dict(read_meta(path)["config"])
-    if reader_for(path) is not None or (path.is_dir() and not (path / "config.json").is_file()):
+    if reader_for(path) is not None or (path.is_dir() and not (path / CONFIG_FILE).is_file()):
         return _load_base(spec).config  # their configs live inside the weights' files; else _load_base's error
     return hf_config(spec)
 

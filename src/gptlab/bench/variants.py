@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import statistics
 import time
 
@@ -22,7 +21,7 @@ import torch
 
 from gptlab import kernels
 from gptlab.bench.common import write_results
-from gptlab.bench.gemm import operands, time_products
+from gptlab.bench.gemm import gemm_env_kept, operands, time_products
 from gptlab.bench.generate import build_mode, gptlab_engine
 from gptlab.config import GPTConfig
 from gptlab.model import GPT
@@ -98,16 +97,14 @@ def time_gemm(variants: list[str], args) -> dict[str, list[float]]:
     vocab = GPTConfig.from_name(args.preset).vocab_size
     tensors = operands(vocab, args.gemm_rows, args.gemm_width)
     flop = 3 * 2.0 * vocab * args.gemm_rows * args.gemm_width
-    out, before = {v: [] for v in variants}, os.environ.get("GPTLAB_GEMM")
-    try:
+    out = {v: [] for v in variants}
+    with gemm_env_kept():
         for r in range(args.rounds + 1):  # the first round warms up
             for v in variants:
                 with running(v):
                     seconds = sum(time_products("gptlab", False, *tensors))  # fp32
                 if r:
                     out[v].append(flop / seconds / 1e9)
-    finally:
-        os.environ.pop("GPTLAB_GEMM", None) if before is None else os.environ.update(GPTLAB_GEMM=before)
     return out
 
 
