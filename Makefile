@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 CORE := $(VENV)/.installed-core
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo lint bench install browser mutants neon-check
+.PHONY: test demo lint bench install browser qemu mutants neon-check emulated-check
 
 install: $(STAMP)
 
@@ -26,7 +26,7 @@ $(STAMP): $(CORE)
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $@
 
-test: $(STAMP) browser
+test: $(STAMP) browser qemu
 	$(PY) -m pytest -q
 
 # Headless Chromium (Debian's package) for the explorer's browser test; best effort: the test
@@ -35,6 +35,13 @@ browser:
 	@test -x /usr/bin/chromium || { command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] && \
 		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null; } \
 		|| echo "note: could not install Chromium; the browser test will be skipped"; }
+
+# qemu-user (Debian's package) for tests/test_emulated_cpu.py's AVX2 CPU without AVX-512 or VNNI;
+# best effort, as the browser: the test skips, saying why, only when it cannot be installed.
+qemu:
+	@command -v qemu-x86_64 >/dev/null || { command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] && \
+		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq qemu-user >/dev/null; } \
+		|| echo "note: could not install qemu-user; the emulated CPU test will be skipped"; }
 
 # The demo's deadline counts from make's start, the install included: `:=` reads the clock once,
 # as make reads this file, before any prerequisite is built. Training ends sooner only where the
@@ -78,3 +85,9 @@ neon-check: $(STAMP)
 	@command -v aarch64-linux-gnu-gcc >/dev/null && command -v qemu-aarch64 >/dev/null || \
 		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq gcc-aarch64-linux-gnu qemu-user >/dev/null; }
 	$(PY) tests/c/run_check.py --arch aarch64 --mutants
+
+# The CPU-dependent tests on emulated x86-64 CPUs (not part of `make test`; ~30 min on 2 cores):
+# qemu-user's AVX2 CPU of this host's vendor without AVX-512 or VNNI (EPYC-Milan, Zen 3, on an AMD
+# host) and one without AVX (Westmere), each checked to get the variant it must (tests/emulated_cpu.py).
+emulated-check: $(STAMP) qemu
+	$(PY) tests/emulated_cpu.py

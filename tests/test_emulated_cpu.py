@@ -1,0 +1,28 @@
+"""The AVX2 machine kind on every run: a few CPU-dependent tests on an emulated AVX2 CPU without
+AVX-512 or VNNI (qemu-user; tests/emulated_cpu.py, whose `make emulated-check` runs them all).
+
+On a CPU with AVX-512 VNNI, as the machines this runs on mostly are, fbgemm's int8 product is
+exact and auto takes an AVX-512 variant, so nothing else here sees the AVX2-only path: auto's
+`avx2`, and int8 prompts through gptlab's kernel because fbgemm would saturate there (issue 22's
+four failures on the AMD EPYC Zen 3). ~80 s, nearly all of it emulated Python.
+"""
+
+import os
+import shutil
+
+import pytest
+
+import emulated_cpu
+
+QUICK = [
+    "tests/test_quantize.py::test_quantized_linear_equals_dequantized_matmul",
+    "tests/test_fused_step.py::test_quantized_step_matches_the_modules",
+]
+
+
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="emulates x86-64 CPUs on an x86-64 host only")
+@pytest.mark.skipif(shutil.which("qemu-x86_64") is None, reason="qemu-x86_64 not found: apt-get install qemu-user")
+def test_an_avx2_cpu_without_vnni_takes_avx2_and_keeps_int8_exact():
+    passed, report = emulated_cpu.check("avx2", ["-x", *QUICK])
+    assert passed, report
+    assert "auto avx2" in report and "ATen AVX2" in report and "avx512" not in report, report
