@@ -371,6 +371,8 @@ MUTANTS = [
     Mutant("quantize/int8-zeroes-weights", "quantize.py",
            "q = (w / scales.float()[:, None]).round().clamp(-127, 127).to(torch.int8)",
            "q = torch.zeros_like(w, dtype=torch.int8)", QUANTIZE_TESTS),
+    Mutant("quantize/fbgemm-int8-exact-without-vnni", "kernels.py",
+           '    return "avx512vnni" in cpu_features()', "    return True", ("tests/test_emulated_cpu.py",)),
     # hook points (hooks.py, model.py)
     Mutant("hooks/scores-before-the-mask", "model.py",
            """    att = att.masked_fill(~mask, float("-inf"))
