@@ -4,7 +4,7 @@ AVX-512 or VNNI (qemu-user; tests/emulated_cpu.py, whose `make emulated-check` r
 On a CPU with AVX-512 VNNI, as the machines this runs on mostly are, fbgemm's int8 product is
 exact and auto takes an AVX-512 variant, so nothing else here sees the AVX2-only path: auto's
 `avx2`, and int8 prompts through gptlab's kernel because fbgemm would saturate there (issue 22's
-four failures on the AMD EPYC Zen 3). ~80 s, nearly all of it emulated Python.
+four failures on the AMD EPYC Zen 3). ~45 s on the Zen 4, nearly all of it emulated Python.
 """
 
 import os
