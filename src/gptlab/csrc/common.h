@@ -98,7 +98,16 @@ int gl_default_decode_rows(void);
  * bf16 1.02-1.05x (4 KiB: fp32 1.03x); int4's 8 KiB (two streams) 1.08x 4 KiB. */
 #define PF_DEFAULT_FLOAT 8192
 #define PF_DEFAULT_I8 4096
+#if defined(__AVX2__)
+/* int4 as avx512-256: 16 KiB ahead into L2. AMD EPYC Zen 4 held to AVX2 (GPTLAB_KERNELS=avx2),
+ * 2026-12-05, GPT-2 int4 decoding, two builds alternating in one process, medians of the per-round
+ * ratios: against prefetchnta at 8 KiB 1.09x, 1.08x and 1.09x (12-16 rounds each); prefetcht1 at
+ * 8 KiB and at 32 KiB level with 16. Not measured on a Zen 3. */
+#define PF_DEFAULT_I4 16384
+#define PF_DEFAULT_I4_LOCALITY 2
+#else
 #define PF_DEFAULT_I4 8192
+#endif
 #endif
 #ifndef PF_FLOAT
 #define PF_FLOAT PF_DEFAULT_FLOAT
@@ -110,9 +119,9 @@ int gl_default_decode_rows(void);
 #define PF_I4 PF_DEFAULT_I4
 #endif
 /* Where int4's spans prefetch their weights when non-temporal (prefetch_nta below): the locality
- * of __builtin_prefetch, 0 (prefetchnta: L1 only) unless a variant sets it. On the AMD EPYC Zen 4
- * (avx512-256) an int4 row of 768 inputs is 384 bytes and its loop does little per byte, so the
- * stream waited on L1's few outstanding misses (perf: 14% of int4 decoding's samples on the
+ * of __builtin_prefetch, 0 (prefetchnta: L1 only) unless a variant sets it (avx512-256 and the
+ * AVX2 ones: 2, prefetcht1). On the AMD EPYC Zen 4 (avx512-256) an int4 row of 768 inputs is 384
+ * bytes and its loop does little per byte, so the stream waited on L1's few outstanding misses (perf: 14% of int4 decoding's samples on the
  * prefetchnta itself); prefetcht1 lands in L2, which holds more in flight. GPT-2 int4 decoding,
  * whole model, two builds alternating in one process (2026-12-05, medians of the per-round
  * ratios, 10-12 rounds): against prefetchnta at 4 KiB, prefetcht1 at 4 KiB 1.00x, at 8 KiB 1.10x,
