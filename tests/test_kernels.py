@@ -500,6 +500,58 @@ def test_weights_move_to_huge_pages_behind_the_first_step_not_before_it(monkeypa
     assert calls[1] == (again.data_ptr(), again.nbytes) == calls[0]
 
 
+@needs_float
+def test_huge_pages_can_be_waited_for(monkeypatch):
+    """wait_for_huge_pages returns once the thread has moved every weight handed to it, or False
+    at its timeout while one is still being moved."""
+    import threading
+
+    release = threading.Event()
+    monkeypatch.setattr(kernels._library().lib, "gl_huge_pages", lambda address, nbytes: release.wait(10) and 0)
+    weight = torch.empty(1 << 20)  # 4 MiB
+    kernels.stream(weight)
+    assert not kernels.wait_for_huge_pages(timeout=0.2)
+    release.set()
+    assert kernels.wait_for_huge_pages(timeout=10)
+
+
+@pytest.mark.parametrize(("native_ms", "fp32_ms", "expected"), [(1, 2, True), (3, 2, False)])
+def test_bf16_matmul_choice_is_timed_after_the_huge_pages_where_the_cpu_has_bf16(
+    monkeypatch, native_ms, fp32_ms, expected
+):
+    """bf16_matmul_is_fast: on a CPU without bf16 instructions, False without timing; else the
+    faster of PyTorch's bf16 GEMM and the fp32 one, timed after the huge-page thread is done (timed
+    while it copied a model's pages, the fp32 product took 8x its time: the wrong choice, 4x slower
+    bf16 prompts) and alternating, best of 3 after a warm-up round."""
+    from types import SimpleNamespace
+
+    clock, events = SimpleNamespace(now=0.0), []
+
+    def linear(x, w, bias=None):
+        native = x.dtype is torch.bfloat16
+        done = events.count("native" if native else "fp32")
+        events.append("native" if native else "fp32")
+        wins = native == expected
+        # Counted, the warm-up (the loser fast) or a slow moment (the winner 50x) would turn the choice.
+        factor = 0.02 if done == 0 and not wins else 50 if done == 2 and wins else 1
+        clock.now += (native_ms if native else fp32_ms) * factor / 1000
+        return torch.zeros(x.size(0), w.size(0), dtype=x.dtype)
+
+    monkeypatch.setattr(kernels, "F", SimpleNamespace(linear=linear))
+    monkeypatch.setattr(kernels, "time", SimpleNamespace(perf_counter=lambda: clock.now))
+    monkeypatch.setattr(kernels, "wait_for_huge_pages", lambda timeout=10.0: events.append("wait") or True)
+    kernels.bf16_matmul_is_fast.cache_clear()
+    try:
+        monkeypatch.setattr(kernels, "may_have_native_bf16", lambda: False)
+        assert kernels.bf16_matmul_is_fast() is False and events == []
+        kernels.bf16_matmul_is_fast.cache_clear()
+        monkeypatch.setattr(kernels, "may_have_native_bf16", lambda: True)
+        assert kernels.bf16_matmul_is_fast() is expected
+        assert events[0] == "wait" and events.count("native") == events.count("fp32") == 4
+    finally:
+        kernels.bf16_matmul_is_fast.cache_clear()
+
+
 def _forwards(model) -> list[torch.Tensor]:
     """Logits of a 21-token prompt (the prompts' kernels), then of a 13-token prompt and 4 one-token
     steps over a KV cache (the fused decoding step), 2 rows each."""

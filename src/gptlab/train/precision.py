@@ -21,6 +21,9 @@ from pathlib import Path
 
 import torch
 
+from gptlab import kernels
+from gptlab.kernels import may_have_native_bf16
+
 log = logging.getLogger(__name__)
 
 CACHE_FILE = "precision.json"
@@ -69,22 +72,6 @@ def resolve_precision(name: str, device: torch.device, model=None, rows: tuple[i
     return choice, why
 
 
-BF16_FLAGS = ("avx512_bf16", "amx_bf16", "avx_ne_convert")  # /proc/cpuinfo names of x86's bf16 instructions
-
-
-def may_have_native_bf16() -> bool:
-    """False for an x86 Linux CPU whose flags name none of BF16_FLAGS (bf16 matmuls are then
-    emulated, slower than fp32); True where that cannot be told (other CPUs, no /proc/cpuinfo)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return True
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), None)
-    if flags is None or "sse2" not in flags:  # not x86
-        return True
-    return any(f in flags for f in BF16_FLAGS)
-
-
 # Settings that hold the libraries under a precision to fewer instructions than the CPU has (e.g. to
 # stand in for an AVX2-only CPU, gptlab.bench.generate.AVX2_ENV): a probe measured without them
 # does not hold with them (bf16 under ONEDNN_MAX_CPU_ISA=AVX2 on a Zen 5: 45 s a demo step).
@@ -99,8 +86,6 @@ def isa_settings() -> str:
 
 def cached_probe(model, device: torch.device, rows: tuple[int, int]) -> tuple[dict, str]:
     """Seconds per forward + backward in each precision, from the cache or measured now."""
-    from gptlab import kernels
-
     batch, block = _probe_shape(*rows)
     cfg = model.config
     key = (f"{kernels.cpu_name()} {' '.join(sorted(kernels.cpu_features()))} | torch {torch.__version__} | {torch.get_num_threads()} threads | "
