@@ -94,6 +94,18 @@ def test_auto_probe_measures_this_model(byte_data, tmp_path, monkeypatch):  # no
     assert all(p.grad is None for p in trainer.raw_model.parameters())  # the probe leaves no gradients
 
 
+def test_the_probe_times_after_the_huge_pages_are_moved(byte_data, tmp_path, monkeypatch):  # noqa: F811
+    """A timing taken while Linux copies a decoded model's pages runs slow, and the probe is cached."""
+    events = []
+    monkeypatch.setattr(kernels, "wait_for_huge_pages", lambda timeout=10.0: events.append("wait") or True)
+    model = Trainer(config(byte_data, tmp_path / "run", precision="float32")).raw_model
+    monkeypatch.setattr(
+        model, "forward", lambda *a, **k: events.append("forward") or (None, model.lm_head.weight.sum())
+    )
+    precision.probe(model, torch.device("cpu"), 1, 8)
+    assert events[0] == "wait" and events.count("forward") == 2 * (precision.PROBE_REPEATS + 1)
+
+
 @pytest.mark.parametrize(("bf16_ms", "expected"), [(85, torch.bfloat16), (95, torch.float32), (120, torch.float32)])
 def test_auto_takes_bf16_only_when_clearly_faster(monkeypatch, bf16_ms, expected):
     """BF16_MARGIN: a bf16 step probed at 95% of fp32's (AMD EPYC Zen 4) trained the demo to a

@@ -121,8 +121,11 @@ def probe(model, device: torch.device, batch: int, block: int) -> dict[str, floa
     """Fastest of PROBE_REPEATS timed forward + backward passes per precision, alternating.
 
     The model is run in eval mode (no dropout, so the global RNG is untouched) and its
-    gradients are cleared afterwards: the weights and the run's randomness are as before.
+    gradients are cleared afterwards: the weights and the run's randomness are as before. It first
+    waits for the huge-page thread (kernels.wait_for_huge_pages): a model decoded in this process
+    has its pages copied by Linux meanwhile, which slows a timing, and this one is cached.
     """
+    kernels.wait_for_huge_pages()
     g = torch.Generator().manual_seed(0)
     idx = torch.randint(0, model.config.vocab_size, (batch, block + 1), generator=g).to(device)
     x, y = idx[:, :-1], idx[:, 1:]  # (B, T) each
