@@ -373,6 +373,11 @@ MUTANTS = [
            "q = torch.zeros_like(w, dtype=torch.int8)", QUANTIZE_TESTS),
     Mutant("quantize/fbgemm-int8-exact-without-vnni", "kernels.py",
            '    return "avx512vnni" in cpu_features()', "    return True", ("tests/test_emulated_cpu.py",)),
+    Mutant("kernels/bf16-probe-while-pages-move", "kernels.py",
+           "    wait_for_huge_pages()\n    x = torch.randn(128, 768)", "    x = torch.randn(128, 768)",
+           ("tests/test_kernels.py", "-k", "huge or bf16_matmul")),
+    Mutant("kernels/bf16-probe-counts-the-warm-up", "kernels.py",
+           "min(times[name][1:])", "min(times[name])", ("tests/test_kernels.py", "-k", "huge or bf16_matmul")),
     # hook points (hooks.py, model.py)
     Mutant("hooks/scores-before-the-mask", "model.py",
            """    att = att.masked_fill(~mask, float("-inf"))
