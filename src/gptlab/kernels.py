@@ -972,9 +972,9 @@ def bf16_matmul_is_fast() -> bool:
     them PyTorch's bf16 GEMM is emulated and ~5x slower than fp32 (e.g. 63 vs 337 GFLOP/s on
     an Intel Xeon without AVX512_BF16), so bf16 weights are then better multiplied in fp32. The
     measurement waits for the huge-page thread first: timed while Linux copied a model's pages, the
-    fp32 product took 40 ms instead of 5 (its two threads on one free core) and the emulated bf16
-    one 24, so a bf16 model's prompts ran PyTorch's emulated GEMM, 4x slower (AMD EPYC Zen 4 held to
-    AVX2, 2026-12-05: 512-token bf16 prefill 225-239 tok/s against 860-992 in fp32).
+    fp32 product took 40 ms instead of 5 and the emulated bf16 one 24, so a bf16 model's prompts
+    ran PyTorch's emulated GEMM, 4x slower (AMD EPYC Zen 4 held to AVX2, 2026-12-05: 512-token
+    bf16 prefill 225-239 tok/s against 860-992 in fp32).
     """
     if not may_have_native_bf16():
         log.info("no bf16 instructions on this CPU: multiplying bf16 weights in fp32")
