@@ -447,8 +447,8 @@ def _huge_page_queue():
 
 def wait_for_huge_pages(timeout: float = 10.0) -> bool:
     """Wait (at most `timeout` seconds) until the huge-page thread has moved every weight handed to
-    it so far; returns whether it has. Linux copies the pages meanwhile, on one core: a timing taken
-    then runs its threads on the other (see bf16_matmul_is_fast)."""
+    it so far; returns whether it has. Linux copies the pages meanwhile, and a timing taken then
+    runs slow (see bf16_matmul_is_fast)."""
     if not _huge_page_queue.cache_info().currsize:  # the thread never started here
         return True
     pending = _huge_page_queue()
@@ -985,7 +985,7 @@ def bf16_matmul_is_fast() -> bool:
     xb, wb = x.bfloat16(), w.bfloat16()
     candidates = {"native": lambda: F.linear(xb, wb), "via_fp32": lambda: F.linear(xb.float(), wb.float()).bfloat16()}
     times = {name: [] for name in candidates}
-    for _ in range(4):  # the first round warms up; the two alternate, so a slow moment slows both
+    for _ in range(4):  # the first round warms up; alternating, a slow moment is less likely to favour one
         for name, fn in candidates.items():
             t0 = time.perf_counter()
             fn()

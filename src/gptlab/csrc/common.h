@@ -121,13 +121,14 @@ int gl_default_decode_rows(void);
 /* Where int4's spans prefetch their weights when non-temporal (prefetch_nta below): the locality
  * of __builtin_prefetch, 0 (prefetchnta: L1 only) unless a variant sets it (avx512-256 and the
  * AVX2 ones: 2, prefetcht1). On the AMD EPYC Zen 4 (avx512-256) an int4 row of 768 inputs is 384
- * bytes and its loop does little per byte, so the stream waited on L1's few outstanding misses (perf: 14% of int4 decoding's samples on the
- * prefetchnta itself); prefetcht1 lands in L2, which holds more in flight. GPT-2 int4 decoding,
- * whole model, two builds alternating in one process (2026-12-05, medians of the per-round
- * ratios, 10-12 rounds): against prefetchnta at 4 KiB, prefetcht1 at 4 KiB 1.00x, at 8 KiB 1.10x,
- * at 16 KiB 1.10x and 1.12x (every round 1.04-1.29x), prefetcht2 at 8 KiB 1.11x; prefetcht1 at 16
- * KiB against 8 KiB 1.00x. Float decoding measured slower with it (fp32 0.93x, bf16 0.91-0.97x),
- * int8 level within the VM's noise, so they keep theirs. */
+ * bytes and its loop does little per byte, so the stream waited on L1's few outstanding misses
+ * (perf: 14% of int4 decoding's samples on the prefetchnta itself); prefetcht1 lands in L2, which
+ * holds more in flight. GPT-2 int4 decoding, whole model, two builds alternating in one process
+ * (2026-12-05, medians of the per-round ratios, 10-12 rounds): against prefetchnta at 4 KiB,
+ * prefetcht1 at 4 KiB 1.00x, at 8 KiB 1.10x, at 16 KiB 1.10x and 1.12x (every round 1.04-1.29x),
+ * prefetcht2 at 8 KiB 1.11x; prefetcht1 at 16 KiB against 8 KiB 1.00x. Float decoding measured
+ * slower with it (fp32 0.93x, bf16 0.91-0.97x), int8 level within the VM's noise, so they keep
+ * theirs. */
 #ifndef PF_DEFAULT_I4_LOCALITY
 #define PF_DEFAULT_I4_LOCALITY 0
 #endif
