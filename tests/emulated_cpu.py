@@ -118,14 +118,21 @@ def check(cpu: str, pytest_args: list[str]) -> tuple[bool, str]:
         return tests.returncode == 0, f"{head}\n{tests.stdout}{tests.stderr}"
 
 
+def unavailable() -> str | None:
+    """Why this host cannot emulate the CPUS, or None when it can."""
+    if os.uname().machine != "x86_64":
+        return "emulated x86-64 CPUs need an x86-64 host (qemu-user runs the host's binaries)"
+    if shutil.which("qemu-x86_64") is None:
+        return "qemu-x86_64 not found: apt-get install qemu-user"
+    return None
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cpu", action="append", choices=sorted(CPUS), help="emulate this one (default: each)")
     args, pytest_args = parser.parse_known_args(argv)
-    if shutil.which("qemu-x86_64") is None:
-        raise SystemExit("qemu-x86_64 not found: apt-get install qemu-user")
-    if os.uname().machine != "x86_64":
-        raise SystemExit("emulated x86-64 CPUs need an x86-64 host (qemu-user runs the host's binaries)")
+    if why := unavailable():
+        raise SystemExit(why)
     cpus = args.cpu or list(CPUS)
     with ThreadPoolExecutor(len(cpus)) as pool:  # qemu runs each on about one core
         results = list(pool.map(lambda c: check(c, pytest_args or TESTS), cpus))

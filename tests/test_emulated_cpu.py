@@ -7,9 +7,6 @@ exact and auto takes an AVX-512 variant, so nothing else here sees the AVX2-only
 four failures on the AMD EPYC Zen 3). ~45 s on the Zen 4, nearly all of it emulated Python.
 """
 
-import os
-import shutil
-
 import pytest
 
 import emulated_cpu
@@ -20,8 +17,7 @@ QUICK = [
 ]
 
 
-@pytest.mark.skipif(os.uname().machine != "x86_64", reason="emulates x86-64 CPUs on an x86-64 host only")
-@pytest.mark.skipif(shutil.which("qemu-x86_64") is None, reason="qemu-x86_64 not found: apt-get install qemu-user")
+@pytest.mark.skipif(emulated_cpu.unavailable() is not None, reason=str(emulated_cpu.unavailable()))
 def test_an_avx2_cpu_without_vnni_takes_avx2_and_keeps_int8_exact():
     passed, report = emulated_cpu.check("avx2", ["-x", *QUICK])
     assert passed, report

@@ -74,40 +74,31 @@ extern int gl_decode_rows_;
 #define BLOCK_ROWS(M) ((M) <= DECODE_MAX_M ? gl_decode_rows_ : ROWS) /* rows of W per block for M rows of x */
 int gl_default_decode_rows(void);
 
-/* Software prefetch distances, bytes ahead of each weight stream, per variant: avx512's tuned on an
- * Intel Xeon, avx512-256's on the AMD EPYC Zen 4 that auto gives it, avx2's on the AMD EPYC Zen 3 and Zen 5;
- * 2 threads, whole-model decode steps. */
-#if GL_VARIANT == GL_AVX512 /* Intel Xeon, 2026-12-01: fp32 16.2-16.6 vs 16.8-17.3 ms at 512; bf16 9.4-9.8 vs 11.3 */
+/* Software prefetch distances, bytes ahead of each weight stream; 2 threads, whole-model decode
+ * steps. Float weights 8 KiB ahead and int8 4 KiB on every variant: Intel Xeon (avx512),
+ * 2026-12-01, fp32 16.2-16.6 vs 16.8-17.3 ms at 512, bf16 9.4-9.8 vs 11.3; AMD Zen 4
+ * (avx512-256), 2026-12-03, interleaved runs, float 8 KiB against 16: bf16 median 108 vs 98 tok/s,
+ * fp32 58 vs 56 (8 runs each); AMD EPYC Zen 3 (avx2), 2026-12-01, prefetching into every cache
+ * level: bf16 decode 50-51 -> 56-59 tok/s at 16 KiB against 8, the int distances within this VM's
+ * noise. Non-temporal prefetches (below) land in L1 only, where 16 KiB ahead plus a 3072-float x
+ * fill 7 of the Zen 3's 8 ways a set, and a line evicted before its use is read from memory again:
+ * 8 KiB. AMD EPYC Zen 5 held to AVX2, 2026-12-04, non-temporal, medians of 9 alternating rounds:
+ * fp32 decoding 8 KiB 1.05-1.22x 16 KiB, bf16 1.02-1.05x (4 KiB: fp32 1.03x). */
 #define PF_DEFAULT_FLOAT 8192
 #define PF_DEFAULT_I8 4096
-#define PF_DEFAULT_I4 8192
-#elif defined(__AVX512F__)
-/* avx512-256, AMD Zen 4, 2026-12-03, interleaved runs: float 8 KiB against 16 (bf16 median 108 vs
- * 98 tok/s, fp32 58 vs 56, 8 runs each); int4 4 KiB against 8 (median 182 vs 170, 10 runs each).
- * int4 since 2026-12-05: 16 KiB ahead into L2 (PF_I4_LOCALITY) instead of 4 KiB into L1 (below). */
-#define PF_DEFAULT_FLOAT 8192
-#define PF_DEFAULT_I8 4096
-#define PF_DEFAULT_I4 16384
-#define PF_DEFAULT_I4_LOCALITY 2
-#else
-/* AMD EPYC Zen 3, 2026-12-01, prefetching into every cache level: bf16 decode 50-51 -> 56-59 tok/s at
- * 16 KiB against 8; the int distances within this VM's noise. Non-temporal prefetches (below) land
- * in L1 only, where 16 KiB ahead plus a 3072-float x fill 7 of the Zen 3's 8 ways a set, and a line
- * evicted before its use is read from memory again: 8 KiB. AMD EPYC Zen 5 held to AVX2,
- * 2026-12-04, non-temporal, medians of 9 alternating rounds: fp32 decoding 8 KiB 1.05-1.22x 16 KiB,
- * bf16 1.02-1.05x (4 KiB: fp32 1.03x); int4's 8 KiB (two streams) 1.08x 4 KiB. */
-#define PF_DEFAULT_FLOAT 8192
-#define PF_DEFAULT_I8 4096
-#if defined(__AVX2__)
-/* int4 as avx512-256: 16 KiB ahead into L2. AMD EPYC Zen 4 held to AVX2 (GPTLAB_KERNELS=avx2),
- * 2026-12-05, GPT-2 int4 decoding, two builds alternating in one process, medians of the per-round
- * ratios: against prefetchnta at 8 KiB 1.09x, 1.08x and 1.09x (12-16 rounds each); prefetcht1 at
- * 8 KiB and at 32 KiB level with 16. Not measured on a Zen 3. */
+/* int4: 16 KiB ahead into L2 (PF_I4_LOCALITY, below) on avx512-256 and the AVX2 variants; 8 KiB
+ * elsewhere (avx512 tuned on the Intel Xeon, not measured on the others). avx512-256, AMD Zen 4,
+ * 2026-12-03: 4 KiB against 8 into L1 (median 182 vs 170 tok/s, 10 runs each), then 16 KiB into L2
+ * since 2026-12-05 (below). AMD EPYC Zen 5 held to AVX2, 2026-12-04: 8 KiB (two streams) 1.08x 4
+ * KiB into L1. AMD EPYC Zen 4 held to AVX2 (GPTLAB_KERNELS=avx2), 2026-12-05, GPT-2 int4 decoding,
+ * two builds alternating in one process, medians of the per-round ratios: prefetcht1 16 KiB
+ * against prefetchnta 8 KiB 1.09x, 1.08x and 1.09x (12-16 rounds each); prefetcht1 at 8 KiB and at
+ * 32 KiB level with 16. Not measured on a Zen 3. */
+#if GL_VARIANT != GL_AVX512 && defined(__AVX2__)
 #define PF_DEFAULT_I4 16384
 #define PF_DEFAULT_I4_LOCALITY 2
 #else
 #define PF_DEFAULT_I4 8192
-#endif
 #endif
 #ifndef PF_FLOAT
 #define PF_FLOAT PF_DEFAULT_FLOAT
