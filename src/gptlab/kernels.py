@@ -35,6 +35,7 @@ import functools
 import logging
 import os
 import platform
+import re
 import sys
 import threading
 import time
@@ -122,6 +123,16 @@ def cached_path(variant: str) -> Path:
     return cache_dir() / "kernels" / name
 
 
+def _remove_older_builds(variant: str, path: Path) -> None:
+    """Delete the cache's builds of `variant` from other sources than `path`'s. Only this variant's:
+    "libgptlab-avx512-*.so" also names every avx512-256 build, which a process checking both
+    variants (tests/c/run_check.py) would otherwise delete while it loads it."""
+    stem = kernel_build.library_name(variant).removesuffix(".so")
+    for old in path.parent.glob(f"{stem}-*.so"):
+        if old != path and re.fullmatch(rf"{re.escape(stem)}-[0-9a-f]{{16}}\.so", old.name):
+            old.unlink(missing_ok=True)
+
+
 def _open(path: Path) -> ctypes.CDLL | None:
     """The library at path when it is current (this ABI, built from these sources), else None."""
     if not path.is_file():
@@ -150,9 +161,7 @@ def _load(variant: str) -> ctypes.CDLL:
         if lib is None:
             log.info("building gptlab's %s CPU kernels into %s", variant, path)
             kernel_build.build(variant, path)
-            for old in path.parent.glob(kernel_build.library_name(variant).replace(".so", "-*.so")):
-                if old != path:  # builds of older sources
-                    old.unlink(missing_ok=True)
+            _remove_older_builds(variant, path)
             lib = _open(path)
     for name, argtypes in _SIGNATURES.items():
         fn = getattr(lib, name)
