@@ -205,9 +205,13 @@ def test_a_stale_library_is_not_loaded_but_built_afresh(tmp_path, monkeypatch):
 def test_a_first_use_build_removes_only_its_own_variants_older_builds(tmp_path):
     """A new build deletes its variant's builds of older sources, and no other variant's: the
     pattern of avx512's also matches avx512-256's files (and avx2's avx2-vnni's)."""
-    names = ["libgptlab-avx512-0123456789abcdef.so", "libgptlab-avx512-fedcba9876543210.so",
-             "libgptlab-avx512-256-0123456789abcdef.so", "libgptlab-avx512-256-fedcba9876543210.so",
-             "libgptlab-avx2-vnni-0123456789abcdef.so"]
+    names = [
+        "libgptlab-avx512-0123456789abcdef.so",
+        "libgptlab-avx512-fedcba9876543210.so",
+        "libgptlab-avx512-256-0123456789abcdef.so",
+        "libgptlab-avx512-256-fedcba9876543210.so",
+        "libgptlab-avx2-vnni-0123456789abcdef.so",
+    ]
     for name in names:
         (tmp_path / name).write_bytes(b"")
     kernels._remove_older_builds("avx512", tmp_path / names[1])
