@@ -17,7 +17,10 @@ QUICK = [
 ]
 
 
-@pytest.mark.skipif(emulated_cpu.unavailable() is not None, reason=str(emulated_cpu.unavailable()))
+UNAVAILABLE = emulated_cpu.unavailable()  # a non-x86 host (nothing to emulate) or no qemu-user
+
+
+@pytest.mark.skipif(UNAVAILABLE is not None, reason=UNAVAILABLE or "")
 def test_an_avx2_cpu_without_vnni_takes_avx2_and_keeps_int8_exact():
     passed, report = emulated_cpu.check("avx2", ["-x", *QUICK])
     assert passed, report

@@ -264,7 +264,7 @@ AI void vi_dot_u4_acc(vi *a, vi *b, vi lo, vi x0, vi hi, vi x1) {
 }
 AI vi vi_low_nibbles(vi v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0f)); }
 AI vi vi_high_nibbles(vi v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0f)); }
-AI vf vf_block_scales(const uint16_t *s, int b, int gshift) { /* two blocks: one broadcast, one shuffle */
+AI vf vf_block_scales(const uint16_t *s, int b, int gshift) { /* lanes 0-3: block b's scale; 4-7: b + 1's */
     /* b is even, so at g64 and more both blocks are in one group, whose scale every lane takes: a
      * broadcast and a shift, not two scalar loads merged (GPT-2 int4 decoding at g64 on avx2,
      * AMD EPYC Zen 4, rounds alternating with the old code: 1.05x, twice; avx512-256 1.01x). */
