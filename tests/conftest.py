@@ -1,6 +1,7 @@
 """Shared fixtures: tiny configs and seeded models, so every test runs in seconds on a CPU."""
 
 import hashlib
+from collections import Counter
 
 import pytest
 import tiktoken
@@ -58,6 +59,33 @@ def kernel_variant(request):
     `pytestmark = pytest.mark.usefixtures("kernel_variant")` runs a module's tests once per variant."""
     with kernels.use_variant(request.param):
         yield request.param
+
+
+class CountingLibrary:
+    """Stands in for the ctypes library and counts the calls of each kernel."""
+
+    def __init__(self, lib):
+        self.lib, self.calls = lib, Counter()
+
+    def __getattr__(self, name):
+        fn = getattr(self.lib, name)
+
+        def call(*args):
+            self.calls[name] += 1
+            return fn(*args)
+
+        return call
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """A Counter of the calls of each kernel in the active variant's library (skips where none is built)."""
+    ok, _, why = kernels.available()
+    if not ok:
+        pytest.skip(f"gptlab's kernels are not built here: {why}")
+    counting = CountingLibrary(kernels._library().lib)
+    monkeypatch.setattr(kernels._library(), "lib", counting)
+    return counting.calls
 
 
 @pytest.fixture(scope="session")

@@ -130,6 +130,71 @@ def test_mm_colmax_is_the_product_and_the_largest_of_each_column(gptlab_gemm, sh
     assert torch.equal(top, want.amax(dim=0))
 
 
+# (M, N, K) of a prompt's layer, y = x W^T + b in gl_sgemm_nt: one row, edge tiles of every size
+# (MR = 6 rows of W, 16 or 32 rows of x), W's rows past the transpose's blocks of 8, depths over one
+# packed block (256) and not a multiple of 8, NT_ROWS_BF16 and NT_ROWS rows.
+NT_SHAPES = [
+    (1, 1, 1),
+    (5, 7, 3),
+    (17, 70, 96),
+    (40, 301, 600),
+    (kernels.NT_ROWS_BF16, 33, 257),
+    (kernels.NT_ROWS, 24, 40),
+]
+
+
+def linear_operands(M, N, K, seed=0):
+    """x (M, K) a view whose rows are K + 5 apart, W (N, K), b (N,)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(M, K + 5, generator=g)[:, :K], torch.randn(N, K, generator=g), torch.randn(N, generator=g)
+
+
+@pytest.mark.usefixtures("kernel_variant")
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("shape", NT_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_sgemm_nt_is_the_linear_layer_on_every_variant(shape, with_bias, calls, gptlab_gemm):
+    """Up to NT_ROWS rows, sgemm_linear reads the weight in place (gl_sgemm_nt: y^T = W x^T, then
+    transposed, with the bias): within fp32 summation of the float64 layer, x's row stride honoured."""
+    x, w, b = linear_operands(*shape)
+    b = b if with_bias else None
+    y = kernels.sgemm_linear(x.unsqueeze(0), w, b)  # (1, M, N)
+    assert calls == {"gl_sgemm_nt": 1}
+    assert y.shape == (1, shape[0], shape[1])
+    want = x.double() @ w.double().t() + (0 if b is None else b.double())
+    assert_close_to_float64(y[0], want, x, w.t(), None if b is None else b.expand(shape[0], -1))
+    if b is None:  # each element sums over k in the order gl_sgemm's tiles do: the same bits
+        assert torch.equal(y[0], kernels.mm(x, w.t(), torch.empty(shape[0], shape[1])))
+
+
+@pytest.mark.usefixtures("kernel_variant")
+@pytest.mark.parametrize("x_bf16", [False, True])
+@pytest.mark.parametrize("shape", NT_SHAPES[:-1], ids=lambda s: "x".join(map(str, s)))
+def test_sgemm_nt_of_a_bf16_weight_is_the_product_of_it_widened(shape, x_bf16, calls):
+    """A bf16 layer's weight (and x, a bf16 model's activations) read in place up to NT_ROWS_BF16
+    rows, each value widened as it is broadcast: the same bits as the fp32 product of the widened
+    copies."""
+    x, w, b = linear_operands(*shape)
+    w16, x = w.bfloat16(), x.bfloat16() if x_bf16 else x
+    y = kernels.sgemm_linear(x, w16, b)
+    assert calls == {"gl_sgemm_nt": 1}
+    assert torch.equal(y, kernels.sgemm_linear(x.float(), w16.float(), b))
+
+
+def test_sgemm_nt_gives_the_same_bits_on_any_number_of_threads(calls):
+    """Threads split W's rows: each element sums in one thread's order, whatever their number."""
+    x, w, b = linear_operands(100, 301, 600)
+    results = []
+    for n in (1, 2, 3):
+        before = torch.get_num_threads()
+        torch.set_num_threads(n)
+        try:
+            results.append(kernels.sgemm_linear(x, w, b))
+        finally:
+            torch.set_num_threads(before)
+    assert calls == {"gl_sgemm_nt": 3}
+    assert all(torch.equal(results[0], r) for r in results[1:])
+
+
 def test_mm_colmax_is_none_where_gptlabs_gemm_does_not_run(monkeypatch):
     """Where PyTorch's BLAS multiplies (GPTLAB_GEMM=torch), out is left alone and the softmax finds
     the maxima itself."""

@@ -1,8 +1,6 @@
 """gptlab's CPU kernels (csrc/kernels.c): each against a reference computed in float64 with the
 same arithmetic, and the model's default paths running them."""
 
-from collections import Counter
-
 import pytest
 import torch
 import torch.nn as nn
@@ -23,31 +21,6 @@ needs_int = pytest.mark.skipif(not INT_OK, reason=f"gptlab's int8/int4 kernels a
 SHAPES = [(37, 43), (64, 768), (50, 3072)]
 
 
-class CountingLibrary:
-    """Stands in for the ctypes library and counts the calls of each kernel."""
-
-    def __init__(self, lib):
-        self.lib, self.calls = lib, Counter()
-
-    def __getattr__(self, name):
-        fn = getattr(self.lib, name)
-
-        def call(*args):
-            self.calls[name] += 1
-            return fn(*args)
-
-        return call
-
-
-@pytest.fixture
-def calls(monkeypatch):
-    if not FLOAT_OK:
-        pytest.skip(f"gptlab's kernels are not built here: {WHY}")
-    counting = CountingLibrary(kernels._library().lib)
-    monkeypatch.setattr(kernels._library(), "lib", counting)
-    return counting.calls
-
-
 @needs_float
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("M", [1, 3, 4, 8, 13, 16])
@@ -65,20 +38,26 @@ def test_fp32_kernel_matches_float64(shape, M):
 @needs_float
 @pytest.mark.parametrize("gemm", ["gptlab", "torch"])
 @pytest.mark.parametrize("bias", [True, False])
-def test_prompts_run_the_float_kernel_then_gl_sgemm_where_it_is_chosen(gemm, bias, calls, monkeypatch):
+def test_prompts_run_the_float_kernel_then_gptlabs_gemm_where_it_is_chosen(gemm, bias, calls, monkeypatch):
     """An fp32 inference forward of up to MAX_ROWS rows runs the float kernel. Where gemm_choice()
-    says gptlab (auto: x86 CPUs not made by Intel), so do up to KERNEL_ROWS_GPTLAB rows, and more
-    run gl_sgemm; under torch's choice more than MAX_ROWS go to F.linear, as training does."""
+    says gptlab (auto: x86 CPUs not made by Intel), so do up to float_kernel_rows (half the GEMM
+    tile's columns), then gl_sgemm_nt (the weights read in place) up to NT_ROWS, and more run
+    gl_sgemm; under torch's choice more than MAX_ROWS go to F.linear, as training does."""
     monkeypatch.setenv("GPTLAB_GEMM", gemm)
     torch.manual_seed(5)
     layer = kernels.Linear(96, 70, bias=bias)
     ours = gemm == "gptlab"
+    columns = kernels._library().gemm_columns
+    assert columns in (8, 16, 32)  # 2 vectors: NEON's, AVX2's or avx512-256's, AVX-512's
+    kernel_rows = kernels.float_kernel_rows(torch.float32)
+    assert kernel_rows == (max(kernels.MAX_ROWS, columns // 2) if ours else kernels.MAX_ROWS)
     expected = {
         kernels.MAX_ROWS: "gl_linear_f32",
-        kernels.MAX_ROWS + 1: "gl_linear_f32" if ours else None,
-        kernels.KERNEL_ROWS_GPTLAB: "gl_linear_f32" if ours else None,
-        kernels.KERNEL_ROWS_GPTLAB + 1: "gl_sgemm" if ours else None,
-        3 * kernels.KERNEL_ROWS_GPTLAB: "gl_sgemm" if ours else None,
+        kernels.MAX_ROWS + 1: ("gl_linear_f32" if kernel_rows > kernels.MAX_ROWS else "gl_sgemm_nt") if ours else None,
+        kernel_rows: "gl_linear_f32",
+        kernel_rows + 1: "gl_sgemm_nt" if ours else None,
+        kernels.NT_ROWS: "gl_sgemm_nt" if ours else None,
+        kernels.NT_ROWS + 1: "gl_sgemm" if ours else None,
     }
     for rows, kernel in expected.items():
         x = torch.randn(1, rows, 96)  # (B, T, K)
@@ -445,22 +424,23 @@ def test_the_gelu_gradient_is_the_tanh_gelus_derivative(kernel_variant):
 
 
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("path", ["slabs", "whole", "gl_sgemm_bf16_ab"])
+@pytest.mark.parametrize("path", ["slabs", "whole", "gl_sgemm_nt", "gl_sgemm_bf16_ab"])
 def test_bf16_linear_in_fp32_is_the_product_rounded_once(monkeypatch, calls, bias, path):
     """bf16 layers on CPUs without bf16 GEMMs: the product in fp32, of the weight converted whole
     or slab by slab of rows (here 16 rows a slab: 70 rows are five slabs, the last partial), or
-    for long prompts (here 16 rows) with x widened as gl_sgemm_bf16_ab packs them, rounded to bf16
-    once."""
+    for prompts (here from 16 rows) with the weight and x widened as gl_sgemm_nt reads them (up to
+    NT_ROWS_BF16 rows) or as gl_sgemm_bf16_ab packs them, rounded to bf16 once."""
     torch.manual_seed(0)
     monkeypatch.setattr(kernels, "SLAB_BYTES", 16 * 4 * 96)
     monkeypatch.setattr(kernels, "WHOLE_BYTES", 70 * 96 * 4 if path == "whole" else 0)
-    monkeypatch.setattr(kernels, "PROMPT_GEMM_ROWS", 16 if path == "gl_sgemm_bf16_ab" else 10**9)
+    monkeypatch.setattr(kernels, "PROMPT_GEMM_ROWS", 16 if path.startswith("gl_") else 10**9)
+    monkeypatch.setattr(kernels, "NT_ROWS_BF16", 18 if path == "gl_sgemm_nt" else 17)
     monkeypatch.setenv("GPTLAB_GEMM", "gptlab")
     x = torch.randn(2, 9, 96).bfloat16()
     w = (torch.randn(70, 96) * 0.1).bfloat16()
     b = torch.randn(70).bfloat16() if bias else None
     got = kernels.bf16_linear_in_fp32(x, w, b)
-    assert calls["gl_sgemm_bf16_ab"] == (path == "gl_sgemm_bf16_ab")
+    assert set(calls) == ({path} if path.startswith("gl_") else set())
     exact = x.double() @ w.double().t() + (b.double() if bias else 0)  # (2, 9, 70)
     assert got.shape == (2, 9, 70) and got.dtype == torch.bfloat16
     err = ((got.double() - exact).abs() / (exact.abs() + 1e-3)).max()

@@ -55,7 +55,7 @@ MAX_HEAD_SIZE = 256  # the C attention's limit (MAX_HS in attention.c)
 VARIANTS = tuple(kernel_build.VARIANTS)  # best first
 FEATURES = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512vnni", "avxvnni",
             "asimd", "asimddp", "avx512bf16")  # fmt: skip  # gl_cpu_features' bits, in order
-_ABI = 17
+_ABI = 18
 _P = ctypes.c_void_p
 _I = ctypes.c_int
 _L = ctypes.c_long
@@ -83,6 +83,9 @@ _SIGNATURES = {  # name: argument types; each returns 0, or -1 when out of memor
     "gl_sgemm_bf16_b": [_I, _I, _I, _P, _L, _L, _P, _L, _L, _P, _L, _P, _I, _I],  # as gl_sgemm, b bf16
     "gl_sgemm_bf16_ab": [_I, _I, _I, _P, _L, _L, _P, _L, _L, _P, _L, _P, _I, _I],  # as gl_sgemm, a and b bf16
     "gl_sgemm_colmax": [_I, _I, _I, _P, _L, _L, _P, _L, _L, _P, _L, _P, _I, _I],  # ..., c, ldc, colmax, bf16, threads
+    # M, N, K, x, its row stride, whether bf16, W (N, K), whether bf16, y, its row stride, bias, threads
+    "gl_sgemm_nt": [_I, _I, _I, _P, _L, _I, _P, _I, _P, _L, _P, _I],
+    "gl_gemm_columns": [],
     "gl_has_gemm_bf16": [],
     "gl_set_decode_rows": [_I],  # 1 or ROWS, 0 for the CPU's default; returns the rows in use or -1
     "gl_decode_rows": [],
@@ -255,11 +258,13 @@ class _Library:
 
     def __init__(self, variant: str | None):
         self.variant, self.lib, self.reason = variant, None, ""
+        self.gemm_columns = 0  # columns of gptlab's fp32 GEMM tile (float_kernel_rows)
         if variant is None:
             self.reason = "switched off by GPTLAB_KERNELS=0"
             return
         try:
             self.lib = _load(variant)
+            self.gemm_columns = self.lib.gl_gemm_columns()
         except (OSError, RuntimeError, AttributeError) as e:
             self.reason = f"the {variant} kernels cannot be loaded: {e}"
             log.warning("gptlab CPU kernels unavailable, using PyTorch's: %s", self.reason)
@@ -475,24 +480,37 @@ def _inference_on_cpu(x: torch.Tensor) -> bool:
     )
 
 
-# Rows up to which the float kernel (each weight row read once for all rows of x) takes an
+# Rows up to which the float kernel (each weight row read once for all rows of x) takes a bf16
 # inference forward where gemm_choice() gives gptlab (x86 CPUs not made by Intel); elsewhere
 # MAX_ROWS, as on Intel's, where PyTorch's GEMM is MKL (not measured there). AMD EPYC Zen 5, 2
-# threads, 2026-12-05, GPT-2's whole forward with all logits, the kernel against gl_sgemm (fp32;
-# oneDNN's bf16 GEMM for bf16 natively; gl_sgemm widening bf16 held to AVX2), medians of 5, best of
-# 2 alternations: avx512 fp32 9 rows 2.05x, 16 1.72x, 32 1.39x, 64 1.16x; bf16 1.17x, 1.14x,
-# 0.69x at 32; held to AVX2 fp32 1.41x, 1.16x, 1.01x at 24, 0.89x at 48; bf16 1.81x, 1.44x, 1.19x.
+# threads, 2026-12-05, GPT-2's whole forward with all logits, the kernel against oneDNN's bf16 GEMM
+# natively and gl_sgemm widening bf16 held to AVX2, medians of 5, best of 2 alternations: avx512
+# 9 rows 1.17x, 16 1.14x, 0.69x at 32; held to AVX2 1.81x, 1.44x, 1.19x. fp32 forwards: float_kernel_rows.
 KERNEL_ROWS_GPTLAB = 16
 
 
+def float_kernel_rows(dtype: torch.dtype) -> int:
+    """Up to how many rows of x the float kernel takes an inference forward of `dtype`: MAX_ROWS,
+    or where gemm_choice() gives gptlab, KERNEL_ROWS_GPTLAB for bf16 and for fp32 half the columns
+    of gl_sgemm_nt's tile (its lanes hold rows of x, so fewer leave most of them idle). GPT-2's four
+    block layers, the float kernel against gl_sgemm_nt, AMD EPYC Zen 4, 2 threads, medians of 9
+    alternating rounds: 16 columns (avx2, avx512-256) 8 rows 0.97 / 1.06x, 9 1.10 / 1.15x, 16 1.70 /
+    1.71x; 32 columns (avx512) 0.55x at 9 rows, 0.78x at 16."""
+    if gemm_choice() != "gptlab":
+        return MAX_ROWS
+    if dtype is torch.bfloat16:
+        return KERNEL_ROWS_GPTLAB
+    return max(MAX_ROWS, _library().gemm_columns // 2)
+
+
 def kernel_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether the float kernel takes y = x W^T: CPU, fp32 or bf16, a few rows (MAX_ROWS, or
-    KERNEL_ROWS_GPTLAB where gptlab's GEMM is chosen), no autograd."""
+    """Whether the float kernel takes y = x W^T: CPU, fp32 or bf16, a few rows (float_kernel_rows),
+    no autograd."""
     rows = x.numel() // max(x.size(-1), 1)
     return (
         x.dtype is weight.dtype
         and x.dtype in (torch.float32, torch.bfloat16)
-        and (rows <= MAX_ROWS or (rows <= KERNEL_ROWS_GPTLAB and gemm_choice() == "gptlab"))
+        and (rows <= MAX_ROWS or rows <= float_kernel_rows(x.dtype))
         and _inference_on_cpu(x)
         and not (torch.is_grad_enabled() and weight.requires_grad)
         and weight.is_contiguous()
@@ -1050,14 +1068,45 @@ def prompt_gemm_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     )
 
 
+# Up to this many rows, an fp32 prompt's layer runs gl_sgemm_nt, which reads the weights in place,
+# instead of gl_sgemm, which packs them (a transpose of every weight on every call: 20% of a
+# 64-token GPT-2 forward's samples). GPT-2's four block layers, gl_sgemm against gl_sgemm_nt, AMD
+# EPYC Zen 4, 2 threads, medians of 7-9 alternating rounds, avx512-256 / avx2 / avx512: 32 rows
+# 1.60 / 1.45 / 1.61x, 64 1.29 / 1.28 / 1.41x, 128 1.21 / 1.16 / 1.21x, 256 1.06 / 1.07 / 1.10x,
+# 512 1.00-1.02 / 1.00-1.03 / 1.08x, 640 1.00 / 0.98 / 1.06x, 768 0.96 / 0.97 / 0.97x.
+NT_ROWS = 512
+# The same for bf16 weights and activations (a bf16 model on a CPU without bf16 instructions),
+# against gl_sgemm_bf16_ab, widening every value of W it broadcasts: avx2 / avx512-256 at 32 rows
+# 1.33 / 1.27x, 64 1.09 / 1.07x, 96 1.01 / 1.01x, 128 0.99 / 1.02x, 256 0.89x (avx2).
+NT_ROWS_BF16 = 64
+
+
 def sgemm_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """F.linear of x (..., K) and weight (N, K) in gl_sgemm, y = b + x W^T in fp32: both fp32, or the
-    weight bf16 and x fp32 or bf16 (widened as they are packed)."""
+    """F.linear of x (..., K) and weight (N, K) in gptlab's GEMM, y = b + x W^T in fp32: both fp32,
+    or the weight bf16 and x fp32 or bf16, widened as they are read. Up to in_place_rows rows of
+    x, gl_sgemm_nt reads the weight where it is; more run gl_sgemm (_bf16_b, _bf16_ab), which
+    packs it."""
     N, K = weight.shape
     x2 = x.reshape(-1, K)  # (M, K)
     y = torch.empty(x2.size(0), N)  # (M, N)
-    mm(x2, weight.detach().t(), y, bias=None if bias is None else bias.detach().float().contiguous())  # W fp32 or bf16
+    b = None if bias is None else bias.detach().float().contiguous()
+    if x2.size(0) <= in_place_rows(x.dtype, weight.dtype) and weight.is_contiguous() and x2.stride(1) == 1:
+        status = _library().lib.gl_sgemm_nt(
+            x2.size(0), N, K, x2.data_ptr(), x2.stride(0), int(x.dtype is torch.bfloat16), weight.data_ptr(),
+            int(weight.dtype is torch.bfloat16), y.data_ptr(), N, ptr(b), torch.get_num_threads(),
+        )  # fmt: skip
+        check(status)
+    else:
+        mm(x2, weight.detach().t(), y, bias=b)  # W fp32 or bf16
     return y.view(*x.shape[:-1], N)
+
+
+def in_place_rows(x_dtype: torch.dtype, weight_dtype: torch.dtype) -> int:
+    """Up to how many rows of x sgemm_linear reads the weight in place (gl_sgemm_nt): NT_ROWS for
+    fp32 weights, NT_ROWS_BF16 for bf16 ones (and x), 0 for bf16 x against fp32 weights."""
+    if weight_dtype is torch.bfloat16:
+        return NT_ROWS_BF16
+    return 0 if x_dtype is torch.bfloat16 else NT_ROWS
 
 
 SLAB_BYTES = 4 << 20  # fp32 weight rows converted at a time (bf16_linear_in_fp32)

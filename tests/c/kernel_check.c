@@ -32,6 +32,8 @@ typedef int (*sgemm_bf16_ab_t)(int, int, int, const uint16_t *, long, long, cons
                                long, const float *, int, int);
 typedef int (*sgemm_bf16_b_t)(int, int, int, const float *, long, long, const uint16_t *, long, long, float *, long,
                               const float *, int, int);
+typedef int (*sgemm_nt_t)(int, int, int, const void *, long, int, const void *, int, float *, long, const float *,
+                          int);
 typedef int (*attend_prompt_t)(const float *, const long *, const float *, const long *, const float *, const long *,
                                float *, int, int, int, int, int, int);
 typedef int (*gelu_t)(const void *, void *, long, int, int);
@@ -51,6 +53,7 @@ typedef struct {
     sgemm_bf16_b_t sgemm_bf16_b;
     sgemm_colmax_t sgemm_colmax;
     sgemm_bf16_ab_t sgemm_bf16_ab;
+    sgemm_nt_t sgemm_nt;
     attend_prompt_t attend_prompt;
     gelu_t gelu_tanh;
     gelu_backward_t gelu_tanh_backward;
@@ -77,7 +80,8 @@ static lib_t open_lib(const char *path) {
                need(h, "gl_linear_bf16"), need(h, "gl_linear_i8"), need(h, "gl_linear_i4"),
                need(h, "gl_softmax_xent"), need(h, "gl_attend_one"), need(h, "gl_argmax_f32"), need(h, "gl_sgemm"),
                need(h, "gl_gemm_bf16"), need(h, "gl_has_gemm_bf16"), need(h, "gl_sgemm_bf16_b"),
-               need(h, "gl_sgemm_colmax"), need(h, "gl_sgemm_bf16_ab"), need(h, "gl_attend_prompt"),
+               need(h, "gl_sgemm_colmax"), need(h, "gl_sgemm_bf16_ab"), need(h, "gl_sgemm_nt"),
+               need(h, "gl_attend_prompt"),
                need(h, "gl_gelu_tanh"), need(h, "gl_gelu_tanh_backward")};
     return l;
 }
@@ -295,6 +299,32 @@ static void check_sgemm_bf16_b(const lib_t *ref, const lib_t *l, int M, int N, i
     free(x), free(b), free(wf), free(w), free(y0), free(y), free(yw), free(xh);
 }
 
+/* A prompt's layer with the weights read in place, y = x W^T + b (gl_sgemm_nt), x's rows K + 3
+ * apart: against the reference; without the bias the same bits as gl_sgemm's x W^T (each sum in
+ * the same order); bf16 W, and x, the same bits as the fp32 ones widened. */
+static void check_sgemm_nt(const lib_t *ref, const lib_t *l, int M, int N, int K) {
+    const long ldx = K + 3;
+    float *x = floats((size_t)M * ldx, 1), *w = floats((size_t)N * K, 0.1f), *b = floats((size_t)N, 1);
+    float *y0 = malloc(sizeof(float) * M * N), *y = malloc(sizeof(float) * M * N), *yw = malloc(sizeof(float) * M * N);
+    char shape[64];
+    snprintf(shape, sizeof shape, "M=%d N=%d K=%d", M, N, K);
+    ref->sgemm_nt(M, N, K, x, ldx, 0, w, 0, y0, N, b, 2);
+    l->sgemm_nt(M, N, K, x, ldx, 0, w, 0, y, N, b, 2);
+    report("sgemm_nt", l, shape, worst(y, y0, (size_t)M * N, 1e-5, 1e-5));
+    l->sgemm_nt(M, N, K, x, ldx, 0, w, 0, y, N, NULL, 2);
+    l->sgemm(M, N, K, x, ldx, 1, w, 1, K, yw, N, NULL, 0, 2);
+    report("sgemm_nt = sgemm", l, shape, memcmp(y, yw, sizeof(float) * M * N) ? 2 : 0);
+    uint16_t *xh = bf16s((size_t)M * ldx, 1), *wh = bf16s((size_t)N * K, 0.1f);
+    for (long i = 0; i < M * ldx; i++) x[i] = from_bf16(xh[i]);
+    for (int i = 0; i < N * K; i++) w[i] = from_bf16(wh[i]);
+    l->sgemm_nt(M, N, K, x, ldx, 0, w, 0, yw, N, b, 2);
+    l->sgemm_nt(M, N, K, x, ldx, 0, wh, 1, y, N, b, 2);
+    report("sgemm_nt bf16 W = widened", l, shape, memcmp(y, yw, sizeof(float) * M * N) ? 2 : 0);
+    l->sgemm_nt(M, N, K, xh, ldx, 1, wh, 1, y, N, b, 2);
+    report("sgemm_nt bf16 x, W = widened", l, shape, memcmp(y, yw, sizeof(float) * M * N) ? 2 : 0);
+    free(x), free(w), free(b), free(y0), free(y), free(yw), free(xh), free(wh);
+}
+
 static void check_argmax(const lib_t *ref, const lib_t *l, int M, int N) {
     float *x = floats((size_t)M * N, 1);
     int64_t *a0 = malloc(8 * M), *a = malloc(8 * M);
@@ -386,6 +416,7 @@ static void check_all(const lib_t *ref, const lib_t *l) {
     check_attend_prompt(ref, l, 2, 3, 40, 101, 0), check_attend_prompt(ref, l, 1, 2, 64, 50, 37);
     check_gelu(ref, l, 4099), check_gelu(ref, l, 7);
     check_sgemm_bf16_b(ref, l, 37, 70, 300), check_sgemm_bf16_b(ref, l, 5, 4100, 20);
+    check_sgemm_nt(ref, l, 37, 70, 300), check_sgemm_nt(ref, l, 5, 41, 20);
     check_sgemms(l);
 }
 

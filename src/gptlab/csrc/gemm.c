@@ -2,7 +2,8 @@
  * (kernels.sgemm_linear): C = A B (+ bias), or C += A B (+ bias), in fp32 (gl_sgemm; B stored as
  * bf16 and widened as it is packed: gl_sgemm_bf16_b) or with A and B rounded to bf16 and fp32 sums
  * (gl_gemm_bf16, on CPUs with AVX512-BF16). Attention's products for prompts use it too
- * (attention.c).
+ * (attention.c). Prompts of up to a few hundred tokens multiply their fp32 layers as y^T = W x^T,
+ * the weights read in place as A (gl_sgemm_nt): packing them costs as much as the product there.
  *
  * A small head's three products, W x^T, e^T W and e x (GPT-2's 50,257-row vocabulary by 128-1024
  * rows of x and a 128-wide model), are most of a training step, and MKL runs them at 75-110
@@ -38,7 +39,8 @@ typedef struct {
     int a_rows; /* A's panels hold each row's k values together, GEMM_KC of them, instead of each k's mr rows */
     void (*pack_a)(const void *a, long rsa, long csa, int m, int kc, void *ap);
     void (*pack_b)(const void *b, long rsb, long csb, int n, int kc, int p0, int p1, void *bp);
-    void (*tile)(int kc, const void *a, const void *b, float *c, long ldc, int first, const float *bias, int m, int n);
+    void (*tile)(int kc, const void *a, long lda, const void *b, float *c, long ldc, int first, const float *bias, int m,
+                 int n);
 } gemm_kind_t;
 
 /* 32-bit elements of a packed panel `width` wide over kc values of k. */
@@ -52,19 +54,19 @@ static size_t a_panel_elems(const gemm_kind_t *kind, int kc) {
 }
 
 /* The MR x NR tile c (row stride ldc) = (first ? 0 : c) + a b (+ bias, NR values, unless NULL) over
- * kc: a packed [kc][MR], b packed [kc][NR]. Only the first m rows and n columns are written (the
- * packed padding is zeros). */
-static void gemm_tile(int kc, const void *ap, const void *bp, float *c, long ldc, int first, const float *bias, int m,
-                      int n) {
-    const float *a = ap, *b = bp;
+ * kc: A's value (i, k) at a[i si + k sk] (fp32, or bf16 widened when a_bf16), b packed [kc][NR].
+ * Only the first m rows and n columns are written (the packed padding is zeros). */
+static inline __attribute__((always_inline)) void tile_f32(int kc, const void *a, long si, long sk, int a_bf16,
+                                                           const float *b, float *c, long ldc, int first,
+                                                           const float *bias, int m, int n) {
     vf acc[GEMM_MR][2];
 #pragma GCC unroll 6
     for (int i = 0; i < GEMM_MR; i++) acc[i][0] = acc[i][1] = vf_zero();
-    for (int k = 0; k < kc; k++, a += GEMM_MR, b += GEMM_NR) {
+    for (int k = 0; k < kc; k++, b += GEMM_NR) {
         const vf b0 = vf_load(b), b1 = vf_load(b + VW);
 #pragma GCC unroll 6
         for (int i = 0; i < GEMM_MR; i++) {
-            const vf ai = vf_set1(a[i]);
+            const vf ai = vf_set1(param(a, (size_t)(i * si + k * sk), a_bf16));
             acc[i][0] = vf_fma(ai, b0, acc[i][0]);
             acc[i][1] = vf_fma(ai, b1, acc[i][1]);
         }
@@ -89,6 +91,38 @@ static void gemm_tile(int kc, const void *ap, const void *bp, float *c, long ldc
     }
     for (int i = 0; i < m; i++)
         for (int j = 0; j < n; j++) c[i * ldc + j] = first ? tile[i][j] : c[i * ldc + j] + tile[i][j];
+}
+
+/* The tile with A packed, [kc][MR] (lda unused). */
+static void gemm_tile(int kc, const void *ap, long lda, const void *bp, float *c, long ldc, int first,
+                      const float *bias, int m, int n) {
+    (void)lda;
+    tile_f32(kc, ap, 1, GEMM_MR, 0, bp, c, ldc, first, bias, m, n);
+}
+
+/* The tile with A read in place, rows lda apart (fp32, or bf16 widened when a_bf16): for m < MR
+ * rows, copied into a packed panel first, so that no row past A's end is read. */
+static inline __attribute__((always_inline)) void tile_in_place(int kc, const void *a, long lda, int a_bf16,
+                                                                const void *bp, float *c, long ldc, int first,
+                                                                const float *bias, int m, int n) {
+    if (m == GEMM_MR) {
+        tile_f32(kc, a, lda, 1, a_bf16, bp, c, ldc, first, bias, m, n);
+        return;
+    }
+    float panel[GEMM_KC * GEMM_MR];
+    for (int k = 0; k < kc; k++)
+        for (int i = 0; i < GEMM_MR; i++) panel[k * GEMM_MR + i] = i < m ? param(a, (size_t)(i * lda + k), a_bf16) : 0.0f;
+    tile_f32(kc, panel, 1, GEMM_MR, 0, bp, c, ldc, first, bias, m, n);
+}
+
+static void gemm_tile_in_place(int kc, const void *a, long lda, const void *bp, float *c, long ldc, int first,
+                               const float *bias, int m, int n) {
+    tile_in_place(kc, a, lda, 0, bp, c, ldc, first, bias, m, n);
+}
+
+static void gemm_tile_in_place_bf16(int kc, const void *a, long lda, const void *bp, float *c, long ldc, int first,
+                                    const float *bias, int m, int n) {
+    tile_in_place(kc, a, lda, 1, bp, c, ldc, first, bias, m, n);
 }
 
 #if defined(__AVX2__)
@@ -274,7 +308,7 @@ static void gemm_block(const gemm_t *g, int ic, int mc, int jc, int nc, int pc, 
                        uint32_t *ap, gemm_ahead_t next) {
     const gemm_kind_t *kind = g->kind;
     const int MR = kind->mr, NR = kind->nr;
-    kind->pack_a(a_at(g, ic, pc), g->rsa, g->csa, mc, kc, ap);
+    if (kind->pack_a) kind->pack_a(a_at(g, ic, pc), g->rsa, g->csa, mc, kc, ap);
     const int first = pc == 0 && !g->accumulate, panels = (nc + NR - 1) / NR;
     const int tiles = panels * ((mc + MR - 1) / MR), per_tile = next.runs * next.lines / tiles + 1;
     const size_t a_panel = a_panel_elems(kind, kc), b_panel = panel_elems(kind, kc, NR);
@@ -285,7 +319,8 @@ static void gemm_block(const gemm_t *g, int ic, int mc, int jc, int nc, int pc, 
             const float *bias = g->bias && pc == 0 ? g->bias + jc + p * NR : NULL; /* added once, with the first kc */
             float *c = g->c + (ic + ir) * g->ldc + jc + p * NR;
             const int m = mc - ir < MR ? mc - ir : MR;
-            kind->tile(kc, ap + ir / MR * a_panel, bp + p * b_panel, c, g->ldc, first, bias, m, nr);
+            const void *a = kind->pack_a ? (const void *)(ap + ir / MR * a_panel) : a_at(g, ic + ir, pc);
+            kind->tile(kc, a, g->rsa, bp + p * b_panel, c, g->ldc, first, bias, m, nr);
             if (g->colmax && pc + kc >= g->K) tile_colmax(c, g->ldc, m, nr, NR, g->colmax + jc + p * NR); /* final */
         }
     }
@@ -412,6 +447,11 @@ static const gemm_kind_t GEMM_F32 = {GEMM_MR, GEMM_NR, 1, 4, 4, 0, gemm_pack_a, 
 static const gemm_kind_t GEMM_F32_BF16_B = {GEMM_MR, GEMM_NR, 1, 2, 4, 0, gemm_pack_a, gemm_pack_b_from_bf16, gemm_tile};
 static const gemm_kind_t GEMM_F32_BF16_AB = {GEMM_MR, GEMM_NR, 1, 2, 2, 0, gemm_pack_a_from_bf16, gemm_pack_b_from_bf16,
                                              gemm_tile};
+/* A read in place (pack_a NULL): fp32, or bf16 with B fp32 or bf16 (gl_sgemm_nt's weights and x^T) */
+static const gemm_kind_t GEMM_F32_A_IN_PLACE = {GEMM_MR, GEMM_NR, 1, 4, 4, 0, NULL, gemm_pack_b, gemm_tile_in_place};
+static const gemm_kind_t GEMM_BF16_A_IN_PLACE = {GEMM_MR, GEMM_NR, 1, 4, 2, 0, NULL, gemm_pack_b, gemm_tile_in_place_bf16};
+static const gemm_kind_t GEMM_BF16_AB_IN_PLACE = {GEMM_MR, GEMM_NR, 1, 2, 2, 0, NULL, gemm_pack_b_from_bf16,
+                                                  gemm_tile_in_place_bf16};
 
 /* One fp32 operand B (K, N), K <= GEMM_KC, packed once for many products (gemm_prepacked): its
  * elements, and the packing (panels of NR columns, [K][NR] each). */
@@ -436,6 +476,47 @@ static int gemm_prepacked(int M, int N, int K, const float *a, long rsa, long cs
 int gl_sgemm(int M, int N, int K, const float *a, long rsa, long csa, const float *b, long rsb, long csb, float *c,
              long ldc, const float *bias, int accumulate, int nthreads) {
     return gemm(&GEMM_F32, M, N, K, a, rsa, csa, b, rsb, csb, c, ldc, bias, accumulate, NULL, nthreads);
+}
+
+/* Columns of the fp32 tile (kernels.float_kernel_rows). */
+int gl_gemm_columns(void) { return GEMM_NR; }
+
+/* y (M, N) = t (N, M) transposed, + bias (N values, or NULL), y's rows ldy apart. */
+static void transpose_bias(const float *t, int N, int M, const float *bias, float *y, long ldy, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int n0 = 0; n0 < N; n0 += 8) {
+        int m0 = 0;
+#if defined(__AVX2__)
+        if (n0 + 8 <= N) {
+            __m256 b = bias ? _mm256_loadu_ps(bias + n0) : _mm256_setzero_ps();
+            for (; m0 + 8 <= M; m0 += 8) {
+                __m256 r[8];
+                for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_ps(t + (size_t)(n0 + i) * M + m0);
+                transpose8(r);
+                for (int j = 0; j < 8; j++) _mm256_storeu_ps(y + (m0 + j) * ldy + n0, _mm256_add_ps(r[j], b));
+            }
+        }
+#endif
+        const int n1 = n0 + 8 < N ? n0 + 8 : N;
+        for (int m = m0; m < M; m++)
+            for (int n = n0; n < n1; n++) y[m * ldy + n] = t[(size_t)n * M + m] + (bias ? bias[n] : 0.0f);
+    }
+}
+
+/* A prompt's linear layer, y (M, N) = x (M, K) W^T + bias: x's rows ldx apart, W (N, K) contiguous,
+ * y's rows ldy apart, bias N values or NULL. Computed as y^T = W x^T, W as A read in place, so
+ * that the weights, the larger operand, are never packed; x^T is (x small), and y^T transposed
+ * into y at the end. Returns 0, or -1 out of memory. */
+int gl_sgemm_nt(int M, int N, int K, const void *x, long ldx, int x_bf16, const void *w, int w_bf16, float *y, long ldy,
+                const float *bias, int nthreads) {
+    const gemm_kind_t *kind = !w_bf16 ? &GEMM_F32_A_IN_PLACE : x_bf16 ? &GEMM_BF16_AB_IN_PLACE : &GEMM_BF16_A_IN_PLACE;
+    if (x_bf16 && !w_bf16) return -2;
+    float *t = alloc_elems((size_t)N * M);
+    if (!t) return -1;
+    const int status = gemm(kind, N, M, K, w, K, 1, x, 1, ldx, t, M, NULL, 0, NULL, nthreads);
+    if (!status) transpose_bias(t, N, M, bias, y, ldy, nthreads);
+    free(t);
+    return status;
 }
 
 /* As gl_sgemm with B stored as bf16 (its strides in bf16 elements), widened exactly: the same
@@ -585,15 +666,17 @@ __attribute__((target("avx512f,avx512bf16"))) static inline void tile_bf16(int k
     }
 }
 
-__attribute__((target("avx512f,avx512bf16"))) static void gemm_tile_bf16(int kc, const void *ap, const void *bp,
+__attribute__((target("avx512f,avx512bf16"))) static void gemm_tile_bf16(int kc, const void *ap, long lda, const void *bp,
                                                                           float *c, long ldc, int first,
                                                                           const float *bias, int m, int n) {
+    (void)lda;
     tile_bf16(kc, ap, 1, BF_MR, bp, c, ldc, first, bias, m, n);
 }
 
-__attribute__((target("avx512f,avx512bf16"))) static void gemm_tile_bf16_rows(int kc, const void *ap, const void *bp,
+__attribute__((target("avx512f,avx512bf16"))) static void gemm_tile_bf16_rows(int kc, const void *ap, long lda, const void *bp,
                                                                                float *c, long ldc, int first,
                                                                                const float *bias, int m, int n) {
+    (void)lda;
     tile_bf16(kc, ap, GEMM_KC / 2, 1, bp, c, ldc, first, bias, m, n);
 }
 

@@ -17,7 +17,8 @@
  *   gemm.c         gl_sgemm, gl_gemm_bf16: blocked matrix products in fp32, and in bf16 with vdpbf16ps
  *                  (AVX512-BF16), for the training head's three products and long prompts;
  *                  gl_sgemm_bf16_b, gl_sgemm_bf16_ab: fp32 products of bf16-stored weights (and
- *                  activations); gl_sgemm_colmax: with the maxima of C's columns (the head's logits)
+ *                  activations); gl_sgemm_colmax: with the maxima of C's columns (the head's logits);
+ *                  gl_sgemm_nt: a prompt's fp32 layer with the weights read in place, never packed
  *
  * Shapes are checked on the Python side.
  */
