@@ -11,9 +11,10 @@ of bf16 autocast both ways: `kernels.mm(..., bf16=True)`, gl_gemm_bf16 against t
 (oneDNN), each from the same fp32 operands.
 
 Then prompts' products, which `kernels.gemm_choice` decides too: GPT-2 small's four block layers
-at --layer-rows rows of x, fp32 weights through gl_sgemm against F.linear, and bf16 weights through
-`kernels.bf16_linear_in_fp32` both ways (gl_sgemm widening the weight as it packs it, against
-converting it for F.linear). On Intel CPUs, where auto keeps MKL without having been measured
+at --layer-rows rows of x, fp32 weights through `kernels.sgemm_linear` (gl_sgemm_nt reading the
+weights in place up to `kernels.NT_ROWS` rows, else gl_sgemm) against F.linear, and bf16 weights
+through `kernels.bf16_linear_in_fp32` both ways (gptlab's GEMM widening the weight as it reads it,
+against converting it for F.linear). On Intel CPUs, where auto keeps MKL without having been measured
 against it, these rows and the head's say whether it should.
 """
 
@@ -84,7 +85,7 @@ LAYERS = {"attn c_attn": (2304, 768), "attn c_proj": (768, 768), "mlp c_fc": (30
 def time_layers(choice: str, dtype, xs: dict, weights: dict, reps: int) -> float:
     """Seconds of `reps` forwards of the four block layers (x fp32 or bf16 as the weights), with
     GPTLAB_GEMM=choice: fp32 through kernels.sgemm_linear or F.linear, bf16 through
-    kernels.bf16_linear_in_fp32 (which takes gl_sgemm or converts for F.linear by the choice)."""
+    kernels.bf16_linear_in_fp32 (which takes gptlab's GEMM or converts for F.linear by the choice)."""
     import torch
     import torch.nn.functional as F
 
@@ -167,7 +168,7 @@ def main(argv=None) -> int:
     if args.layer_rows:
         with gemm_env_kept():
             results["block_layers"] = layer_rows(args.layer_rows, args.rounds)
-        print(" GPT-2's four block layers, prompts (fp32: gl_sgemm against F.linear; bf16: gl_sgemm widening the weight against converting it for F.linear):")  # fmt: skip
+        print(" GPT-2's four block layers, prompts (fp32: sgemm_linear against F.linear; bf16: gptlab's GEMM widening the weight against converting it for F.linear):")  # fmt: skip
         for r in results["block_layers"]:
             print(f"  {r['rows']:4d} rows, {r['weights']:8s} weights  gptlab {r['gptlab_ms']:7.2f} ms   torch {r['torch_ms']:7.2f} ms   {r['speedup']:.2f}x")  # fmt: skip
     path = write_results("gemm", results, args.out)
