@@ -132,14 +132,15 @@ def test_mm_colmax_is_the_product_and_the_largest_of_each_column(gptlab_gemm, sh
 
 # (M, N, K) of a prompt's layer, y = x W^T + b in gl_sgemm_nt: one row, edge tiles of every size
 # (MR = 6 rows of W, 16 or 32 rows of x), W's rows past the transpose's blocks of 8, depths over one
-# packed block (256) and not a multiple of 8, NT_ROWS_BF16 and NT_ROWS rows.
+# packed block (256) and not a multiple of 8, NT_ROWS_BF16 and NT_ROWS rows (against 4,100 rows of W:
+# y^T in two slabs of 8 MB, the second 4 rows).
 NT_SHAPES = [
     (1, 1, 1),
     (5, 7, 3),
     (17, 70, 96),
     (40, 301, 600),
     (kernels.NT_ROWS_BF16, 33, 257),
-    (kernels.NT_ROWS, 24, 40),
+    (kernels.NT_ROWS, 4100, 20),
 ]
 
 

@@ -1073,7 +1073,8 @@ def prompt_gemm_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
 # 64-token GPT-2 forward's samples). GPT-2's four block layers, gl_sgemm against gl_sgemm_nt, AMD
 # EPYC Zen 4, 2 threads, medians of 7-9 alternating rounds, avx512-256 / avx2 / avx512: 32 rows
 # 1.60 / 1.45 / 1.61x, 64 1.29 / 1.28 / 1.41x, 128 1.21 / 1.16 / 1.21x, 256 1.06 / 1.07 / 1.10x,
-# 512 1.00-1.02 / 1.00-1.03 / 1.08x, 640 1.00 / 0.98 / 1.06x, 768 0.96 / 0.97 / 0.97x.
+# 512 1.00-1.02 / 1.00-1.03 / 1.08x, 640 1.00 / 0.98 / 1.06x, 768 0.96 / 0.97 / 0.97x; GPT-2's head
+# (all logits) avx512-256 / avx2 16 rows 1.98 / 1.86x, 64 1.50 / 1.42x, 512 1.20 / 1.18x.
 NT_ROWS = 512
 # The same for bf16 weights and activations (a bf16 model on a CPU without bf16 instructions),
 # against gl_sgemm_bf16_ab, widening every value of W it broadcasts: avx2 / avx512-256 at 32 rows

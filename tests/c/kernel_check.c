@@ -416,7 +416,7 @@ static void check_all(const lib_t *ref, const lib_t *l) {
     check_attend_prompt(ref, l, 2, 3, 40, 101, 0), check_attend_prompt(ref, l, 1, 2, 64, 50, 37);
     check_gelu(ref, l, 4099), check_gelu(ref, l, 7);
     check_sgemm_bf16_b(ref, l, 37, 70, 300), check_sgemm_bf16_b(ref, l, 5, 4100, 20);
-    check_sgemm_nt(ref, l, 37, 70, 300), check_sgemm_nt(ref, l, 5, 41, 20);
+    check_sgemm_nt(ref, l, 37, 70, 300), check_sgemm_nt(ref, l, 5, 41, 20), check_sgemm_nt(ref, l, 512, 4100, 8);
     check_sgemms(l);
 }
 

@@ -503,18 +503,30 @@ static void transpose_bias(const float *t, int N, int M, const float *bias, floa
     }
 }
 
+#define NT_SLAB_BYTES (8 << 20) /* y^T computed this many bytes at a time, then transposed */
+
 /* A prompt's linear layer, y (M, N) = x (M, K) W^T + bias: x's rows ldx apart, W (N, K) contiguous,
- * y's rows ldy apart, bias N values or NULL. Computed as y^T = W x^T, W as A read in place, so
- * that the weights, the larger operand, are never packed; x^T is (x small), and y^T transposed
- * into y at the end. Returns 0, or -1 out of memory. */
+ * each fp32, or bf16 widened as it is read (x bf16 only with W bf16), y's rows ldy apart, bias N
+ * values or NULL. Computed as y^T = W x^T, W as A read in place, so that the weights, the larger
+ * operand, are never packed; x^T is (x is small). y^T is found a slab of W's rows at a time (at
+ * most NT_SLAB_BYTES: GPT-2's head against 512 rows of x would take 103 MB more) and transposed
+ * into y. Returns 0, -1 out of memory, or -2 for bf16 x against fp32 W. */
 int gl_sgemm_nt(int M, int N, int K, const void *x, long ldx, int x_bf16, const void *w, int w_bf16, float *y, long ldy,
                 const float *bias, int nthreads) {
-    const gemm_kind_t *kind = !w_bf16 ? &GEMM_F32_A_IN_PLACE : x_bf16 ? &GEMM_BF16_AB_IN_PLACE : &GEMM_BF16_A_IN_PLACE;
     if (x_bf16 && !w_bf16) return -2;
-    float *t = alloc_elems((size_t)N * M);
+    if (M <= 0 || N <= 0) return 0;
+    const gemm_kind_t *kind = !w_bf16 ? &GEMM_F32_A_IN_PLACE : x_bf16 ? &GEMM_BF16_AB_IN_PLACE : &GEMM_BF16_A_IN_PLACE;
+    int slab = NT_SLAB_BYTES / 4 / (M > 0 ? M : 1) / 24 * 24; /* whole tiles (MR) and transposed blocks (8) */
+    slab = slab < 24 ? 24 : slab > N ? N : slab;
+    float *t = alloc_elems((size_t)slab * M);
     if (!t) return -1;
-    const int status = gemm(kind, N, M, K, w, K, 1, x, 1, ldx, t, M, NULL, 0, NULL, nthreads);
-    if (!status) transpose_bias(t, N, M, bias, y, ldy, nthreads);
+    int status = 0;
+    for (int n0 = 0; n0 < N && !status; n0 += slab) {
+        const int n = N - n0 < slab ? N - n0 : slab;
+        const char *w0 = (const char *)w + (size_t)n0 * K * kind->a_size;
+        status = gemm(kind, n, M, K, w0, K, 1, x, 1, ldx, t, M, NULL, 0, NULL, nthreads);
+        if (!status) transpose_bias(t, n, M, bias ? bias + n0 : NULL, y + n0, ldy, nthreads);
+    }
     free(t);
     return status;
 }
