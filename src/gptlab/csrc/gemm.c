@@ -2,8 +2,9 @@
  * (kernels.sgemm_linear): C = A B (+ bias), or C += A B (+ bias), in fp32 (gl_sgemm; B stored as
  * bf16 and widened as it is packed: gl_sgemm_bf16_b) or with A and B rounded to bf16 and fp32 sums
  * (gl_gemm_bf16, on CPUs with AVX512-BF16). Attention's products for prompts use it too
- * (attention.c). Prompts of up to a few hundred tokens multiply their fp32 layers as y^T = W x^T,
- * the weights read in place as A (gl_sgemm_nt): packing them costs as much as the product there.
+ * (attention.c). Prompts of up to a few hundred tokens multiply their layers as y^T = W x^T, the
+ * weights read in place as A (gl_sgemm_nt): packing them, a transpose of every weight on every
+ * call, took a fifth of a 64-token GPT-2 forward.
  *
  * A small head's three products, W x^T, e^T W and e x (GPT-2's 50,257-row vocabulary by 128-1024
  * rows of x and a 128-wide model), are most of a training step, and MKL runs them at 75-110
@@ -37,10 +38,11 @@
 typedef struct {
     int mr, nr, ksub, b_size, a_size;
     int a_rows; /* A's panels hold each row's k values together, GEMM_KC of them, instead of each k's mr rows */
+    /* NULL: A is not packed; the tile reads it where it is, its rows lda apart (a_size 4 or 2, k adjacent) */
     void (*pack_a)(const void *a, long rsa, long csa, int m, int kc, void *ap);
     void (*pack_b)(const void *b, long rsb, long csb, int n, int kc, int p0, int p1, void *bp);
-    void (*tile)(int kc, const void *a, long lda, const void *b, float *c, long ldc, int first, const float *bias, int m,
-                 int n);
+    void (*tile)(int kc, const void *a, long lda, const void *b, float *c, long ldc, int first, const float *bias,
+                 int m, int n);
 } gemm_kind_t;
 
 /* 32-bit elements of a packed panel `width` wide over kc values of k. */
@@ -111,7 +113,8 @@ static inline __attribute__((always_inline)) void tile_in_place(int kc, const vo
     }
     float panel[GEMM_KC * GEMM_MR];
     for (int k = 0; k < kc; k++)
-        for (int i = 0; i < GEMM_MR; i++) panel[k * GEMM_MR + i] = i < m ? param(a, (size_t)(i * lda + k), a_bf16) : 0.0f;
+        for (int i = 0; i < GEMM_MR; i++)
+            panel[k * GEMM_MR + i] = i < m ? param(a, (size_t)(i * lda + k), a_bf16) : 0.0f;
     tile_f32(kc, panel, 1, GEMM_MR, 0, bp, c, ldc, first, bias, m, n);
 }
 
@@ -449,7 +452,8 @@ static const gemm_kind_t GEMM_F32_BF16_AB = {GEMM_MR, GEMM_NR, 1, 2, 2, 0, gemm_
                                              gemm_tile};
 /* A read in place (pack_a NULL): fp32, or bf16 with B fp32 or bf16 (gl_sgemm_nt's weights and x^T) */
 static const gemm_kind_t GEMM_F32_A_IN_PLACE = {GEMM_MR, GEMM_NR, 1, 4, 4, 0, NULL, gemm_pack_b, gemm_tile_in_place};
-static const gemm_kind_t GEMM_BF16_A_IN_PLACE = {GEMM_MR, GEMM_NR, 1, 4, 2, 0, NULL, gemm_pack_b, gemm_tile_in_place_bf16};
+static const gemm_kind_t GEMM_BF16_A_IN_PLACE = {GEMM_MR, GEMM_NR, 1, 4, 2, 0, NULL, gemm_pack_b,
+                                                 gemm_tile_in_place_bf16};
 static const gemm_kind_t GEMM_BF16_AB_IN_PLACE = {GEMM_MR, GEMM_NR, 1, 2, 2, 0, NULL, gemm_pack_b_from_bf16,
                                                   gemm_tile_in_place_bf16};
 
@@ -516,7 +520,7 @@ int gl_sgemm_nt(int M, int N, int K, const void *x, long ldx, int x_bf16, const 
     if (x_bf16 && !w_bf16) return -2;
     if (M <= 0 || N <= 0) return 0;
     const gemm_kind_t *kind = !w_bf16 ? &GEMM_F32_A_IN_PLACE : x_bf16 ? &GEMM_BF16_AB_IN_PLACE : &GEMM_BF16_A_IN_PLACE;
-    int slab = NT_SLAB_BYTES / 4 / (M > 0 ? M : 1) / 24 * 24; /* whole tiles (MR) and transposed blocks (8) */
+    int slab = NT_SLAB_BYTES / 4 / M / 24 * 24; /* whole tiles (MR) and transposed blocks (8) */
     slab = slab < 24 ? 24 : slab > N ? N : slab;
     float *t = alloc_elems((size_t)slab * M);
     if (!t) return -1;
@@ -678,16 +682,17 @@ __attribute__((target("avx512f,avx512bf16"))) static inline void tile_bf16(int k
     }
 }
 
-__attribute__((target("avx512f,avx512bf16"))) static void gemm_tile_bf16(int kc, const void *ap, long lda, const void *bp,
-                                                                          float *c, long ldc, int first,
-                                                                          const float *bias, int m, int n) {
+__attribute__((target("avx512f,avx512bf16"))) static void gemm_tile_bf16(int kc, const void *ap, long lda,
+                                                                          const void *bp, float *c, long ldc,
+                                                                          int first, const float *bias, int m, int n) {
     (void)lda;
     tile_bf16(kc, ap, 1, BF_MR, bp, c, ldc, first, bias, m, n);
 }
 
-__attribute__((target("avx512f,avx512bf16"))) static void gemm_tile_bf16_rows(int kc, const void *ap, long lda, const void *bp,
-                                                                               float *c, long ldc, int first,
-                                                                               const float *bias, int m, int n) {
+__attribute__((target("avx512f,avx512bf16"))) static void gemm_tile_bf16_rows(int kc, const void *ap, long lda,
+                                                                               const void *bp, float *c, long ldc,
+                                                                               int first, const float *bias, int m,
+                                                                               int n) {
     (void)lda;
     tile_bf16(kc, ap, GEMM_KC / 2, 1, bp, c, ldc, first, bias, m, n);
 }
