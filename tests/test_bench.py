@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from gptlab.bench.generate import BandwidthProbe, main, weight_bytes_per_token
+from gptlab import kernels
+from gptlab.bench.generate import BandwidthProbe, cpu_has_native_bf16, main, weight_bytes_per_token
 
 
 def test_bench_generate_writes_both_engines_and_the_bandwidth_shares(tmp_path, capsys):
@@ -284,7 +285,6 @@ LLAMA_BENCH_SAMPLE = """[
 
 
 def test_bench_variants_runs_each_variant_and_rates_it_against_autos(tmp_path, capsys, monkeypatch):
-    from gptlab import kernels
     from gptlab.bench import variants
 
     seen = []  # the variant each timed generate call ran under
@@ -324,7 +324,6 @@ def test_bench_variants_runs_each_variant_and_rates_it_against_autos(tmp_path, c
 def test_bench_variants_times_each_prefetch_hint_it_is_given(tmp_path, capsys, monkeypatch):
     """NAME:nta and NAME:t0 run the variant with decoding's prefetch hint set, rated against the
     first when auto's variant is not among them."""
-    from gptlab import kernels
     from gptlab.bench import variants
 
     seen = []  # (variant, hint) of each timed generate call
@@ -357,7 +356,6 @@ def test_bench_variants_times_each_prefetch_hint_it_is_given(tmp_path, capsys, m
 
 
 def test_bench_gemm_times_both_sides_and_the_bf16_products_where_they_run(tmp_path, capsys, monkeypatch):
-    from gptlab import kernels
     from gptlab.bench import gemm
 
     if not kernels.available()[0]:
@@ -511,3 +509,17 @@ def test_bench_summary_gives_each_machines_latest_figures(tmp_path, capsys, monk
     monkeypatch.setattr(common, "machine", lambda: {**zen5, "cpu": "Intel(R) Xeon(R)"})
     assert summary.main(["--results", str(tmp_path)]) == 1
     assert "no results for this machine (Intel(R) Xeon(R) (26/2)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("flags", ["fpu sse2 avx2", "fpu sse2 avx2 avx_ne_convert", "fpu sse2 avx512_bf16 amx_bf16"])
+def test_bench_generate_asks_the_kernels_whether_bf16_is_native(flags, monkeypatch):
+    """The bench's bf16 rows against transformers run where training's precision choice and the
+    prompts' GEMM would see native bf16 (kernels.BF16_FLAGS, AVX-NE-CONVERT included), and the
+    skip names the flags it looked for."""
+    monkeypatch.setattr(kernels, "cpuinfo", lambda field: flags if field == "flags" else "")
+    native, why = cpu_has_native_bf16()
+    assert native == kernels.may_have_native_bf16() == (flags != "fpu sse2 avx2")
+    if native:
+        assert all(f in why for f in flags.split() if f in kernels.BF16_FLAGS)
+    else:
+        assert "avx512_bf16/amx_bf16/avx_ne_convert" in why

@@ -94,17 +94,13 @@ def weight_bytes_per_token(model: torch.nn.Module, buffers: bool = True) -> int:
 
 
 def cpu_has_native_bf16() -> tuple[bool, str]:
-    """Whether bf16 matmuls have hardware support here (AVX512-BF16 or AMX), and why not if not."""
-    flags = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        pass
+    """Whether bf16 matmuls may have hardware support here (kernels.may_have_native_bf16: one of
+    kernels.BF16_FLAGS, or a CPU whose flags cannot be read), and why not if not."""
     capability = torch.backends.cpu.get_cpu_capability()
-    if "avx512_bf16" in flags or "amx_bf16" in flags:
-        return True, f"{capability}, avx512_bf16{' + amx_bf16' if 'amx_bf16' in flags else ''}"
-    return False, f"no native bf16 on this CPU (capability {capability}, no avx512_bf16/amx_bf16 flag)"
+    if kernels.may_have_native_bf16():
+        named = [f for f in kernels.BF16_FLAGS if f in kernels.cpuinfo("flags").split()]
+        return True, f"{capability}, {' + '.join(named) or 'no x86 flags to read'}"
+    return False, f"no native bf16 on this CPU (capability {capability}, no {'/'.join(kernels.BF16_FLAGS)} flag)"
 
 
 # ---------------------------------------------------------------------------------------------
