@@ -20,8 +20,9 @@ C compiler and without a built library, `available()` says why and every caller 
 PyTorch's kernels.
 
 `Linear` is the model's linear layer: an nn.Linear (same parameters, same state dict, training
-unchanged) whose forward takes the kernel for a few rows without autograd on the CPU, and
-F.linear everywhere else. A decoding step usually runs the whole model in C instead
+unchanged) whose forward without autograd on the CPU takes the kernel for a few rows and, where
+gemm_choice() gives gptlab, gptlab's GEMM for more (`sgemm_linear`: up to NT_ROWS rows with the
+weights read in place), and F.linear everywhere else. A decoding step usually runs the whole model in C instead
 (gl_decode_step, described to it by gptlab.fused_step), with the same kernels. One kernel serves
 training and scoring (gptlab.chunked_loss): `softmax_exp_`, the chunked loss's softmax, loss and
 gradient, and `cross_entropy_t`, the loss and largest logit without a gradient.
