@@ -184,14 +184,7 @@ def test_sgemm_nt_of_a_bf16_weight_is_the_product_of_it_widened(shape, x_bf16, c
 def test_sgemm_nt_gives_the_same_bits_on_any_number_of_threads(calls):
     """Threads split W's rows: each element sums in one thread's order, whatever their number."""
     x, w, b = linear_operands(100, 301, 600)
-    results = []
-    for n in (1, 2, 3):
-        before = torch.get_num_threads()
-        torch.set_num_threads(n)
-        try:
-            results.append(kernels.sgemm_linear(x, w, b))
-        finally:
-            torch.set_num_threads(before)
+    results = on_threads(lambda: kernels.sgemm_linear(x, w, b))
     assert calls == {"gl_sgemm_nt": 3}
     assert all(torch.equal(results[0], r) for r in results[1:])
 
@@ -211,19 +204,24 @@ def test_mm_colmax_is_none_where_gptlabs_gemm_does_not_run(monkeypatch):
 THREAD_SHAPES = [(301, 40, 600, True, False), (50, 700, 800, False, True)]
 
 
-def products_on_threads(bf16: bool, shape, threads=(1, 2, 3)) -> list[torch.Tensor]:
-    """The same product through kernels.mm on each number of threads, accumulated onto the same C."""
-    a, b = operands(*shape)
-    c = torch.randn(shape[0], shape[1], generator=torch.Generator().manual_seed(1))
+def on_threads(fn, threads=(1, 2, 3)) -> list[torch.Tensor]:
+    """fn() run on each number of torch threads, the count restored after each."""
     results = []
     for n in threads:
         before = torch.get_num_threads()
         torch.set_num_threads(n)
         try:
-            results.append(kernels.mm(a, b, c.clone(), accumulate=True, bf16=bf16))
+            results.append(fn())
         finally:
             torch.set_num_threads(before)
     return results
+
+
+def products_on_threads(bf16: bool, shape, threads=(1, 2, 3)) -> list[torch.Tensor]:
+    """The same product through kernels.mm on each number of threads, accumulated onto the same C."""
+    a, b = operands(*shape)
+    c = torch.randn(shape[0], shape[1], generator=torch.Generator().manual_seed(1))
+    return on_threads(lambda: kernels.mm(a, b, c.clone(), accumulate=True, bf16=bf16), threads)
 
 
 @pytest.mark.parametrize("shape", THREAD_SHAPES, ids=["rows", "columns"])

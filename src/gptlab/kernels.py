@@ -22,8 +22,8 @@ PyTorch's kernels.
 `Linear` is the model's linear layer: an nn.Linear (same parameters, same state dict, training
 unchanged) whose forward without autograd on the CPU takes the kernel for a few rows and, where
 gemm_choice() gives gptlab, gptlab's GEMM for more (`sgemm_linear`: up to NT_ROWS rows with the
-weights read in place), and F.linear everywhere else. A decoding step usually runs the whole model in C instead
-(gl_decode_step, described to it by gptlab.fused_step), with the same kernels. One kernel serves
+weights read in place), and F.linear everywhere else. A decoding step usually runs the whole
+model in C instead (gl_decode_step, described to it by gptlab.fused_step), with the same kernels. One kernel serves
 training and scoring (gptlab.chunked_loss): `softmax_exp_`, the chunked loss's softmax, loss and
 gradient, and `cross_entropy_t`, the loss and largest logit without a gradient.
 """
@@ -511,7 +511,7 @@ def kernel_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return (
         x.dtype is weight.dtype
         and x.dtype in (torch.float32, torch.bfloat16)
-        and (rows <= MAX_ROWS or rows <= float_kernel_rows(x.dtype))
+        and (rows <= MAX_ROWS or rows <= float_kernel_rows(x.dtype))  # decoding's rows skip asking gemm_choice
         and _inference_on_cpu(x)
         and not (torch.is_grad_enabled() and weight.requires_grad)
         and weight.is_contiguous()
