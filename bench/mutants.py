@@ -44,6 +44,7 @@ FUSED_TESTS = ("tests/test_fused_step.py", "tests/test_kernels.py")
 HARNESS_TESTS = ("tests/test_harness.py", "-k", "equals")
 HOOKS_TESTS = ("tests/test_hooks.py",)
 GEMM_TESTS = ("tests/test_gemm.py",)
+PROBE_TESTS = ("tests/test_gemm_probe.py",)
 SERVE_LMEVAL_TESTS = ("tests/test_serve_tokenize.py", "tests/test_serve.py", "-k", "offset or logprobs or echo")
 
 
@@ -311,6 +312,30 @@ MUTANTS = [
            "inplace=not self.hook_pre.active)", "inplace=True)", FUSED_TESTS),
     Mutant("gemm/head-products-ignore-the-choice", "kernels.py",
            'return gemm_choice() == "gptlab"', "return True", GEMM_TESTS),
+    # whose GEMM an Intel CPU runs, measured (gemm_probe.py)
+    Mutant("gemm-probe/slower-side-taken", "gemm_probe.py",
+           'return "gptlab" if math.prod(ratios) > 1.0 else "torch"',
+           'return "gptlab" if math.prod(ratios) < 1.0 else "torch"', PROBE_TESTS),
+    Mutant("gemm-probe/every-workload-decides-both", "gemm_probe.py",
+           "for name, t in timings.items() if name.startswith(work)]", "for name, t in timings.items()]",
+           PROBE_TESTS),
+    Mutant("gemm-probe/gptlab-side-times-pytorch", "gemm_probe.py",
+           '"gptlab": lambda: [sgemm_linear(x, w, None) for x, w in layers],',
+           '"gptlab": lambda: [F.linear(x, w) for x, w in layers],', PROBE_TESTS),
+    Mutant("gemm-probe/cache-never-read", "machine_cache.py",
+           "    if key in cache:\n", "    if False:\n", PROBE_TESTS),
+    Mutant("gemm-probe/key-without-threads", "machine_cache.py",
+           'f"{torch.get_num_threads()} threads", ', "", PROBE_TESTS),
+    Mutant("gemm-probe/intel-keeps-mkl-unmeasured", "kernels.py",
+           "    return gemm_probe.choice(work, gemm_probe.timings(key, measure_gemms))", '    return "torch"',
+           PROBE_TESTS),
+    Mutant("gemm-probe/measured-inside-a-compiled-trace", "kernels.py",
+           "    if torch.compiler.is_compiling():  # nothing is timed", "    if False:  # nothing is timed", PROBE_TESTS),
+    Mutant("gemm-probe/intel-bf16-products-unasked", "kernels.py",
+           'if cpu_vendor() == "GenuineIntel" and _gemm_env() != "gptlab":', "if False:", PROBE_TESTS),
+    Mutant("gemm-probe/prompts-follow-the-head", "kernels.py",
+           '        and prompt_gemm_choice() == "gptlab"\n    )', '        and gemm_choice() == "gptlab"\n    )',
+           PROBE_TESTS),
     # its bf16 products (AVX512-BF16)
     Mutant("gemm-bf16/pair-halves-swapped-in-row-panels", "csrc/gemm.c",
            "out[k / 2] = bf16_pair(f32_bits(ai[k]), f32_bits(ai[k + 1]));",

@@ -90,6 +90,9 @@ def emulated_env(cpu: str, cache: Path) -> dict:
         # same code natively (NPY_DISABLE_CPU_FEATURES="X86_V4 AVX512_ICL" on an AVX-512 CPU): a
         # flaw of the emulation, so NumPy keeps to its SSE baseline here.
         "NPY_DISABLE_CPU_FEATURES": "X86_V3",
+        # On an Intel host auto would time whose GEMM to run (gptlab.gemm_probe): under qemu, the
+        # emulator's speed, for minutes. gptlab's, as auto takes on an AMD host without timing.
+        "GPTLAB_GEMM": "gptlab",
     }
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from gptlab import kernels
+from gptlab import kernels, machine_cache
 from gptlab.checkpoint import load_native
 from gptlab.train import TrainConfig, Trainer, precision
 from gptlab.train.muon import Muon
@@ -37,7 +37,7 @@ def test_configured_precision_is_what_the_matmuls_run(byte_data, tmp_path, name)
 @pytest.mark.parametrize("faster", ["float32", "bfloat16"])
 def test_auto_runs_what_it_measured_and_reports(byte_data, tmp_path, monkeypatch, caplog, faster):  # noqa: F811
     monkeypatch.setenv("GPTLAB_CACHE", str(tmp_path / "cache"))
-    for name in precision.ISA_SETTINGS:  # as run plainly, even under settings that stand in for another CPU
+    for name in machine_cache.ISA_SETTINGS:  # as run plainly, even under settings that stand in for another CPU
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(precision, "may_have_native_bf16", lambda: True)  # a CPU whose flags name bf16: measured
     calls = []

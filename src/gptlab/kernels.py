@@ -21,8 +21,8 @@ PyTorch's kernels.
 
 `Linear` is the model's linear layer: an nn.Linear (same parameters, same state dict, training
 unchanged) whose forward without autograd on the CPU takes the kernel for a few rows and, where
-gemm_choice() gives gptlab, gptlab's GEMM for more (`sgemm_linear`: up to NT_ROWS rows with the
-weights read in place), and F.linear everywhere else. A decoding step usually runs the whole
+prompt_gemm_choice() gives gptlab, gptlab's GEMM for more (`sgemm_linear`: up to NT_ROWS rows with
+the weights read in place), and F.linear everywhere else. A decoding step usually runs the whole
 model in C instead (gl_decode_step, described to it by gptlab.fused_step), with the same kernels. One kernel serves
 training and scoring (gptlab.chunked_loss): `softmax_exp_`, the chunked loss's softmax, loss and
 gradient, and `cross_entropy_t`, the loss and largest logit without a gradient.
@@ -47,7 +47,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from gptlab import kernel_build
+from gptlab import gemm_probe, kernel_build
+from gptlab.machine_cache import cache_dir, machine_key
 
 log = logging.getLogger(__name__)
 
@@ -108,11 +109,9 @@ def cpu_name() -> str:
     return cpuinfo("model name") or platform.machine() or "unknown"
 
 
-def cache_dir() -> Path:
-    """Where first-use builds live: $GPTLAB_CACHE, else $XDG_CACHE_HOME/gptlab, else ~/.cache/gptlab."""
-    if os.environ.get("GPTLAB_CACHE"):
-        return Path(os.environ["GPTLAB_CACHE"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "gptlab"
+def cpu_description() -> str:
+    """The CPU's model name and the features of FEATURES it has, e.g. for a per-machine cache key."""
+    return f"{cpu_name()} {' '.join(sorted(cpu_features()))}"
 
 
 def installed_path(variant: str) -> Path:
@@ -482,8 +481,8 @@ def _inference_on_cpu(x: torch.Tensor) -> bool:
 
 
 # Rows up to which the float kernel (each weight row read once for all rows of x) takes a bf16
-# inference forward where gemm_choice() gives gptlab (x86 CPUs not made by Intel); elsewhere
-# MAX_ROWS, as on Intel's, where PyTorch's GEMM is MKL (not measured there). AMD EPYC Zen 5, 2
+# inference forward where prompt_gemm_choice() gives gptlab (x86 CPUs not made by Intel, and Intel
+# ones where it was measured faster than MKL); elsewhere MAX_ROWS. AMD EPYC Zen 5, 2
 # threads, 2026-12-05, GPT-2's whole forward with all logits, the kernel against oneDNN's bf16 GEMM
 # natively and gl_sgemm widening bf16 held to AVX2, medians of 5, best of 2 alternations: avx512
 # 9 rows 1.17x, 16 1.14x, 0.69x at 32; held to AVX2 1.81x, 1.44x, 1.19x. fp32 forwards: float_kernel_rows.
@@ -492,12 +491,12 @@ KERNEL_ROWS_GPTLAB = 16
 
 def float_kernel_rows(dtype: torch.dtype) -> int:
     """Up to how many rows of x the float kernel takes an inference forward of `dtype`: MAX_ROWS,
-    or where gemm_choice() gives gptlab, KERNEL_ROWS_GPTLAB for bf16 and for fp32 half the columns
+    or where prompt_gemm_choice() gives gptlab, KERNEL_ROWS_GPTLAB for bf16 and for fp32 half the columns
     of gl_sgemm_nt's tile (its lanes hold rows of x, so fewer leave most of them idle). GPT-2's four
     block layers, the float kernel against gl_sgemm_nt, AMD EPYC Zen 4, 2 threads, medians of 9
     alternating rounds: 16 columns (avx2, avx512-256) 8 rows 0.97 / 1.06x, 9 1.10 / 1.15x, 16 1.70 /
     1.71x; 32 columns (avx512) 0.55x at 9 rows, 0.78x at 16."""
-    if gemm_choice() != "gptlab":
+    if prompt_gemm_choice() != "gptlab":
         return MAX_ROWS
     if dtype is torch.bfloat16:
         return KERNEL_ROWS_GPTLAB
@@ -511,7 +510,7 @@ def kernel_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return (
         x.dtype is weight.dtype
         and x.dtype in (torch.float32, torch.bfloat16)
-        and (rows <= MAX_ROWS or rows <= float_kernel_rows(x.dtype))  # decoding's rows skip asking gemm_choice
+        and (rows <= MAX_ROWS or rows <= float_kernel_rows(x.dtype))  # decoding's rows skip asking prompt_gemm_choice
         and _inference_on_cpu(x)
         and not (torch.is_grad_enabled() and weight.requires_grad)
         and weight.is_contiguous()
@@ -799,17 +798,47 @@ GEMM_CHOICES = ("auto", "gptlab", "torch")
 
 def gemm_choice() -> str:
     """Whose fp32 GEMM runs `mm` (the training head's three products): "gptlab" (gl_sgemm) or
-    "torch" (PyTorch's BLAS). GPTLAB_GEMM=gptlab|torch forces one; auto (the default) takes
-    gptlab's on an x86 CPU not made by Intel whose kernel variant has SIMD. PyTorch's x86 builds
-    multiply with Intel's MKL, which on an AMD EPYC (Zen 3, 2 threads) ran the demo head's products
-    at 75-110 GFLOP/s where gl_sgemm runs them at 135-175 (`gptlab bench gemm`); on Intel CPUs MKL
-    keeps them (gl_sgemm not yet measured there), and on other architectures PyTorch's BLAS does."""
+    "torch" (PyTorch's BLAS). GPTLAB_GEMM=gptlab|torch forces one (and prompt_gemm_choice's); auto
+    (the default) takes gptlab's on an x86 CPU not made by Intel whose kernel variant has SIMD,
+    whichever ran the head faster on an Intel one (measured once per machine, gptlab.gemm_probe),
+    and PyTorch's elsewhere. PyTorch's x86 builds multiply with Intel's MKL, which on an AMD EPYC
+    (Zen 3, 2 threads) ran the demo head's products at 75-110 GFLOP/s where gl_sgemm runs them at
+    135-175 (`gptlab bench gemm`); on other architectures PyTorch's BLAS beats plain C."""
+    return _gemm_choice("head")
+
+
+def prompt_gemm_choice() -> str:
+    """As gemm_choice, for prompts' layers (more than MAX_ROWS rows of x, without autograd:
+    sgemm_linear against F.linear): on an Intel CPU, whichever ran them faster there."""
+    return _gemm_choice("prompts")
+
+
+def _gemm_env() -> str:
     want = os.environ.get("GPTLAB_GEMM", "auto").strip().lower() or "auto"
     if want not in GEMM_CHOICES:
         raise ValueError(f"GPTLAB_GEMM={want!r}: expected one of {', '.join(GEMM_CHOICES)}")
+    return want
+
+
+def _gemm_choice(work: str) -> str:
+    want = _gemm_env()
     if want != "auto":
         return want
-    return "gptlab" if has_simd() and kernel_build.is_x86() and cpu_vendor() != "GenuineIntel" else "torch"
+    if not (has_simd() and kernel_build.is_x86()):
+        return "torch"
+    if cpu_vendor() != "GenuineIntel":
+        return "gptlab"
+    if torch.compiler.is_compiling():  # nothing is timed inside a traced graph, which runs PyTorch's GEMM anyway
+        return "torch"
+    key = machine_key(cpu_description(), f"kernels {variant()}")
+    return gemm_probe.choice(work, gemm_probe.timings(key, measure_gemms))
+
+
+def measure_gemms() -> dict:
+    """gemm_probe's timings of gptlab's GEMM against PyTorch's on this CPU, measured now."""
+    wait_for_huge_pages()  # a timing taken while Linux copies a model's pages runs slow, and this one is cached
+    lib = _library().lib
+    return gemm_probe.measure(sgemm_linear, lambda a, b, out: run_gemm(lib.gl_sgemm, a, b, out))
 
 
 def mm(
@@ -835,14 +864,15 @@ def mm(
     if bf16:
         return _mm_bf16(a, b, out, accumulate, bias)
     if _sgemm_runs(a, b, out):
-        _gemm(getattr(_library().lib, _SGEMMS[a.dtype, b.dtype]), a, b, out, accumulate, bias)
+        run_gemm(getattr(_library().lib, _SGEMMS[a.dtype, b.dtype]), a, b, out, accumulate, bias)
         return out
     a, b = (t.float() if t.dtype is torch.bfloat16 else t for t in (a, b))  # bf16 widens exactly
     out = out.addmm_(a, b) if accumulate else torch.mm(a, b, out=out)
     return out if bias is None else out.add_(bias)
 
 
-def _gemm(fn, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate: bool, bias) -> None:
+def run_gemm(fn, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate: bool = False, bias=None) -> None:
+    """out (+)= a @ b (+ bias) through the C GEMM `fn` (gl_sgemm's arguments), unchecked: mm's."""
     (M, K), N = a.shape, b.size(1)
     status = fn(
         M, N, K, a.data_ptr(), a.stride(0), a.stride(1), b.data_ptr(), b.stride(0), b.stride(1),
@@ -874,7 +904,7 @@ def _mm_bf16(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate: bo
     if not all(t.dtype == torch.float32 for t in (a, b, out)):
         raise ValueError(f"mm(bf16=True) takes fp32 operands, not {a.dtype}, {b.dtype} -> {out.dtype}")
     if gemm_bf16_runs(out.device) and _sgemm_runs(a, b, out):
-        _gemm(_library().lib.gl_gemm_bf16, a, b, out, accumulate, bias)
+        run_gemm(_library().lib.gl_gemm_bf16, a, b, out, accumulate, bias)
         return out
     product = (a.bfloat16() @ b.bfloat16()).float()  # (M, N)
     out = out.add_(product) if accumulate else out.copy_(product)
@@ -915,10 +945,14 @@ def _sgemm_runs(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> bool:
 def gemm_bf16_runs(device: torch.device | str = "cpu") -> bool:
     """Whether mm(bf16=True) runs in gl_gemm_bf16 on `device`: a CPU with AVX512-BF16 (vdpbf16ps),
     a variant with AVX-512, and gptlab's GEMM chosen (gemm_choice). On an AMD EPYC Zen 4 (2
-    threads) it runs the demo head's three products at 284-312 GFLOP/s against gl_sgemm's 147-196."""
+    threads) it runs the demo head's three products at 284-312 GFLOP/s against gl_sgemm's 147-196.
+    On Intel CPUs only with GPTLAB_GEMM=gptlab: their probe (gptlab.gemm_probe) times fp32, and
+    Intel's bf16 CPUs have oneDNN's native bf16 products (AMX on the newer), never timed against it."""
     if not (_enabled and torch.device(device).type == "cpu" and kernel_build.is_x86()):
         return False
     if torch.compiler.is_compiling() or gemm_choice() != "gptlab" or not _library().float_ok:
+        return False
+    if cpu_vendor() == "GenuineIntel" and _gemm_env() != "gptlab":
         return False
     return bool(_library().lib.gl_has_gemm_bf16())
 
@@ -1044,7 +1078,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 # From this many rows on, an fp32 inference forward (a prompt longer than MAX_ROWS; the float
-# kernel takes up to KERNEL_ROWS_GPTLAB first) runs in gl_sgemm where gemm_choice() gives gptlab.
+# kernel takes up to KERNEL_ROWS_GPTLAB first) runs in gptlab's GEMM where prompt_gemm_choice() gives gptlab.
 # It was 256 while each thread packed all of B (12-04: GPT-2's block layers at 16 rows 8.9 ms
 # against MKL's 3.4); since the threads split B's columns, gl_sgemm beats MKL at every row count.
 # AMD EPYC Zen 5, 2 threads, 2026-12-05, GPT-2's whole forward with all logits / the last only,
@@ -1056,8 +1090,8 @@ PROMPT_GEMM_ROWS = MAX_ROWS + 1
 
 
 def prompt_gemm_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether an fp32 inference forward of at least PROMPT_GEMM_ROWS rows runs in gl_sgemm: where
-    gemm_choice() gives gptlab (x86 CPUs not made by Intel, whose PyTorch BLAS is Intel's MKL)."""
+    """Whether an fp32 inference forward of at least PROMPT_GEMM_ROWS rows runs in gptlab's GEMM
+    (sgemm_linear): where prompt_gemm_choice() gives gptlab."""
     return (
         x.numel() >= PROMPT_GEMM_ROWS * x.size(-1)
         and x.dtype is torch.float32
@@ -1065,7 +1099,7 @@ def prompt_gemm_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
         and _inference_on_cpu(x)
         and not (torch.is_grad_enabled() and weight.requires_grad)
         and _library().float_ok
-        and gemm_choice() == "gptlab"
+        and prompt_gemm_choice() == "gptlab"
     )
 
 
@@ -1132,12 +1166,12 @@ def bf16_linear_in_fp32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     stays in cache), multiplied transposed, W x^T, as MKL runs that faster. AMD EPYC, 512 rows,
     2026-12-02: the 50,257-row head (scoring) 720 -> 472 ms in slabs; GPT-2's block layers
     together 79.3 ms in slabs, 70.5 converted whole, 66.7 for fp32 weights. From PROMPT_GEMM_ROWS
-    rows, where gemm_choice() gives gptlab, gl_sgemm_bf16_b multiplies the bf16 weight itself,
+    rows, where prompt_gemm_choice() gives gptlab, gl_sgemm_bf16_b multiplies the bf16 weight itself,
     widening it as it packs it (no fp32 copy: a 512-token bf16 GPT-2 prefill 457 -> 440 ms on the
     Zen 5 held to AVX2), and x too (gl_sgemm_bf16_ab: no fp32 copy of the activations, 461 -> 455
     ms, medians of 7 alternating runs, where fp32's took 460)."""
     K, N = weight.size(1), weight.size(0)
-    if x.numel() >= PROMPT_GEMM_ROWS * K and gemm_choice() == "gptlab" and _library().float_ok:
+    if x.numel() >= PROMPT_GEMM_ROWS * K and prompt_gemm_choice() == "gptlab" and _library().float_ok:
         y = sgemm_linear(x, weight, bias)  # (..., N) fp32; gl_sgemm_bf16_ab widens x and the weight as it packs them
         return y.to(torch.bfloat16)  # rounded once
     xf = x.reshape(-1, K).float()  # (M, K)
@@ -1189,9 +1223,8 @@ def main() -> int:
         print(
             f"  auto takes {auto_variant()}: this CPU's AVX-512 is half width (family {cpu_family()}, see HALF_WIDTH_AVX512)"
         )
-    gemm = gemm_choice()
-    which = "gl_sgemm" if gemm == "gptlab" else "PyTorch BLAS"
-    print(f"  GEMM of prompts and the training head: {gemm} ({which}; GPTLAB_GEMM)")
+    print(f"  GEMM of prompts: {prompt_gemm_choice()}; of the training head: {gemm_choice()} "
+          "(gptlab: gl_sgemm_nt, gl_sgemm; torch: PyTorch's BLAS; GPTLAB_GEMM)")  # fmt: skip
     print(f"  its bf16 products (bf16 autocast): {gemm_bf16_choice()}")
     if lib.lib is not None:
         hint = "non-temporally" if prefetch_nta() else "into every cache level"

@@ -5,17 +5,18 @@ inputs e^T W (n, C) and of the weight e x (V, C), with e the (V, n) softmax chun
 product with gl_sgemm (csrc/gemm.c) and with torch.mm (Intel's MKL in PyTorch's x86 builds) on the
 same operands, alternating the two round by round (this machine's speed drifts by 20% within
 minutes), and prints the medians, GFLOP/s and the ratios; `kernels.gemm_choice` says which one
-training takes here. Defaults: the demo's shape (GPT-2's vocabulary, B8xT128 = 1,024 rows, 128 wide).
+training takes here (auto: gptlab's on AMD CPUs, on Intel ones whichever a probe measured faster,
+`gptlab.gemm_probe`). Defaults: the demo's shape (GPT-2's vocabulary, B8xT128 = 1,024 rows, 128 wide).
 Where gl_gemm_bf16 runs (AVX512-BF16, `kernels.gemm_bf16_runs`) it also times the bf16 products
 of bf16 autocast both ways: `kernels.mm(..., bf16=True)`, gl_gemm_bf16 against torch's bf16 product
 (oneDNN), each from the same fp32 operands.
 
-Then prompts' products, which `kernels.gemm_choice` decides too: GPT-2 small's four block layers
+Then prompts' products, which `kernels.prompt_gemm_choice` decides: GPT-2 small's four block layers
 at --layer-rows rows of x, fp32 weights through `kernels.sgemm_linear` (gl_sgemm_nt reading the
 weights in place up to `kernels.NT_ROWS` rows, else gl_sgemm) against F.linear, and bf16 weights
 through `kernels.bf16_linear_in_fp32` both ways (gptlab's GEMM widening the weight as it reads it,
-against converting it for F.linear). On Intel CPUs, where auto keeps MKL without having been measured
-against it, these rows and the head's say whether it should.
+against converting it for F.linear). These rows and the head's are the probe's measurement at
+length, over more rounds and shapes.
 """
 
 from __future__ import annotations
@@ -79,9 +80,6 @@ def time_products(choice: str, bf16: bool, w, x, e, logits, grad_x, grad_w) -> l
     return seconds
 
 
-LAYERS = {"attn c_attn": (2304, 768), "attn c_proj": (768, 768), "mlp c_fc": (3072, 768), "mlp c_proj": (768, 3072)}
-
-
 def time_layers(choice: str, dtype, xs: dict, weights: dict, reps: int) -> float:
     """Seconds of `reps` forwards of the four block layers (x fp32 or bf16 as the weights), with
     GPTLAB_GEMM=choice: fp32 through kernels.sgemm_linear or F.linear, bf16 through
@@ -107,6 +105,8 @@ def layer_rows(rows_list: list[int], rounds: int) -> list[dict]:
     """Medians (ms) of the four block layers' products per row count and weight dtype, gptlab's GEMM
     against torch's, alternating round by round."""
     import torch
+
+    from gptlab.gemm_probe import LAYERS
 
     g = torch.Generator().manual_seed(0)
     weights32 = {name: torch.randn(N, K, generator=g) * 0.02 for name, (N, K) in LAYERS.items()}
@@ -137,12 +137,18 @@ def main(argv=None) -> int:
     if not kernels.available()[0]:
         raise SystemExit(f"gptlab's kernels are not available here: {kernels.available()[2]}")
     chosen, bf16_runs = kernels.gemm_choice(), kernels.gemm_bf16_runs()
+    prompts = kernels.prompt_gemm_choice()
     V, n, C = args.vocab, args.rows, args.width
     tensors = operands(V, n, C)
     flop = 2.0 * V * n * C
     print(f"head products V={V} n={n} C={C}, {torch.get_num_threads()} threads, kernels {kernels.describe()}")
-    print(f"training takes: {chosen} (GPTLAB_GEMM=auto picks by CPU vendor; see kernels.gemm_choice)")
-    results = {"config": vars(args), "chosen": chosen, "bf16_products": kernels.gemm_bf16_choice()}
+    print(f"training takes: {chosen}, prompts: {prompts} (GPTLAB_GEMM=auto: by CPU vendor, measured on Intel's)")
+    results = {
+        "config": vars(args),
+        "chosen": chosen,
+        "prompts_take": prompts,
+        "bf16_products": kernels.gemm_bf16_choice(),
+    }
     for dtype in ("float32", "bfloat16") if bf16_runs else ("float32",):
         bf16 = dtype == "bfloat16"
         times = {"gptlab": [], "torch": []}

@@ -7,22 +7,21 @@ flags name no bf16 instructions therefore trains in fp32 without measuring (the 
 on an AMD EPYC, issue 22). Where they are named the flags are not trusted further: auto times one
 forward + backward of the model being trained, on its own shapes, in fp32 and under bf16
 autocast, takes bf16 only if clearly faster (BF16_MARGIN), and caches the timings per machine
-(CPU model and features, torch version, model shape) in gptlab's cache directory. On CUDA auto is bf16 where supported.
+(gptlab.machine_cache: CPU model and features, torch version, threads, model shape) in gptlab's
+cache directory. On CUDA auto is bf16 where supported.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import time
 from contextlib import nullcontext
-from pathlib import Path
 
 import torch
 
 from gptlab import kernels
 from gptlab.kernels import may_have_native_bf16
+from gptlab.machine_cache import cached, machine_key
 
 log = logging.getLogger(__name__)
 
@@ -72,49 +71,17 @@ def resolve_precision(name: str, device: torch.device, model=None, rows: tuple[i
     return choice, why
 
 
-# Settings that hold the libraries under a precision to fewer instructions than the CPU has (e.g. to
-# stand in for an AVX2-only CPU, gptlab.bench.generate.AVX2_ENV): a probe measured without them
-# does not hold with them (bf16 under ONEDNN_MAX_CPU_ISA=AVX2 on a Zen 5: 45 s a demo step).
-ISA_SETTINGS = ("GPTLAB_KERNELS", "GPTLAB_GEMM", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
-
-
-def isa_settings() -> str:
-    """The ISA_SETTINGS this process runs under, as part of the probe's cache key ("" for none)."""
-    settings = " ".join(f"{name}={os.environ[name]}" for name in ISA_SETTINGS if os.environ.get(name))
-    return f" | {settings}" if settings else ""
-
-
 def cached_probe(model, device: torch.device, rows: tuple[int, int]) -> tuple[dict, str]:
     """Seconds per forward + backward in each precision, from the cache or measured now."""
     batch, block = _probe_shape(*rows)
     cfg = model.config
-    key = (f"{kernels.cpu_name()} {' '.join(sorted(kernels.cpu_features()))} | torch {torch.__version__} | {torch.get_num_threads()} threads | "
-           f"L{cfg.n_layer} C{cfg.n_embd} H{cfg.n_head} V{cfg.vocab_size} | {batch}x{block}{isa_settings()}")  # fmt: skip
-    path = kernels.cache_dir() / CACHE_FILE
-    cache = _read_cache(path)
-    if key in cache:
-        return cache[key], f"measured earlier on this machine, cached in {path}"
-    timings = probe(model, device, batch, block)
-    cache[key] = timings
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(cache, indent=1))
-        tmp.replace(path)
-    except OSError as e:
-        log.warning("could not cache the precision probe in %s: %s", path, e)
-    return timings, f"measured now, cached in {path}"
+    shape = f"L{cfg.n_layer} C{cfg.n_embd} H{cfg.n_head} V{cfg.vocab_size}"
+    key = machine_key(kernels.cpu_description(), shape, f"{batch}x{block}")
+    return cached(CACHE_FILE, key, lambda: probe(model, device, batch, block))
 
 
 def _probe_shape(batch: int, block: int) -> tuple[int, int]:
     return max(1, min(batch, PROBE_TOKENS // block)), block
-
-
-def _read_cache(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
 
 
 def probe(model, device: torch.device, batch: int, block: int) -> dict[str, float]:

@@ -1,0 +1,113 @@
+"""Whose fp32 GEMM an Intel CPU runs, gptlab's or PyTorch's, measured once per machine.
+
+On x86 CPUs not made by Intel, gptlab's GEMM (csrc/gemm.c) runs prompts' layers and the training
+head without measuring: PyTorch's x86 builds multiply with Intel's MKL, measured slower on every
+AMD EPYC tried (Zen 3, 4 and 5; `gptlab bench gemm`). On Intel CPUs MKL is tuned for the very
+chip, and gptlab's GEMM has not been timed against it on one: rather than guess, `auto` times both
+on two kinds of work the first time it is asked on a machine, and caches the timings
+(gptlab.machine_cache), so that every later process makes the same choice:
+
+- prompts: GPT-2 small's four block layers at PROMPT_ROWS rows of x, kernels.sgemm_linear (the
+  weights read in place) against F.linear; chosen by the product of the two row counts' ratios;
+- the training head: its three products for 1,024 tokens 128 wide (the demo's) against a slice
+  of HEAD_VOCAB rows of the vocabulary, gl_sgemm against torch.mm.
+
+Each kind of work takes the GEMM that ran it faster (kernels.prompt_gemm_choice for prompts,
+kernels.gemm_choice for the head; a tie keeps PyTorch's). Both sides are timed in alternating
+rounds, the first a warm-up, and the fastest of the others counts. The whole measurement takes
+about a second on two cores. gptlab's side is what kernels hands in (kernels.measure_gemms), so
+that this module sits below kernels in the import graph.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from gptlab.machine_cache import cached
+
+log = logging.getLogger(__name__)
+
+CACHE_FILE = "gemm.json"
+WORK = ("prompts", "head")
+ROUNDS = 3  # timed rounds per side, after one to warm up
+# GPT-2 small's block layers, (out_features, in_features)
+LAYERS = {"attn c_attn": (2304, 768), "attn c_proj": (768, 768), "mlp c_fc": (3072, 768), "mlp c_proj": (768, 3072)}
+PROMPT_ROWS = (64, 512)  # both within kernels.NT_ROWS: sgemm_linear then never asks gemm_choice
+HEAD_VOCAB, HEAD_ROWS, HEAD_WIDTH = 8192, 1024, 128
+
+_known: dict[str, dict] = {}  # this process's timings by cache key: looked up on every prompt layer
+
+
+def choice(work: str, timings: dict) -> str:
+    """ "gptlab" or "torch": whose GEMM ran `work` ("prompts" or "head") faster in `timings`."""
+    if work not in WORK:
+        raise ValueError(f"gemm_probe.choice: work must be one of {', '.join(WORK)}, not {work!r}")
+    ratios = [t["torch"] / t["gptlab"] for name, t in timings.items() if name.startswith(work)]
+    return "gptlab" if math.prod(ratios) > 1.0 else "torch"
+
+
+def timings(key: str, measure: Callable[[], dict]) -> dict:
+    """The timings of this machine (`key`, gptlab.machine_cache.machine_key): this process's, the
+    cache file's, or measure() now (kernels.measure_gemms)."""
+    if key not in _known:
+        _known[key], source = cached(CACHE_FILE, key, measure)
+        log.info("gptlab's GEMM against PyTorch's on this CPU (%s): %s", source, describe(_known[key]))
+    return _known[key]
+
+
+def describe(timings: dict) -> str:
+    """One line: each workload's seconds both ways and the speedup of gptlab's GEMM."""
+    return "; ".join(f"{name} {t['gptlab'] * 1e3:.1f} ms against {t['torch'] * 1e3:.1f} ({t['torch'] / t['gptlab']:.2f}x)"
+                     for name, t in timings.items())  # fmt: skip
+
+
+def measure(sgemm_linear: Callable, sgemm: Callable) -> dict[str, dict[str, float]]:
+    """Seconds of each workload ("prompts 64 rows", "prompts 512 rows", "head") on each side:
+    gptlab's through `sgemm_linear` (x, W, bias) -> x W^T + bias and `sgemm` (a, b, out), out =
+    a @ b (kernels.sgemm_linear, gl_sgemm), PyTorch's through F.linear and torch.mm."""
+    g = torch.Generator().manual_seed(0)
+    result = {}
+    weights = [torch.randn(N, K, generator=g) * 0.02 for N, K in LAYERS.values()]
+    for rows in PROMPT_ROWS:
+        layers = [(torch.randn(rows, w.size(1), generator=g), w) for w in weights]  # (x (rows, K), W (N, K))
+        result[f"prompts {rows} rows"] = fastest(prompt_layers(layers, sgemm_linear))
+    result["head"] = fastest(head_products(g, sgemm))
+    return result
+
+
+def prompt_layers(layers: list, sgemm_linear: Callable) -> dict:
+    """The layers' products y = x W^T on each side, for (x, W) pairs."""
+    return {
+        "gptlab": lambda: [sgemm_linear(x, w, None) for x, w in layers],
+        "torch": lambda: [F.linear(x, w) for x, w in layers],
+    }
+
+
+def head_products(g: torch.Generator, sgemm: Callable) -> dict:
+    """The head's three products on each side: logits W x^T, then e^T W and e x (e the softmax)."""
+    V, n, C = HEAD_VOCAB, HEAD_ROWS, HEAD_WIDTH
+    w, x = torch.randn(V, C, generator=g) * 0.02, torch.randn(n, C, generator=g)
+    e = torch.rand(V, n, generator=g) / V  # (V, n)
+    products = [(w, x.t(), torch.empty(V, n)), (e.t(), w, torch.empty(n, C)), (e, x, torch.empty(V, C))]
+    return {
+        "gptlab": lambda: [sgemm(a, b, out) for a, b, out in products],
+        "torch": lambda: [torch.mm(a, b, out=out) for a, b, out in products],
+    }
+
+
+def fastest(runs: dict) -> dict[str, float]:
+    """The fastest of ROUNDS timed calls of each of `runs` (side -> callable), alternating."""
+    best = {side: math.inf for side in runs}
+    for round_ in range(ROUNDS + 1):  # the first round warms up
+        for side, run in runs.items():
+            t0 = time.perf_counter()
+            run()
+            if round_:
+                best[side] = min(best[side], time.perf_counter() - t0)
+    return best

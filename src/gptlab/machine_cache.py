@@ -1,0 +1,75 @@
+"""Measurements cached per machine.
+
+Where gptlab chooses between two ways of doing something by timing both (training's precision,
+gptlab.train.precision; whose GEMM an Intel CPU runs, gptlab.gemm_probe), the timings are kept
+in a JSON file in gptlab's cache directory, one entry per machine: the CPU's model and features,
+the torch version, the thread count and any setting that holds a library to fewer instructions
+than the CPU has. A later process on the same machine reads them instead of measuring again, and
+so makes the same choice (a resumed training run multiplies as the run before it did).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+# Settings that hold the libraries to fewer instructions than the CPU has (e.g. to stand in for an
+# AVX2-only CPU, gptlab.bench.generate.AVX2_ENV): a timing taken without them does not hold with
+# them (bf16 under ONEDNN_MAX_CPU_ISA=AVX2 on a Zen 5: 45 s a demo step).
+ISA_SETTINGS = ("GPTLAB_KERNELS", "GPTLAB_GEMM", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+
+
+def isa_settings() -> str:
+    """The ISA_SETTINGS this process runs under, as the end of a cache key ("" for none)."""
+    settings = " ".join(f"{name}={os.environ[name]}" for name in ISA_SETTINGS if os.environ.get(name))
+    return f" | {settings}" if settings else ""
+
+
+def cache_dir() -> Path:
+    """gptlab's cache directory (first-use kernel builds, these timings): $GPTLAB_CACHE, else
+    $XDG_CACHE_HOME/gptlab, else ~/.cache/gptlab."""
+    if os.environ.get("GPTLAB_CACHE"):
+        return Path(os.environ["GPTLAB_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "gptlab"
+
+
+def machine_key(cpu: str, *parts: str) -> str:
+    """This machine as a cache key: `cpu` (its model and features, kernels.cpu_description), the
+    torch version and thread count, then `parts` (what was measured), then isa_settings()."""
+    fields = [cpu, f"torch {torch.__version__}", f"{torch.get_num_threads()} threads", *parts]
+    return " | ".join(fields) + isa_settings()
+
+
+def cached(file: str, key: str, measure: Callable[[], dict]) -> tuple[dict, str]:
+    """(timings, where they came from): the entry `key` of `file` in cache_dir(), or measure() now,
+    stored there (a temporary file renamed: a crash never leaves half a file)."""
+    path = cache_dir() / file
+    cache = _read(path)
+    if key in cache:
+        return cache[key], f"measured earlier on this machine, cached in {path}"
+    timings = measure()
+    cache = _read(path)  # as it is now: another process may have added an entry meanwhile
+    cache[key] = timings
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(cache, indent=1))
+        tmp.replace(path)
+    except OSError as e:
+        log.warning("could not cache the timings in %s: %s", path, e)
+    return timings, f"measured now, cached in {path}"
+
+
+def _read(path: Path) -> dict:
+    try:
+        cache = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return cache if isinstance(cache, dict) else {}

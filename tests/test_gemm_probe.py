@@ -1,0 +1,145 @@
+"""Whose GEMM an Intel CPU runs: measured once per machine (gptlab.gemm_probe), cached, obeyed."""
+
+import json
+import types
+
+import pytest
+import torch
+
+from gptlab import gemm_probe, kernels
+
+OK, _, WHY = kernels.available()
+needs_float = pytest.mark.skipif(not OK, reason=f"gptlab's float kernels are not built here: {WHY}")
+
+
+def timings(prompts64: float, prompts512: float, head: float) -> dict:
+    """Fake probe timings: each workload's speedup of gptlab's GEMM (torch's seconds / gptlab's)."""
+    return {
+        "prompts 64 rows": {"gptlab": 0.01, "torch": 0.01 * prompts64},
+        "prompts 512 rows": {"gptlab": 0.04, "torch": 0.04 * prompts512},
+        "head": {"gptlab": 0.03, "torch": 0.03 * head},
+    }
+
+
+@pytest.fixture
+def intel(monkeypatch, tmp_path):
+    """An Intel x86 CPU with SIMD kernels, gptlab's cache in tmp_path, nothing probed yet in this
+    process; returns the list of probes run (replace gemm_probe.measure to fake their timings)."""
+    monkeypatch.setenv("GPTLAB_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("GPTLAB_GEMM", raising=False)
+    monkeypatch.setattr(kernels, "has_simd", lambda: True)
+    monkeypatch.setattr(kernels.kernel_build, "is_x86", lambda: True)
+    monkeypatch.setattr(kernels, "cpu_vendor", lambda: "GenuineIntel")
+    monkeypatch.setattr(gemm_probe, "_known", {})
+    return []
+
+
+def fake_probe(monkeypatch, probes: list, result: dict) -> None:
+    monkeypatch.setattr(gemm_probe, "measure", lambda *gemms: probes.append(1) or result)
+
+
+@pytest.mark.parametrize(
+    ("speedups", "prompts", "head"),
+    [
+        ((1.3, 1.1, 1.2), "gptlab", "gptlab"),
+        ((0.8, 0.9, 0.7), "torch", "torch"),
+        ((1.5, 0.8, 0.9), "gptlab", "torch"),  # 1.5 x 0.8 = 1.2: prompts by the product of both row counts
+        ((1.1, 0.8, 1.2), "torch", "gptlab"),  # 1.1 x 0.8 = 0.88
+        ((1.0, 1.0, 1.0), "torch", "torch"),  # a tie keeps PyTorch's
+    ],
+)
+def test_an_intel_cpu_takes_the_gemm_its_probe_measured_faster(intel, monkeypatch, speedups, prompts, head):
+    fake_probe(monkeypatch, intel, timings(*speedups))
+    assert kernels.prompt_gemm_choice() == prompts and kernels.gemm_choice() == head
+    assert kernels.float_kernel_rows(torch.float32) == kernels.MAX_ROWS or prompts == "gptlab"
+    assert len(intel) == 1  # measured once, for both kinds of work
+
+
+def test_the_timings_are_cached_per_machine(intel, monkeypatch, tmp_path):
+    fake_probe(monkeypatch, intel, timings(1.3, 1.1, 0.8))
+    assert kernels.prompt_gemm_choice() == "gptlab"
+    (key, cached), *others = json.loads((tmp_path / "cache" / gemm_probe.CACHE_FILE).read_text()).items()
+    assert not others and cached == timings(1.3, 1.1, 0.8)
+    assert kernels.cpu_name() in key and f"torch {torch.__version__}" in key and f"kernels {kernels.variant()}" in key
+    monkeypatch.setattr(gemm_probe, "_known", {})  # a new process on the same machine reads the file
+    fake_probe(monkeypatch, intel, timings(0.5, 0.5, 0.5))
+    assert kernels.prompt_gemm_choice() == "gptlab" and kernels.gemm_choice() == "torch" and len(intel) == 1
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads + 1)  # another thread count is another machine: measured again
+    try:
+        assert kernels.prompt_gemm_choice() == "torch" and len(intel) == 2
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_an_unreadable_cache_is_measured_again_and_rewritten(intel, monkeypatch, tmp_path):
+    path = tmp_path / "cache" / gemm_probe.CACHE_FILE
+    path.parent.mkdir(parents=True)
+    path.write_text('{"half a file')
+    fake_probe(monkeypatch, intel, timings(0.9, 0.9, 1.2))
+    assert kernels.gemm_choice() == "gptlab" and len(intel) == 1
+    assert list(json.loads(path.read_text()).values()) == [timings(0.9, 0.9, 1.2)]
+
+
+def test_other_cpus_and_forced_choices_are_never_probed(intel, monkeypatch):
+    monkeypatch.setattr(gemm_probe, "measure", lambda *gemms: pytest.fail("probed"))
+    monkeypatch.setenv("GPTLAB_GEMM", "torch")
+    assert kernels.gemm_choice() == kernels.prompt_gemm_choice() == "torch"
+    monkeypatch.setenv("GPTLAB_GEMM", "gptlab")
+    assert kernels.gemm_choice() == kernels.prompt_gemm_choice() == "gptlab"
+    monkeypatch.delenv("GPTLAB_GEMM")
+    with monkeypatch.context() as tracing:  # inside torch.compile's trace nothing is timed (it runs PyTorch's)
+        tracing.setattr(torch.compiler, "is_compiling", lambda: True)
+        assert kernels.gemm_choice() == kernels.prompt_gemm_choice() == "torch"
+    monkeypatch.setattr(kernels, "cpu_vendor", lambda: "AuthenticAMD")
+    assert kernels.gemm_choice() == kernels.prompt_gemm_choice() == "gptlab"  # MKL's slow products on AMD
+    monkeypatch.setattr(kernels, "has_simd", lambda: False)
+    assert kernels.gemm_choice() == kernels.prompt_gemm_choice() == "torch"  # plain C: PyTorch's BLAS is faster
+    with pytest.raises(ValueError, match="work must be one of prompts, head"):
+        gemm_probe.choice("decoding", timings(2.0, 2.0, 2.0))
+
+
+@needs_float
+@pytest.mark.parametrize("prompts", ["gptlab", "torch"])
+def test_an_intel_cpus_prompts_and_head_run_what_was_chosen(intel, monkeypatch, calls, prompts):
+    fake_probe(monkeypatch, intel, timings(2.0, 2.0, 0.5) if prompts == "gptlab" else timings(0.5, 0.5, 2.0))
+    layer = kernels.Linear(96, 70)
+    with torch.no_grad():
+        layer(torch.randn(1, 64, 96))  # a 64-token prompt
+    assert set(calls) == ({"gl_sgemm_nt"} if prompts == "gptlab" else set())
+    calls.clear()
+    a, b, out = torch.randn(40, 30), torch.randn(30, 20), torch.empty(40, 20)
+    kernels.mm(a, b, out)  # the training head's products
+    assert set(calls) == (set() if prompts == "gptlab" else {"gl_sgemm"})
+    torch.testing.assert_close(out, a @ b)
+
+
+@needs_float
+def test_the_probe_times_gptlabs_gemm_against_pytorchs(calls, monkeypatch):
+    events = []
+    monkeypatch.setattr(kernels, "wait_for_huge_pages", lambda timeout=10.0: events.append("wait") or True)
+    monkeypatch.setattr(gemm_probe, "ROUNDS", 1)
+    result = kernels.measure_gemms()
+    assert list(result) == ["prompts 64 rows", "prompts 512 rows", "head"] and events == ["wait"]
+    assert all(set(t) == {"gptlab", "torch"} and min(t.values()) > 0 for t in result.values())
+    # gptlab's side runs gptlab's GEMM: the four layers per prompt and the head's three products,
+    # once to warm up and once timed; PyTorch's side none of it
+    assert calls == {"gl_sgemm_nt": 2 * 2 * len(gemm_probe.LAYERS), "gl_sgemm": 2 * 3}
+    assert "ms against" in gemm_probe.describe(result)
+
+
+@needs_float
+def test_an_intel_cpus_bf16_products_keep_onednn_unless_forced(intel, monkeypatch):
+    """The probe times fp32 products; Intel's bf16 CPUs multiply bf16 natively in oneDNN (AMX on
+    the newer), never timed against gl_gemm_bf16: that runs there only when asked for."""
+    fake_probe(monkeypatch, intel, timings(2.0, 2.0, 2.0))
+    monkeypatch.setattr(kernels._library(), "lib", types.SimpleNamespace(gl_has_gemm_bf16=lambda: 1))
+    assert kernels.gemm_choice() == "gptlab" and not kernels.gemm_bf16_runs()
+    monkeypatch.setenv("GPTLAB_GEMM", "gptlab")
+    assert kernels.gemm_bf16_runs()
+    monkeypatch.delenv("GPTLAB_GEMM")
+    with monkeypatch.context() as tracing:  # inside torch.compile's trace nothing is timed (it runs PyTorch's)
+        tracing.setattr(torch.compiler, "is_compiling", lambda: True)
+        assert kernels.gemm_choice() == kernels.prompt_gemm_choice() == "torch"
+    monkeypatch.setattr(kernels, "cpu_vendor", lambda: "AuthenticAMD")
+    assert kernels.gemm_bf16_runs()  # where the CPU has AVX512-BF16 (a stand-in library here says so)
