@@ -143,3 +143,13 @@ def test_an_intel_cpus_bf16_products_keep_onednn_unless_forced(intel, monkeypatc
         assert kernels.gemm_choice() == kernels.prompt_gemm_choice() == "torch"
     monkeypatch.setattr(kernels, "cpu_vendor", lambda: "AuthenticAMD")
     assert kernels.gemm_bf16_runs()  # where the CPU has AVX512-BF16 (a stand-in library here says so)
+
+
+def test_the_head_is_timed_laid_out_as_training_lays_it_out():
+    from gptlab import chunked_loss
+
+    assert gemm_probe.E_ROW_PAD == chunked_loss.ROW_PAD
+    w, x, e, logits, grad_x, grad_w = gemm_probe.head_operands(50, 24, 8, torch.Generator().manual_seed(0))
+    assert e.shape == logits.shape == (50, 24) and e.stride() == logits.stride() == (24 + chunked_loss.ROW_PAD, 1)
+    assert (w.shape, x.shape, grad_x.shape, grad_w.shape) == ((50, 8), (24, 8), (24, 8), (50, 8))
+    assert 0 < e.min() and e.max() < 1 / 50  # a softmax's values

@@ -40,6 +40,10 @@ ROUNDS = 3  # timed rounds per side, after one to warm up
 LAYERS = {"attn c_attn": (2304, 768), "attn c_proj": (768, 768), "mlp c_fc": (3072, 768), "mlp c_proj": (768, 3072)}
 PROMPT_ROWS = (64, 512)  # both within kernels.NT_ROWS: sgemm_linear then never asks gemm_choice
 HEAD_VOCAB, HEAD_ROWS, HEAD_WIDTH = 8192, 1024, 128
+# A training chunk's logits, and the softmax e written over them, have rows this many floats longer
+# than the chunk's 1,024 columns (chunked_loss.ROW_PAD: rows exactly 4 KB apart put a column's values
+# in the same few cache sets); they are timed laid out so.
+E_ROW_PAD = 16
 
 _known: dict[str, dict] = {}  # this process's timings by cache key: looked up on every prompt layer
 
@@ -89,12 +93,20 @@ def prompt_layers(layers: list, sgemm_linear: Callable) -> dict:
     }
 
 
+def head_operands(V: int, n: int, C: int, g: torch.Generator) -> tuple:
+    """The head W (V, C), rows x (n, C), a softmax chunk e (V, n), and outputs for the three
+    products: logits (V, n), grad_x (n, C), grad_w (V, C); fp32, e's and the logits' rows
+    E_ROW_PAD floats apart more, as training's chunk buffer."""
+    w, x = torch.randn(V, C, generator=g) * 0.02, torch.randn(n, C, generator=g)
+    e = torch.rand(V, n + E_ROW_PAD, generator=g)[:, :n].div_(V)
+    logits = torch.empty(V, n + E_ROW_PAD)[:, :n]
+    return w, x, e, logits, torch.empty(n, C), torch.empty(V, C)
+
+
 def head_products(g: torch.Generator, sgemm: Callable) -> dict:
     """The head's three products on each side: logits W x^T, then e^T W and e x (e the softmax)."""
-    V, n, C = HEAD_VOCAB, HEAD_ROWS, HEAD_WIDTH
-    w, x = torch.randn(V, C, generator=g) * 0.02, torch.randn(n, C, generator=g)
-    e = torch.rand(V, n, generator=g) / V  # (V, n)
-    products = [(w, x.t(), torch.empty(V, n)), (e.t(), w, torch.empty(n, C)), (e, x, torch.empty(V, C))]
+    w, x, e, logits, grad_x, grad_w = head_operands(HEAD_VOCAB, HEAD_ROWS, HEAD_WIDTH, g)
+    products = [(w, x.t(), logits), (e.t(), w, grad_x), (e, x, grad_w)]
     return {
         "gptlab": lambda: [sgemm(a, b, out) for a, b, out in products],
         "torch": lambda: [torch.mm(a, b, out=out) for a, b, out in products],

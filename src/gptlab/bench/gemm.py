@@ -58,13 +58,13 @@ def gemm_env_kept():
 
 
 def operands(V: int, n: int, C: int):
-    """The head W (V, C), rows x (n, C), a softmax chunk e (V, n) and the outputs, fp32."""
+    """The head W (V, C), rows x (n, C), a softmax chunk e (V, n) and the outputs, fp32, laid out
+    as training's (gemm_probe.head_operands)."""
     import torch
 
-    g = torch.Generator().manual_seed(0)
-    w, x = torch.randn(V, C, generator=g) * 0.02, torch.randn(n, C, generator=g)
-    e = torch.rand(V, n, generator=g) / V
-    return w, x, e, torch.empty(V, n), torch.empty(n, C), torch.empty(V, C)
+    from gptlab.gemm_probe import head_operands
+
+    return head_operands(V, n, C, torch.Generator().manual_seed(0))
 
 
 def time_products(choice: str, bf16: bool, w, x, e, logits, grad_x, grad_w) -> list[float]:
