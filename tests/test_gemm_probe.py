@@ -30,7 +30,7 @@ def intel(monkeypatch, tmp_path):
     monkeypatch.setattr(kernels, "has_simd", lambda: True)
     monkeypatch.setattr(kernels.kernel_build, "is_x86", lambda: True)
     monkeypatch.setattr(kernels, "cpu_vendor", lambda: "GenuineIntel")
-    monkeypatch.setattr(gemm_probe, "_known", {})
+    monkeypatch.setattr(kernels, "_measured_gemm", {})
     return []
 
 
@@ -61,7 +61,7 @@ def test_the_timings_are_cached_per_machine(intel, monkeypatch, tmp_path):
     (key, cached), *others = json.loads((tmp_path / "cache" / gemm_probe.CACHE_FILE).read_text()).items()
     assert not others and cached == timings(1.3, 1.1, 0.8)
     assert kernels.cpu_name() in key and f"torch {torch.__version__}" in key and f"kernels {kernels.variant()}" in key
-    monkeypatch.setattr(gemm_probe, "_known", {})  # a new process on the same machine reads the file
+    monkeypatch.setattr(kernels, "_measured_gemm", {})  # a new process on the same machine reads the file
     fake_probe(monkeypatch, intel, timings(0.5, 0.5, 0.5))
     assert kernels.prompt_gemm_choice() == "gptlab" and kernels.gemm_choice() == "torch" and len(intel) == 1
     threads = torch.get_num_threads()

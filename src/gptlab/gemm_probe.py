@@ -45,8 +45,6 @@ HEAD_VOCAB, HEAD_ROWS, HEAD_WIDTH = 8192, 1024, 128
 # in the same few cache sets); they are timed laid out so.
 E_ROW_PAD = 16
 
-_known: dict[str, dict] = {}  # this process's timings by cache key: looked up on every prompt layer
-
 
 def choice(work: str, timings: dict) -> str:
     """ "gptlab" or "torch": whose GEMM ran `work` ("prompts" or "head") faster in `timings`."""
@@ -57,12 +55,11 @@ def choice(work: str, timings: dict) -> str:
 
 
 def timings(key: str, measure: Callable[[], dict]) -> dict:
-    """The timings of this machine (`key`, gptlab.machine_cache.machine_key): this process's, the
-    cache file's, or measure() now (kernels.measure_gemms)."""
-    if key not in _known:
-        _known[key], source = cached(CACHE_FILE, key, measure)
-        log.info("gptlab's GEMM against PyTorch's on this CPU (%s): %s", source, describe(_known[key]))
-    return _known[key]
+    """The timings of this machine (`key`, gptlab.machine_cache.machine_key): the cache file's, or
+    measure() now (kernels.measure_gemms), logged."""
+    result, source = cached(CACHE_FILE, key, measure)
+    log.info("gptlab's GEMM against PyTorch's on this CPU (%s): %s", source, describe(result))
+    return result
 
 
 def describe(timings: dict) -> str:

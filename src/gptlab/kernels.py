@@ -109,6 +109,7 @@ def cpu_name() -> str:
     return cpuinfo("model name") or platform.machine() or "unknown"
 
 
+@functools.cache
 def cpu_description() -> str:
     """The CPU's model name and the features of FEATURES it has, e.g. for a per-machine cache key."""
     return f"{cpu_name()} {' '.join(sorted(cpu_features()))}"
@@ -813,6 +814,9 @@ def prompt_gemm_choice() -> str:
     return _gemm_choice("prompts")
 
 
+_measured_gemm: dict[tuple[str, int, str], str] = {}  # (work, threads, variant) -> this process's measured choice
+
+
 def _gemm_env() -> str:
     want = os.environ.get("GPTLAB_GEMM", "auto").strip().lower() or "auto"
     if want not in GEMM_CHOICES:
@@ -830,8 +834,11 @@ def _gemm_choice(work: str) -> str:
         return "gptlab"
     if torch.compiler.is_compiling():  # nothing is timed inside a traced graph, which runs PyTorch's GEMM anyway
         return "torch"
-    key = machine_key(cpu_description(), f"kernels {variant()}")
-    return gemm_probe.choice(work, gemm_probe.timings(key, measure_gemms))
+    at = (work, torch.get_num_threads(), variant())  # asked on every prompt's layer: a dict lookup
+    if at not in _measured_gemm:
+        timings = gemm_probe.timings(machine_key(cpu_description(), f"kernels {at[2]}"), measure_gemms)
+        _measured_gemm[at] = gemm_probe.choice(work, timings)
+    return _measured_gemm[at]
 
 
 def measure_gemms() -> dict:
