@@ -131,15 +131,16 @@ def test_mm_colmax_is_the_product_and_the_largest_of_each_column(gptlab_gemm, sh
 
 
 # (M, N, K) of a prompt's layer, y = x W^T + b in gl_sgemm_nt: one row, edge tiles of every size
-# (MR = 6 rows of W, 16 or 32 rows of x), W's rows past the transpose's blocks of 8, depths over one
-# packed block (256) and not a multiple of 8, NT_ROWS_BF16 and NT_ROWS rows (against 4,100 rows of W:
-# y^T in two slabs of 8 MB, the second 4 rows).
+# (MR = 6 rows of W; 16 or 32 rows of x, the last panel of x^T at most one vector wide, so half a
+# tile, for 1, 5, 17 and 40 rows with AVX2's 16 columns, 1, 5 and 40 with AVX-512's 32), W's rows
+# past the transpose's blocks of 8, depths over one packed block (256) and not a multiple of 8, and
+# NT_ROWS rows (against 4,100 rows of W: y^T in two slabs of 8 MB, the second 4 rows).
 NT_SHAPES = [
     (1, 1, 1),
     (5, 7, 3),
     (17, 70, 96),
     (40, 301, 600),
-    (kernels.NT_ROWS_BF16, 33, 257),
+    (64, 33, 257),
     (kernels.NT_ROWS, 4100, 20),
 ]
 
@@ -169,11 +170,11 @@ def test_sgemm_nt_is_the_linear_layer_on_every_variant(shape, with_bias, calls, 
 
 @pytest.mark.usefixtures("kernel_variant")
 @pytest.mark.parametrize("x_bf16", [False, True])
-@pytest.mark.parametrize("shape", NT_SHAPES[:-1], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("shape", NT_SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_sgemm_nt_of_a_bf16_weight_is_the_product_of_it_widened(shape, x_bf16, calls):
-    """A bf16 layer's weight (and x, a bf16 model's activations) read in place up to NT_ROWS_BF16
-    rows, each value widened as it is broadcast: the same bits as the fp32 product of the widened
-    copies."""
+    """A bf16 layer's weight (and x, a bf16 model's activations) up to NT_ROWS rows, widened a
+    block of W's rows at a time and then read as fp32 weights are: the same bits as the fp32
+    product of the widened copies."""
     x, w, b = linear_operands(*shape)
     w16, x = w.bfloat16(), x.bfloat16() if x_bf16 else x
     y = kernels.sgemm_linear(x, w16, b)

@@ -429,12 +429,12 @@ def test_bf16_linear_in_fp32_is_the_product_rounded_once(monkeypatch, calls, bia
     """bf16 layers on CPUs without bf16 GEMMs: the product in fp32, of the weight converted whole
     or slab by slab of rows (here 16 rows a slab: 70 rows are five slabs, the last partial), or
     for prompts (here from 16 rows) with the weight and x widened as gl_sgemm_nt reads them (up to
-    NT_ROWS_BF16 rows) or as gl_sgemm_bf16_ab packs them, rounded to bf16 once."""
+    NT_ROWS rows) or as gl_sgemm_bf16_ab packs them, rounded to bf16 once."""
     torch.manual_seed(0)
     monkeypatch.setattr(kernels, "SLAB_BYTES", 16 * 4 * 96)
     monkeypatch.setattr(kernels, "WHOLE_BYTES", 70 * 96 * 4 if path == "whole" else 0)
     monkeypatch.setattr(kernels, "PROMPT_GEMM_ROWS", 16 if path.startswith("gl_") else 10**9)
-    monkeypatch.setattr(kernels, "NT_ROWS_BF16", 18 if path == "gl_sgemm_nt" else 17)
+    monkeypatch.setattr(kernels, "NT_ROWS", 18 if path == "gl_sgemm_nt" else 17)
     monkeypatch.setenv("GPTLAB_GEMM", "gptlab")
     x = torch.randn(2, 9, 96).bfloat16()
     w = (torch.randn(70, 96) * 0.1).bfloat16()

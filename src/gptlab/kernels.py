@@ -1117,23 +1117,26 @@ def prompt_gemm_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
 # 1.60 / 1.45 / 1.61x, 64 1.29 / 1.28 / 1.41x, 128 1.21 / 1.16 / 1.21x, 256 1.06 / 1.07 / 1.10x,
 # 512 1.00-1.02 / 1.00-1.03 / 1.08x, 640 1.00 / 0.98 / 1.06x, 768 0.96 / 0.97 / 0.97x; GPT-2's head
 # (all logits) avx512-256 / avx2 16 rows 1.98 / 1.86x, 64 1.50 / 1.42x, 512 1.20 / 1.18x.
+# bf16 weights (and activations: a bf16 model on a CPU without bf16 instructions) take the same
+# bound: gl_sgemm_nt widens each block of W's rows once, then reads them as fp32 ones. Against
+# gl_sgemm_bf16_ab (W widened and transposed as it is packed), GPT-2's four block layers,
+# avx2 / avx512 / avx512-256, medians of 5 alternating rounds: 32 rows 1.23 / 1.26 / 1.22x, 128
+# 1.09 / 1.05 / 1.12x, 256 1.05 / 1.03 / 1.04x, 512 1.02 / 0.99 / 1.00x, 768 0.98x. (17 rows:
+# 0.75-0.85x, the widening's cost per block against 2 rows of x^T's panels; 24 rows level.)
 NT_ROWS = 512
-# The same for bf16 weights and activations (a bf16 model on a CPU without bf16 instructions),
-# against gl_sgemm_bf16_ab, widening every value of W it broadcasts: avx2 / avx512-256 at 32 rows
-# 1.33 / 1.27x, 64 1.09 / 1.07x, 96 1.01 / 1.01x, 128 0.99 / 1.02x, 256 0.89x (avx2).
-NT_ROWS_BF16 = 64
 
 
 def sgemm_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """F.linear of x (..., K) and weight (N, K) in gptlab's GEMM, y = b + x W^T in fp32: both fp32,
-    or the weight bf16 and x fp32 or bf16, widened as they are read. Up to in_place_rows rows of
-    x, gl_sgemm_nt reads the weight where it is; more run gl_sgemm (_bf16_b, _bf16_ab), which
-    packs it."""
+    or the weight bf16 and x fp32 or bf16, widened as they are read. Up to NT_ROWS rows of x,
+    gl_sgemm_nt reads the weight where it is (a bf16 one widened a block of rows at a time); more
+    run gl_sgemm (_bf16_b, _bf16_ab), which packs it."""
     N, K = weight.shape
     x2 = x.reshape(-1, K)  # (M, K)
     y = torch.empty(x2.size(0), N)  # (M, N)
     b = None if bias is None else bias.detach().float().contiguous()
-    if x2.size(0) <= in_place_rows(x.dtype, weight.dtype) and weight.is_contiguous() and x2.stride(1) == 1:
+    in_place = not (x.dtype is torch.bfloat16 and weight.dtype is torch.float32)  # no such gl_sgemm_nt
+    if in_place and x2.size(0) <= NT_ROWS and weight.is_contiguous() and x2.stride(1) == 1:
         status = _library().lib.gl_sgemm_nt(
             x2.size(0), N, K, x2.data_ptr(), x2.stride(0), int(x.dtype is torch.bfloat16), weight.data_ptr(),
             int(weight.dtype is torch.bfloat16), y.data_ptr(), N, ptr(b), torch.get_num_threads(),
@@ -1142,14 +1145,6 @@ def sgemm_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     else:
         mm(x2, weight.detach().t(), y, bias=b)  # W fp32 or bf16
     return y.view(*x.shape[:-1], N)
-
-
-def in_place_rows(x_dtype: torch.dtype, weight_dtype: torch.dtype) -> int:
-    """Up to how many rows of x sgemm_linear reads the weight in place (gl_sgemm_nt): NT_ROWS for
-    fp32 weights, NT_ROWS_BF16 for bf16 ones (and x), 0 for bf16 x against fp32 weights."""
-    if weight_dtype is torch.bfloat16:
-        return NT_ROWS_BF16
-    return 0 if x_dtype is torch.bfloat16 else NT_ROWS
 
 
 SLAB_BYTES = 4 << 20  # fp32 weight rows converted at a time (bf16_linear_in_fp32)

@@ -55,12 +55,43 @@ static size_t a_panel_elems(const gemm_kind_t *kind, int kc) {
     return panel_elems(kind, kind->a_rows ? GEMM_KC : kc, kind->mr);
 }
 
+/* c's m x n corner (+)= tile (rows `width` apart): a tile's part inside C's edges. */
+static inline void tile_store_part(float *c, long ldc, const float *tile, int width, int m, int n, int first) {
+    for (int i = 0; i < m; i++)
+        for (int j = 0; j < n; j++) c[i * ldc + j] = first ? tile[i * width + j] : c[i * ldc + j] + tile[i * width + j];
+}
+
+/* tile_f32 for a panel of at most VW columns (n <= VW): its first vector only, each sum the same. */
+static inline __attribute__((always_inline)) void tile_f32_half(int kc, const float *a, long si, long sk,
+                                                                const float *b, float *c, long ldc, int first,
+                                                                const float *bias, int m, int n) {
+    vf acc[GEMM_MR];
+#pragma GCC unroll 6
+    for (int i = 0; i < GEMM_MR; i++) acc[i] = vf_zero();
+    for (int k = 0; k < kc; k++, b += GEMM_NR) {
+        const vf b0 = vf_load(b);
+#pragma GCC unroll 6
+        for (int i = 0; i < GEMM_MR; i++) acc[i] = vf_fma(vf_set1(a[i * si + k * sk]), b0, acc[i]);
+    }
+    if (bias)
+        for (int i = 0; i < GEMM_MR; i++) acc[i] = vf_add(acc[i], vf_load_n(bias, n));
+    float tile[GEMM_MR][VW];
+    for (int i = 0; i < GEMM_MR; i++) vf_store(tile[i], acc[i]);
+    tile_store_part(c, ldc, tile[0], VW, m, n, first);
+}
+
 /* The MR x NR tile c (row stride ldc) = (first ? 0 : c) + a b (+ bias, NR values, unless NULL) over
- * kc: A's value (i, k) at a[i si + k sk] (fp32, or bf16 widened when a_bf16), b packed [kc][NR].
- * Only the first m rows and n columns are written (the packed padding is zeros). */
-static inline __attribute__((always_inline)) void tile_f32(int kc, const void *a, long si, long sk, int a_bf16,
+ * kc: A's value (i, k) at a[i si + k sk], b packed [kc][NR].
+ * Only the first m rows and n columns are written (the packed padding is zeros). A last panel of
+ * at most VW columns computes only those (tile_f32_half): a prompt of 17 rows, whose x^T is B in
+ * gl_sgemm_nt, took as long as one of 32 (AVX2's 16 columns a panel). */
+static inline __attribute__((always_inline)) void tile_f32(int kc, const float *a, long si, long sk,
                                                            const float *b, float *c, long ldc, int first,
                                                            const float *bias, int m, int n) {
+    if (n <= VW) {
+        tile_f32_half(kc, a, si, sk, b, c, ldc, first, bias, m, n);
+        return;
+    }
     vf acc[GEMM_MR][2];
 #pragma GCC unroll 6
     for (int i = 0; i < GEMM_MR; i++) acc[i][0] = acc[i][1] = vf_zero();
@@ -68,7 +99,7 @@ static inline __attribute__((always_inline)) void tile_f32(int kc, const void *a
         const vf b0 = vf_load(b), b1 = vf_load(b + VW);
 #pragma GCC unroll 6
         for (int i = 0; i < GEMM_MR; i++) {
-            const vf ai = vf_set1(param(a, (size_t)(i * si + k * sk), a_bf16));
+            const vf ai = vf_set1(a[i * si + k * sk]);
             acc[i][0] = vf_fma(ai, b0, acc[i][0]);
             acc[i][1] = vf_fma(ai, b1, acc[i][1]);
         }
@@ -91,41 +122,57 @@ static inline __attribute__((always_inline)) void tile_f32(int kc, const void *a
         vf_store(tile[i], acc[i][0]);
         vf_store(tile[i] + VW, acc[i][1]);
     }
-    for (int i = 0; i < m; i++)
-        for (int j = 0; j < n; j++) c[i * ldc + j] = first ? tile[i][j] : c[i * ldc + j] + tile[i][j];
+    tile_store_part(c, ldc, tile[0], GEMM_NR, m, n, first);
 }
 
 /* The tile with A packed, [kc][MR] (lda unused). */
 static void gemm_tile(int kc, const void *ap, long lda, const void *bp, float *c, long ldc, int first,
                       const float *bias, int m, int n) {
     (void)lda;
-    tile_f32(kc, ap, 1, GEMM_MR, 0, bp, c, ldc, first, bias, m, n);
+    tile_f32(kc, ap, 1, GEMM_MR, bp, c, ldc, first, bias, m, n);
 }
 
-/* The tile with A read in place, rows lda apart (fp32, or bf16 widened when a_bf16): for m < MR
- * rows, copied into a packed panel first, so that no row past A's end is read. */
-static inline __attribute__((always_inline)) void tile_in_place(int kc, const void *a, long lda, int a_bf16,
-                                                                const void *bp, float *c, long ldc, int first,
-                                                                const float *bias, int m, int n) {
+/* The tile with A read in place, rows lda apart (fp32): for m < MR rows, copied into a packed panel
+ * first, so that no row past A's end is read. */
+static void gemm_tile_in_place(int kc, const void *a, long lda, const void *bp, float *c, long ldc, int first,
+                               const float *bias, int m, int n) {
     if (m == GEMM_MR) {
-        tile_f32(kc, a, lda, 1, a_bf16, bp, c, ldc, first, bias, m, n);
+        tile_f32(kc, a, lda, 1, bp, c, ldc, first, bias, m, n);
         return;
     }
     float panel[GEMM_KC * GEMM_MR];
     for (int k = 0; k < kc; k++)
-        for (int i = 0; i < GEMM_MR; i++)
-            panel[k * GEMM_MR + i] = i < m ? param(a, (size_t)(i * lda + k), a_bf16) : 0.0f;
-    tile_f32(kc, panel, 1, GEMM_MR, 0, bp, c, ldc, first, bias, m, n);
+        for (int i = 0; i < GEMM_MR; i++) panel[k * GEMM_MR + i] = i < m ? ((const float *)a)[i * lda + k] : 0.0f;
+    tile_f32(kc, panel, 1, GEMM_MR, bp, c, ldc, first, bias, m, n);
 }
 
-static void gemm_tile_in_place(int kc, const void *a, long lda, const void *bp, float *c, long ldc, int first,
-                               const float *bias, int m, int n) {
-    tile_in_place(kc, a, lda, 0, bp, c, ldc, first, bias, m, n);
+/* bf16 A whose rows' k values are adjacent (gl_sgemm_nt's weights; rsa apart, csa 1): rows [0, m)
+ * widened exactly into panels of MR rows, each row's kc values together, GEMM_KC apart ([MR][GEMM_KC]
+ * fp32, a_rows), the rows past m zero. No transpose: the tile reads them as it reads fp32 weights in
+ * place. Widening each value as the tile broadcast it cost a load, a shift and a broadcast where an
+ * fp32 value takes one broadcast from memory: against gl_sgemm_bf16_ab (the weights widened as they
+ * are packed) that lost from ~96 rows, 0.89x at 256 (GPT-2's block layers, AMD EPYC Zen 4, avx2);
+ * widened a block at a time it wins up to 512 rows (1.05x at 256), as fp32 weights read in place. */
+static void gemm_widen_a_rows(const void *a, long rsa, long csa, int m, int kc, void *panels) {
+    (void)csa;
+    float *ap = panels;
+    for (int i0 = 0; i0 < m; i0 += GEMM_MR, ap += (size_t)GEMM_MR * GEMM_KC)
+        for (int i = 0; i < GEMM_MR; i++) {
+            const uint16_t *row = (const uint16_t *)a + (size_t)(i0 + i) * rsa;
+            float *out = ap + (size_t)i * GEMM_KC;
+            int k = 0;
+            if (i0 + i < m)
+                for (; k + VW <= kc; k += VW) vf_store(out + k, vf_load_bf16(row + k));
+            for (; k < kc; k++) out[k] = i0 + i < m ? bf16_to_f32(row[k]) : 0.0f;
+        }
 }
 
-static void gemm_tile_in_place_bf16(int kc, const void *a, long lda, const void *bp, float *c, long ldc, int first,
-                                    const float *bias, int m, int n) {
-    tile_in_place(kc, a, lda, 1, bp, c, ldc, first, bias, m, n);
+/* The tile with A widened into rows (gemm_widen_a_rows; lda unused): every row of the panel is
+ * there, zeros past m. */
+static void gemm_tile_rows(int kc, const void *ap, long lda, const void *bp, float *c, long ldc, int first,
+                           const float *bias, int m, int n) {
+    (void)lda;
+    tile_f32(kc, ap, GEMM_KC, 1, bp, c, ldc, first, bias, m, n);
 }
 
 #if defined(__AVX2__)
@@ -450,12 +497,13 @@ static const gemm_kind_t GEMM_F32 = {GEMM_MR, GEMM_NR, 1, 4, 4, 0, gemm_pack_a, 
 static const gemm_kind_t GEMM_F32_BF16_B = {GEMM_MR, GEMM_NR, 1, 2, 4, 0, gemm_pack_a, gemm_pack_b_from_bf16, gemm_tile};
 static const gemm_kind_t GEMM_F32_BF16_AB = {GEMM_MR, GEMM_NR, 1, 2, 2, 0, gemm_pack_a_from_bf16, gemm_pack_b_from_bf16,
                                              gemm_tile};
-/* A read in place (pack_a NULL): fp32, or bf16 with B fp32 or bf16 (gl_sgemm_nt's weights and x^T) */
+/* gl_sgemm_nt's weights as A: fp32 read in place (pack_a NULL), or bf16 widened into rows, with B
+ * (x^T) fp32 or bf16 */
 static const gemm_kind_t GEMM_F32_A_IN_PLACE = {GEMM_MR, GEMM_NR, 1, 4, 4, 0, NULL, gemm_pack_b, gemm_tile_in_place};
-static const gemm_kind_t GEMM_BF16_A_IN_PLACE = {GEMM_MR, GEMM_NR, 1, 4, 2, 0, NULL, gemm_pack_b,
-                                                 gemm_tile_in_place_bf16};
-static const gemm_kind_t GEMM_BF16_AB_IN_PLACE = {GEMM_MR, GEMM_NR, 1, 2, 2, 0, NULL, gemm_pack_b_from_bf16,
-                                                  gemm_tile_in_place_bf16};
+static const gemm_kind_t GEMM_BF16_A_ROWS = {GEMM_MR, GEMM_NR, 1, 4, 2, 1, gemm_widen_a_rows, gemm_pack_b,
+                                             gemm_tile_rows};
+static const gemm_kind_t GEMM_BF16_AB_ROWS = {GEMM_MR, GEMM_NR, 1, 2, 2, 1, gemm_widen_a_rows, gemm_pack_b_from_bf16,
+                                              gemm_tile_rows};
 
 /* One fp32 operand B (K, N), K <= GEMM_KC, packed once for many products (gemm_prepacked): its
  * elements, and the packing (panels of NR columns, [K][NR] each). */
@@ -519,7 +567,7 @@ int gl_sgemm_nt(int M, int N, int K, const void *x, long ldx, int x_bf16, const 
                 const float *bias, int nthreads) {
     if (x_bf16 && !w_bf16) return -2;
     if (M <= 0 || N <= 0) return 0;
-    const gemm_kind_t *kind = !w_bf16 ? &GEMM_F32_A_IN_PLACE : x_bf16 ? &GEMM_BF16_AB_IN_PLACE : &GEMM_BF16_A_IN_PLACE;
+    const gemm_kind_t *kind = !w_bf16 ? &GEMM_F32_A_IN_PLACE : x_bf16 ? &GEMM_BF16_AB_ROWS : &GEMM_BF16_A_ROWS;
     int slab = NT_SLAB_BYTES / 4 / M / 24 * 24; /* whole tiles (MR) and transposed blocks (8) */
     slab = slab < 24 ? 24 : slab > N ? N : slab;
     float *t = alloc_elems((size_t)slab * M);
