@@ -416,7 +416,7 @@ MUTANTS = [
            "for (int k = 0; k < kc; k++, b += GEMM_NR) {\n        const vf b0 = vf_load(b);\n",
            "for (int k = 0; k < kc; k++, b += VW) {\n        const vf b0 = vf_load(b);\n", GEMM_TESTS),
     Mutant("gemm/half-tile-bias-of-the-second-vector", "csrc/gemm.c",
-           "acc[i] = vf_add(acc[i], vf_load_n(bias, n));", "acc[i] = vf_add(acc[i], vf_load_n(bias + VW, n - VW));",
+           "const vf bias0 = vf_load_n(bias, n);", "const vf bias0 = vf_load_n(bias + VW, n - VW);",
            GEMM_TESTS),
     Mutant("loss/evaluation-computes-gradients", "chunked_loss.py",
            "need_grad = grad_mode and (", "need_grad = (", LOSS_TESTS),

@@ -132,8 +132,10 @@ def test_the_probe_times_gptlabs_gemm_against_pytorchs(calls, monkeypatch):
 def test_an_intel_cpus_bf16_products_keep_onednn_unless_forced(intel, monkeypatch):
     """The probe times fp32 products; Intel's bf16 CPUs multiply bf16 natively in oneDNN (AMX on
     the newer), never timed against gl_gemm_bf16: that runs there only when asked for."""
-    fake_probe(monkeypatch, intel, timings(2.0, 2.0, 2.0))
     monkeypatch.setattr(kernels._library(), "lib", types.SimpleNamespace(gl_has_gemm_bf16=lambda: 1))
+    monkeypatch.setattr(gemm_probe, "measure", lambda *gemms: pytest.fail("probed for an answer it does not need"))
+    assert not kernels.gemm_bf16_runs()
+    fake_probe(monkeypatch, intel, timings(2.0, 2.0, 2.0))
     assert kernels.gemm_choice() == "gptlab" and not kernels.gemm_bf16_runs()
     monkeypatch.setenv("GPTLAB_GEMM", "gptlab")
     assert kernels.gemm_bf16_runs()

@@ -957,9 +957,9 @@ def gemm_bf16_runs(device: torch.device | str = "cpu") -> bool:
     Intel's bf16 CPUs have oneDNN's native bf16 products (AMX on the newer), never timed against it."""
     if not (_enabled and torch.device(device).type == "cpu" and kernel_build.is_x86()):
         return False
-    if torch.compiler.is_compiling() or gemm_choice() != "gptlab" or not _library().float_ok:
+    if cpu_vendor() == "GenuineIntel" and _gemm_env() != "gptlab":  # before gemm_choice: no probe for nothing
         return False
-    if cpu_vendor() == "GenuineIntel" and _gemm_env() != "gptlab":
+    if torch.compiler.is_compiling() or gemm_choice() != "gptlab" or not _library().float_ok:
         return False
     return bool(_library().lib.gl_has_gemm_bf16())
 
@@ -1168,13 +1168,13 @@ def bf16_linear_in_fp32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     stays in cache), multiplied transposed, W x^T, as MKL runs that faster. AMD EPYC, 512 rows,
     2026-12-02: the 50,257-row head (scoring) 720 -> 472 ms in slabs; GPT-2's block layers
     together 79.3 ms in slabs, 70.5 converted whole, 66.7 for fp32 weights. From PROMPT_GEMM_ROWS
-    rows, where prompt_gemm_choice() gives gptlab, gl_sgemm_bf16_b multiplies the bf16 weight itself,
-    widening it as it packs it (no fp32 copy: a 512-token bf16 GPT-2 prefill 457 -> 440 ms on the
+    rows, where prompt_gemm_choice() gives gptlab, gptlab's GEMM multiplies the bf16 weight itself,
+    widening it as it reads it (sgemm_linear; no fp32 copy: a 512-token bf16 GPT-2 prefill 457 -> 440 ms on the
     Zen 5 held to AVX2), and x too (gl_sgemm_bf16_ab: no fp32 copy of the activations, 461 -> 455
     ms, medians of 7 alternating runs, where fp32's took 460)."""
     K, N = weight.size(1), weight.size(0)
     if x.numel() >= PROMPT_GEMM_ROWS * K and prompt_gemm_choice() == "gptlab" and _library().float_ok:
-        y = sgemm_linear(x, weight, bias)  # (..., N) fp32; gl_sgemm_bf16_ab widens x and the weight as it packs them
+        y = sgemm_linear(x, weight, bias)  # (..., N) fp32; x and the weight widened as they are read
         return y.to(torch.bfloat16)  # rounded once
     xf = x.reshape(-1, K).float()  # (M, K)
     if N * K * 4 <= WHOLE_BYTES:

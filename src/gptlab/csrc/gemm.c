@@ -38,7 +38,7 @@
 typedef struct {
     int mr, nr, ksub, b_size, a_size;
     int a_rows; /* A's panels hold each row's k values together, GEMM_KC of them, instead of each k's mr rows */
-    /* NULL: A is not packed; the tile reads it where it is, its rows lda apart (a_size 4 or 2, k adjacent) */
+    /* NULL: A is not packed; the tile reads it where it is, its rows lda apart (fp32, k adjacent) */
     void (*pack_a)(const void *a, long rsa, long csa, int m, int kc, void *ap);
     void (*pack_b)(const void *b, long rsb, long csb, int n, int kc, int p0, int p1, void *bp);
     void (*tile)(int kc, const void *a, long lda, const void *b, float *c, long ldc, int first, const float *bias,
@@ -73,8 +73,10 @@ static inline __attribute__((always_inline)) void tile_f32_half(int kc, const fl
 #pragma GCC unroll 6
         for (int i = 0; i < GEMM_MR; i++) acc[i] = vf_fma(vf_set1(a[i * si + k * sk]), b0, acc[i]);
     }
-    if (bias)
-        for (int i = 0; i < GEMM_MR; i++) acc[i] = vf_add(acc[i], vf_load_n(bias, n));
+    if (bias) {
+        const vf bias0 = vf_load_n(bias, n);
+        for (int i = 0; i < GEMM_MR; i++) acc[i] = vf_add(acc[i], bias0);
+    }
     float tile[GEMM_MR][VW];
     for (int i = 0; i < GEMM_MR; i++) vf_store(tile[i], acc[i]);
     tile_store_part(c, ldc, tile[0], VW, m, n, first);
@@ -558,9 +560,9 @@ static void transpose_bias(const float *t, int N, int M, const float *bias, floa
 #define NT_SLAB_BYTES (8 << 20) /* y^T computed this many bytes at a time, then transposed */
 
 /* A prompt's linear layer, y (M, N) = x (M, K) W^T + bias: x's rows ldx apart, W (N, K) contiguous,
- * each fp32, or bf16 widened as it is read (x bf16 only with W bf16), y's rows ldy apart, bias N
- * values or NULL. Computed as y^T = W x^T, W as A read in place, so that the weights, the larger
- * operand, are never packed; x^T is (x is small). y^T is found a slab of W's rows at a time (at
+ * each fp32 or bf16 (x bf16 only with W bf16), y's rows ldy apart, bias N values or NULL. Computed
+ * as y^T = W x^T, W as A read in place (bf16 W widened a block of rows at a time, no transpose), so
+ * that the weights, the larger operand, are never packed; x^T is (x is small). y^T is found a slab of W's rows at a time (at
  * most NT_SLAB_BYTES: GPT-2's head against 512 rows of x would take 103 MB more) and transposed
  * into y. Returns 0, -1 out of memory, or -2 for bf16 x against fp32 W. */
 int gl_sgemm_nt(int M, int N, int K, const void *x, long ldx, int x_bf16, const void *w, int w_bf16, float *y, long ldy,
