@@ -48,11 +48,13 @@ def fake_probe(monkeypatch, probes: list, result: dict) -> None:
         ((1.0, 1.0, 1.0), "torch", "torch"),  # a tie keeps PyTorch's
     ],
 )
-def test_an_intel_cpu_takes_the_gemm_its_probe_measured_faster(intel, monkeypatch, speedups, prompts, head):
+def test_an_intel_cpu_takes_the_gemm_its_probe_measured_faster(intel, monkeypatch, caplog, speedups, prompts, head):
     fake_probe(monkeypatch, intel, timings(*speedups))
-    assert kernels.prompt_gemm_choice() == prompts and kernels.gemm_choice() == head
+    with caplog.at_level("INFO", logger="gptlab.gemm_probe"):
+        assert kernels.prompt_gemm_choice() == prompts and kernels.gemm_choice() == head
     assert kernels.float_kernel_rows(torch.float32) == kernels.MAX_ROWS or prompts == "gptlab"
     assert len(intel) == 1  # measured once, for both kinds of work
+    assert len(caplog.records) == 1  # and said once, not once per kind of work
 
 
 def test_the_timings_are_cached_per_machine(intel, monkeypatch, tmp_path):

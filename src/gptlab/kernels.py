@@ -487,6 +487,10 @@ def _inference_on_cpu(x: torch.Tensor) -> bool:
 # threads, 2026-12-05, GPT-2's whole forward with all logits, the kernel against oneDNN's bf16 GEMM
 # natively and gl_sgemm widening bf16 held to AVX2, medians of 5, best of 2 alternations: avx512
 # 9 rows 1.17x, 16 1.14x, 0.69x at 32; held to AVX2 1.81x, 1.44x, 1.19x. fp32 forwards: float_kernel_rows.
+# More rows lose, though the four block layers alone favour the kernel further (to ~20 rows on
+# avx2 and avx512-256, ~40 on avx512, against gl_sgemm_nt; their bf16 weights fit L3): the AMD EPYC
+# Zen 4, 2026-12-05, the whole bf16 forward with the kernel up to 24 rows (40 on avx512) against 16,
+# medians of 11 alternating rounds, 17-24 tokens 0.81-0.92x, 32-40 tokens on avx512 0.77-0.82x.
 KERNEL_ROWS_GPTLAB = 16
 
 
@@ -814,7 +818,7 @@ def prompt_gemm_choice() -> str:
     return _gemm_choice("prompts")
 
 
-_measured_gemm: dict[tuple[str, int, str], str] = {}  # (work, threads, variant) -> this process's measured choice
+_measured_gemm: dict[tuple[int, str], dict[str, str]] = {}  # (threads, variant) -> this process's choice per work
 
 
 def _gemm_env() -> str:
@@ -834,11 +838,11 @@ def _gemm_choice(work: str) -> str:
         return "gptlab"
     if torch.compiler.is_compiling():  # nothing is timed inside a traced graph, which runs PyTorch's GEMM anyway
         return "torch"
-    at = (work, torch.get_num_threads(), variant())  # asked on every prompt's layer: a dict lookup
-    if at not in _measured_gemm:
-        timings = gemm_probe.timings(machine_key(cpu_description(), f"kernels {at[2]}"), measure_gemms)
-        _measured_gemm[at] = gemm_probe.choice(work, timings)
-    return _measured_gemm[at]
+    at = (torch.get_num_threads(), variant())  # asked on every prompt's layer: a dict lookup
+    if at not in _measured_gemm:  # both choices from one reading of the timings (logged once)
+        timings = gemm_probe.timings(machine_key(cpu_description(), f"kernels {at[1]}"), measure_gemms)
+        _measured_gemm[at] = {w: gemm_probe.choice(w, timings) for w in gemm_probe.WORK}
+    return _measured_gemm[at][work]
 
 
 def measure_gemms() -> dict:
@@ -1121,8 +1125,9 @@ def prompt_gemm_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
 # bound: gl_sgemm_nt widens each block of W's rows once, then reads them as fp32 ones. Against
 # gl_sgemm_bf16_ab (W widened and transposed as it is packed), GPT-2's four block layers,
 # avx2 / avx512 / avx512-256, medians of 5 alternating rounds: 32 rows 1.23 / 1.26 / 1.22x, 128
-# 1.09 / 1.05 / 1.12x, 256 1.05 / 1.03 / 1.04x, 512 1.02 / 0.99 / 1.00x, 768 0.98x. (17 rows:
-# 0.75-0.85x, the widening's cost per block against 2 rows of x^T's panels; 24 rows level.)
+# 1.09 / 1.05 / 1.12x, 256 1.05 / 1.03 / 1.04x, 512 1.02 / 0.99 / 1.00x, 768 0.98x. At 17-24 rows,
+# since x^T's last narrow panel takes half a tile (medians of 7, avx2 / avx512-256): 17 rows 1.01 /
+# 1.00x (0.75-0.85x before), 20 1.26 / 1.24x, 24 1.25 / 1.19x.
 NT_ROWS = 512
 
 
