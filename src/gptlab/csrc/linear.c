@@ -137,9 +137,26 @@ static void dot_span_rm(const void *w, int bf16, const float *x, const void *bia
 #undef SPAN
 }
 
+/* From how many rows of x fp32 weights run gptlab's GEMM instead (gl_sgemm_nt, the weights read in
+ * place), on the AVX2 code's variants: past DECODE_MAX_M their 16 registers hold 2 rows of x per
+ * block (MROWS) against 4 weight rows, so the float kernel's blocks read each weight row M / 2
+ * times. GPT-2's whole fused decoding step (the head included), batches of 4-8 sequences, AMD EPYC
+ * Zen 4, 2 threads, 2026-12-05, gl_sgemm_nt against the float kernel, medians of 5-7 alternating
+ * rounds, avx2 / avx512-256: 4 rows 0.88 / 0.96x, 5 1.15 / 1.09-1.12x, 6 1.11 / 1.13-1.16x, 7 1.25 /
+ * 1.25x, 8 1.28-1.36 / 1.33x. Not on avx512 (4 rows of x per block: 0.76-0.85x at 4-8 rows) nor
+ * for bf16 weights (half the bytes: 0.65-0.95x on avx2). */
+#if GL_VARIANT == GL_AVX2
+#define F32_GEMM_ROWS (DECODE_MAX_M + 1)
+#else
+#define F32_GEMM_ROWS INT_MAX
+#endif
+
 /* See common.h. Inlined per bias type: the bf16 head's bias read cost ~4% as a run-time choice. */
 AI void linear_rows(const void *w, int bf16, const float *x, const void *bias, const int bias_bf16, void *y,
                     int y_bf16, int M, int N, int K, int nthreads) {
+    if (M >= F32_GEMM_ROWS && !bf16 && !bias_bf16 && !y_bf16 &&
+        !gl_sgemm_nt(M, N, K, x, K, 0, w, 0, (float *)y, N, (const float *)bias, nthreads))
+        return; /* else out of memory for its x^T panel: the float kernel's blocks need none */
     if (M <= MROWS) { /* decoding: a span of W's rows per thread */
 #pragma omp parallel num_threads(nthreads)
         {
