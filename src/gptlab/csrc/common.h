@@ -14,14 +14,27 @@
 #define GL_ABI 18 /* gptlab/kernels.py refuses a library of another ABI */
 
 /* Rows of W at a time (ROWS memory streams in flight) and rows of x at a time (MROWS, their
- * products kept in registers: 4 x 4 vectors fit AVX-512's 32 registers, 4 x 2 AVX2's 16). */
+ * products kept in registers: 4 x 4 vectors fit AVX-512's 32 registers, 4 x 2 AVX2's 16). The
+ * float and int8 kernels' blocks of ROWS weight rows take MROWS_R rows of x; decoding's blocks of
+ * one weight row (BLOCK_ROWS below) take up to MROWS. On the AVX2 code, 4 rows of x against one
+ * weight row read it once where 2 at a time read it twice (the second pass from L1, with no
+ * memory traffic in flight): GPT-2's whole decoding step, AMD EPYC Zen 4 held to AVX2, 2 threads,
+ * 2026-12-05, medians of 9 alternating rounds against MROWS 2 (in alternating runs of an
+ * identical library the harness read 0.94-1.14x): 4 sequences fp32 1.16-1.19x, bf16 1.17x, int8
+ * 1.20-1.25x; 3 sequences 1.06-1.16x; 2 and 8 level. Blocks of ROWS weight rows against 4 rows
+ * of x spill AVX2's registers (bf16 prompts of 12-16 tokens 0.94-0.96x), so MROWS_R stays 2. */
 #ifndef ROWS
 #define ROWS 4
 #endif
-#if GL_VARIANT == GL_AVX512
+#if GL_VARIANT == GL_AVX512 || GL_VARIANT == GL_AVX2
 #define MROWS 4
 #else
 #define MROWS 2
+#endif
+#if GL_VARIANT == GL_AVX512
+#define MROWS_R 4
+#else
+#define MROWS_R 2
 #endif
 
 /* CALL(R, M) with R rows of W (1 or ROWS) and M (1..MROWS) rows of x as compile-time constants,

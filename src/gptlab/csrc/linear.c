@@ -139,10 +139,10 @@ static void dot_span_rm(const void *w, int bf16, const float *x, const void *bia
 
 /* From how many rows of x fp32 weights run gptlab's GEMM instead (gl_sgemm_nt, the weights read in
  * place), on the AVX2 code's variants: past DECODE_MAX_M their 16 registers hold 2 rows of x per
- * block (MROWS) against 4 weight rows, so the float kernel's blocks read each weight row M / 2
+ * block (MROWS_R) against 4 weight rows, so the float kernel's blocks read each weight row M / 2
  * times. GPT-2's whole fused decoding step (the head included), batches of 4-8 sequences, AMD EPYC
  * Zen 4, 2 threads, 2026-12-05, gl_sgemm_nt against the float kernel, medians of 5-7 alternating
- * rounds, avx2 / avx512-256: 4 rows 0.88 / 0.96x, 5 1.15 / 1.09-1.12x, 6 1.11 / 1.13-1.16x, 7 1.25 /
+ * rounds, avx2 / avx512-256: 4 rows 0.88 / 0.96x (against 2 rows of x per block then), 5 1.15 / 1.09-1.12x, 6 1.11 / 1.13-1.16x, 7 1.25 /
  * 1.25x, 8 1.28-1.36 / 1.33x. Not on avx512 (4 rows of x per block: 0.76-0.85x at 4-8 rows) nor
  * for bf16 weights (half the bytes: 0.65-0.95x on avx2). */
 #if GL_VARIANT == GL_AVX2
@@ -174,8 +174,9 @@ AI void linear_rows(const void *w, int bf16, const float *x, const void *bias, c
         const int n0 = blk * ROWS, R = N - n0 < ROWS ? 1 : BLOCK_ROWS(M); /* the last partial block: row by row */
         for (int n = n0; n < n0 + ROWS && n < N; n += R) {
             const void *wr = w_row(w, bf16, n, K);
-            for (int m0 = 0; m0 < M; m0 += MROWS) {
-                const int mm = M - m0 < MROWS ? M - m0 : MROWS;
+            const int mstep = R == ROWS ? MROWS_R : MROWS;
+            for (int m0 = 0; m0 < M; m0 += mstep) {
+                const int mm = M - m0 < mstep ? M - m0 : mstep;
                 float out[ROWS][MROWS];
                 dot_block(wr, bf16, x + (size_t)m0 * K, R, mm, K, out);
                 store_rows(out, bias, bias_bf16, (char *)y + (size_t)m0 * N * (y_bf16 == 1 ? 2 : 4), y_bf16, R, mm, n,

@@ -173,8 +173,9 @@ int gl_linear_i8(const float *x, const int8_t *w, const uint16_t *ws, const int3
         for (int blk = 0; blk < nblocks; blk++) {
             const int n0 = blk * ROWS, R = N - n0 < ROWS ? 1 : BLOCK_ROWS(M); /* the last partial block: row by row */
             for (int n = n0; n < n0 + ROWS && n < N; n += R) {
-                for (int m0 = t0; m0 < t1; m0 += MROWS) {
-                    const int mm = t1 - m0 < MROWS ? t1 - m0 : MROWS;
+                const int mstep = R == ROWS ? MROWS_R : MROWS;
+                for (int m0 = t0; m0 < t1; m0 += mstep) {
+                    const int mm = t1 - m0 < mstep ? t1 - m0 : mstep;
                     int32_t out[ROWS][MROWS];
                     i8_block(w + (size_t)n * K, xq + (size_t)m0 * K, R, mm, K, out);
                     i8_store(out, xs + m0, ws, wsum, b, y + (size_t)m0 * N, R, mm, n, N);
