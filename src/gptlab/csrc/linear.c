@@ -142,9 +142,9 @@ static void dot_span_rm(const void *w, int bf16, const float *x, const void *bia
  * block (MROWS_R) against 4 weight rows, so the float kernel's blocks read each weight row M / 2
  * times. GPT-2's whole fused decoding step (the head included), batches of 4-8 sequences, AMD EPYC
  * Zen 4, 2 threads, 2026-12-05, gl_sgemm_nt against the float kernel, medians of 5-7 alternating
- * rounds, avx2 / avx512-256: 4 rows 0.88 / 0.96x (against 2 rows of x per block then), 5 1.15 / 1.09-1.12x, 6 1.11 / 1.13-1.16x, 7 1.25 /
- * 1.25x, 8 1.28-1.36 / 1.33x. Not on avx512 (4 rows of x per block: 0.76-0.85x at 4-8 rows) nor
- * for bf16 weights (half the bytes: 0.65-0.95x on avx2). */
+ * rounds, avx2 / avx512-256: 4 rows 0.88 / 0.96x (against 2 rows of x per block then), 5 1.15 /
+ * 1.09-1.12x, 6 1.11 / 1.13-1.16x, 7 1.25 / 1.25x, 8 1.28-1.36 / 1.33x. Not on avx512 (4 rows of x
+ * per block: 0.76-0.85x at 4-8 rows) nor for bf16 weights (half the bytes: 0.65-0.95x on avx2). */
 #if GL_VARIANT == GL_AVX2
 #define F32_GEMM_ROWS (DECODE_MAX_M + 1)
 #else
