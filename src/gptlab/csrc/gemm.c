@@ -562,9 +562,9 @@ static void transpose_bias(const float *t, int N, int M, const float *bias, floa
 /* A prompt's linear layer, y (M, N) = x (M, K) W^T + bias: x's rows ldx apart, W (N, K) contiguous,
  * each fp32 or bf16 (x bf16 only with W bf16), y's rows ldy apart, bias N values or NULL. Computed
  * as y^T = W x^T, W as A read in place (bf16 W widened a block of rows at a time, no transpose), so
- * that the weights, the larger operand, are never packed; x^T is (x is small). y^T is found a slab of W's rows at a time (at
- * most NT_SLAB_BYTES: GPT-2's head against 512 rows of x would take 103 MB more) and transposed
- * into y. Returns 0, -1 out of memory, or -2 for bf16 x against fp32 W. */
+ * that the weights, the larger operand, are never packed; x^T is (x is small). y^T is found a slab
+ * of W's rows at a time (at most NT_SLAB_BYTES: GPT-2's head against 512 rows of x would take
+ * 103 MB more) and transposed into y. Returns 0, -1 out of memory, or -2 for bf16 x against fp32 W. */
 int gl_sgemm_nt(int M, int N, int K, const void *x, long ldx, int x_bf16, const void *w, int w_bf16, float *y, long ldy,
                 const float *bias, int nthreads) {
     if (x_bf16 && !w_bf16) return -2;
