@@ -1,8 +1,11 @@
 """A bounded load test of `gptlab serve`: 32 concurrent streaming clients x 64 tokens on loopback.
 
 The server runs as its own process (`python -m gptlab serve`), so the clients do not share its
-interpreter. The same 32 requests are served one at a time, then all at once; batching must give
-at least 1.5x the total throughput (measured 1.8-2.4x), with every request complete and no errors.
+interpreter. The same 32 requests are served one at a time, then all at once. Batching is checked by
+what the server did, not by the clock: decoded all at once, the requests share the decode steps
+(many tokens per step), where one at a time each step decodes one token. Every request must be
+complete, with no errors. The throughput of both ways is printed; speed goals belong to
+`gptlab bench serve --clients N`, never to a timed test.
 """
 
 from __future__ import annotations
@@ -87,36 +90,37 @@ async def run_load(url: str, concurrent: bool) -> dict:
     limits = httpx.Limits(max_connections=CLIENTS, max_keepalive_connections=CLIENTS)
     async with httpx.AsyncClient(timeout=120, limits=limits) as client:
         await stream_one(client, url, -1)  # warm up the connection and the server
+        steps0 = (await client.get(f"{url}/health")).json()["steps"]
         t0 = time.perf_counter()
         if concurrent:
             results = await asyncio.gather(*(stream_one(client, url, i) for i in range(CLIENTS)))
         else:
             results = [await stream_one(client, url, i) for i in range(CLIENTS)]
         seconds = time.perf_counter() - t0
+        steps = (await client.get(f"{url}/health")).json()["steps"] - steps0
     tokens = sum(t for t, _ in results)
     errors = [e for _, e in results if e]
-    return dict(requests=CLIENTS, tokens=tokens, seconds=seconds, tokens_per_s=tokens / seconds, errors=errors)
+    return dict(requests=CLIENTS, tokens=tokens, seconds=seconds, tokens_per_s=tokens / seconds, errors=errors,
+                steps=steps, tokens_per_step=tokens / max(steps, 1))  # fmt: skip
 
 
-def test_batched_throughput_well_above_sequential(server, capsys):
-    # Each way twice, alternating, keeping the faster run: the machine may be busy with other work.
-    runs = [asyncio.run(run_load(server, concurrent=c)) for c in (False, True, False, True)]
-    sequential = max(runs[0::2], key=lambda r: r["tokens_per_s"])
-    batched = max(runs[1::2], key=lambda r: r["tokens_per_s"])
+def test_concurrent_requests_share_the_decode_steps(server, capsys):
+    runs = [asyncio.run(run_load(server, concurrent=c)) for c in (False, True)]
+    sequential, batched = runs
     health = httpx.get(f"{server}/health").json()
-    speedup = batched["tokens_per_s"] / sequential["tokens_per_s"]
     with capsys.disabled():
         print(f"\nserve load test: {CLIENTS} streaming clients x {TOKENS} tokens, tiny byte-level model, loopback")
         for name, r in (("one at a time", sequential), ("concurrent", batched)):
             print(f"  {name:<14} {r['requests']} requests  {r['tokens']} tokens  {r['seconds']:.2f} s  "
-                  f"{r['tokens_per_s']:.0f} tokens/s  errors={len(r['errors'])}")  # fmt: skip
-        print(f"  speedup {speedup:.2f}x  (largest batch {health['max_rows']} rows)")
+                  f"{r['tokens_per_s']:.0f} tokens/s  {r['steps']} decode steps  errors={len(r['errors'])}")  # fmt: skip
+        print(f"  throughput {batched['tokens_per_s'] / sequential['tokens_per_s']:.2f}x (not asserted: a timing), "
+              f"largest batch {health['max_rows']} rows")  # fmt: skip
     assert all(r["errors"] == [] for r in runs), [r["errors"][:3] for r in runs]
     assert sequential["tokens"] == batched["tokens"] == CLIENTS * TOKENS
     assert health["max_rows"] >= CLIENTS // 2, "the concurrent requests were not decoded together"
-    # Measured on the AMD EPYC, 2026-12-01: 1.80-2.43x (one request at a time decodes through the
-    # fused C step, a batch of more than 8 rows through the modules); a scheduler that serialized
-    # the requests would give ~1.0x, so 1.5 still tells batching from none.
-    assert speedup >= 1.5, (
-        f"batched {batched['tokens_per_s']:.0f} tokens/s vs sequential {sequential['tokens_per_s']:.0f}"
-    )
+    # One at a time, each step decodes one request's token (the first of each request's 64 comes from
+    # its prompt's forward pass): measured 2016 steps, 1.016 tokens per step.
+    assert sequential["tokens_per_step"] <= 1.05, sequential
+    # All at once, measured 23.5-32.5 tokens per step (63-87 steps; AMD EPYC Zen 4, 2026-12-05); a
+    # scheduler that served the requests in turn gives ~1, and `--max-batch 2` gave 2.03.
+    assert batched["tokens_per_step"] >= CLIENTS / 4, batched
