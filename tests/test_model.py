@@ -286,3 +286,39 @@ def test_models_built_on_meta_skip_random_init_and_never_import_dynamo(tmp_path)
         built = nn.Linear(4, 3)
     assert real.std() > 0.9 and built.weight.is_meta  # a real tensor still drawn; the layer on meta
     assert torch.nn.init.normal_ is before
+
+
+def _rows_into_last_mlp(model) -> list[int]:
+    """Wrap the last block's c_fc (not a hook: hooks turn the trim off) to record its rows."""
+    c_fc = model.transformer.h[-1].mlp.c_fc
+    rows, forward = [], c_fc.forward
+    c_fc.forward = lambda x: (rows.append(x.shape[:-1].numel()), forward(x))[1]
+    return rows
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_a_prompts_last_layer_runs_the_last_position_only(variant_model, padded):
+    """last_only: the last block computes every position's keys and values but the rest for the last
+    position only (as llama.cpp's graphs); logits and cache as the full forward's, hooks see all."""
+    from gptlab.generation import new_cache
+
+    model, (B, T) = variant_model, (2, 12)
+    idx = torch.randint(0, 97, (B, T))
+    key_mask = torch.ones(B, T, dtype=torch.bool)
+    key_mask[0, :5] = not padded  # row 0 left-padded by 5 when padded
+    positions = (key_mask.cumsum(1) - 1).clamp(min=0)  # (B, T)
+    rows = _rows_into_last_mlp(model)
+    with torch.no_grad():
+        full_cache, trim_cache = new_cache(model, B, T), new_cache(model, B, T)
+        want, _ = model(idx, kv_cache=full_cache, positions=positions, key_mask=key_mask)  # (B, T, V)
+        got, _ = model(idx, kv_cache=trim_cache, positions=positions, key_mask=key_mask, last_only=True)
+    assert rows == [B * T, B]  # the full forward's, then the trimmed one's
+    torch.testing.assert_close(got[:, -1], want[:, -1], rtol=0, atol=1e-6)  # measured up to 1.2e-7 (the six variants)
+    for (k0, v0), (k1, v1) in zip(full_cache.layers, trim_cache.layers, strict=True):
+        assert torch.equal(k0, k1) and torch.equal(v0, v1)
+    seen = []
+    model.transformer.h[-1].hook_mlp_out.add_hook(lambda x, hook: seen.append(x.size(1)))
+    with torch.no_grad():
+        hooked, _ = model(idx, positions=positions, last_only=True, kv_cache=new_cache(model, B, T), key_mask=key_mask)
+    assert seen == [T] and rows[-1] == B * T  # a hook on the last block sees every position
+    torch.testing.assert_close(hooked[:, -1], want[:, -1], rtol=0, atol=1e-6)
