@@ -183,10 +183,11 @@ def test_default_paths_run_the_kernels(tmp_path, calls):
     # the prompt (3 tokens) and 3 decoding steps: each one call running the whole model (gptlab.fused_step)
     assert calls["gl_decode_step"] == 4 and calls["gl_linear_f32"] == 0
     generate(loaded, [list(range(1, 10)), [1, 2]], 2, temperature=0)  # 18 prompt tokens: PyTorch's GEMMs...
-    assert calls["gl_decode_step"] == 5 and calls["gl_linear_f32"] == 1  # ...and the head's kernel for 2 rows
+    # ...and the linear kernel for the 2 last positions: the last layer's projection and MLP, the head
+    assert calls["gl_decode_step"] == 5 and calls["gl_linear_f32"] == 3 + 1
     with torch.no_grad():
         loaded(torch.tensor([[1, 2, 3]]))  # no KV cache: the modules, with the linear kernel
-    assert calls["gl_linear_f32"] == 1 + 4 * 2 + 1
+    assert calls["gl_linear_f32"] == 4 + 4 * 2 + 1
     bf16 = type(model).from_pretrained(str(tmp_path / "hf"), dtype=torch.bfloat16)
     generate(bf16, [[1, 2, 3]], 2, temperature=0)
     assert calls["gl_decode_step"] == 7 and fused_step.plan(bf16, torch.bfloat16).struct.head.kind == fused_step.BF16
