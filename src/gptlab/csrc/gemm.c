@@ -82,14 +82,81 @@ static inline __attribute__((always_inline)) void tile_f32_half(int kc, const fl
     tile_store_part(c, ldc, tile[0], VW, m, n, first);
 }
 
+/* A last panel of gl_sgemm_nt's x^T (B) more than one vector wide but at most SPLIT_REST columns
+ * past it: 9-12 rows of x on AVX2's 16 columns a panel, 17-24 on AVX-512's 32. A whole tile
+ * spends two FMAs on each weight value for them, where one vector of x's rows (8 rows) takes one:
+ * GPT-2 decoded 9 sequences at 257-265 tok/s against 8 sequences' 337-342 (AMD EPYC Zen 4,
+ * avx512-256). Such a panel is packed as its first VW columns [kc][VW] (a half tile reads them)
+ * and then the other columns, each its kc values in a row (packed_split), which the tile
+ * multiplies as dot products along k with A's rows while they are in L1 (tile_f32_split). */
+#define SPLIT_REST (VW / 2)
+static inline int split_panel(int nr) { return nr > VW && nr <= VW + SPLIT_REST; }
+
+/* acc[i][j] += A's row i . row j of rest over k..k+n (n <= VW lanes), for w (1 or 2) rows of rest. */
+AI void rest_step(int kc, const float *a, long si, const float *rest, const int w, int k, const int n,
+                  vf acc[GEMM_MR][2]) {
+    const vf b0 = vf_load_n(rest + k, n), b1 = w == 2 ? vf_load_n(rest + kc + k, n) : b0;
+#pragma GCC unroll 6
+    for (int i = 0; i < GEMM_MR; i++) {
+        const vf ai = vf_load_n(a + i * si + k, n);
+        acc[i][0] = vf_fma(ai, b0, acc[i][0]);
+        if (w == 2) acc[i][1] = vf_fma(ai, b1, acc[i][1]);
+    }
+}
+
+/* tile[i][col + j] = A's row i (k values adjacent, rows si apart) . row j of rest (kc values,
+ * rows kc apart), for the MR rows of A and w (1 or 2) rows of rest: lanes along k, summed at the end. */
+AI void rest_dots(int kc, const float *a, long si, const float *rest, const int w, float tile[GEMM_MR][GEMM_NR],
+                  int col) {
+    vf acc[GEMM_MR][2];
+    for (int i = 0; i < GEMM_MR; i++) acc[i][0] = acc[i][1] = vf_zero();
+    int k = 0;
+    for (; k + VW <= kc; k += VW) rest_step(kc, a, si, rest, w, k, VW, acc);
+    if (k < kc) rest_step(kc, a, si, rest, w, k, kc - k, acc); /* the last lanes: none read past kc */
+    for (int i = 0; i < GEMM_MR; i++) {
+        tile[i][col] = vf_sum(acc[i][0]);
+        if (w == 2) tile[i][col + 1] = vf_sum(acc[i][1]);
+    }
+}
+
+/* tile_f32 for a split panel (split_panel(n); b packed as packed_split says), A's k values
+ * adjacent (sk 1): half a tile for the first VW columns, dot products for the n - VW others.
+ * (gl_sgemm_nt, its one caller, passes no bias: it adds it as it transposes y^T.) */
+static inline __attribute__((always_inline)) void tile_f32_split(int kc, const float *a, long si, const float *b,
+                                                                 float *c, long ldc, int first, const float *bias,
+                                                                 int m, int n) {
+    float tile[GEMM_MR][GEMM_NR];
+    vf acc[GEMM_MR];
+#pragma GCC unroll 6
+    for (int i = 0; i < GEMM_MR; i++) acc[i] = vf_zero();
+    for (int k = 0; k < kc; k++) {
+        const vf b0 = vf_load(b + k * VW);
+#pragma GCC unroll 6
+        for (int i = 0; i < GEMM_MR; i++) acc[i] = vf_fma(vf_set1(a[i * si + k]), b0, acc[i]);
+    }
+    for (int i = 0; i < GEMM_MR; i++) vf_store(tile[i], acc[i]);
+    const float *rest = b + (size_t)kc * VW;
+    int j = VW;
+    for (; j + 2 <= n; j += 2) rest_dots(kc, a, si, rest + (size_t)(j - VW) * kc, 2, tile, j);
+    if (j < n) rest_dots(kc, a, si, rest + (size_t)(j - VW) * kc, 1, tile, j);
+    for (int i = 0; bias && i < GEMM_MR; i++)
+        for (j = 0; j < n; j++) tile[i][j] += bias[j];
+    tile_store_part(c, ldc, tile[0], GEMM_NR, m, n, first);
+}
+
 /* The MR x NR tile c (row stride ldc) = (first ? 0 : c) + a b (+ bias, NR values, unless NULL) over
  * kc: A's value (i, k) at a[i si + k sk], b packed [kc][NR].
  * Only the first m rows and n columns are written (the packed padding is zeros). A last panel of
  * at most VW columns computes only those (tile_f32_half): a prompt of 17 rows, whose x^T is B in
- * gl_sgemm_nt, took as long as one of 32 (AVX2's 16 columns a panel). */
+ * gl_sgemm_nt, took as long as one of 32 (AVX2's 16 columns a panel). With split (gl_sgemm_nt's
+ * kinds, whose B is packed by packed_split), a split panel goes to tile_f32_split. */
 static inline __attribute__((always_inline)) void tile_f32(int kc, const float *a, long si, long sk,
                                                            const float *b, float *c, long ldc, int first,
-                                                           const float *bias, int m, int n) {
+                                                           const float *bias, int m, int n, const int split) {
+    if (split && split_panel(n)) {
+        tile_f32_split(kc, a, si, b, c, ldc, first, bias, m, n);
+        return;
+    }
     if (n <= VW) {
         tile_f32_half(kc, a, si, sk, b, c, ldc, first, bias, m, n);
         return;
@@ -131,21 +198,21 @@ static inline __attribute__((always_inline)) void tile_f32(int kc, const float *
 static void gemm_tile(int kc, const void *ap, long lda, const void *bp, float *c, long ldc, int first,
                       const float *bias, int m, int n) {
     (void)lda;
-    tile_f32(kc, ap, 1, GEMM_MR, bp, c, ldc, first, bias, m, n);
+    tile_f32(kc, ap, 1, GEMM_MR, bp, c, ldc, first, bias, m, n, 0);
 }
 
-/* The tile with A read in place, rows lda apart (fp32): for m < MR rows, copied into a packed panel
- * first, so that no row past A's end is read. */
+/* The tile with A read in place, rows lda apart (fp32), B packed by packed_split: for m < MR rows,
+ * A's rows copied into a panel first (kc apart, zeros past m), so that no row past A's end is read. */
 static void gemm_tile_in_place(int kc, const void *a, long lda, const void *bp, float *c, long ldc, int first,
                                const float *bias, int m, int n) {
     if (m == GEMM_MR) {
-        tile_f32(kc, a, lda, 1, bp, c, ldc, first, bias, m, n);
+        tile_f32(kc, a, lda, 1, bp, c, ldc, first, bias, m, n, 1);
         return;
     }
-    float panel[GEMM_KC * GEMM_MR];
-    for (int k = 0; k < kc; k++)
-        for (int i = 0; i < GEMM_MR; i++) panel[k * GEMM_MR + i] = i < m ? ((const float *)a)[i * lda + k] : 0.0f;
-    tile_f32(kc, panel, 1, GEMM_MR, bp, c, ldc, first, bias, m, n);
+    float panel[GEMM_MR * GEMM_KC];
+    for (int i = 0; i < GEMM_MR; i++)
+        for (int k = 0; k < kc; k++) panel[i * kc + k] = i < m ? ((const float *)a)[i * lda + k] : 0.0f;
+    tile_f32(kc, panel, kc, 1, bp, c, ldc, first, bias, m, n, 1);
 }
 
 /* bf16 A whose rows' k values are adjacent (gl_sgemm_nt's weights; rsa apart, csa 1): rows [0, m)
@@ -174,7 +241,7 @@ static void gemm_widen_a_rows(const void *a, long rsa, long csa, int m, int kc, 
 static void gemm_tile_rows(int kc, const void *ap, long lda, const void *bp, float *c, long ldc, int first,
                            const float *bias, int m, int n) {
     (void)lda;
-    tile_f32(kc, ap, GEMM_KC, 1, bp, c, ldc, first, bias, m, n);
+    tile_f32(kc, ap, GEMM_KC, 1, bp, c, ldc, first, bias, m, n, 1);
 }
 
 #if defined(__AVX2__)
@@ -295,6 +362,30 @@ static void gemm_pack_b(const void *b, long rsb, long csb, int n, int kc, int p0
 /* A bf16 layer's weight as B: widened as it is packed, so it needs no fp32 copy. */
 static void gemm_pack_b_from_bf16(const void *b, long rsb, long csb, int n, int kc, int p0, int p1, void *panels) {
     pack_b_f32(b, rsb, csb, n, kc, p0, p1, panels, 1);
+}
+
+/* pack_b_f32 for gl_sgemm_nt's x^T, except a last panel that split_panel takes: its first VW
+ * columns [kc][VW], then each other column's kc values in a row (from B's columns, x's rows). */
+static void packed_split(const void *b, long rsb, long csb, int n, int kc, int p0, int p1, void *panels, int bf16) {
+    const int last = (n - 1) / GEMM_NR, j0 = last * GEMM_NR;
+    const int split = last >= p0 && last < p1 && split_panel(n - j0);
+    pack_b_f32(b, rsb, csb, n, kc, p0, split ? last : p1, panels, bf16);
+    if (!split) return;
+    float *out = (float *)panels + (size_t)last * kc * GEMM_NR;
+    for (int k = 0; k < kc; k++)
+        for (int j = 0; j < VW; j++) out[k * VW + j] = param(b, (size_t)(k * rsb + (j0 + j) * csb), bf16);
+    for (int j = VW; j < n - j0; j++)
+        for (int k = 0; k < kc; k++)
+            out[(size_t)kc * j + k] = param(b, (size_t)(k * rsb + (j0 + j) * csb), bf16); /* kc VW + (j - VW) kc */
+}
+
+static void gemm_pack_b_split(const void *b, long rsb, long csb, int n, int kc, int p0, int p1, void *panels) {
+    packed_split(b, rsb, csb, n, kc, p0, p1, panels, 0);
+}
+
+static void gemm_pack_b_split_from_bf16(const void *b, long rsb, long csb, int n, int kc, int p0, int p1,
+                                        void *panels) {
+    packed_split(b, rsb, csb, n, kc, p0, p1, panels, 1);
 }
 
 /* The operands, the kind of product, one thread's rows of C [r0, r1), and its maxima of C's
@@ -501,11 +592,12 @@ static const gemm_kind_t GEMM_F32_BF16_AB = {GEMM_MR, GEMM_NR, 1, 2, 2, 0, gemm_
                                              gemm_tile};
 /* gl_sgemm_nt's weights as A: fp32 read in place (pack_a NULL), or bf16 widened into rows, with B
  * (x^T) fp32 or bf16 */
-static const gemm_kind_t GEMM_F32_A_IN_PLACE = {GEMM_MR, GEMM_NR, 1, 4, 4, 0, NULL, gemm_pack_b, gemm_tile_in_place};
-static const gemm_kind_t GEMM_BF16_A_ROWS = {GEMM_MR, GEMM_NR, 1, 4, 2, 1, gemm_widen_a_rows, gemm_pack_b,
+static const gemm_kind_t GEMM_F32_A_IN_PLACE = {GEMM_MR, GEMM_NR, 1, 4, 4, 0, NULL, gemm_pack_b_split,
+                                                gemm_tile_in_place};
+static const gemm_kind_t GEMM_BF16_A_ROWS = {GEMM_MR, GEMM_NR, 1, 4, 2, 1, gemm_widen_a_rows, gemm_pack_b_split,
                                              gemm_tile_rows};
-static const gemm_kind_t GEMM_BF16_AB_ROWS = {GEMM_MR, GEMM_NR, 1, 2, 2, 1, gemm_widen_a_rows, gemm_pack_b_from_bf16,
-                                              gemm_tile_rows};
+static const gemm_kind_t GEMM_BF16_AB_ROWS = {GEMM_MR, GEMM_NR, 1, 2, 2, 1, gemm_widen_a_rows,
+                                              gemm_pack_b_split_from_bf16, gemm_tile_rows};
 
 /* One fp32 operand B (K, N), K <= GEMM_KC, packed once for many products (gemm_prepacked): its
  * elements, and the packing (panels of NR columns, [K][NR] each). */
