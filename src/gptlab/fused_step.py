@@ -5,10 +5,10 @@ other ~400 small operations and Python module calls per token cost as much as th
 4.3 ms per token for an int4 GPT-2 on a 2-core Xeon). `GPT.forward` therefore hands a forward over
 the KV cache of up to `kernels.MAX_ROWS` new tokens in all (a decoding step of up to 8 rows, a
 speculative verification, a short prompt; an int4 model's decoding steps of up to `INT4_STEP_ROWS`
-rows; inference, CPU) to `step`, which runs the blocks, the
-final norm and the head in C, computing what the modules compute op by op, with the same linear
-kernels, for every variant (learned or rotary positions, LayerNorm/RMSNorm, GELU/SwiGLU, biases or
-not). Whatever it does not cover runs the modules as before: forward hooks on any module, autograd,
+rows, an fp32 or bf16 one's of up to `FLOAT_STEP_ROWS`; inference, CPU) to `step`, which runs the
+blocks, the final norm and the head in C, computing what the modules compute op by op, with the
+same linear kernels, for every variant (learned or rotary positions, LayerNorm/RMSNorm,
+GELU/SwiGLU, biases or not). Whatever it does not cover runs the modules as before: forward hooks on any module, autograd,
 training with dropout, torch.compile, fp16, heads wider than 256, a layer without a C kernel,
 `kernels.use_kernels(False)`.
 
@@ -278,20 +278,40 @@ def plan(model, dtype: torch.dtype) -> Plan | NoPlan:
 # multiply in fbgemm, faster than gl_linear_i8 (fused 0.96x at 12 rows, 0.83x at 16, 0.77x at 32).
 INT4_STEP_ROWS = 64
 
+# An fp32 or bf16 model's one-token decoding steps run in C up to this many rows where the modules
+# would multiply those rows with gptlab's own kernels too (kernels.prompt_gemm_choice() gives
+# gptlab: the float kernel, or gl_sgemm_nt for fp32 on the AVX2 code), so C computes what they do
+# without their Python and PyTorch overhead. GPT-2 batches decoding 32 tokens, fused against the
+# modules (AMD EPYC Zen 4, 2 threads, 2026-12-05, medians of 5 alternating rounds), 9 / 12 / 16
+# rows: avx512-256 fp32 1.19 / 1.15 / 1.24x, bf16 1.16 / 1.12 / 1.13x; avx2 fp32 1.21 / - / 1.18x;
+# avx512 fp32 1.11 / - / 1.17x, bf16 1.15 / - / 1.16x. Where MKL won an Intel CPU's probe, the
+# modules keep those rows.
+FLOAT_STEP_ROWS = kernels.KERNEL_ROWS_GPTLAB
+
 
 def _rows_fit(model, idx: torch.Tensor) -> bool:
     rows = idx.numel()
     if rows <= kernels.MAX_ROWS:
         return True
-    int4 = (getattr(model, "quantization", None) or {}).get("mode") == "int4"
-    return int4 and idx.size(-1) == 1 and rows <= INT4_STEP_ROWS
+    if idx.size(-1) != 1:  # a prompt: the modules (their last layer runs its last position only)
+        return False
+    mode = (getattr(model, "quantization", None) or {}).get("mode")
+    if mode == "int4":
+        return rows <= INT4_STEP_ROWS
+    return (
+        mode is None
+        and rows <= FLOAT_STEP_ROWS
+        and model.transformer.wte.weight.dtype in (torch.float32, torch.bfloat16)
+        and kernels.prompt_gemm_choice() == "gptlab"
+    )
 
 
 def applies(model, idx: torch.Tensor, cache) -> bool:
     """Whether `step` may take this forward: up to MAX_ROWS new tokens in all (one decoding step
-    of a batch, a speculative verification, a short prompt), or an int4 model's decoding step of
-    up to INT4_STEP_ROWS rows, over a KV cache at an int position, inference on the CPU with
-    gptlab's kernels, no dropout in play."""
+    of a batch, a speculative verification, a short prompt), or a decoding step of up to
+    INT4_STEP_ROWS rows of an int4 model (FLOAT_STEP_ROWS of an fp32 or bf16 one, where gptlab's
+    GEMM runs prompts), over a KV cache at an int position, inference on the CPU with gptlab's
+    kernels, no dropout in play."""
     return (
         _rows_fit(model, idx)
         and isinstance(cache.pos, int)
