@@ -4,13 +4,13 @@ With gptlab's kernels, the matrix products of a decoding step are fast enough th
 other ~400 small operations and Python module calls per token cost as much as they do (1.7 of
 4.3 ms per token for an int4 GPT-2 on a 2-core Xeon). `GPT.forward` therefore hands a forward over
 the KV cache of up to `kernels.MAX_ROWS` new tokens in all (a decoding step of up to 8 rows, a
-speculative verification, a short prompt; an int4 model's decoding steps of up to `INT4_STEP_ROWS`
-rows, an fp32 or bf16 one's of up to `FLOAT_STEP_ROWS`; inference, CPU) to `step`, which runs the
-blocks, the final norm and the head in C, computing what the modules compute op by op, with the
-same linear kernels, for every variant (learned or rotary positions, LayerNorm/RMSNorm,
-GELU/SwiGLU, biases or not). Whatever it does not cover runs the modules as before: forward hooks on any module, autograd,
-training with dropout, torch.compile, fp16, heads wider than 256, a layer without a C kernel,
-`kernels.use_kernels(False)`.
+speculative verification, a short prompt; an int4 model's decoding steps of up to `INT_STEP_ROWS`
+rows, an int8 one's too without AVX-512 VNNI, an fp32 or bf16 one's of up to `FLOAT_STEP_ROWS`;
+inference, CPU) to `step`, which runs the blocks, the final norm and the head in C, computing what
+the modules compute op by op, with the same linear kernels, for every variant (learned or rotary
+positions, LayerNorm/RMSNorm, GELU/SwiGLU, biases or not). Whatever it does not cover runs the
+modules as before: forward hooks on any module, autograd, training with dropout, torch.compile,
+fp16, heads wider than 256, a layer without a C kernel, `kernels.use_kernels(False)`.
 
 The model is described to C once (`Plan`: pointers to the model's own tensors, no copies, a few
 KiB) and described again whenever a module, parameter or buffer it read was replaced; updates in
@@ -274,9 +274,13 @@ def plan(model, dtype: torch.dtype) -> Plan | NoPlan:
 # overhead at every batch size. GPT-2 int4 batches decoding 16 tokens, fused against the modules
 # alternating (AMD EPYC Zen 4, 2 threads, 2026-12-05, medians of 4): avx512-256 at 9 / 16 / 24 /
 # 32 / 64 rows 1.21 / 1.15 / 1.09 / 1.08 / 1.03x, avx2 1.20 / 1.13 / 1.02 (32) / 1.03 (64),
-# avx512 1.21 / 1.09 / 1.07 (32). An int8 model keeps MAX_ROWS: from 12 rows its modules
-# multiply in fbgemm, faster than gl_linear_i8 (fused 0.96x at 12 rows, 0.83x at 16, 0.77x at 32).
-INT4_STEP_ROWS = 64
+# avx512 1.21 / 1.09 / 1.07 (32). An int8 model's steps too, where its modules run gptlab's int8
+# kernel at every row count (a CPU without AVX-512 VNNI, where fbgemm's would saturate: the Zen 3):
+# GPT-2 int8 so (fbgemm_int8_is_exact patched false, avx2, same machine, 32 tokens, medians of 5)
+# at 9 / 16 / 32 / 64 rows 1.20 / 1.09 / 1.07 / 1.03x. With VNNI, an int8 model keeps MAX_ROWS: from
+# 12 rows its modules multiply in fbgemm, faster than gl_linear_i8 (fused 0.96x at 12 rows, 0.83x
+# at 16, 0.77x at 32).
+INT_STEP_ROWS = 64
 
 # An fp32 or bf16 model's one-token decoding steps run in C up to this many rows where the modules
 # would multiply those rows with gptlab's own kernels too (kernels.prompt_gemm_choice() gives
@@ -296,8 +300,8 @@ def _rows_fit(model, idx: torch.Tensor) -> bool:
     if idx.size(-1) != 1:  # a prompt: the modules (their last layer runs its last position only)
         return False
     mode = (getattr(model, "quantization", None) or {}).get("mode")
-    if mode == "int4":
-        return rows <= INT4_STEP_ROWS
+    if mode == "int4" or (mode == "int8" and not kernels.fbgemm_int8_is_exact()):
+        return rows <= INT_STEP_ROWS
     return (
         mode is None
         and rows <= FLOAT_STEP_ROWS
@@ -309,9 +313,9 @@ def _rows_fit(model, idx: torch.Tensor) -> bool:
 def applies(model, idx: torch.Tensor, cache) -> bool:
     """Whether `step` may take this forward: up to MAX_ROWS new tokens in all (one decoding step
     of a batch, a speculative verification, a short prompt), or a decoding step of up to
-    INT4_STEP_ROWS rows of an int4 model (FLOAT_STEP_ROWS of an fp32 or bf16 one, where gptlab's
-    GEMM runs prompts), over a KV cache at an int position, inference on the CPU with gptlab's
-    kernels, no dropout in play."""
+    INT_STEP_ROWS rows of an int4 model (or an int8 one without VNNI), FLOAT_STEP_ROWS of an fp32
+    or bf16 one where gptlab's GEMM runs prompts, over a KV cache at an int position, inference on
+    the CPU with gptlab's kernels, no dropout in play."""
     return (
         _rows_fit(model, idx)
         and isinstance(cache.pos, int)

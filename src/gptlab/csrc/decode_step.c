@@ -91,7 +91,7 @@ static void swiglu(const float *gate, const float *up, float *out, int n, int bf
 }
 
 /* Rows at which a step's norms and GELU split over the threads: an int4 model's batches of many
- * rows (gptlab.fused_step.INT4_STEP_ROWS). In one thread they kept the other waiting: GPT-2 int4,
+ * rows (gptlab.fused_step.INT_STEP_ROWS). In one thread they kept the other waiting: GPT-2 int4,
  * the C step against the modules (AMD EPYC Zen 4, avx2, 2 threads) at 16 / 32 rows 0.99 / 0.97x,
  * split 1.13 / 1.02x. Each row or value is computed alike wherever it runs. */
 #define PARALLEL_ROWS 9
