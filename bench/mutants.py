@@ -278,7 +278,7 @@ MUTANTS = [
     Mutant("decode/int8-steps-of-many-rows-never-in-c", "fused_step.py",
            "(mode == \"int8\" and not kernels.fbgemm_int8_is_exact())", "False", FUSED_TESTS),
     Mutant("decode/float-steps-past-their-rows", "fused_step.py",
-           "        and rows <= FLOAT_STEP_ROWS\n", "", FUSED_TESTS),
+           "        and rows <= FLOAT_STEP_ROWS.get(model.transformer.wte.weight.dtype, 0)\n", "", FUSED_TESTS),
     Mutant("decode/float-steps-in-c-where-mkl-won-the-probe", "fused_step.py",
            "        and kernels.prompt_gemm_choice() == \"gptlab\"\n", "", FUSED_TESTS),
     Mutant("decode/float-steps-of-many-rows-normed-from-the-first-row", "csrc/decode_step.c",

@@ -284,13 +284,15 @@ INT_STEP_ROWS = 64
 
 # An fp32 or bf16 model's one-token decoding steps run in C up to this many rows where the modules
 # would multiply those rows with gptlab's own kernels too (kernels.prompt_gemm_choice() gives
-# gptlab: the float kernel, or gl_sgemm_nt for fp32 on the AVX2 code), so C computes what they do
-# without their Python and PyTorch overhead. GPT-2 batches decoding 32 tokens, fused against the
+# gptlab: the float kernel, then gl_sgemm_nt for fp32, from the same row counts in C's linear.c),
+# so C computes what they do without their Python and PyTorch overhead. bf16 stops where the
+# modules' bf16 layers leave the float kernel. GPT-2 batches decoding 32 tokens, fused against the
 # modules (AMD EPYC Zen 4, 2 threads, 2026-12-05, medians of 5 alternating rounds), 9 / 12 / 16
 # rows: avx512-256 fp32 1.19 / 1.15 / 1.24x, bf16 1.16 / 1.12 / 1.13x; avx2 fp32 1.21 / - / 1.18x;
-# avx512 fp32 1.11 / - / 1.17x, bf16 1.15 / - / 1.16x. Where MKL won an Intel CPU's probe, the
-# modules keep those rows.
-FLOAT_STEP_ROWS = kernels.KERNEL_ROWS_GPTLAB
+# avx512 fp32 1.11 / - / 1.17x, bf16 1.15 / - / 1.16x; fp32 at 24 / 32 / 64 rows: avx512-256 1.12 /
+# 1.14 / 1.05x, avx2 1.12 / - / 1.06x, avx512 1.10 / 1.05 / 1.05x (17 rows 1.10x). Where MKL won an
+# Intel CPU's probe, the modules keep those rows.
+FLOAT_STEP_ROWS = {torch.float32: INT_STEP_ROWS, torch.bfloat16: kernels.KERNEL_ROWS_GPTLAB}
 
 
 def _rows_fit(model, idx: torch.Tensor) -> bool:
@@ -304,8 +306,7 @@ def _rows_fit(model, idx: torch.Tensor) -> bool:
         return rows <= INT_STEP_ROWS
     return (
         mode is None
-        and rows <= FLOAT_STEP_ROWS
-        and model.transformer.wte.weight.dtype in (torch.float32, torch.bfloat16)
+        and rows <= FLOAT_STEP_ROWS.get(model.transformer.wte.weight.dtype, 0)
         and kernels.prompt_gemm_choice() == "gptlab"
     )
 

@@ -144,9 +144,13 @@ static void dot_span_rm(const void *w, int bf16, const float *x, const void *bia
  * Zen 4, 2 threads, 2026-12-05, gl_sgemm_nt against the float kernel, medians of 5-7 alternating
  * rounds, avx2 / avx512-256: 4 rows 0.88 / 0.96x (against 2 rows of x per block then), 5 1.15 /
  * 1.09-1.12x, 6 1.11 / 1.13-1.16x, 7 1.25 / 1.25x, 8 1.28-1.36 / 1.33x. Not on avx512 (4 rows of x
- * per block: 0.76-0.85x at 4-8 rows) nor for bf16 weights (half the bytes: 0.65-0.95x on avx2). */
+ * per block: 0.76-0.85x at 4-8 rows) nor for bf16 weights (half the bytes: 0.65-0.95x on avx2).
+ * On avx512 from 17 rows, where the modules switch to gl_sgemm_nt too: the fused step's fp32
+ * batches of 17-64 rows (gptlab.fused_step.FLOAT_STEP_ROWS) then run what the modules run. */
 #if GL_VARIANT == GL_AVX2
 #define F32_GEMM_ROWS (DECODE_MAX_M + 1)
+#elif GL_VARIANT == GL_AVX512
+#define F32_GEMM_ROWS 17 /* past the 16 rows kernels.float_kernel_rows gives the float kernel on avx512 */
 #else
 #define F32_GEMM_ROWS INT_MAX
 #endif
