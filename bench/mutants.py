@@ -45,7 +45,7 @@ HARNESS_TESTS = ("tests/test_harness.py", "-k", "equals")
 HOOKS_TESTS = ("tests/test_hooks.py",)
 GEMM_TESTS = ("tests/test_gemm.py",)
 PROBE_TESTS = ("tests/test_gemm_probe.py",)
-COMPILE_CACHE_TESTS = ("tests/test_machine_cache.py",)
+COMPILE_CACHE_TESTS = ("tests/test_compile_cache.py",)
 SERVE_LMEVAL_TESTS = ("tests/test_serve_tokenize.py", "tests/test_serve.py", "-k", "offset or logprobs or echo")
 
 
@@ -363,13 +363,13 @@ MUTANTS = [
     Mutant("gemm-probe/key-without-threads", "machine_cache.py",
            'f"{torch.get_num_threads()} threads", ', "", PROBE_TESTS),
     # torch.compile's builds per CPU (inductor's cache keys do not name it)
-    Mutant("compile-cache/blind-to-cpu-flags", "machine_cache.py",
+    Mutant("compile-cache/blind-to-cpu-flags", "compile_cache.py",
            '" ".join(sorted(set(flags.split())))]', '""]', COMPILE_CACHE_TESTS),
-    Mutant("compile-cache/inductors-default-kept", "machine_cache.py",
+    Mutant("compile-cache/inductors-default-kept", "compile_cache.py",
            "if chosen and os.path.abspath(chosen) != os.path.abspath(default_cache_dir()):", "if chosen:",
            COMPILE_CACHE_TESTS),
     Mutant("compile-cache/training-compiles-anywhere", "train/setup.py",
-           "        machine_cache.use_compile_cache()", "        pass", COMPILE_CACHE_TESTS),
+           "        compile_cache.use()", "        pass", COMPILE_CACHE_TESTS),
     Mutant("gemm-probe/intel-keeps-mkl-unmeasured", "kernels.py",
            "_measured_gemm[at] = {w: gemm_probe.choice(w, timings) for w in gemm_probe.WORK}",
            '_measured_gemm[at] = {w: "torch" for w in gemm_probe.WORK}',

@@ -28,7 +28,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from gptlab import hooks, machine_cache, speculative
+from gptlab import compile_cache, hooks, speculative
 from gptlab.model import KVCache, model_device_dtype
 from gptlab.sampling import SamplingParams, sample_next, seen_tokens
 
@@ -86,7 +86,7 @@ def compile_decode(model, *, freezing: bool = True, mode: str | None = None):
     def forward(tokens, cache, positions, key_mask):
         return _next_logits(model, tokens, cache, positions, key_mask)
 
-    machine_cache.use_compile_cache()  # this CPU's own builds (see there)
+    compile_cache.use()  # this CPU's own builds (see there)
     compiled = torch.compile(forward, fullgraph=True, dynamic=None, mode=mode)
 
     @torch.no_grad()

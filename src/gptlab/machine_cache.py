@@ -1,4 +1,4 @@
-"""Measurements, and torch.compile's builds, cached per machine.
+"""Measurements cached per machine.
 
 Where gptlab chooses between two ways of doing something by timing both (training's precision,
 gptlab.train.precision; whose GEMM an Intel CPU runs, gptlab.gemm_probe), the timings are kept
@@ -6,18 +6,13 @@ in a JSON file in gptlab's cache directory, one entry per machine: the CPU's mod
 the torch version, the thread count and any setting that holds a library to fewer instructions
 than the CPU has. A later process on the same machine reads them instead of measuring again, and
 so makes the same choice (a resumed training run multiplies as the run before it did).
-
-torch.compile's C++ (inductor) is built with -march=native into a cache that neither its graphs'
-keys nor its C++ keys tell apart by CPU: use_compile_cache gives each CPU a directory of its own.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
-import platform
 from collections.abc import Callable
 from pathlib import Path
 
@@ -78,56 +73,3 @@ def _read(path: Path) -> dict:
     except (OSError, ValueError):
         return {}
     return cache if isinstance(cache, dict) else {}
-
-
-def compile_cache_dir() -> Path:
-    """The directory where torch.compile's inductor keeps what it builds on this CPU: below its
-    default (/tmp/torchinductor_USER), one per CPU model, set of CPU flags and isa_settings()."""
-    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-
-    return Path(default_cache_dir()) / f"cpu-{_cpu_digest()}"
-
-
-def use_compile_cache() -> Path:
-    """Point torch.compile's cache at compile_cache_dir() (TORCHINDUCTOR_CACHE_DIR), unless the user
-    chose a directory, and return the one in use. Call it before compiling.
-
-    Inductor compiles its C++ with -march=native, and neither its graph cache's keys nor its C++
-    cache's name the CPU. A cache written on an AVX-512 CPU and read on an AVX2 one (a /tmp or home
-    directory that moves between machines; a session's disk on another CPU kind) brings back
-    kernels the CPU cannot run, and under ATEN_CPU_CAPABILITY=avx2 on the very CPU that built them
-    (gptlab's stand-in for an AVX2 CPU) a compiled training step crashed with a segmentation fault:
-    the graph's code, vectorized 16 floats wide, was built again at AVX2's 8."""
-    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-
-    chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    if chosen and os.path.abspath(chosen) != os.path.abspath(default_cache_dir()):  # inductor writes its default there
-        return Path(chosen)
-    path = compile_cache_dir()
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
-    return path
-
-
-def _cpu_digest() -> str:
-    """12 hex digits that change with what the compiler sees of this CPU: the machine type, the
-    model name and every flag /proc/cpuinfo lists (-march=native may use any), the features this
-    process reads by cpuid (an emulated CPU's, under qemu-user, which passes the host's
-    /proc/cpuinfo through), isa_settings() and TORCHINDUCTOR_CPP_MARCH."""
-    from gptlab import kernels  # kernels imports this module
-
-    fields: dict[str, str] = {}
-    for line in _cpuinfo().splitlines():
-        key, _, value = line.partition(":")
-        fields.setdefault(key.strip(), value.strip())
-    flags = fields.get("flags") or fields.get("Features", "")  # x86, aarch64
-    parts = [platform.machine(), fields.get("model name", ""), " ".join(sorted(set(flags.split())))]
-    parts += [kernels.cpu_description(), isa_settings(), os.environ.get("TORCHINDUCTOR_CPP_MARCH", "")]
-    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:12]
-
-
-def _cpuinfo() -> str:
-    """/proc/cpuinfo's text, or "" where there is none."""
-    try:
-        return Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return ""

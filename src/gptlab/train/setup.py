@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from gptlab import machine_cache, run_files
+from gptlab import compile_cache, run_files
 from gptlab.config import GPTConfig
 from gptlab.data import TokenLoader
 from gptlab.loading import load_model
@@ -251,7 +251,7 @@ def wrap_model(model: GPT, cfg: TrainConfig, dist: Dist, device: torch.device) -
         ids = [device.index] if device.type == "cuda" else None
         model = DistributedDataParallel(model, device_ids=ids)
     if cfg.compile:
-        machine_cache.use_compile_cache()  # this CPU's own builds (see there)
+        compile_cache.use()  # this CPU's own builds (see there)
         model = torch.compile(model)
     return model
 

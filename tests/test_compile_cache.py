@@ -1,4 +1,4 @@
-"""torch.compile's cache per CPU (gptlab.machine_cache.use_compile_cache): inductor builds its C++
+"""torch.compile's cache per CPU (gptlab.compile_cache): inductor builds its C++
 with -march=native and keys neither its graphs nor its C++ by the CPU, so a cache another CPU wrote
 (or this one under ATEN_CPU_CAPABILITY=avx2: a segmentation fault in a compiled training step,
 measured) must not be read."""
@@ -10,7 +10,7 @@ import pytest
 from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
 from conftest import tiny_model
-from gptlab import kernels, machine_cache
+from gptlab import compile_cache, kernels, machine_cache
 from gptlab.generation import compile_decode
 from gptlab.train import Trainer
 from test_train import byte_data, config  # noqa: F401 (byte_data is a fixture)
@@ -25,38 +25,38 @@ def plain(monkeypatch):
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     for name in machine_cache.ISA_SETTINGS:
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(machine_cache, "_cpuinfo", lambda: ZEN4)
+    monkeypatch.setattr(compile_cache, "_cpuinfo", lambda: ZEN4)
     return monkeypatch
 
 
 def test_each_cpu_and_isa_setting_compiles_into_a_directory_of_its_own(plain):
-    zen4 = machine_cache.compile_cache_dir()
+    zen4 = compile_cache.directory()
     assert zen4.parent == Path(default_cache_dir()) and zen4.name.startswith("cpu-")
-    assert machine_cache.compile_cache_dir() == zen4  # the same CPU: the same builds, reused
-    plain.setattr(machine_cache, "_cpuinfo", lambda: ZEN3)  # the same model name, without AVX-512
-    zen3 = machine_cache.compile_cache_dir()
-    plain.setattr(machine_cache, "_cpuinfo", lambda: ZEN4)
+    assert compile_cache.directory() == zen4  # the same CPU: the same builds, reused
+    plain.setattr(compile_cache, "_cpuinfo", lambda: ZEN3)  # the same model name, without AVX-512
+    zen3 = compile_cache.directory()
+    plain.setattr(compile_cache, "_cpuinfo", lambda: ZEN4)
     plain.setenv("ATEN_CPU_CAPABILITY", "avx2")  # a Zen 4 standing in for an AVX2 CPU
-    held = machine_cache.compile_cache_dir()
+    held = compile_cache.directory()
     plain.delenv("ATEN_CPU_CAPABILITY")
     plain.setattr(kernels, "cpu_description", lambda: "AMD EPYC avx2 f16c fma")  # an emulated Zen 3's cpuid
-    emulated = machine_cache.compile_cache_dir()
+    emulated = compile_cache.directory()
     assert len({zen4, zen3, held, emulated}) == 4
 
 
 def test_use_compile_cache_points_inductor_there_unless_the_user_chose(plain, tmp_path):
-    assert machine_cache.use_compile_cache() == machine_cache.compile_cache_dir()
-    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(machine_cache.compile_cache_dir())
+    assert compile_cache.use() == compile_cache.directory()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(compile_cache.directory())
     plain.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())  # what inductor writes there once it has run
-    assert machine_cache.use_compile_cache() == machine_cache.compile_cache_dir()
+    assert compile_cache.use() == compile_cache.directory()
     plain.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
-    assert machine_cache.use_compile_cache() == tmp_path / "mine"
+    assert compile_cache.use() == tmp_path / "mine"
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")
 
 
 def test_compiled_decoding_and_training_build_into_this_cpus_directory(plain, byte_data, tmp_path):  # noqa: F811
     compile_decode(tiny_model(0))  # compiles on its first step; the directory is set before
-    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(machine_cache.compile_cache_dir())
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(compile_cache.directory())
     plain.delenv("TORCHINDUCTOR_CACHE_DIR")
     Trainer(config(byte_data, tmp_path / "run", compile=True))  # compiles on its first step too
-    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(machine_cache.compile_cache_dir())
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(compile_cache.directory())
