@@ -15,8 +15,8 @@ from gptlab.generation import compile_decode
 from gptlab.train import Trainer
 from test_train import byte_data, config  # noqa: F401 (byte_data is a fixture)
 
-ZEN4 = "processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu sse2 avx2 fma avx512f avx512_vnni\n\nprocessor\t: 1\n"
-ZEN3 = "processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu sse2 avx2 fma\n"
+ZEN4 = {"model name": "AMD EPYC", "flags": "fpu sse2 avx2 fma avx512f avx512_vnni"}  # /proc/cpuinfo's fields
+ZEN3 = {"model name": "AMD EPYC", "flags": "fpu sse2 avx2 fma"}
 
 
 @pytest.fixture
@@ -25,7 +25,7 @@ def plain(monkeypatch):
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     for name in machine_cache.ISA_SETTINGS:
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(compile_cache, "_cpuinfo", lambda: ZEN4)
+    monkeypatch.setattr(kernels, "cpuinfo", lambda field: ZEN4.get(field, ""))
     return monkeypatch
 
 
@@ -33,9 +33,9 @@ def test_each_cpu_and_isa_setting_compiles_into_a_directory_of_its_own(plain):
     zen4 = compile_cache.directory()
     assert zen4.parent == Path(default_cache_dir()) and zen4.name.startswith("cpu-")
     assert compile_cache.directory() == zen4  # the same CPU: the same builds, reused
-    plain.setattr(compile_cache, "_cpuinfo", lambda: ZEN3)  # the same model name, without AVX-512
+    plain.setattr(kernels, "cpuinfo", lambda field: ZEN3.get(field, ""))  # the same model name, without AVX-512
     zen3 = compile_cache.directory()
-    plain.setattr(compile_cache, "_cpuinfo", lambda: ZEN4)
+    plain.setattr(kernels, "cpuinfo", lambda field: ZEN4.get(field, ""))
     plain.setenv("ATEN_CPU_CAPABILITY", "avx2")  # a Zen 4 standing in for an AVX2 CPU
     held = compile_cache.directory()
     plain.delenv("ATEN_CPU_CAPABILITY")

@@ -47,19 +47,7 @@ def _cpu_digest() -> str:
     model name and every flag /proc/cpuinfo lists (-march=native may use any), the features this
     process reads by cpuid (an emulated CPU's under qemu-user, which passes the host's
     /proc/cpuinfo through), isa_settings() and TORCHINDUCTOR_CPP_MARCH."""
-    fields: dict[str, str] = {}
-    for line in _cpuinfo().splitlines():
-        key, _, value = line.partition(":")
-        fields.setdefault(key.strip(), value.strip())
-    flags = fields.get("flags") or fields.get("Features", "")  # x86, aarch64
-    parts = [platform.machine(), fields.get("model name", ""), " ".join(sorted(set(flags.split())))]
+    flags = kernels.cpuinfo("flags") or kernels.cpuinfo("Features")  # x86, aarch64
+    parts = [platform.machine(), kernels.cpuinfo("model name"), " ".join(sorted(set(flags.split())))]
     parts += [kernels.cpu_description(), isa_settings(), os.environ.get("TORCHINDUCTOR_CPP_MARCH", "")]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:12]
-
-
-def _cpuinfo() -> str:
-    """/proc/cpuinfo's text, or "" where there is none."""
-    try:
-        return Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return ""
