@@ -598,7 +598,23 @@ MUTANTS = [
            "    for (int r = 0; r < M - (M >= PARALLEL_ROWS); r++) {\n        const float *xr = x + (size_t)r * C;",
            ("tests/test_fused_step.py", "-k", "many_rows")),
     Mutant("fused/int8-steps-of-many-rows-in-c", "fused_step.py",
-           '.get("mode") == "int4"', '.get("mode") in ("int4", "int8")', ("tests/test_fused_step.py", "-k", "many_rows")),
+           'mode == "int4" or (mode == "int8" and not kernels.fbgemm_int8_is_exact())', 'mode in ("int4", "int8")',
+           ("tests/test_fused_step.py", "-k", "many_rows")),
+    # decoding steps taken before the model's forward (fused_step.decode), its checks in C
+    Mutant("fused/step-ids-unchecked-in-c", "csrc/decode_step.c",
+           "    if (!in_range(m, tokens, positions, M, T, pos)) return -3;\n", "", FUSED_TESTS),
+    Mutant("fused/slots-positions-one-late", "csrc/decode_step.c",
+           "positions ? positions[r] : pos + r % T;", "positions ? positions[r] : pos + r % T + 1;", FUSED_TESTS),
+    Mutant("fused/early-step-drops-positions", "fused_step.py",
+           "_run(p, cache, tokens, positions, B, 1,", "_run(p, cache, tokens, None, B, 1,", FUSED_TESTS),
+    Mutant("fused/early-step-ignores-hooks", "fused_step.py",
+           "        and not p.hooked()\n    ):", "    ):", FUSED_TESTS),
+    Mutant("fused/early-step-never-taken", "fused_step.py",
+           "        return None  # (compiled decoding's position is a 0-dim tensor)",
+           "        pass  # (compiled decoding's position is a 0-dim tensor)\n    return None", FUSED_TESTS),
+    Mutant("fused/decode-step-records-autograd", "generation.py",
+           "        with torch.no_grad():\n            logits = _next_logits(model, tokens, cache, positions, key_mask)",
+           "        logits = _next_logits(model, tokens, cache, positions, key_mask)", FUSED_TESTS),
 ]
 # fmt: on
 # The swapped-name mutant needs its table in the module: appended to hf.py with it.

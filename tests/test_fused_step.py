@@ -6,6 +6,7 @@ import contextlib
 import copy
 import dataclasses
 from collections import Counter
+from unittest import mock
 
 import pytest
 import torch
@@ -29,16 +30,24 @@ PROMPTS = [[5, 6, 7, 8], [9, 10]]  # two rows, the second left-padded: per-row p
 
 @pytest.fixture
 def steps(monkeypatch):
-    """Counts gl_decode_step calls: steps["fused"]."""
+    """Counts forwards in C: steps["fused"], through the model's forward (fused_step.step) or before
+    it (fused_step.decode, whose declined steps go on to the forward), and steps["declined"]."""
     counts = Counter()
-    real = fused_step.step
+    real_step, real_decode = fused_step.step, fused_step.decode
 
-    def counting(*args):
-        out = real(*args)
+    def counting_step(*args):
+        out = real_step(*args)
         counts["fused" if out is not None else "declined"] += 1
         return out
 
-    monkeypatch.setattr(fused_step, "step", counting)
+    def counting_decode(*args):
+        out = real_decode(*args)
+        counts["fused"] += out is not None
+        counts["early"] += out is not None
+        return out
+
+    monkeypatch.setattr(fused_step, "step", counting_step)
+    monkeypatch.setattr(fused_step, "decode", counting_decode)
     return counts
 
 
@@ -67,22 +76,25 @@ def fused_or_modules(fused: bool):
         fused_step.applies = applies
 
 
-def decode_logits(model, n: int = 6, prompts=PROMPTS, fused: bool = True) -> torch.Tensor:
+def decode_logits(model, n: int = 6, prompts=PROMPTS, fused: bool = True, early: bool = True) -> torch.Tensor:
     """fp32 logits (n + 1, B, V) of the prompts' last tokens (8 tokens in all: one fused call)
-    and of n greedy decoding steps after them, fused or through the modules."""
+    and of n greedy decoding steps after them, fused or through the modules; with early=False,
+    the steps go through the model's forward even where fused_step.decode would take them. The
+    steps of prompts that need no padding give no positions (the slots')."""
     idx, positions, mask = left_pad(prompts)
-    with fused_or_modules(fused):
+    decode = fused_step.decode if early else (lambda *args: None)
+    with fused_or_modules(fused), mock.patch.object(fused_step, "decode", decode):
         cache = new_cache(model, len(prompts), idx.size(1) + n)
         key_mask = None
         if mask is not None:
             key_mask = torch.ones(len(prompts), cache.max_len, dtype=torch.bool)
             key_mask[:, : idx.size(1)] = mask
         logits = prefill(model, idx, cache, positions=positions, key_mask=key_mask)
-        pos, out = positions[:, -1] + 1, [logits.float()]
+        pos, out = None if mask is None else positions[:, -1] + 1, [logits.float()]
         for _ in range(n):
             logits = decode_step(model, logits.argmax(-1), cache, positions=pos, key_mask=key_mask)
             out.append(logits.float())
-            pos = pos + 1
+            pos = None if pos is None else pos + 1
     return torch.stack(out)
 
 
@@ -291,6 +303,55 @@ def test_quantized_default_path_takes_it(mode, steps):
     model = quantize_model(tiny_model(n_embd=128, n_head=4), mode, group_size=32)
     generate(model, [[1, 2, 3]], 4, temperature=0.8, top_k=5, seed=0)
     assert steps["fused"] == 4
+
+
+def test_decoding_steps_skip_the_forward_with_its_logits(steps):
+    """generate's steps after the prompt go to C before the model's forward (fused_step.decode),
+    with the bits the forward's own C call gives: one row at the slots' positions, and a
+    left-padded batch at its own positions under a key mask."""
+    model = with_norms_shaken(tiny_model())
+    for prompts in ([[5, 6, 7]], PROMPTS):
+        early, forward = decode_logits(model, 5, prompts), decode_logits(model, 5, prompts, early=False)
+        assert torch.equal(early, forward)  # measured: the same bits
+        assert relative(early, decode_logits(model, 5, prompts, fused=False)) <= 1e-6  # measured 0.9-1.8e-7
+    assert steps["early"] == 2 * 5  # every step: the prompt's C call checked the model's plan
+
+
+@pytest.mark.parametrize(
+    "tokens, positions, message",
+    [
+        ([97], None, "token id 97 outside the vocabulary"),
+        ([-1], None, "token id -1 outside the vocabulary"),
+        ([3], [32], "position 32 exceeds block_size 32"),
+        ([3], [-1], "position -1 is negative"),
+    ],
+    ids=["id-past-vocabulary", "negative-id", "position-past-table", "negative-position"],
+)
+def test_a_step_out_of_range_is_a_value_error(tokens, positions, message, steps):
+    """C checks a step's ids and positions (fused_step.decode skips the model's checks): out of
+    range, it declines and the model's forward raises, the cache where it was."""
+    model = tiny_model()  # vocabulary 97, block_size 32
+    with torch.no_grad():
+        cache = new_cache(model, 1, 8)
+        prefill(model, torch.tensor([[1, 2, 3]]), cache)
+        decode_step(model, torch.tensor([4]), cache)
+        assert steps["early"] == 1
+        with pytest.raises(ValueError, match=message):
+            decode_step(
+                model, torch.tensor(tokens), cache, positions=None if positions is None else torch.tensor(positions)
+            )
+    assert cache.pos == 4 and steps["early"] == 1
+
+
+def test_decode_step_records_no_autograd():
+    """decode_step runs without autograd whatever the grad mode: in C once a step ran there, else
+    through the modules with no graph."""
+    model = tiny_model()
+    cache = new_cache(model, 1, 8)
+    with torch.no_grad():
+        prefill(model, torch.tensor([[1, 2]]), cache)
+    for token in (3, 4):
+        assert not decode_step(model, torch.tensor([token]), cache).requires_grad
 
 
 def test_declines_what_it_cannot_run(steps):

@@ -19,9 +19,10 @@ forward of several tokens (a prompt, rows joining a batch) and at slot 0; the on
 after it over the same cache trust it (it costs ~0.4 ms per step of an int4 GPT-2, right after
 the C step has streamed the weights through the caches: ~4% of it), checking only for hooks. So
 a module swapped in the middle of a generation is seen from the next prompt on; the plan keeps
-what it points at alive meanwhile. The KV cache's pointers are passed with each call, looked up
-again whenever the cache's (k, v) pairs change, so threads may decode with one model and their own
-caches at once.
+what it points at alive meanwhile. Those steps need not pass through the model's forward at all:
+`decode` (gptlab.generation.decode_step's first try) hands them to C directly. The KV cache's
+pointers are passed with each call, looked up again whenever the cache's (k, v) pairs change, so
+threads may decode with one model and their own caches at once.
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ class _Model(ctypes.Structure):
         ("head", _Linear),
         ("wte", _Linear),
         ("wpe", _P),
+        ("n_pos", _I),
     ]
 
 
@@ -115,7 +117,7 @@ class Plan:
             norm=_NORMS[config.norm], mlp=_MLPS[config.mlp], bf16=int(dtype is torch.bfloat16),
             eps=config.layer_norm_eps, blocks=self.blocks, lnf_w=lnf_w, lnf_b=lnf_b,
             head=self._linear(self._get(model, "lm_head")), wte=self._embedding(self._get(t, "wte"), config),
-            wpe=self._positions(self._get(t, "wpe"), config),
+            wpe=self._positions(self._get(t, "wpe"), config), n_pos=config.block_size,
         )  # fmt: skip
         self.key = self._key()
         self.slot_columns = tuple(zip(*self.slots, strict=True))  # (dicts, names, objects): `current` maps over them
@@ -299,7 +301,7 @@ def _rows_fit(model, idx: torch.Tensor) -> bool:
     rows = idx.numel()
     if rows <= kernels.MAX_ROWS:
         return True
-    if idx.size(-1) != 1:  # a prompt: the modules (their last layer runs its last position only)
+    if idx.dim() == 2 and idx.size(-1) != 1:  # a prompt: the modules (their last layer runs its last position only)
         return False
     mode = (getattr(model, "quantization", None) or {}).get("mode")
     if mode == "int4" or (mode == "int8" and not kernels.fbgemm_int8_is_exact()):
@@ -328,7 +330,35 @@ def applies(model, idx: torch.Tensor, cache) -> bool:
     )
 
 
-def step(model, idx: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype, rope, cache, key_mask, last_only: bool):
+def decode(model, tokens: torch.Tensor, positions, cache, key_mask) -> torch.Tensor | None:
+    """Logits (B, V) of a decoding step, tokens (B,) at slot cache.pos (not advanced), taken before
+    the model's forward would check and prepare it; None where the modules or `step` must run it,
+    or an id or position is out of range (C checks them; the model's forward then raises).
+
+    After the C step has streamed the weights through the caches, the first PyTorch operation of
+    each kind, and Python code too, runs from memory: 30-70 us an operation (AMD EPYC Zen 4, 2
+    threads; 2-5 us warm). A step through the model's forward so spent ~10% of an int4 GPT-2's
+    token around the C call. Taken: the steps after one that `step` ran over this cache (its plan,
+    trusted as there), int64 ids (B,), learned positions (B,) int64 or None (the slots'), a bool
+    key_mask (B, S > slot) or None, room in the cache, and what `applies` asks."""
+    p, pos = getattr(cache, "checked_plan", None), cache.pos
+    if not (type(pos) is int and 0 < pos < cache.max_len and isinstance(p, Plan) and _plans.get(model) is p):
+        return None  # (compiled decoding's position is a 0-dim tensor)
+    B = tokens.size(0)
+    if not (
+        tokens.dtype is torch.int64
+        and tokens.dim() == 1
+        and model.config.pos_embedding == "learned"
+        and (positions is None or (positions.dtype is torch.int64 and positions.shape == tokens.shape))
+        and (key_mask is None or (key_mask.dtype is torch.bool and key_mask.shape[0] == B and key_mask.size(1) > pos))
+        and applies(model, tokens, cache)
+        and not p.hooked()
+    ):
+        return None
+    return _run(p, cache, tokens, positions, B, 1, key_mask, None, torch.empty(B, p.struct.head.N), False)
+
+
+def step(model, idx: torch.Tensor, positions, dtype: torch.dtype, rope, cache, key_mask, last_only: bool):
     """Logits (B, T, V), or (B, 1, V) when last_only, for new tokens idx (B, T) at `positions`
     (B, T) in activations of `dtype` (rotary models: their angles in rope, (cos, sin), each
     (B, 1, T, hs/2), as the model computes them; ids and positions checked by the model), their
@@ -340,21 +370,33 @@ def step(model, idx: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype, 
         p = cache.checked_plan = plan(model, dtype)
     if isinstance(p, NoPlan) or p.hooked():
         return None
+    angles = None if rope is None else torch.cat(rope, dim=-1).float().contiguous()  # (B, 1, T, hs): cos, sin
+    logits = torch.empty(B, 1 if last_only else T, model.lm_head.out_features)  # (B, T|1, V)
+    return _run(p, cache, idx, positions, B, T, key_mask, angles, logits, not last_only)
+
+
+def _run(p: Plan, cache, idx, positions, B: int, T: int, key_mask, angles, logits: torch.Tensor, all_logits: bool):
+    """gl_decode_step for `step` and `decode`: logits as allocated, fp32 (B, T, V) with
+    all_logits, else one row per sequence, filled and returned in the plan's dtype; None where C
+    cannot run it (a cache it cannot read, a layer it does not know, an id or position out of range)."""
     found = p.cache_pointers(cache)
     if found is None:
         return None
     kv, kv_bf16 = found
-    tokens = idx.to(torch.int64).contiguous()  # (B, T)
-    positions = positions.to(torch.int64).contiguous()  # (B, T)
+    pos = cache.pos
+    tokens, positions = _int64(idx), None if positions is None else _int64(positions)  # (B, T)
     mask = None if key_mask is None else key_mask[:, : pos + T].contiguous()  # (B, pos + T)
-    angles = None if rope is None else torch.cat(rope, dim=-1).float().contiguous()  # (B, 1, T, hs): cos, sin
-    logits = torch.empty(B, 1 if last_only else T, model.lm_head.out_features)  # (B, T|1, V)
     status = kernels.library().gl_decode_step(
-        ctypes.byref(p.struct), kv, kv_bf16, tokens.data_ptr(), positions.data_ptr(), B, T, pos,
-        cache.layers[0][0].size(2), kernels.ptr(mask), kernels.ptr(angles), logits.data_ptr(), int(not last_only),
+        ctypes.byref(p.struct), kv, kv_bf16, tokens.data_ptr(), kernels.ptr(positions), B, T, pos,
+        cache.layers[0][0].size(2), kernels.ptr(mask), kernels.ptr(angles), logits.data_ptr(), int(all_logits),
         torch.get_num_threads(),
     )  # fmt: skip
-    if status == -2:
+    if status in (-2, -3):  # a layer C does not know; an id or position out of range
         return None
     kernels.check(status)
     return logits if p.dtype is torch.float32 else logits.to(p.dtype)
+
+
+def _int64(t: torch.Tensor) -> torch.Tensor:
+    """t as contiguous int64, without an operation where it is already (see `decode`)."""
+    return t if t.dtype is torch.int64 and t.is_contiguous() else t.to(torch.int64).contiguous()

@@ -28,7 +28,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from gptlab import compile_cache, hooks, speculative
+from gptlab import compile_cache, fused_step, hooks, speculative
 from gptlab.model import KVCache, model_device_dtype
 from gptlab.sampling import SamplingParams, sample_next, seen_tokens
 
@@ -63,11 +63,13 @@ def _next_logits(model, tokens, cache, positions, key_mask):
     return logits[:, -1]  # (B, V)
 
 
-@torch.no_grad()
 def decode_step(model, tokens: torch.Tensor, cache: KVCache, *, positions=None, key_mask=None) -> torch.Tensor:
-    """Feed one new token per row, tokens (B,), at slot cache.pos; returns the next logits (B, V).
-    `positions` (B,) are the rows' position ids (needed with left padding)."""
-    logits = _next_logits(model, tokens, cache, positions, key_mask)
+    """Feed one new token per row, tokens (B,), at slot cache.pos; returns the next logits (B, V),
+    without autograd. `positions` (B,) are the rows' position ids (needed with left padding)."""
+    logits = fused_step.decode(model, tokens, positions, cache, key_mask)  # (B, V): one C call, or None
+    if logits is None:
+        with torch.no_grad():
+            logits = _next_logits(model, tokens, cache, positions, key_mask)
     cache.advance(1)
     return logits
 
@@ -212,7 +214,7 @@ class _Decoder:
         if mask is not None:
             self.key_mask = torch.ones(len(rows), self.cache.max_len, dtype=torch.bool, device=device)
             self.key_mask[:, : idx.size(1)] = mask  # (B, max_len): False at padding slots
-        self.next_positions = positions[:, -1] + 1  # (B,)
+        self.next_positions = None if mask is None else positions[:, -1] + 1  # (B,); None: the slots
         return prefill(self.model, idx, self.cache, positions=positions, key_mask=self.key_mask)
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -220,7 +222,8 @@ class _Decoder:
         if self.cache.pos >= self.cache.max_len:  # full: keep the last window_keep tokens
             return self.start([r[-self.window_keep :] for r in self.rows])
         logits = self.step_fn(self.model, tokens, self.cache, positions=self.next_positions, key_mask=self.key_mask)
-        self.next_positions = self.next_positions + 1
+        if self.next_positions is not None:
+            self.next_positions = self.next_positions + 1
         return logits
 
 

@@ -477,8 +477,12 @@ class GPT(nn.Module):
         learned = self.config.pos_embedding == "learned"
         dtype = _rows_dtype(self.transformer.wte)
         rope = None if learned else rope_cos_sin(positions, self.config.head_size, self.config.rope_theta, dtype)
-        if learned and not torch.compiler.is_compiling() and (top := _extremes(positions)[1]) >= self.config.block_size:
-            raise ValueError(f"position {top} exceeds block_size {self.config.block_size}")
+        if learned and not torch.compiler.is_compiling():
+            lo, top = _extremes(positions)
+            if lo < 0:
+                raise ValueError(f"position {lo} is negative")
+            if top >= self.config.block_size:
+                raise ValueError(f"position {top} exceeds block_size {self.config.block_size}")
         if targets is not None and not head:
             raise ValueError("head=False returns hidden states, not a loss: pass no targets")
         fused = head and kv_cache is not None and targets is None and attn_probs is None

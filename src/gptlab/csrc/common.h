@@ -255,6 +255,7 @@ typedef struct {
     gl_linear_t head;
     gl_linear_t wte;  /* the token embedding (V, C), described as a layer: its table, or a tied head's */
     const void *wpe;  /* learned positions (block_size, C), the activations' dtype; NULL for rotary */
+    int n_pos;        /* wpe's rows (block_size) */
 } gl_model_t;
 
 #endif /* GL_COMMON_H */

@@ -209,16 +209,35 @@ static void embedding_row(const gl_linear_t *e, int64_t t, float *out) {
     }
 }
 
-/* x (M, C) = the embeddings of tokens (M), plus rows positions (M) of the learned position table
- * when the model has one; each sum rounded to bf16, as PyTorch's bf16 add, for a bf16 model. */
-static void embed(const gl_model_t *m, const int64_t *tokens, const int64_t *positions, float *x, int M) {
+/* Row r's position id of M = B*T new tokens written from slot pos: positions[r], or pos + r % T
+ * without them (no row padded). */
+static int64_t position_of(const int64_t *positions, int r, int T, int pos) {
+    return positions ? positions[r] : pos + r % T;
+}
+
+/* Whether every token id is in the vocabulary and, with learned positions, every position id in
+ * the table: the one-token steps GPT.forward hands over before its own checks rely on it. */
+static int in_range(const gl_model_t *m, const int64_t *tokens, const int64_t *positions, int M, int T, int pos) {
+    for (int r = 0; r < M; r++) {
+        if (tokens[r] < 0 || tokens[r] >= m->wte.N) return 0;
+        const int64_t p = position_of(positions, r, T, pos);
+        if (m->wpe && (p < 0 || p >= m->n_pos)) return 0;
+    }
+    return 1;
+}
+
+/* x (M, C) = the embeddings of tokens (M), plus their rows of the learned position table when the
+ * model has one; each sum rounded to bf16, as PyTorch's bf16 add, for a bf16 model. */
+static void embed(const gl_model_t *m, const int64_t *tokens, const int64_t *positions, float *x, int M, int T,
+                  int pos) {
     const int C = m->n_embd;
     for (int r = 0; r < M; r++) {
         float *xr = x + (size_t)r * C;
         embedding_row(&m->wte, tokens[r], xr);
         if (m->bf16) round_bf16(xr, (size_t)C); /* a quantized table's rows, cast to the activations' dtype */
         if (!m->wpe) continue;
-        for (int i = 0; i < C; i++) xr[i] += param(m->wpe, (size_t)positions[r] * C + i, m->bf16);
+        const size_t at = (size_t)position_of(positions, r, T, pos) * C;
+        for (int i = 0; i < C; i++) xr[i] += param(m->wpe, at + i, m->bf16);
         if (m->bf16) round_bf16(xr, (size_t)C);
     }
 }
@@ -279,23 +298,25 @@ static int block_step(const gl_model_t *m, const gl_block_t *blk, void *const kv
 }
 
 /* A forward of T new tokens per row over the KV cache: the tokens (B*T ids, and their positions
- * for learned position embeddings), embedded as the model's embedding modules do, run through
+ * for learned position embeddings, or NULL for pos + t), embedded as the model's embedding modules do, run through
  * every block (token t's keys and values written to slot pos + t of each layer's cache: kv holds
  * layer l's key and value caches (B, nh, max_len, hs) at 2l and 2l + 1, in the activations'
  * dtype, or bf16 for an fp32 model when kv_bf16), the final norm and the head into logits:
  * (B*T, V) when all_logits, else (B, V) for each row's last token; fp32 (bf16 values for a bf16
  * model). mask (B, pos + T) bytes, False at slots
  * a row may not see, or NULL. rope (B*T, hs): each new token's rotary cos then sin (see
- * rope_rows), or NULL for a model without rotary positions. The caller checked that the ids and
- * positions are in range. Returns 0, -1 out of memory, -2 a layer kind it does not know. */
+ * rope_rows), or NULL for a model without rotary positions. Returns 0, -1 out of memory, -2 a layer
+ * kind it does not know, -3 a token id outside the vocabulary or a position outside the table
+ * (nothing written). */
 int gl_decode_step(const gl_model_t *m, void *const *kv, int kv_bf16, const int64_t *tokens, const int64_t *positions,
                    int B, int T, int pos, int max_len, const uint8_t *mask, const float *rope, float *logits,
                    int all_logits, int nthreads) {
     const int C = m->n_embd, Hfc = (m->mlp == GL_SWIGLU ? 2 : 1) * m->hidden, M = B * T;
+    if (!in_range(m, tokens, positions, M, T, pos)) return -3;
     float *x = malloc(sizeof(float) * (size_t)M * (8 * C + Hfc + m->hidden) + 64); /* x (M, C), then the work */
     if (!x) return -1;
     float *work = x + (size_t)M * C;
-    embed(m, tokens, positions, x, M);
+    embed(m, tokens, positions, x, M, T, pos);
     int s = 0;
     for (int l = 0; l < m->n_layer && !s; l++)
         s = block_step(m, &m->blocks[l], kv + 2 * l, kv_bf16, x, work, B, T, pos, max_len, mask, rope, nthreads);

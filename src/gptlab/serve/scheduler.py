@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from gptlab import speculative
-from gptlab.generation import TokenSampler, model_device_dtype
+from gptlab.generation import TokenSampler, decode_step, model_device_dtype
 from gptlab.model import KVCache
 from gptlab.sampling import SamplingParams
 
@@ -192,13 +192,11 @@ class BatchCache:
         if view is None:
             view = self._step_views[b] = cache_view(self.cache, slice(0, b), self.pos)
         view.pos = self.pos
-        positions = self.lengths[:b, None]  # (b, 1): each row's next position id
-        logits, _ = self.model(
-            tokens[:, None], positions=positions, kv_cache=view, key_mask=self.key_mask[:b], last_only=True
-        )  # (b, 1, V)
+        positions = self.lengths[:b]  # (b,): each row's next position id
+        logits = decode_step(self.model, tokens, view, positions=positions, key_mask=self.key_mask[:b])  # (b, V)
         self.pos += 1
         self.lengths[:b] += 1
-        return logits[:, -1]
+        return logits
 
     def release(self, start: int, n: int) -> None:
         """Free rows [start, start + n), moving the rows after them down to keep the batch packed."""
