@@ -344,11 +344,11 @@ def decode(model, tokens: torch.Tensor, positions, cache, key_mask) -> torch.Ten
     p, pos = getattr(cache, "checked_plan", None), cache.pos
     if not (type(pos) is int and 0 < pos < cache.max_len and isinstance(p, Plan) and _plans.get(model) is p):
         return None  # (compiled decoding's position is a 0-dim tensor)
+    if not (isinstance(tokens, torch.Tensor) and tokens.dim() == 1 and tokens.dtype is torch.int64):
+        return None
     B = tokens.size(0)
     if not (
-        tokens.dtype is torch.int64
-        and tokens.dim() == 1
-        and model.config.pos_embedding == "learned"
+        model.config.pos_embedding == "learned"
         and (positions is None or (positions.dtype is torch.int64 and positions.shape == tokens.shape))
         and (key_mask is None or (key_mask.dtype is torch.bool and key_mask.shape[0] == B and key_mask.size(1) > pos))
         and applies(model, tokens, cache)
