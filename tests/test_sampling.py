@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gptlab import sampling
+from gptlab import kernels, sampling
 from gptlab.sampling import (
     SamplingParams,
     apply_repetition_penalty,
@@ -97,7 +97,17 @@ def test_top_k_mask_keeps_the_k_largest():
     assert top_k_mask(logits, 10).tolist() == logits.tolist()
 
 
-def test_top_p_mask_keeps_the_smallest_nucleus():
+@pytest.fixture(params=["c", "sort"])
+def nucleus_path(request):
+    """top_p_mask's two ways: gptlab's kernel (gl_top_p_keep, no sort), and sorting where the
+    kernels are off or do not run."""
+    if request.param == "c" and not kernels.available()[0]:
+        pytest.skip(f"gptlab's kernels are not built here: {kernels.available()[2]}")
+    with kernels.use_kernels(request.param == "c"):
+        yield request.param
+
+
+def test_top_p_mask_keeps_the_smallest_nucleus(nucleus_path):
     probs = torch.tensor([[0.05, 0.5, 0.3, 0.15]])
     logits = probs.log()
     kept = lambda p: (top_p_mask(logits, p) > NEG).tolist()[0]  # noqa: E731
@@ -132,7 +142,7 @@ def test_masks_agree_with_transformers_warpers():
 
 
 @pytest.mark.parametrize("scale", [0.3, 8.0])
-def test_top_p_agrees_with_transformers_on_a_wide_nucleus_and_a_narrow_one(scale):
+def test_top_p_agrees_with_transformers_on_a_wide_nucleus_and_a_narrow_one(scale, nucleus_path):
     """top_p_mask looks among the TOP_P_FIRST most likely tokens, and sorts every token only when
     those hold less than p: a flat distribution (its nucleus thousands of tokens wide) takes the
     sort, a peaked one (a few tokens) the first look; both keep what transformers keeps."""
@@ -145,7 +155,28 @@ def test_top_p_agrees_with_transformers_on_a_wide_nucleus_and_a_narrow_one(scale
     assert widest > sampling.TOP_P_FIRST if scale < 1 else widest < sampling.TOP_P_FIRST  # measured 4,186 and 6
 
 
-def test_top_p_takes_any_leading_dimensions():
+def test_top_p_in_c_never_sorts_and_ranks_equal_probabilities_in_vocabulary_order(monkeypatch):
+    """gl_top_p_keep sorts only the tokens of the probability bucket the nucleus ends in, on every
+    kernel variant: a flat row over GPT-2's vocabulary keeps what sorting keeps, and where the
+    nucleus ends among equal probabilities, the earlier ids are kept."""
+    if not kernels.available()[0]:
+        pytest.skip(f"gptlab's kernels are not built here: {kernels.available()[2]}")
+    logits = torch.randn(2, 50257, generator=torch.Generator().manual_seed(7)) * 1.5
+    with kernels.use_kernels(False):
+        sorted_kept = top_p_mask(logits, 0.9) > NEG
+    ties = torch.tensor([[3.0, 1.0, 1.0, 1.0, 1.0, 0.0]]).log()  # 0.3, four of 0.1, 0 (sum 0.7: normalised)
+    with monkeypatch.context() as patch:
+        patch.setattr(sampling, "_argsort_descending", None)  # a sort would fail
+        patch.setattr(torch, "topk", None)
+        for variant in kernels.runnable_variants():
+            with kernels.use_variant(variant):
+                assert torch.equal(top_p_mask(logits, 0.9) > NEG, sorted_kept), variant  # ~12,000 of 50,257 kept
+                # 0.3/0.7 = 0.43, then 0.14 each: ids 1 and 2 reach 0.71; 0.6 needs them, not 3 or 4
+                assert (top_p_mask(ties, 0.6) > NEG).tolist() == [[True, True, True, False, False, False]]
+    assert 5_000 < int(sorted_kept.sum(-1).min()) and int(sorted_kept.sum(-1).max()) < 45_000
+
+
+def test_top_p_takes_any_leading_dimensions(nucleus_path):
     """(..., V): a wide row before a narrow one in one (1, 2, V) tensor is masked as alone, and a
     tensor that requires grad is masked the same (its wide row sorted through NumPy)."""
     flat = torch.randn(5000, generator=torch.Generator().manual_seed(5)) * 0.3
@@ -154,6 +185,31 @@ def test_top_p_takes_any_leading_dimensions():
     alone = torch.stack([top_p_mask(flat[None], 0.9)[0], top_p_mask(peaked[None], 0.9)[0]])[None]
     assert torch.equal(top_p_mask(rows, 0.9).isinf(), alone.isinf())
     assert torch.equal(top_p_mask(rows.clone().requires_grad_(), 0.9).isinf(), alone.isinf())  # under autograd too
+
+
+def test_draw_in_c_gives_the_ids_of_the_pytorch_arithmetic():
+    """gl_draw (kernels.draw), on every kernel variant: the first id whose float64 cumulative sum
+    exceeds u x the row's sum, as torch's cumsum and searchsorted find it, at u on the sums'
+    boundaries (exact binary fractions), and through draw() the same ids for the same seed."""
+    if not kernels.available()[0]:
+        pytest.skip(f"gptlab's kernels are not built here: {kernels.available()[2]}")
+    probs = torch.tensor([[0.25, 0.0, 0.25, 0.5]] * 6)
+    u = torch.tensor([[0.0], [0.25], [0.5], [0.75], [0.9999], [1.0]], dtype=torch.float64)  # 1.0: past every sum
+    cdf = probs.double().cumsum(-1)
+    expected = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp(max=3).squeeze(-1)
+    assert expected.tolist() == [0, 2, 3, 3, 3, 3]
+    g = torch.Generator().manual_seed(3)
+    rows = torch.rand(64, 1000, generator=g) ** 8 * (
+        torch.rand(64, 1, generator=g) * 10
+    )  # peaked and flat, unnormalized
+    rows[::7, 500:] = 0.0
+    with kernels.use_kernels(False):
+        plain = sampling.draw(rows, torch.Generator().manual_seed(9))
+    for variant in kernels.runnable_variants():
+        with kernels.use_variant(variant):
+            assert kernels.draw(probs, u).tolist() == expected.tolist(), variant
+            assert torch.equal(sampling.draw(rows, torch.Generator().manual_seed(9)), plain), variant
+            assert kernels.draw(torch.tensor([[0.5, float("nan")]]), u[:1]) is None  # the caller raises
 
 
 def test_draw_never_takes_a_zero_and_follows_each_rows_probabilities():

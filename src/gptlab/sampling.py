@@ -121,6 +121,9 @@ def top_p_mask(logits: torch.Tensor, p: float) -> torch.Tensor:
     if p >= 1.0:
         return logits
     probs = F.softmax(logits.float(), dim=-1)  # (B, V)
+    keep = kernels.top_p_keep(probs, p)  # in C, where it runs: no sort
+    if keep is not None:
+        return logits.masked_fill(~keep, float("-inf"))
     top, order = torch.topk(probs, min(probs.size(-1), TOP_P_FIRST), dim=-1)  # (B, k), most likely first
     mass = top.cumsum(dim=-1)  # (B, k)
     if not bool((mass[..., -1] >= p).all()):  # a wider nucleus: every token, in order
@@ -244,10 +247,13 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch
     50,257 on an AMD EPYC Zen 5 where this takes 41; the draws differ, not their distribution."""
     if generator is not None and generator.device != probs.device:
         probs = probs.to(generator.device)
+    u = torch.rand(probs.size(0), 1, generator=generator, dtype=torch.float64, device=probs.device)  # (B, 1)
+    ids = kernels.draw(probs, u)  # in C where it runs, with the arithmetic below: the same ids
+    if ids is not None:
+        return ids
     cdf = probs.double().cumsum(dim=-1)  # (B, V); float64, so a token's share is its probability to ~1e-16
     total = cdf[:, -1:]  # (B, 1)
     if not bool(((total > 0) & torch.isfinite(total)).all()):
         raise ValueError("probabilities must be finite and non-negative with a positive sum in every row")
-    u = torch.rand(probs.size(0), 1, generator=generator, dtype=torch.float64, device=probs.device) * total
-    ids = torch.searchsorted(cdf, u, right=True)  # the first entry whose cumulative mass exceeds u: never a 0
+    ids = torch.searchsorted(cdf, u * total, right=True)  # the first entry whose cumulative mass exceeds it: never a 0
     return ids.clamp_(max=probs.size(-1) - 1).squeeze(-1)  # (B,)

@@ -14,6 +14,7 @@
  *                  gl_gelu_tanh, its GELU, for the PyTorch forward's prompts, and
  *                  gl_gelu_tanh_backward, for training's
  *   loss.c         gl_softmax_xent: softmax cross-entropy, with what its gradient needs (training) or without (scoring)
+ *   sampling.c     gl_top_p_keep: the top-p nucleus without sorting the vocabulary; gl_draw
  *   gemm.c         gl_sgemm, gl_gemm_bf16: blocked matrix products in fp32, and in bf16 with vdpbf16ps
  *                  (AVX512-BF16), for the training head's three products and long prompts;
  *                  gl_sgemm_bf16_b, gl_sgemm_bf16_ab: fp32 products of bf16-stored weights (and
@@ -29,3 +30,4 @@
 #include "attention.c"
 #include "decode_step.c"
 #include "loss.c"
+#include "sampling.c"
