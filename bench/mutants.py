@@ -600,6 +600,9 @@ MUTANTS = [
     Mutant("fused/int8-steps-of-many-rows-in-c", "fused_step.py",
            'mode == "int4" or (mode == "int8" and not kernels.fbgemm_int8_is_exact())', 'mode in ("int4", "int8")',
            ("tests/test_fused_step.py", "-k", "many_rows")),
+    Mutant("sampling/temperature-below-one-ignored", "sampling.py",
+           "    if params.temperature != 1.0:  # x / 1 is x", "    if params.temperature > 1.0:  # x / 1 is x",
+           SAMPLING_TESTS),
     # the top-p nucleus in C (csrc/sampling.c): only the bucket it ends in sorted
     Mutant("sampling/top-p-buckets-below-the-edge-kept", "csrc/sampling.c",
            "keep[i] = b > edge;", "keep[i] = b < edge;", ("tests/test_sampling.py",)),

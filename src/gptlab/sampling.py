@@ -203,7 +203,8 @@ def _warped(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         logits = logits - logits.amax(
             dim=-1, keepdim=True
         )  # keep the divisor a float32 > 0, so 1e-300 gives no inf/NaN
-    logits = logits / max(params.temperature, torch.finfo(torch.float32).tiny)  # (B, V)
+    if params.temperature != 1.0:  # x / 1 is x: no operation (each costs ~50 us right after a decoding step)
+        logits = logits / max(params.temperature, torch.finfo(torch.float32).tiny)  # (B, V)
     if params.top_k:
         logits = top_k_mask(logits, params.top_k)
     if params.top_p < 1.0:
