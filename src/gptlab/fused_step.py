@@ -336,8 +336,8 @@ def decode(model, tokens: torch.Tensor, positions, cache, key_mask) -> torch.Ten
     or an id or position is out of range (C checks them; the model's forward then raises).
 
     After the C step has streamed the weights through the caches, the first PyTorch operation of
-    each kind, and Python code too, runs from memory: 30-70 us an operation (AMD EPYC Zen 4, 2
-    threads; 2-5 us warm). A step through the model's forward so spent ~10% of an int4 GPT-2's
+    each kind, and Python code too, runs from memory: 17-73 us an operation (AMD EPYC Zen 4, 2
+    threads; 2-6 us warm). A step through the model's forward so spent ~10% of an int4 GPT-2's
     token around the C call. Taken: the steps after one that `step` ran over this cache (its plan,
     trusted as there), int64 ids (B,), learned positions (B,) int64 or None (the slots'), a bool
     key_mask (B, S > slot) or None, room in the cache, and what `applies` asks."""
