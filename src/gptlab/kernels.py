@@ -975,15 +975,23 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     ties, the first NaN where there is one. In C for CPU fp32: over GPT-2's 50,257 logits 6.6 us
     where torch's takes 27 (AMD EPYC Zen 5, avx512; avx2 7.8, portable 14.8). bf16 logits are
     widened first, which is exact: 16 us in all where torch's bf16 argmax takes 160."""
-    if not (_enabled and logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.bfloat16)):
-        return logits.argmax(dim=-1)
-    lib = _library()
-    if logits.dim() != 2 or not lib.float_ok:
+    lib = _sampling_library(logits, (torch.float32, torch.bfloat16))
+    if lib is None or logits.dim() != 2:
         return logits.argmax(dim=-1)
     x = logits if logits.dtype is torch.float32 and logits.is_contiguous() else logits.float().contiguous()
     out = torch.empty(x.size(0), dtype=torch.long)
-    lib.lib.gl_argmax_f32(x.data_ptr(), out.data_ptr(), x.size(0), x.size(1))
+    lib.gl_argmax_f32(x.data_ptr(), out.data_ptr(), x.size(0), x.size(1))
     return out
+
+
+def _sampling_library(t: torch.Tensor, dtypes=(torch.float32,)):
+    """The active variant's ctypes library where sampling's kernels may read t (argmax, top-p, the
+    draw: kernels on, a CPU tensor of one of `dtypes`, the library built), else None; one lookup
+    of the variant, as these run at every decoding step."""
+    if not (_enabled and t.device.type == "cpu" and t.dtype in dtypes):
+        return None
+    lib = _library()
+    return lib.lib if lib.float_ok else None
 
 
 def top_p_keep(probs: torch.Tensor, p: float) -> torch.Tensor | None:
@@ -991,14 +999,12 @@ def top_p_keep(probs: torch.Tensor, p: float) -> torch.Tensor | None:
     rule, most likely first, equal probabilities in vocabulary order), a bool tensor like probs,
     computed in C without sorting the vocabulary: over GPT-2's 50,257 a flat row took ~2.9 ms
     through NumPy's sort. None where the kernels cannot run it (then sort)."""
-    if not (_enabled and probs.device.type == "cpu" and probs.dtype is torch.float32 and probs.size(-1) > 0):
-        return None
-    lib = _library()
-    if not lib.float_ok:
+    lib = _sampling_library(probs)
+    if lib is None or probs.size(-1) == 0:
         return None
     x = probs.detach().reshape(-1, probs.size(-1)).contiguous()  # (M, V)
     keep = torch.empty(x.shape, dtype=torch.bool)
-    check(lib.lib.gl_top_p_keep(x.data_ptr(), keep.data_ptr(), x.size(0), x.size(1), float(p)))
+    check(lib.gl_top_p_keep(x.data_ptr(), keep.data_ptr(), x.size(0), x.size(1), float(p)))
     return keep.view(probs.shape)
 
 
@@ -1006,14 +1012,12 @@ def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor | None:
     """Ids (M,) drawn from probs (M, V) fp32 at uniform numbers u (M, 1) float64, in C with
     gptlab.sampling.draw's arithmetic (the same ids); None where the kernels cannot run it, or a
     row's sum is not finite and positive (the caller's own path says so)."""
-    if not (_enabled and probs.device.type == "cpu" and probs.dtype is torch.float32 and probs.dim() == 2):
-        return None
-    lib = _library()
-    if not lib.float_ok:
+    lib = _sampling_library(probs)
+    if lib is None or probs.dim() != 2:
         return None
     x = probs if probs.is_contiguous() else probs.contiguous()
     ids = torch.empty(x.size(0), dtype=torch.long)
-    status = lib.lib.gl_draw(x.detach().data_ptr(), u.data_ptr(), ids.data_ptr(), x.size(0), x.size(1))
+    status = lib.gl_draw(x.detach().data_ptr(), u.data_ptr(), ids.data_ptr(), x.size(0), x.size(1))
     return ids if status == 0 else None
 
 

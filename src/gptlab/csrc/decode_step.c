@@ -216,7 +216,8 @@ static int64_t position_of(const int64_t *positions, int r, int T, int pos) {
 }
 
 /* Whether every token id is in the vocabulary and, with learned positions, every position id in
- * the table: the one-token steps GPT.forward hands over before its own checks rely on it. */
+ * the table: the decoding steps gptlab.fused_step.decode hands over without the model's checks
+ * rely on it. */
 static int in_range(const gl_model_t *m, const int64_t *tokens, const int64_t *positions, int M, int T, int pos) {
     for (int r = 0; r < M; r++) {
         if (tokens[r] < 0 || tokens[r] >= m->wte.N) return 0;
@@ -298,16 +299,15 @@ static int block_step(const gl_model_t *m, const gl_block_t *blk, void *const kv
 }
 
 /* A forward of T new tokens per row over the KV cache: the tokens (B*T ids, and their positions
- * for learned position embeddings, or NULL for pos + t), embedded as the model's embedding modules do, run through
- * every block (token t's keys and values written to slot pos + t of each layer's cache: kv holds
- * layer l's key and value caches (B, nh, max_len, hs) at 2l and 2l + 1, in the activations'
- * dtype, or bf16 for an fp32 model when kv_bf16), the final norm and the head into logits:
- * (B*T, V) when all_logits, else (B, V) for each row's last token; fp32 (bf16 values for a bf16
- * model). mask (B, pos + T) bytes, False at slots
- * a row may not see, or NULL. rope (B*T, hs): each new token's rotary cos then sin (see
- * rope_rows), or NULL for a model without rotary positions. Returns 0, -1 out of memory, -2 a layer
- * kind it does not know, -3 a token id outside the vocabulary or a position outside the table
- * (nothing written). */
+ * for learned position embeddings, or NULL for pos + t), embedded as the model's embedding modules
+ * do, run through every block (token t's keys and values written to slot pos + t of each layer's
+ * cache: kv holds layer l's key and value caches (B, nh, max_len, hs) at 2l and 2l + 1, in the
+ * activations' dtype, or bf16 for an fp32 model when kv_bf16), the final norm and the head into
+ * logits: (B*T, V) when all_logits, else (B, V) for each row's last token; fp32 (bf16 values for a
+ * bf16 model). mask (B, pos + T) bytes, False at slots a row may not see, or NULL. rope (B*T, hs):
+ * each new token's rotary cos then sin (see rope_rows), or NULL for a model without rotary
+ * positions. Returns 0, -1 out of memory, -2 a layer kind it does not know, -3 a token id outside
+ * the vocabulary or a position outside the table (nothing written). */
 int gl_decode_step(const gl_model_t *m, void *const *kv, int kv_bf16, const int64_t *tokens, const int64_t *positions,
                    int B, int T, int pos, int max_len, const uint8_t *mask, const float *rope, float *logits,
                    int all_logits, int nthreads) {

@@ -1,8 +1,8 @@
 /* Sampling in C: gl_top_p_keep, the nucleus without sorting the vocabulary, and gl_draw, the
- * draw from a row's probabilities. Sorting
- * GPT-2's 50,257 probabilities took NumPy 2.2 ms a row (torch.sort 3.5, torch.topk of the 4,096
- * most likely 0.7; AMD EPYC Zen 4), more than an int4 model's whole decoding step, whenever the
- * 512 most likely tokens hold less than p (a flat distribution). */
+ * draw from a row's probabilities. Sorting GPT-2's 50,257 probabilities took NumPy 2.2 ms a row
+ * (torch.sort 3.5, torch.topk of the 4,096 most likely 0.7; AMD EPYC Zen 4), more than an int4
+ * model's whole decoding step, whenever the 512 most likely tokens hold less than p (a flat
+ * distribution). */
 #include <float.h>
 
 #include "common.h"
@@ -71,18 +71,14 @@ int gl_top_p_keep(const float *probs, uint8_t *keep, int M, int V, double p) {
  * in float64, in vocabulary order, the first id whose sum exceeds u[m] * the row's sum (at most
  * V - 1). The same arithmetic as gptlab.sampling.draw's PyTorch path (cumsum, searchsorted), so the
  * same id for the same u; in one call, where those took about ten operations, each cold after a
- * decoding step. Returns 0, or -3 when a row's sum is not finite and positive (nothing drawn). */
+ * decoding step. Returns 0, or -3 when a row's sum is not finite and positive (out then means
+ * nothing). */
 int gl_draw(const float *probs, const double *u, int64_t *out, int M, int V) {
     for (int m = 0; m < M; m++) {
         const float *p = probs + (size_t)m * V;
         double total = 0.0;
         for (int i = 0; i < V; i++) total += p[i];
         if (!(total > 0.0) || total > DBL_MAX) return -3;
-    }
-    for (int m = 0; m < M; m++) {
-        const float *p = probs + (size_t)m * V;
-        double total = 0.0;
-        for (int i = 0; i < V; i++) total += p[i];
         const double at = u[m] * total;
         double sum = 0.0;
         int id = V - 1;
