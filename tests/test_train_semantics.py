@@ -123,21 +123,40 @@ def one_update(trainer, batches) -> dict:
     return trainer.step()
 
 
+def grads_at_the_update(trainer) -> dict[str, torch.Tensor]:
+    """Filled with each parameter's gradient as the optimizer steps (after clipping)."""
+    grads, step = {}, trainer.optimizer.step
+
+    def capturing_step(*args, **kwargs):
+        grads.update((n, p.grad.clone()) for n, p in trainer.raw_model.named_parameters() if p.grad is not None)
+        return step(*args, **kwargs)
+
+    trainer.optimizer.step = capturing_step
+    return grads
+
+
 def test_grad_accum_equals_one_big_batch(byte_data, tmp_path):  # noqa: F811
     torch.manual_seed(0)
     x = torch.randint(0, 257, (8, 32))
     y = torch.randint(0, 257, (8, 32))
     big = Trainer(config(byte_data, tmp_path / "big", batch_size=8, grad_accum=1, warmup_steps=0))
     small = Trainer(config(byte_data, tmp_path / "small", batch_size=4, grad_accum=2, warmup_steps=0))
+    big_grads, small_grads = grads_at_the_update(big), grads_at_the_update(small)
     a = one_update(big, [(x, y)])
     b = one_update(small, [(x[:4], y[:4]), (x[4:], y[4:])])
-    # Measured: loss 8.6e-8 relative apart, grad norm equal, weights 7.5e-7 absolute after the
-    # update (fp32 sums in another order). Not averaging (loss / grad_accum dropped) doubles the
-    # loss and the gradient; Adam would hide that in the weights, so both are checked.
+    # Measured: loss 8.6e-8 relative apart, grad norm equal, each gradient 6.3e-7 to 9.3e-7 of its
+    # largest element apart over four seeds (fp32 sums in another order). Not averaging (loss /
+    # grad_accum dropped) doubles the loss and the gradients; Adam would hide that in the weights.
     assert b["loss"] == pytest.approx(a["loss"], rel=1e-6)
     assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-6)
+    assert big_grads.keys() == small_grads.keys() and len(big_grads) == len(list(big.raw_model.parameters()))
+    for name, g in big_grads.items():
+        torch.testing.assert_close(small_grads[name], g, rtol=0, atol=1e-5 * g.abs().max().item(), msg=name)
+    # Adam's first step moves a weight by lr * g / (|g| + eps): about lr, one step more or fewer
+    # shows, but ill-conditioned where |g| is near eps (Intel Xeon 6/207: a gradient of -4.17e-8
+    # against -4.14e-8 put one weight 2.6e-6 apart, the rest <= 9e-7), so the weights at lr / 10.
     for (name, p), q in zip(big.raw_model.named_parameters(), small.raw_model.parameters(), strict=True):
-        torch.testing.assert_close(q, p, rtol=0, atol=2e-6, msg=name)
+        torch.testing.assert_close(q, p, rtol=0, atol=3e-4, msg=name)
 
 
 def test_weight_decay_reaches_matrices_not_biases_or_gains(byte_data, tmp_path):  # noqa: F811
