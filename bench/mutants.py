@@ -46,6 +46,7 @@ HOOKS_TESTS = ("tests/test_hooks.py",)
 GEMM_TESTS = ("tests/test_gemm.py",)
 PROBE_TESTS = ("tests/test_gemm_probe.py",)
 COMPILE_CACHE_TESTS = ("tests/test_compile_cache.py",)
+LLAMACPP_BUILD_TESTS = ("tests/test_bench.py", "-k", "llamacpp")
 SERVE_LMEVAL_TESTS = ("tests/test_serve_tokenize.py", "tests/test_serve.py", "-k", "offset or logprobs or echo")
 
 
@@ -62,6 +63,12 @@ class Mutant:
 
 # fmt: off
 MUTANTS = [
+    # the llama.cpp peer's build
+    Mutant("bench/llamacpp-amx-fix-never-written", "bench/llamacpp.py",
+           "            path.write_text(text.replace(fix.old, fix.new))", "            pass", LLAMACPP_BUILD_TESTS),
+    Mutant("bench/llamacpp-build-before-the-fix-reused", "bench/llamacpp.py",
+           "    return built if fixed and built.is_complete() else None", "    return built if built.is_complete() else None",
+           LLAMACPP_BUILD_TESTS),
     # sampling
     Mutant("sampling/draw-not-scaled-to-the-rows-mass", "sampling.py",
            "dtype=torch.float64, device=probs.device) * total", "dtype=torch.float64, device=probs.device)",

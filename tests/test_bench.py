@@ -125,6 +125,35 @@ def test_llamacpp_avx2_build_is_cached_apart_built_for_avx2_and_refused_where_it
     assert not (tmp_path / "cache").exists()
 
 
+def test_llamacpp_builds_with_its_amx_tile_config_fixed_and_rebuilds_a_build_made_before(monkeypatch, tmp_path):
+    """SOURCE_FIXES: the vendored AMX code's stack-built tile configuration (which GCC compiles to a
+    zeroed one: SIGILL on an Intel Xeon with AMX) is replaced before cmake runs, the build records
+    it, and a cached build that does not record it is built again."""
+    from gptlab.bench import llamacpp
+
+    fix = llamacpp.SOURCE_FIXES[0]
+    mmq = tmp_path / "src" / fix.path
+    mmq.parent.mkdir(parents=True)
+    mmq.write_text("inline void ggml_tile_config_init(void) {\n" + fix.old + "    _tile_loadconfig(&tc);\n}\n")
+    configured = []
+    monkeypatch.setattr(llamacpp, "run_step", lambda step, cmd, **kw: configured.append(mmq.read_text()))
+    (tmp_path / "src" / "build" / "bin").mkdir(parents=True)
+    for tool in llamacpp.TARGETS:
+        (tmp_path / "src" / "build" / "bin" / tool).touch()
+    (tmp_path / "src" / "convert_hf_to_gguf.py").touch()
+    info = llamacpp.build(tmp_path / "src", "0.3.36", "0c1e570", 2)
+    assert fix.old not in configured[0] and fix.new in configured[0]  # fixed before cmake ran
+    assert "static const tile_config_t tc" in mmq.read_text() and info["source_fixes"] == {fix.name: True}
+    (tmp_path / "src" / llamacpp.INFO_FILE).write_text(json.dumps(info))
+    assert llamacpp.load_build(tmp_path / "src") is not None
+    (tmp_path / "src" / llamacpp.INFO_FILE).write_text(json.dumps({**info, "source_fixes": {}}))
+    assert llamacpp.load_build(tmp_path / "src") is None  # built before the fix: ensure_built rebuilds
+    # another version's tree without that code: built as it is, the fix recorded as not made
+    mmq.write_text("// other code\n")
+    assert llamacpp.build(tmp_path / "src", "0.3.37", "abcdef0", 2)["source_fixes"] == {fix.name: False}
+    assert mmq.read_text() == "// other code\n"
+
+
 def test_decoding_at_depth_times_the_steps_after_the_context_as_llama_bench_d(monkeypatch):
     """--depth: gptlab's decoding timed from the prefill's token to the last of DECODE_TOKENS steps
     after it (each clock read here one tick), llama-bench given -d; a depth past the model's is refused."""

@@ -18,6 +18,11 @@ Q4_0, the head included, as gptlab's int4 with groups of 32 (without `--pure` ll
 keeps the head at Q6_K). `llama-bench` then times decoding (`-p 0 -n 128`) and prefill
 (`-p 512 -n 0`).
 
+On a CPU with AMX, this llama.cpp's int8 and int4 products (ggml-cpu/amx) die with an illegal
+instruction: the tile configuration they load is filled on the stack, and GCC drops the stores.
+The build fixes that one spot first (SOURCE_FIXES, as llama.cpp's PR #26954 does), so that
+llama.cpp runs its AMX kernels, its fastest here, instead of crashing.
+
 Each step raises RuntimeError naming the step, with the tail of the tool's output, when it fails.
 """
 
@@ -70,6 +75,56 @@ GGUF_TYPES = {"fp32": "F32", "bf16": "BF16", "int8": "Q8_0", "int4": "Q4_0"}
 # ISA flags that -march=native turns into instructions; other /proc/cpuinfo flags don't matter
 ISA_FLAG = re.compile(r"^(sse|ssse|avx|amx|fma|f16c|bmi|vnni|vpclmul|vaes|gfni|sha_ni|asimd|sve|i8mm|bf16|fp16)")
 TAIL_LINES = 30
+
+
+@dataclass(frozen=True)
+class SourceFix:
+    """A text replacement made in the vendored tree before it is built."""
+
+    name: str
+    path: str  # relative to the llama.cpp tree
+    old: str
+    new: str
+
+
+# llama.cpp 0c1e570's ggml_tile_config_init (ggml-cpu/amx/mmq.cpp) fills a tile_config_t on the
+# stack and hands it to _tile_loadconfig; GCC 12 keeps only the palette byte (ldtilecfg reads a
+# zeroed block), so the first tileloadd of a Q8_0 or Q4_0 product raises SIGILL (Intel Xeon, family
+# 6 model 207, whose AMX runs). A static constant holds the same configuration: rows 8, 8, 16 x 6
+# and column bytes 64, 64, 32, 32, 64 x 4 for tiles 0-7, as the code it replaces.
+_AMX_TILE_CONFIG_OLD = """    alignas(64) tile_config_t tc = {};
+    tc.palette_id = 1;
+    tc.start_row = 0;
+    tc.rows[0] = 8;   tc.colsb[0] = 64;
+    tc.rows[1] = 8;   tc.colsb[1] = 64;
+    tc.rows[2] = 16;  tc.colsb[2] = 32;
+    tc.rows[3] = 16;  tc.colsb[3] = 32;
+    tc.rows[4] = 16;  tc.colsb[4] = 64;
+    tc.rows[5] = 16;  tc.colsb[5] = 64;
+    tc.rows[6] = 16;  tc.colsb[6] = 64;
+    tc.rows[7] = 16;  tc.colsb[7] = 64;
+"""
+_AMX_TILE_CONFIG_NEW = """    alignas(64) static const tile_config_t tc = {
+        1, 0, {0}, {64, 64, 32, 32, 64, 64, 64, 64}, {8, 8, 16, 16, 16, 16, 16, 16}};  // gptlab: static (PR #26954)
+"""
+SOURCE_FIXES = (
+    SourceFix("amx-tile-config-static", "ggml/src/ggml-cpu/amx/mmq.cpp", _AMX_TILE_CONFIG_OLD, _AMX_TILE_CONFIG_NEW),
+)
+
+
+def apply_source_fixes(source: Path) -> dict[str, bool]:
+    """Make SOURCE_FIXES in the tree at `source`: {name: whether it was made}. A fix whose code is
+    not there (another llama.cpp version) is not made, with a warning."""
+    made = {}
+    for fix in SOURCE_FIXES:
+        path = source / fix.path
+        text = path.read_text() if path.is_file() else ""
+        made[fix.name] = text.count(fix.old) == 1
+        if made[fix.name]:
+            path.write_text(text.replace(fix.old, fix.new))
+        else:
+            log.warning("llama.cpp: fix %s not made: its code is not in %s", fix.name, fix.path)
+    return made
 
 
 # ---------------------------------------------------------------------------------------------
@@ -179,7 +234,8 @@ def load_build(root: Path) -> LlamaCpp | None:
         built = LlamaCpp(root, json.loads((root / INFO_FILE).read_text()))
     except (OSError, ValueError):
         return None
-    return built if built.is_complete() else None
+    fixed = set(built.info.get("source_fixes", ())) == {fix.name for fix in SOURCE_FIXES}  # else built before a fix
+    return built if fixed and built.is_complete() else None
 
 
 def ensure_built(
@@ -246,6 +302,7 @@ def vendored_commit(source: Path) -> str:
 def build(source: Path, version: str, commit: str, jobs: int, isa: str = "native") -> dict:
     """cmake configure + build of TARGETS in source/build for `isa`; returns the build facts."""
     (source / ".git").unlink(missing_ok=True)  # dangling once moved: cmake would ask git and fail
+    fixes = apply_source_fixes(source)
     cmake_flags = [*ISA_FLAGS[isa], *CMAKE_FLAGS]
     flags = [*cmake_flags, f"-DLLAMA_BUILD_COMMIT={commit[:7]}"]
     run_step("configuring llama.cpp (cmake)", ["cmake", "-S", source, "-B", source / "build", *flags])
@@ -264,6 +321,7 @@ def build(source: Path, version: str, commit: str, jobs: int, isa: str = "native
         "llama_cpp_commit": commit,
         "isa": isa,
         "cmake_flags": cmake_flags,
+        "source_fixes": fixes,
         "targets": list(TARGETS),
         "cpu": cpu_model_name(),
         "cpu_isa_flags": cpu_flags(),
