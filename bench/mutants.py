@@ -69,6 +69,14 @@ MUTANTS = [
     Mutant("bench/llamacpp-build-before-the-fix-reused", "bench/llamacpp.py",
            "    return built if fixed and built.is_complete() else None", "    return built if built.is_complete() else None",
            LLAMACPP_BUILD_TESTS),
+    # the training head's bf16 products in PyTorch: kept buffers
+    Mutant("loss/bf16-product-into-a-fresh-tensor", "chunked_loss.py",
+           "logits = out.copy_(torch.mm(w, x_c.t().contiguous(), out=product))", "logits = out.copy_(w @ x_c.t().contiguous())",
+           LOSS_TESTS),
+    Mutant("loss/bf16-e-left-in-fp32", "chunked_loss.py",
+           "                if mm_dtype != torch.float32:  # rounded", "                if False:  # rounded", LOSS_TESTS),
+    Mutant("loss/bf16-buffer-never-kept", "chunked_loss.py",
+           "buf = _WORKSPACE[device, dtype] = torch.empty", "buf = torch.empty", LOSS_TESTS),
     # sampling
     Mutant("sampling/draw-not-scaled-to-the-rows-mass", "sampling.py",
            "dtype=torch.float64, device=probs.device) * total", "dtype=torch.float64, device=probs.device)",
