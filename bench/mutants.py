@@ -63,6 +63,8 @@ class Mutant:
 
 # fmt: off
 MUTANTS = [
+    Mutant("gemm-probe/auto-keyed-apart-from-unset", "machine_cache.py",
+           "and value.strip().lower() not in DEFAULT_VALUES.get(name, ())", "", COMPILE_CACHE_TESTS),
     # the llama.cpp peer's build
     Mutant("bench/llamacpp-amx-fix-never-written", "bench/llamacpp.py",
            "            path.write_text(text.replace(fix.old, fix.new))", "            pass", LLAMACPP_BUILD_TESTS),

@@ -44,6 +44,20 @@ def test_each_cpu_and_isa_setting_compiles_into_a_directory_of_its_own(plain):
     assert len({zen4, zen3, held, emulated}) == 4
 
 
+def test_settings_that_ask_for_the_default_share_its_directory_and_timings(plain):
+    """GPTLAB_KERNELS=auto (or 1) and GPTLAB_GEMM=auto are what no setting gives: the same compile
+    directory and the same cached probe timings (gemm.json), not a second measurement that can
+    choose otherwise (an Intel Xeon's head: 0.94x unset, 1.01x measured again under GPTLAB_GEMM=auto)."""
+    unset = compile_cache.directory(), machine_cache.machine_key("cpu", "kernels avx512")
+    for name, value in (("GPTLAB_GEMM", "auto"), ("GPTLAB_KERNELS", " Auto "), ("GPTLAB_KERNELS", "1")):
+        plain.setenv(name, value)
+        assert (compile_cache.directory(), machine_cache.machine_key("cpu", "kernels avx512")) == unset, value
+        plain.delenv(name)
+    plain.setenv("GPTLAB_GEMM", "torch")
+    assert machine_cache.machine_key("cpu", "kernels avx512") == unset[1] + " | GPTLAB_GEMM=torch"
+    assert compile_cache.directory() != unset[0]
+
+
 def test_use_compile_cache_points_inductor_there_unless_the_user_chose(plain, tmp_path):
     assert compile_cache.use() == compile_cache.directory()
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(compile_cache.directory())

@@ -24,11 +24,18 @@ log = logging.getLogger(__name__)
 # AVX2-only CPU, gptlab.bench.generate.AVX2_ENV): a timing taken without them does not hold with
 # them (bf16 under ONEDNN_MAX_CPU_ISA=AVX2 on a Zen 5: 45 s a demo step).
 ISA_SETTINGS = ("GPTLAB_KERNELS", "GPTLAB_GEMM", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+# Values that ask for what no setting gives (gptlab.kernels reads them stripped and lowercased): the
+# same key, so that GPTLAB_GEMM=auto reuses the unset probe's timings instead of measuring again.
+DEFAULT_VALUES = {"GPTLAB_KERNELS": ("auto", "1"), "GPTLAB_GEMM": ("auto",)}
 
 
 def isa_settings() -> str:
     """The ISA_SETTINGS this process runs under, as the end of a cache key ("" for none)."""
-    settings = " ".join(f"{name}={os.environ[name]}" for name in ISA_SETTINGS if os.environ.get(name))
+    settings = " ".join(
+        f"{name}={value}"
+        for name in ISA_SETTINGS
+        if (value := os.environ.get(name)) and value.strip().lower() not in DEFAULT_VALUES.get(name, ())
+    )
     return f" | {settings}" if settings else ""
 
 
