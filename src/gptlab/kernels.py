@@ -358,8 +358,9 @@ def use_decode_rows(rows: int):
 def prefetch_nta() -> bool | None:
     """Whether the active variant's decoding kernels prefetch the weights non-temporally (into L1
     only, so the weights read once do not push the activations, the KV cache and Python's objects
-    out of L2 and L3): by default where one weight row per block streams per thread (decode_rows()
-    1), or as set by use_prefetch_nta; None without kernels."""
+    out of L2 and L3): by default on AMD CPUs, where that measured faster (on an Intel Xeon it
+    decoded 2-3.6x slower; csrc/cpu.c, gl_default_prefetch_nta), or as set by use_prefetch_nta;
+    None without kernels."""
     lib = _library().lib
     return None if lib is None else bool(lib.gl_prefetch_nta())
 

@@ -159,11 +159,9 @@ AI void prefetch_stream_i4(const void *p, const int nta) {
 }
 
 /* Whether decoding's spans prefetch non-temporally (the kernels specialize their spans on it):
- * gl_prefetch_nta_ when set (cpu.c, gl_set_prefetch_nta), else with one weight stream per thread
- * (gl_decode_rows 1: AMD CPUs and every variant but avx512), whose window fits L1; not the Intel
- * Xeon's four 8 KiB streams, which keep the hint they were tuned with. */
+ * on AMD CPUs by default, or as set (cpu.c: gl_default_prefetch_nta, gl_set_prefetch_nta). */
 extern int gl_prefetch_nta_;
-static inline int prefetch_nta(void) { return gl_prefetch_nta_ < 0 ? gl_decode_rows_ == 1 : gl_prefetch_nta_; }
+static inline int prefetch_nta(void) { return gl_prefetch_nta_; }
 
 static inline float bf16_to_f32(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
