@@ -5,6 +5,7 @@ import types
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from gptlab import gemm_probe, kernels
 
@@ -39,37 +40,41 @@ def fake_probe(monkeypatch, probes: list, result: dict) -> None:
 
 
 @pytest.mark.parametrize(
-    ("speedups", "prompts", "head"),
+    ("speedups", "short", "long", "head"),
     [
-        ((1.3, 1.1, 1.2), "gptlab", "gptlab"),
-        ((0.8, 0.9, 0.7), "torch", "torch"),
-        ((1.5, 0.8, 0.9), "gptlab", "torch"),  # 1.5 x 0.8 = 1.2: prompts by the product of both row counts
-        ((1.1, 0.8, 1.2), "torch", "gptlab"),  # 1.1 x 0.8 = 0.88
-        ((1.0, 1.0, 1.0), "torch", "torch"),  # a tie keeps PyTorch's
+        ((1.3, 1.1, 1.2), "gptlab", "gptlab", "gptlab"),
+        ((0.8, 0.9, 0.7), "torch", "torch", "torch"),
+        ((1.13, 0.92, 0.94), "gptlab", "torch", "torch"),  # the Intel Xeon 6/207's probe
+        ((0.9, 1.1, 1.2), "torch", "gptlab", "gptlab"),
+        ((1.0, 1.0, 1.0), "torch", "torch", "torch"),  # a tie keeps PyTorch's
     ],
 )
-def test_an_intel_cpu_takes_the_gemm_its_probe_measured_faster(intel, monkeypatch, caplog, speedups, prompts, head):
+def test_an_intel_cpu_takes_the_gemm_its_probe_measured_faster(intel, monkeypatch, caplog, speedups, short, long, head):
+    """Prompts of up to 181 rows (the geometric mean of 64 and 512) take what ran 64 rows faster,
+    longer ones what ran 512 rows faster; the training head what ran the head faster."""
     fake_probe(monkeypatch, intel, timings(*speedups))
     with caplog.at_level("INFO", logger="gptlab.gemm_probe"):
-        assert kernels.prompt_gemm_choice() == prompts and kernels.gemm_choice() == head
-    assert kernels.float_kernel_rows(torch.float32) == kernels.MAX_ROWS or prompts == "gptlab"
-    assert len(intel) == 1  # measured once, for both kinds of work
+        assert [kernels.prompt_gemm_choice(rows) for rows in (9, 64, 181)] == [short] * 3
+        assert [kernels.prompt_gemm_choice(rows) for rows in (182, 512, 4096)] == [long] * 3
+        assert kernels.gemm_choice() == head
+    assert kernels.float_kernel_rows(torch.float32) == kernels.MAX_ROWS or short == "gptlab"
+    assert len(intel) == 1  # measured once, for every kind of work
     assert len(caplog.records) == 1  # and said once, not once per kind of work
 
 
 def test_the_timings_are_cached_per_machine(intel, monkeypatch, tmp_path):
     fake_probe(monkeypatch, intel, timings(1.3, 1.1, 0.8))
-    assert kernels.prompt_gemm_choice() == "gptlab"
+    assert kernels.prompt_gemm_choice(64) == "gptlab"
     (key, cached), *others = json.loads((tmp_path / "cache" / gemm_probe.CACHE_FILE).read_text()).items()
     assert not others and cached == timings(1.3, 1.1, 0.8)
     assert kernels.cpu_name() in key and f"torch {torch.__version__}" in key and f"kernels {kernels.variant()}" in key
     monkeypatch.setattr(kernels, "_measured_gemm", {})  # a new process on the same machine reads the file
     fake_probe(monkeypatch, intel, timings(0.5, 0.5, 0.5))
-    assert kernels.prompt_gemm_choice() == "gptlab" and kernels.gemm_choice() == "torch" and len(intel) == 1
+    assert kernels.prompt_gemm_choice(64) == "gptlab" and kernels.gemm_choice() == "torch" and len(intel) == 1
     threads = torch.get_num_threads()
     torch.set_num_threads(threads + 1)  # another thread count is another machine: measured again
     try:
-        assert kernels.prompt_gemm_choice() == "torch" and len(intel) == 2
+        assert kernels.prompt_gemm_choice(64) == "torch" and len(intel) == 2
     finally:
         torch.set_num_threads(threads)
 
@@ -86,30 +91,40 @@ def test_an_unreadable_cache_is_measured_again_and_rewritten(intel, monkeypatch,
 def test_other_cpus_and_forced_choices_are_never_probed(intel, monkeypatch):
     monkeypatch.setattr(gemm_probe, "measure", lambda *gemms: pytest.fail("probed"))
     monkeypatch.setenv("GPTLAB_GEMM", "torch")
-    assert kernels.gemm_choice() == kernels.prompt_gemm_choice() == "torch"
+    assert kernels.gemm_choice() == kernels.prompt_gemm_choice(64) == kernels.prompt_gemm_choice(512) == "torch"
     monkeypatch.setenv("GPTLAB_GEMM", "gptlab")
-    assert kernels.gemm_choice() == kernels.prompt_gemm_choice() == "gptlab"
+    assert kernels.gemm_choice() == kernels.prompt_gemm_choice(64) == kernels.prompt_gemm_choice(512) == "gptlab"
     monkeypatch.delenv("GPTLAB_GEMM")
     with monkeypatch.context() as tracing:  # inside torch.compile's trace nothing is timed (it runs PyTorch's)
         tracing.setattr(torch.compiler, "is_compiling", lambda: True)
-        assert kernels.gemm_choice() == kernels.prompt_gemm_choice() == "torch"
+        assert kernels.gemm_choice() == kernels.prompt_gemm_choice(64) == kernels.prompt_gemm_choice(512) == "torch"
     monkeypatch.setattr(kernels, "cpu_vendor", lambda: "AuthenticAMD")
-    assert kernels.gemm_choice() == kernels.prompt_gemm_choice() == "gptlab"  # MKL's slow products on AMD
+    assert (
+        kernels.gemm_choice() == kernels.prompt_gemm_choice(64) == kernels.prompt_gemm_choice(512) == "gptlab"
+    )  # MKL's slow products on AMD
     monkeypatch.setattr(kernels, "has_simd", lambda: False)
-    assert kernels.gemm_choice() == kernels.prompt_gemm_choice() == "torch"  # plain C: PyTorch's BLAS is faster
-    with pytest.raises(ValueError, match="work must be one of prompts, head"):
+    assert (
+        kernels.gemm_choice() == kernels.prompt_gemm_choice(64) == kernels.prompt_gemm_choice(512) == "torch"
+    )  # plain C: PyTorch's BLAS is faster
+    with pytest.raises(ValueError, match="work must be one of prompts 64 rows, prompts 512 rows, head"):
         gemm_probe.choice("decoding", timings(2.0, 2.0, 2.0))
 
 
 @needs_float
 @pytest.mark.parametrize("prompts", ["gptlab", "torch"])
 def test_an_intel_cpus_prompts_and_head_run_what_was_chosen(intel, monkeypatch, calls, prompts):
-    fake_probe(monkeypatch, intel, timings(2.0, 2.0, 0.5) if prompts == "gptlab" else timings(0.5, 0.5, 2.0))
+    """Short prompts run what the probe chose for 64 rows, long ones its choice for 512 rows (here
+    the other GEMM), the training head's products its choice for the head."""
+    other = "torch" if prompts == "gptlab" else "gptlab"
+    fake_probe(monkeypatch, intel, timings(2.0, 0.5, 0.5) if prompts == "gptlab" else timings(0.5, 2.0, 2.0))
     layer = kernels.Linear(96, 70)
-    with torch.no_grad():
-        layer(torch.randn(1, 64, 96))  # a 64-token prompt
-    assert set(calls) == ({"gl_sgemm_nt"} if prompts == "gptlab" else set())
-    calls.clear()
+    for tokens, takes in ((64, prompts), (300, other)):
+        x = torch.randn(1, tokens, 96)  # a prompt
+        with torch.no_grad():
+            y = layer(x)
+        assert set(calls) == ({"gl_sgemm_nt"} if takes == "gptlab" else set()), tokens
+        torch.testing.assert_close(y, F.linear(x, layer.weight, layer.bias).detach())
+        calls.clear()
     a, b, out = torch.randn(40, 30), torch.randn(30, 20), torch.empty(40, 20)
     kernels.mm(a, b, out)  # the training head's products
     assert set(calls) == (set() if prompts == "gptlab" else {"gl_sgemm"})
@@ -144,7 +159,7 @@ def test_an_intel_cpus_bf16_products_keep_onednn_unless_forced(intel, monkeypatc
     monkeypatch.delenv("GPTLAB_GEMM")
     with monkeypatch.context() as tracing:  # inside torch.compile's trace nothing is timed (it runs PyTorch's)
         tracing.setattr(torch.compiler, "is_compiling", lambda: True)
-        assert kernels.gemm_choice() == kernels.prompt_gemm_choice() == "torch"
+        assert kernels.gemm_choice() == kernels.prompt_gemm_choice(64) == kernels.prompt_gemm_choice(512) == "torch"
     monkeypatch.setattr(kernels, "cpu_vendor", lambda: "AuthenticAMD")
     assert kernels.gemm_bf16_runs()  # where the CPU has AVX512-BF16 (a stand-in library here says so)
 

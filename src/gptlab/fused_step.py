@@ -309,7 +309,7 @@ def _rows_fit(model, idx: torch.Tensor) -> bool:
     return (
         mode is None
         and rows <= FLOAT_STEP_ROWS.get(model.transformer.wte.weight.dtype, 0)
-        and kernels.prompt_gemm_choice() == "gptlab"
+        and kernels.prompt_gemm_choice(rows) == "gptlab"
     )
 
 

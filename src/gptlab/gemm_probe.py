@@ -8,12 +8,14 @@ on two kinds of work the first time it is asked on a machine, and caches the tim
 (gptlab.machine_cache), so that every later process makes the same choice:
 
 - prompts: GPT-2 small's four block layers at PROMPT_ROWS rows of x, kernels.sgemm_linear (the
-  weights read in place) against F.linear; chosen by the product of the two row counts' ratios;
+  weights read in place) against F.linear; a prompt takes what ran the row count nearest its own
+  (prompt_work), as the two can disagree: on an Intel Xeon 6/207 gptlab's GEMM ran 64 rows 1.13x
+  MKL's speed and 512 rows 0.92x;
 - the training head: its three products for 1,024 tokens 128 wide (the demo's) against a slice
   of HEAD_VOCAB rows of the vocabulary, gl_sgemm against torch.mm.
 
-Each kind of work takes the GEMM that ran it faster (kernels.prompt_gemm_choice for prompts,
-kernels.gemm_choice for the head; a tie keeps PyTorch's). Both sides are timed in alternating
+Each kind of work takes the GEMM that ran it faster (kernels.prompt_gemm_choice for prompts of a
+number of rows, kernels.gemm_choice for the head; a tie keeps PyTorch's). Both sides are timed in alternating
 rounds, the first a warm-up, and the fastest of the others counts. The whole measurement takes
 about a second on two cores. gptlab's side is what kernels hands in (kernels.measure_gemms), so
 that this module sits below kernels in the import graph.
@@ -34,11 +36,11 @@ from gptlab.machine_cache import cached
 log = logging.getLogger(__name__)
 
 CACHE_FILE = "gemm.json"
-WORK = ("prompts", "head")
 ROUNDS = 3  # timed rounds per side, after one to warm up
 # GPT-2 small's block layers, (out_features, in_features)
 LAYERS = {"attn c_attn": (2304, 768), "attn c_proj": (768, 768), "mlp c_fc": (3072, 768), "mlp c_proj": (768, 3072)}
 PROMPT_ROWS = (64, 512)  # both within kernels.NT_ROWS: sgemm_linear then never asks gemm_choice
+WORK = (*(f"prompts {rows} rows" for rows in PROMPT_ROWS), "head")  # measure()'s workloads, each chosen apart
 HEAD_VOCAB, HEAD_ROWS, HEAD_WIDTH = 8192, 1024, 128
 # A training chunk's logits, and the softmax e written over them, have rows this many floats longer
 # than the chunk's 1,024 columns (chunked_loss.ROW_PAD: rows exactly 4 KB apart put a column's values
@@ -47,11 +49,21 @@ E_ROW_PAD = 16
 
 
 def choice(work: str, timings: dict) -> str:
-    """ "gptlab" or "torch": whose GEMM ran `work` ("prompts" or "head") faster in `timings`."""
+    """ "gptlab" or "torch": whose GEMM ran `work` (one of WORK) faster in `timings`."""
     if work not in WORK:
         raise ValueError(f"gemm_probe.choice: work must be one of {', '.join(WORK)}, not {work!r}")
-    ratios = [t["torch"] / t["gptlab"] for name, t in timings.items() if name.startswith(work)]
-    return "gptlab" if math.prod(ratios) > 1.0 else "torch"
+    t = timings[work]
+    return "gptlab" if t["torch"] > t["gptlab"] else "torch"
+
+
+def prompt_work(rows: int) -> str:
+    """The prompts' workload (one of WORK) whose row count is nearest `rows` on a log scale: 64
+    rows' up to 181 rows (the geometric mean of 64 and 512), 512 rows' beyond. On the Intel Xeon
+    6/207 (2026-12-06), GPT-2's 512-token fp32 prefill with gptlab's GEMM against MKL, alternating,
+    medians of 9, two alternations: 0.89x / 0.90x at 512 tokens, 0.98x / 0.98x at 256, 1.02x / 1.03x
+    at 128; the probe, 1.13x at 64 rows."""
+    nearest = min(PROMPT_ROWS, key=lambda n: abs(math.log(max(rows, 1) / n)))
+    return f"prompts {nearest} rows"
 
 
 def timings(key: str, measure: Callable[[], dict]) -> dict:

@@ -504,7 +504,7 @@ def float_kernel_rows(dtype: torch.dtype) -> int:
     block layers, the float kernel against gl_sgemm_nt, AMD EPYC Zen 4, 2 threads, medians of 9
     alternating rounds: 16 columns (avx2, avx512-256) 8 rows 0.97 / 1.06x, 9 1.10 / 1.15x, 16 1.70 /
     1.71x; 32 columns (avx512) 0.55x at 9 rows, 0.78x at 16."""
-    if prompt_gemm_choice() != "gptlab":
+    if prompt_gemm_choice(PROMPT_GEMM_ROWS) != "gptlab":
         return MAX_ROWS
     if dtype is torch.bfloat16:
         return KERNEL_ROWS_GPTLAB
@@ -815,10 +815,11 @@ def gemm_choice() -> str:
     return _gemm_choice("head")
 
 
-def prompt_gemm_choice() -> str:
-    """As gemm_choice, for prompts' layers (more than MAX_ROWS rows of x, without autograd:
-    sgemm_linear against F.linear): on an Intel CPU, whichever ran them faster there."""
-    return _gemm_choice("prompts")
+def prompt_gemm_choice(rows: int) -> str:
+    """As gemm_choice, for prompts' layers of `rows` rows of x (more than MAX_ROWS, without
+    autograd: sgemm_linear against F.linear): on an Intel CPU, whichever ran the probe's row count
+    nearest `rows` faster there (gemm_probe.prompt_work)."""
+    return _gemm_choice(gemm_probe.prompt_work(rows))
 
 
 _measured_gemm: dict[tuple[int, str], dict[str, str]] = {}  # (threads, variant) -> this process's choice per work
@@ -842,7 +843,7 @@ def _gemm_choice(work: str) -> str:
     if torch.compiler.is_compiling():  # nothing is timed inside a traced graph, which runs PyTorch's GEMM anyway
         return "torch"
     at = (torch.get_num_threads(), variant())  # asked on every prompt's layer: a dict lookup
-    if at not in _measured_gemm:  # both choices from one reading of the timings (logged once)
+    if at not in _measured_gemm:  # every choice from one reading of the timings (logged once)
         timings = gemm_probe.timings(machine_key(cpu_description(), f"kernels {at[1]}"), measure_gemms)
         _measured_gemm[at] = {w: gemm_probe.choice(w, timings) for w in gemm_probe.WORK}
     return _measured_gemm[at][work]
@@ -1149,7 +1150,7 @@ def prompt_gemm_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
         and _inference_on_cpu(x)
         and not (torch.is_grad_enabled() and weight.requires_grad)
         and _library().float_ok
-        and prompt_gemm_choice() == "gptlab"
+        and prompt_gemm_choice(x.numel() // x.size(-1)) == "gptlab"
     )
 
 
@@ -1217,7 +1218,7 @@ def bf16_linear_in_fp32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     Zen 5 held to AVX2), and x too (gl_sgemm_bf16_ab: no fp32 copy of the activations, 461 -> 455
     ms, medians of 7 alternating runs, where fp32's took 460)."""
     K, N = weight.size(1), weight.size(0)
-    if x.numel() >= PROMPT_GEMM_ROWS * K and prompt_gemm_choice() == "gptlab" and _library().float_ok:
+    if x.numel() >= PROMPT_GEMM_ROWS * K and prompt_gemm_choice(x.numel() // K) == "gptlab" and _library().float_ok:
         y = sgemm_linear(x, weight, bias)  # (..., N) fp32; x and the weight widened as they are read
         return y.to(torch.bfloat16)  # rounded once
     xf = x.reshape(-1, K).float()  # (M, K)
@@ -1269,7 +1270,8 @@ def main() -> int:
         print(
             f"  auto takes {auto_variant()}: this CPU's AVX-512 is half width (family {cpu_family()}, see HALF_WIDTH_AVX512)"
         )
-    print(f"  GEMM of prompts: {prompt_gemm_choice()}; of the training head: {gemm_choice()} "
+    prompts = ", ".join(f"{rows} rows {prompt_gemm_choice(rows)}" for rows in gemm_probe.PROMPT_ROWS)
+    print(f"  GEMM of prompts: {prompts}; of the training head: {gemm_choice()} "
           "(gptlab: gl_sgemm_nt, gl_sgemm; torch: PyTorch's BLAS; GPTLAB_GEMM)")  # fmt: skip
     print(f"  its bf16 products (bf16 autocast): {gemm_bf16_choice()}")
     if lib.lib is not None:

@@ -131,22 +131,23 @@ def layer_rows(rows_list: list[int], rounds: int) -> list[dict]:
 def main(argv=None) -> int:
     import torch
 
-    from gptlab import kernels
+    from gptlab import gemm_probe, kernels
 
     args = parse_args(argv or [])
     if not kernels.available()[0]:
         raise SystemExit(f"gptlab's kernels are not available here: {kernels.available()[2]}")
     chosen, bf16_runs = kernels.gemm_choice(), kernels.gemm_bf16_runs()
-    prompts = kernels.prompt_gemm_choice()
+    prompts = {rows: kernels.prompt_gemm_choice(rows) for rows in gemm_probe.PROMPT_ROWS}
     V, n, C = args.vocab, args.rows, args.width
     tensors = operands(V, n, C)
     flop = 2.0 * V * n * C
     print(f"head products V={V} n={n} C={C}, {torch.get_num_threads()} threads, kernels {kernels.describe()}")
-    print(f"training takes: {chosen}, prompts: {prompts} (GPTLAB_GEMM=auto: by CPU vendor, measured on Intel's)")
+    print(f"training takes: {chosen}, prompts: {', '.join(f'{n} rows {c}' for n, c in prompts.items())}"
+          " (GPTLAB_GEMM=auto: by CPU vendor, measured on Intel's)")  # fmt: skip
     results = {
         "config": vars(args),
         "chosen": chosen,
-        "prompts_take": prompts,
+        "prompts_take": {str(rows): c for rows, c in prompts.items()},
         "bf16_products": kernels.gemm_bf16_choice(),
     }
     for dtype in ("float32", "bfloat16") if bf16_runs else ("float32",):
@@ -176,7 +177,8 @@ def main(argv=None) -> int:
             results["block_layers"] = layer_rows(args.layer_rows, args.rounds)
         print(" GPT-2's four block layers, prompts (fp32: sgemm_linear against F.linear; bf16: gptlab's GEMM widening the weight against converting it for F.linear):")  # fmt: skip
         for r in results["block_layers"]:
-            print(f"  {r['rows']:4d} rows, {r['weights']:8s} weights  gptlab {r['gptlab_ms']:7.2f} ms   torch {r['torch_ms']:7.2f} ms   {r['speedup']:.2f}x")  # fmt: skip
+            print(f"  {r['rows']:4d} rows, {r['weights']:8s} weights  gptlab {r['gptlab_ms']:7.2f} ms   torch {r['torch_ms']:7.2f} ms   {r['speedup']:.2f}x"
+                  f"   (takes {kernels.prompt_gemm_choice(r['rows'])})")  # fmt: skip
     path = write_results("gemm", results, args.out)
     print(f"results: {path}")
     return 0
