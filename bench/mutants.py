@@ -40,6 +40,7 @@ KV_TESTS = ("tests/test_model.py", "tests/test_generate.py")
 LOSS_TESTS = ("tests/test_model.py", "tests/test_chunked_loss.py", "tests/test_fused_loss.py", "tests/test_data.py")
 HF_TESTS = ("tests/test_hf.py", "-k", "parity or round_trip or layouts or to_gptlab")
 QUANTIZE_TESTS = ("tests/test_quantize.py",)
+INT8_PROMPT_TESTS = ("tests/test_int8_prompts.py", "tests/test_quantize.py")
 FUSED_TESTS = ("tests/test_fused_step.py", "tests/test_kernels.py")
 HARNESS_TESTS = ("tests/test_harness.py", "-k", "equals")
 HOOKS_TESTS = ("tests/test_hooks.py",)
@@ -517,6 +518,30 @@ MUTANTS = [
            '{f"{PREFIX}h.{i}.{name}": (f"{PREFIX}h.{i}.{SWAP.get(name, name)}", t)',
            HF_TESTS),
     # quantization
+    # int8 prompts through oneDNN (x quantized per row) or fbgemm, whichever the probe timed faster
+    Mutant("int8-prompts/onednn-row-scales-dropped", "quantize.py",
+           "return y.mul_(s) if self.bias is None else torch.addcmul(self.bias, y, s)",
+           "return y if self.bias is None else y + self.bias", INT8_PROMPT_TESTS),
+    Mutant("int8-prompts/onednn-zero-point-ignored", "quantize.py",
+           "xq, 1.0, 128, onednn_weight,", "xq, 1.0, 0, onednn_weight,", INT8_PROMPT_TESTS),
+    Mutant("int8-prompts/onednn-unscaled-weights", "quantize.py",
+           "self._scales_f32, self._zero_points = self.scales.float(),",
+           "self._scales_f32, self._zero_points = torch.ones(self.out_features),", INT8_PROMPT_TESTS),
+    Mutant("int8-prompts/quantized-per-row-offset-wrong", "csrc/quantized.c",
+           "quantize_rows_i8(x, xq, s, M, K, 128, nthreads);", "quantize_rows_i8(x, xq, s, M, K, 127, nthreads);",
+           INT8_PROMPT_TESTS),
+    Mutant("int8-prompts/slower-product-taken", "quantize.py",
+           '"onednn" if total["onednn"] < total["fbgemm"] else "fbgemm"',
+           '"onednn" if total["onednn"] > total["fbgemm"] else "fbgemm"', INT8_PROMPT_TESTS),
+    Mutant("int8-prompts/timings-never-cached", "quantize.py",
+           "timings, source = cached(INT8_CACHE_FILE, key, measure_int8_prompts)",
+           'timings, source = measure_int8_prompts(), "measured now"', INT8_PROMPT_TESTS),
+    Mutant("int8-prompts/forced-choice-ignored", "quantize.py",
+           "    if want != \"auto\":\n        return want\n    if not (onednn_int8_available()",
+           "    if not (onednn_int8_available()", INT8_PROMPT_TESTS),
+    Mutant("int8-prompts/layers-ignore-the-choice", "quantize.py",
+           "self._prompts_gemm = (prompts_gemm or int8_prompts_gemm()) if exact else \"fbgemm\"",
+           "self._prompts_gemm = (prompts_gemm or \"fbgemm\") if exact else \"fbgemm\"", INT8_PROMPT_TESTS),
     Mutant("quantize/int8-zeroes-weights", "quantize.py",
            "q = (w / scales.float()[:, None]).round().clamp(-127, 127).to(torch.int8)",
            "q = torch.zeros_like(w, dtype=torch.int8)", QUANTIZE_TESTS),

@@ -57,7 +57,7 @@ MAX_HEAD_SIZE = 256  # the C attention's limit (MAX_HS in attention.c)
 VARIANTS = tuple(kernel_build.VARIANTS)  # best first
 FEATURES = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512vnni", "avxvnni",
             "asimd", "asimddp", "avx512bf16")  # fmt: skip  # gl_cpu_features' bits, in order
-_ABI = 19
+_ABI = 20
 _P = ctypes.c_void_p
 _I = ctypes.c_int
 _L = ctypes.c_long
@@ -68,6 +68,7 @@ _SIGNATURES = {  # name: argument types; each returns 0, or -1 when out of memor
     "gl_linear_i4": [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I],
     "gl_dequantize_i4": [_P, _P, _P, _P, _I, _I, _I, _I],
     "gl_dequantize_i8": [_P, _P, _P, _I, _I, _I],
+    "gl_quantize_rows_u8": [_P, _P, _P, _I, _I, _I],  # x, xq, scales, M, K, threads
     "gl_attend_one": [_P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _I, _I],
     "gl_argmax_f32": [_P, _P, _I, _I],
     "gl_top_p_keep": [_P, _P, _I, _I, ctypes.c_double],  # probs, keep, M, V, p
@@ -607,6 +608,16 @@ def int8_decoder(weight, scales, weight_sums, bias):
     fp32 bias (N,) or None; x is quantized per row to int8 in C."""
     N, K = weight.shape
     return _decoder("gl_linear_i8", weight, [scales, weight_sums], bias, N, K, ())
+
+
+def quantize_rows_u8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (M, K) quantized per row, as gptlab's int8 kernel quantizes it, stored unsigned: xq (M, K)
+    uint8 = round(x / s) + 128 and s (M,) fp32 = max|x| / 127 (0 for a row of zeros)."""
+    x = x if x.dtype is torch.float32 and x.is_contiguous() else x.float().contiguous()
+    M, K = x.shape
+    xq, s = torch.empty(M, K, dtype=torch.uint8), torch.empty(M)
+    check(_library().lib.gl_quantize_rows_u8(x.data_ptr(), xq.data_ptr(), s.data_ptr(), M, K, torch.get_num_threads()))
+    return xq, s
 
 
 def int4_fits(in_features: int, group_size: int) -> bool:

@@ -17,10 +17,12 @@ checkpoint, `dequantize()` and the kernels all describe one and the same matrix.
 On the CPU, decoding (a few rows) runs gptlab's own kernels (gptlab.kernels, every x86-64 level)
 on the stored buffers as they are: the activations quantized to int8 (one scale per row, for int8
 and int4 weights alike), integer dot products, one scale per row or group of the weight.
-Prompts and batches (many rows) take fbgemm's dynamic int8 x int8 `quantized::linear_dynamic`
-(int8) on CPUs with AVX-512 VNNI, and gptlab's int8 kernel elsewhere (without VNNI fbgemm's
-16-bit intermediate sums saturate: a 1.08% perplexity rise measured on an AMD EPYC), or a
-dequantize-then-GEMM (int4). Without gptlab's kernels (no C compiler, or
+Prompts and batches (many rows) of int8 layers take, on CPUs with AVX-512 VNNI, PyTorch's oneDNN
+int8 x int8 product (`onednn::qlinear_pointwise`, AMX where the CPU has it) on x quantized per row
+by gptlab's kernel, or fbgemm's dynamic `quantized::linear_dynamic` (x quantized with one scale for
+all rows), whichever was measured faster on the machine (`int8_prompts_gemm`); gptlab's int8
+kernel elsewhere (without VNNI fbgemm's 16-bit intermediate sums saturate: a 1.08% perplexity rise
+measured on an AMD EPYC). int4 prompts dequantize, then multiply in a GEMM. Without gptlab's kernels (no C compiler, or
 `kernels.use_kernels(False)`), PyTorch's int kernels stand in (`_weight_int8pack_mm`,
 `_weight_int4pack_mm_for_cpu`); `activations="float"` (int8) always takes `_weight_int8pack_mm`
 with bf16 activations. Off the CPU, layers dequantize the weight and call `F.linear`.
@@ -44,9 +46,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from gptlab import kernels
+from gptlab import gemm_probe, kernels
 from gptlab.checkpoint import META_FILE, WEIGHTS_FILE, atomic_write, atomic_write_text, load_state_strict, read_meta
 from gptlab.config import GPTConfig
+from gptlab.machine_cache import cached, machine_key
 from gptlab.model import GPT, meta_device
 
 log = logging.getLogger(__name__)
@@ -235,24 +238,34 @@ class Int8Linear(QuantizedLinear):
     def dequantize_rows(self, rows) -> torch.Tensor:
         return self.weight[rows].float() * self.scales[rows].float()[..., None]
 
-    def prepare(self) -> None:
+    def prepare(self, prompts_gemm: str | None = None) -> None:
+        """Bind the CPU kernels to the stored buffers. prompts_gemm: whose int8 product takes prompts
+        where fbgemm would keep full precision, "fbgemm" or "onednn" (None: int8_prompts_gemm())."""
         self._kernel_weights = self._decode = None
         self._prompts_in_kernel, self._decode_rows = False, kernels.MAX_ROWS  # prompts: fbgemm unless set below
         if self.weight.device.type != "cpu":
             return
         self.weight, self.scales = _aligned(self.weight), _aligned(self.scales)
-        fbgemm_weight, row_sums = None, None
+        prompt_weight, row_sums, self._prompts_gemm = None, None, "fbgemm"
         if self.activations == "int8":
             row_sums = self.weight.sum(dim=1, dtype=torch.int32)  # (N,) for gptlab's kernel (kernels.c)
-            # fbgemm quantizes each input row to uint8 on the fly and multiplies int8 x int8 (VNNI).
-            with warnings.catch_warnings():  # torch.ao's deprecation notice; the kernel itself stays
-                warnings.simplefilter("ignore")
-                qweight = torch._make_per_channel_quantized_tensor(
-                    self.weight, self.scales.double(), torch.zeros(self.out_features, dtype=torch.long), 0
+            exact = kernels.available()[1] and kernels.fbgemm_int8_is_exact()
+            self._prompts_gemm = (prompts_gemm or int8_prompts_gemm()) if exact else "fbgemm"
+            if self._prompts_gemm == "onednn":
+                prompt_weight = torch.ops.onednn.qlinear_prepack(self.weight, None)  # oneDNN's own layout
+                self._scales_f32, self._zero_points = (
+                    self.scales.float(),
+                    torch.zeros(self.out_features, dtype=torch.long),
                 )
-            fbgemm_weight = torch.ops.quantized.linear_prepack(qweight, None)  # fbgemm's own layout
-        self._kernel_weights = (self.weight, self.scales, fbgemm_weight)
-        if fbgemm_weight is not None and kernels.available()[1]:
+            else:  # fbgemm quantizes each input to uint8 on the fly (one scale for all rows), int8 x int8 (VNNI)
+                with warnings.catch_warnings():  # torch.ao's deprecation notice; the kernel itself stays
+                    warnings.simplefilter("ignore")
+                    qweight = torch._make_per_channel_quantized_tensor(
+                        self.weight, self.scales.double(), torch.zeros(self.out_features, dtype=torch.long), 0
+                    )
+                prompt_weight = torch.ops.quantized.linear_prepack(qweight, None)  # fbgemm's own layout
+        self._kernel_weights = (self.weight, self.scales, prompt_weight)
+        if prompt_weight is not None and kernels.available()[1]:
             # Decoding (a few rows): gptlab's kernel, the same int8 x int8 product as fbgemm's.
             self._decode = kernels.int8_decoder(self.weight, self.scales, row_sums, self.bias)
             self._prompts_in_kernel = not kernels.fbgemm_int8_is_exact()  # fbgemm would saturate its 16-bit sums
@@ -260,15 +273,109 @@ class Int8Linear(QuantizedLinear):
                 self._decode_rows = sys.maxsize
 
     def _kernel(self, x2d):
-        weight, scales, fbgemm_weight = self._kernel_weights
+        weight, scales, prompt_weight = self._kernel_weights
         # torch.compile cannot trace fbgemm's weight object (or ctypes): compiled graphs run weight-only.
         if self._prompts_in_kernel and not torch.compiler.is_compiling():
             return self._decode(x2d)  # gptlab's exact int8 kernel where fbgemm's would saturate (see prepare)
-        if fbgemm_weight is not None and not torch.compiler.is_compiling():
-            return self._add_bias(torch.ops.quantized.linear_dynamic(x2d.float().contiguous(), fbgemm_weight, False))
+        if prompt_weight is not None and not torch.compiler.is_compiling():
+            if self._prompts_gemm == "onednn":
+                return self._onednn_product(x2d, prompt_weight)
+            return self._add_bias(torch.ops.quantized.linear_dynamic(x2d.float().contiguous(), prompt_weight, False))
         # fp32 activations take a slow reference path in this kernel; bf16 ones hit the fast one.
         y = torch.ops.aten._weight_int8pack_mm(x2d.to(torch.bfloat16).contiguous(), weight, scales)  # (M, N)
         return self._add_bias(y)
+
+    def _onednn_product(self, x2d: torch.Tensor, onednn_weight) -> torch.Tensor:
+        """x2d (M, K) -> (M, N) fp32 through oneDNN's int8 x int8 product (AMX where the CPU has it),
+        x quantized per row as gptlab's kernel quantizes it: oneDNN takes one scale for all of x, so
+        it gets 1 and the zero point 128, returns the integer sums times the weight's row scales, and
+        each row is then scaled by its own s."""
+        xq, s = kernels.quantize_rows_u8(x2d)  # (M, K) uint8 = round(x / s) + 128, (M,)
+        y = torch.ops.onednn.qlinear_pointwise(
+            xq,
+            1.0,
+            128,
+            onednn_weight,
+            self._scales_f32,
+            self._zero_points,
+            None,
+            1.0,
+            0,
+            torch.float32,
+            "none",
+            [],
+            "",
+        )  # (M, N): sum_k (xq - 128) w * scale[n]
+        s = s[:, None]  # (M, 1)
+        return y.mul_(s) if self.bias is None else torch.addcmul(self.bias, y, s)
+
+
+# ---------------------------------------------------------------- int8 prompts: fbgemm or oneDNN
+
+INT8_GEMMS = ("auto", "fbgemm", "onednn")
+INT8_CACHE_FILE = "int8.json"
+_int8_gemm: dict[tuple[int, str | None], str] = {}  # (threads, kernel variant) -> this process's choice
+
+
+def onednn_int8_available() -> bool:
+    """Whether this PyTorch has oneDNN's int8 linear layer (torch.ops.onednn.qlinear_pointwise: x86 builds)."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_pointwise")
+
+
+def int8_prompts_gemm() -> str:
+    """Whose int8 x int8 product multiplies int8 prompts (more rows than the decoding kernel takes)
+    on a CPU where fbgemm's keeps full precision (AVX-512 VNNI): "onednn", PyTorch's oneDNN
+    (qlinear_pointwise: AMX where the CPU has it) on x quantized per row by gptlab's kernel, or
+    "fbgemm" (quantized::linear_dynamic, x quantized with one scale for all its rows).
+    GPTLAB_INT8_GEMM=fbgemm|onednn forces one; auto (the default) times both on GPT-2 small's
+    block layers the first time a machine asks (measure_int8_prompts), caches the timings
+    (gptlab.machine_cache), and takes the faster (a tie keeps fbgemm)."""
+    want = os.environ.get("GPTLAB_INT8_GEMM", "auto").strip().lower() or "auto"
+    if want not in INT8_GEMMS:
+        raise ValueError(f"GPTLAB_INT8_GEMM={want!r}: expected one of {', '.join(INT8_GEMMS)}")
+    if want == "onednn" and not onednn_int8_available():
+        raise ValueError("GPTLAB_INT8_GEMM=onednn: this PyTorch has no oneDNN int8 linear (qlinear_pointwise)")
+    if want != "auto":
+        return want
+    if not (onednn_int8_available() and kernels.available()[1]):
+        return "fbgemm"
+    at = (torch.get_num_threads(), kernels.variant())
+    if at not in _int8_gemm:
+        key = machine_key(kernels.cpu_description(), f"kernels {at[1]}", "int8 prompts")
+        timings, source = cached(INT8_CACHE_FILE, key, measure_int8_prompts)
+        total = {side: sum(t[side] for t in timings.values()) for side in ("fbgemm", "onednn")}
+        _int8_gemm[at] = "onednn" if total["onednn"] < total["fbgemm"] else "fbgemm"
+        log.info("int8 prompts, fbgemm against oneDNN on this CPU (%s): %s; taking %s", source,
+                 "; ".join(f"{n} {t['fbgemm'] * 1e3:.2f} ms against {t['onednn'] * 1e3:.2f}" for n, t in timings.items()),
+                 _int8_gemm[at])  # fmt: skip
+    return _int8_gemm[at]
+
+
+def measure_int8_prompts() -> dict[str, dict[str, float]]:
+    """Seconds of GPT-2 small's four block layers in int8 (gemm_probe.LAYERS) at each of
+    gemm_probe.PROMPT_ROWS rows, through each side's Int8Linear (quantizing x included): the
+    fastest of gemm_probe.ROUNDS alternating rounds after a warm-up."""
+    kernels.wait_for_huge_pages()  # a timing taken while Linux copies a model's pages runs slow, and this one is cached
+    g = torch.Generator().manual_seed(0)
+    sides = {"fbgemm": [], "onednn": []}  # side -> [(layer, in_features)]
+    for N, K in gemm_probe.LAYERS.values():
+        linear = nn.Linear(K, N)
+        with torch.no_grad():
+            linear.weight.copy_(torch.randn(N, K, generator=g) * 0.02)
+        for side, layers in sides.items():
+            layer = Int8Linear.from_linear(linear, "int8")
+            layer.prepare(prompts_gemm=side)
+            layers.append(layer)
+    result = {}
+    for rows in gemm_probe.PROMPT_ROWS:
+        xs = [torch.randn(rows, layer.in_features, generator=g) for layer in sides["fbgemm"]]
+
+        def run(layers, xs=xs):
+            with torch.no_grad():
+                return [layer(x) for layer, x in zip(layers, xs, strict=True)]
+
+        result[f"prompts {rows} rows"] = gemm_probe.fastest({side: lambda ls=ls: run(ls) for side, ls in sides.items()})
+    return result
 
 
 class Int4Linear(QuantizedLinear):

@@ -30,9 +30,9 @@ static inline void quantize_bytes(const float *p, void *q, int n, float inv, flo
     for (int k = 0; k < n; k += VW) vf_store_bytes((uint8_t *)q + k, vf_add(vf_round(vf_mul(vf_load(p + k), vinv)), voff));
 }
 
-/* Quantize x (M, K) fp32 per row: xq = round(x / s) (+ GL_I8_OFFSET, see simd.h), s = max|x| / 127;
- * writes xq (M, K) and s (M). */
-static void quantize_rows_i8(const float *x, uint8_t *xq, float *s, int M, int K, int nthreads) {
+/* Quantize x (M, K) fp32 per row: xq = round(x / s) + offset (GL_I8_OFFSET, see simd.h, for this
+ * file's kernels), s = max|x| / 127; writes xq (M, K) and s (M). */
+static void quantize_rows_i8(const float *x, uint8_t *xq, float *s, int M, int K, int offset, int nthreads) {
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (M >= QUANTIZE_PARALLEL_ROWS)
     for (int m = 0; m < M; m++) {
         const float *r = x + (size_t)m * K;
@@ -41,10 +41,18 @@ static void quantize_rows_i8(const float *x, uint8_t *xq, float *s, int M, int K
         float amax = absmax(r, kv);
         for (int k = kv; k < K; k++) amax = fmaxf(amax, fabsf(r[k]));
         float scale = amax / 127.0f, inv = amax > 0 ? 127.0f / amax : 0.0f;
-        quantize_bytes(r, q, kv, inv, (float)GL_I8_OFFSET);
-        for (int k = kv; k < K; k++) q[k] = (uint8_t)(lrintf(r[k] * inv) + GL_I8_OFFSET);
+        quantize_bytes(r, q, kv, inv, (float)offset);
+        for (int k = kv; k < K; k++) q[k] = (uint8_t)(lrintf(r[k] * inv) + offset);
         s[m] = scale;
     }
+}
+
+/* x (M, K) fp32 quantized per row as unsigned bytes, xq = round(x / s) + 128 with s = max|x| / 127
+ * (M scales): a prompt's activations for PyTorch's oneDNN int8 product (quantize.py), whose
+ * per-tensor scale this per-row one replaces (applied to its output rows). */
+int gl_quantize_rows_u8(const float *x, uint8_t *xq, float *s, int M, int K, int nthreads) {
+    quantize_rows_i8(x, xq, s, M, K, 128, nthreads);
+    return 0;
 }
 
 /* Rows of x per tile: a prompt's quantized x is multiplied a tile at a time, each tile small enough
@@ -153,7 +161,7 @@ int gl_linear_i8(const float *x, const int8_t *w, const uint16_t *ws, const int3
     uint8_t *xq = gl_scratch((size_t)M * K + (size_t)M * sizeof(float) + 64);
     if (!xq) return -1;
     float *xs = (float *)(xq + (((size_t)M * K + 63) & ~(size_t)63));
-    quantize_rows_i8(x, xq, xs, M, K, nthreads);
+    quantize_rows_i8(x, xq, xs, M, K, GL_I8_OFFSET, nthreads);
     if (M <= MROWS) { /* decoding: a span of W's rows per thread */
 #pragma omp parallel num_threads(nthreads)
         {

@@ -1,0 +1,134 @@
+"""int8 prompts: oneDNN's int8 product on x quantized per row, or fbgemm's, chosen by timing both
+once per machine (gptlab.quantize.int8_prompts_gemm)."""
+
+import json
+
+import pytest
+import torch
+import torch.nn as nn
+
+from gptlab import kernels, quantize
+from gptlab.quantize import Int8Linear
+
+INT_OK = kernels.available()[1]
+needs_int = pytest.mark.skipif(not INT_OK, reason=f"gptlab's int kernels are not built here: {kernels.available()[2]}")
+# PyTorch's x86 builds have oneDNN's int8 linear; its ARM builds may not (nor fbgemm's)
+needs_onednn = pytest.mark.skipif(not quantize.onednn_int8_available(), reason="this PyTorch has no oneDNN int8 linear")
+
+
+def per_row_reference(x: torch.Tensor, layer: Int8Linear) -> torch.Tensor:
+    """y (M, N) in float64 for x (M, K) quantized per row as gptlab's kernel quantizes it:
+    q = round(x * 127 / max|x|) (fp32, half to even), y = (q W^T) s_x s_w + b."""
+    amax = x.abs().amax(-1, keepdim=True)  # (M, 1)
+    q = torch.round(x * (127 / amax))  # (M, K), fp32 as in C
+    y = q.double() @ layer.weight.double().t() * layer.scales.double() * (amax / 127).double()  # (M, N)
+    return y if layer.bias is None else y + layer.bias.double()
+
+
+def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b).abs().max() / b.abs().max()).item()
+
+
+@needs_int
+@needs_onednn
+@pytest.mark.parametrize("bias", [True, False])
+def test_int8_prompts_through_onednn_are_gptlabs_per_row_quantization(monkeypatch, bias):
+    """Forced to oneDNN, a prompt's product is that of x quantized per row (the decoding kernel's
+    scheme) and the weight's row scales, within fp32 rounding; fbgemm's, one scale for all rows,
+    is measurably further off. Without AVX-512 VNNI, fbgemm would saturate, so prompts stay in
+    gptlab's kernel (the same per-row product) whatever is asked."""
+    torch.manual_seed(0)
+    linear = nn.Linear(96, 70, bias=bias)
+    x = torch.randn(40, 96) * torch.logspace(-1, 1, 40)[:, None]  # rows of different sizes
+    monkeypatch.setenv("GPTLAB_INT8_GEMM", "onednn")
+    layer = Int8Linear.from_linear(linear, "int8")
+    layer.prepare()
+    with torch.no_grad():
+        y = layer(x)
+    ref = per_row_reference(x, layer)
+    # measured 3.9e-8 / 5.3e-8 (with / without bias; oneDNN, Intel Xeon 6/207 with AMX); gptlab's
+    # avx2 kernel 6.5e-8 / 3.9e-8
+    assert y.dtype is torch.float32 and relative(y, ref) < 1e-6
+    if not kernels.fbgemm_int8_is_exact():
+        assert layer._prompts_gemm == "fbgemm" and layer._prompts_in_kernel
+        return
+    assert layer._prompts_gemm == "onednn" and not layer._prompts_in_kernel
+    monkeypatch.setenv("GPTLAB_INT8_GEMM", "fbgemm")
+    layer.prepare()
+    with torch.no_grad():
+        y_fbgemm = layer(x)
+    assert layer._prompts_gemm == "fbgemm" and relative(y_fbgemm, ref) > 1e-3  # measured 1.7e-2 / 1.0e-2: x's one scale
+
+
+@pytest.fixture
+def int8_probe(monkeypatch, tmp_path):
+    """gptlab's cache in tmp_path, no choice made yet in this process, oneDNN's int8 product
+    present; returns the list of probes run (fake_probe sets their timings)."""
+    monkeypatch.setenv("GPTLAB_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("GPTLAB_INT8_GEMM", raising=False)
+    monkeypatch.setattr(quantize, "_int8_gemm", {})
+    monkeypatch.setattr(quantize, "onednn_int8_available", lambda: True)
+    return []
+
+
+def fake_probe(monkeypatch, probes: list, fbgemm: float, onednn: float) -> None:
+    """measure_int8_prompts gives these seconds at each row count (and counts its calls)."""
+    timings = {f"prompts {rows} rows": {"fbgemm": fbgemm, "onednn": onednn} for rows in (64, 512)}
+    monkeypatch.setattr(quantize, "measure_int8_prompts", lambda: probes.append(1) or timings)
+
+
+@needs_int
+@pytest.mark.parametrize(
+    ("fbgemm", "onednn", "chosen"), [(2.0, 1.0, "onednn"), (1.0, 2.0, "fbgemm"), (1.0, 1.0, "fbgemm")]
+)
+def test_int8_prompts_take_the_product_measured_faster_once_per_machine(
+    int8_probe, monkeypatch, tmp_path, fbgemm, onednn, chosen
+):
+    fake_probe(monkeypatch, int8_probe, fbgemm, onednn)
+    assert quantize.int8_prompts_gemm() == chosen and quantize.int8_prompts_gemm() == chosen
+    assert len(int8_probe) == 1  # measured once
+    (key, timings), *others = json.loads((tmp_path / "cache" / quantize.INT8_CACHE_FILE).read_text()).items()
+    assert not others and "int8 prompts" in key and timings["prompts 512 rows"] == {"fbgemm": fbgemm, "onednn": onednn}
+    monkeypatch.setattr(quantize, "_int8_gemm", {})  # a new process on the same machine reads the file
+    fake_probe(monkeypatch, int8_probe, onednn, fbgemm)  # timings that would choose the other
+    assert quantize.int8_prompts_gemm() == chosen and len(int8_probe) == 1
+    layer = Int8Linear.from_linear(nn.Linear(32, 16), "int8")
+    layer.prepare()  # a layer takes the choice as it binds its weights
+    assert layer._prompts_gemm == (chosen if kernels.fbgemm_int8_is_exact() else "fbgemm")
+
+
+def test_int8_prompts_forced_or_without_onednn_are_never_probed(int8_probe, monkeypatch):
+    monkeypatch.setattr(quantize, "measure_int8_prompts", lambda: pytest.fail("probed"))
+    for forced in ("fbgemm", "onednn", " FBGEMM "):
+        monkeypatch.setenv("GPTLAB_INT8_GEMM", forced)
+        assert quantize.int8_prompts_gemm() == forced.strip().lower()
+    monkeypatch.setenv("GPTLAB_INT8_GEMM", "mkl")
+    with pytest.raises(ValueError, match="GPTLAB_INT8_GEMM='mkl': expected one of auto, fbgemm, onednn"):
+        quantize.int8_prompts_gemm()
+    monkeypatch.setattr(quantize, "onednn_int8_available", lambda: False)
+    monkeypatch.setenv("GPTLAB_INT8_GEMM", "onednn")
+    with pytest.raises(ValueError, match="no oneDNN int8 linear"):
+        quantize.int8_prompts_gemm()
+    monkeypatch.setenv("GPTLAB_INT8_GEMM", "auto")
+    assert quantize.int8_prompts_gemm() == "fbgemm"
+
+
+@needs_int
+@needs_onednn
+def test_the_int8_probe_times_both_products_on_gpt2_block_layers(monkeypatch):
+    from gptlab import gemm_probe
+
+    monkeypatch.setattr(kernels, "wait_for_huge_pages", lambda timeout=10.0: True)
+    monkeypatch.setattr(gemm_probe, "ROUNDS", 1)
+    if not kernels.fbgemm_int8_is_exact():  # the probe's layers bind their weights as on a VNNI CPU
+        monkeypatch.setattr(kernels, "fbgemm_int8_is_exact", lambda: True)
+    seen = []
+    onednn_product = Int8Linear._onednn_product
+    monkeypatch.setattr(
+        Int8Linear, "_onednn_product", lambda self, *a: seen.append(self.out_features) or onednn_product(self, *a)
+    )
+    result = quantize.measure_int8_prompts()
+    assert list(result) == ["prompts 64 rows", "prompts 512 rows"]
+    assert all(set(t) == {"fbgemm", "onednn"} and min(t.values()) > 0 for t in result.values())
+    # oneDNN's side ran GPT-2's four block layers, warm-up and timed round, at both row counts
+    assert seen == [N for N, _ in gemm_probe.LAYERS.values()] * 2 * 2
