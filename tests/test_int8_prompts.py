@@ -132,3 +132,24 @@ def test_the_int8_probe_times_both_products_on_gpt2_block_layers(monkeypatch):
     assert all(set(t) == {"fbgemm", "onednn"} and min(t.values()) > 0 for t in result.values())
     # oneDNN's side ran GPT-2's four block layers, warm-up and timed round, at both row counts
     assert seen == [N for N, _ in gemm_probe.LAYERS.values()] * 2 * 2
+
+
+@needs_int
+@needs_onednn
+def test_a_copy_of_an_int8_model_multiplies_its_own_weights(monkeypatch):
+    """oneDNN's packed weight is an opaque tensor, which copy.deepcopy cannot copy: a copied model
+    packs its own copy of the int8 weight again, and prompts give the same logits."""
+    import copy
+
+    from conftest import tiny_model
+    from gptlab.quantize import quantize_model
+
+    monkeypatch.setenv("GPTLAB_INT8_GEMM", "onednn")
+    model = quantize_model(tiny_model(), "int8")
+    twin = copy.deepcopy(model)
+    layer, copied = model.transformer.h[0].mlp.c_fc, twin.transformer.h[0].mlp.c_fc
+    if layer._prompts_gemm == "onednn":  # AVX-512 VNNI CPUs
+        assert copied._kernel_weights[2].weight is copied.weight and copied.weight is not layer.weight
+    idx = torch.randint(0, 97, (2, 20))
+    with torch.no_grad():
+        assert torch.equal(model(idx)[0], twin(idx)[0])

@@ -252,11 +252,7 @@ class Int8Linear(QuantizedLinear):
             exact = kernels.available()[1] and kernels.fbgemm_int8_is_exact()
             self._prompts_gemm = (prompts_gemm or int8_prompts_gemm()) if exact else "fbgemm"
             if self._prompts_gemm == "onednn":
-                prompt_weight = torch.ops.onednn.qlinear_prepack(self.weight, None)  # oneDNN's own layout
-                self._scales_f32, self._zero_points = (
-                    self.scales.float(),
-                    torch.zeros(self.out_features, dtype=torch.long),
-                )
+                prompt_weight = OnednnInt8Weight(self.weight, self.scales)
             else:  # fbgemm quantizes each input to uint8 on the fly (one scale for all rows), int8 x int8 (VNNI)
                 with warnings.catch_warnings():  # torch.ao's deprecation notice; the kernel itself stays
                     warnings.simplefilter("ignore")
@@ -285,32 +281,38 @@ class Int8Linear(QuantizedLinear):
         y = torch.ops.aten._weight_int8pack_mm(x2d.to(torch.bfloat16).contiguous(), weight, scales)  # (M, N)
         return self._add_bias(y)
 
-    def _onednn_product(self, x2d: torch.Tensor, onednn_weight) -> torch.Tensor:
+    def _onednn_product(self, x2d: torch.Tensor, onednn_weight: OnednnInt8Weight) -> torch.Tensor:
         """x2d (M, K) -> (M, N) fp32 through oneDNN's int8 x int8 product (AMX where the CPU has it),
         x quantized per row as gptlab's kernel quantizes it: oneDNN takes one scale for all of x, so
-        it gets 1 and the zero point 128, returns the integer sums times the weight's row scales, and
-        each row is then scaled by its own s."""
+        it multiplies the quantized rows, and each output row is then scaled by its own s."""
         xq, s = kernels.quantize_rows_u8(x2d)  # (M, K) uint8 = round(x / s) + 128, (M,)
-        y = torch.ops.onednn.qlinear_pointwise(
-            xq,
-            1.0,
-            128,
-            onednn_weight,
-            self._scales_f32,
-            self._zero_points,
-            None,
-            1.0,
-            0,
-            torch.float32,
-            "none",
-            [],
-            "",
-        )  # (M, N): sum_k (xq - 128) w * scale[n]
+        y = onednn_weight.scaled_sums(xq)  # (M, N)
         s = s[:, None]  # (M, 1)
         return y.mul_(s) if self.bias is None else torch.addcmul(self.bias, y, s)
 
 
 # ---------------------------------------------------------------- int8 prompts: fbgemm or oneDNN
+
+
+class OnednnInt8Weight:
+    """An int8 weight (N, K) with its row scales (N,) in oneDNN's own layout (qlinear_prepack), for
+    qlinear_pointwise. The packed weight is an opaque tensor, with no storage to copy: a copy
+    (copy.deepcopy of a quantized model) packs the copied int8 weight again."""
+
+    def __init__(self, weight: torch.Tensor, scales: torch.Tensor):
+        self.weight, self.scales = weight, scales  # the layer's buffers, not copies: int8 (N, K), bf16 (N,)
+        self.packed = torch.ops.onednn.qlinear_prepack(weight, None)
+        self.scales_f32 = scales.float()  # (N,)
+        self.zero_points = torch.zeros(weight.size(0), dtype=torch.long)  # symmetric: none
+
+    def __reduce__(self):
+        return OnednnInt8Weight, (self.weight, self.scales)
+
+    def scaled_sums(self, xq: torch.Tensor) -> torch.Tensor:
+        """(M, N) fp32: sum_k (xq[m, k] - 128) w[n, k] times w's row scale, for xq (M, K) uint8
+        stored + 128 (oneDNN's zero point for x, whose scale is given as 1)."""
+        return torch.ops.onednn.qlinear_pointwise(xq, 1.0, 128, self.packed, self.scales_f32, self.zero_points, None, 1.0, 0, torch.float32, "none", [], "")  # fmt: skip
+
 
 INT8_GEMMS = ("auto", "fbgemm", "onednn")
 INT8_CACHE_FILE = "int8.json"
