@@ -164,6 +164,13 @@ class QuantizedLinear(nn.Module):
             return _InputGradient.apply(x, self)
         return self._infer(x)
 
+    def __setstate__(self, state):
+        # A copy (copy.deepcopy) gets copies of the buffers but the original's kernels, bound to the
+        # original's buffers by their data pointers: it binds its own.
+        super().__setstate__(state)
+        if self._decode is not None or self._kernel_weights is not None:
+            self.prepare()
+
     def _infer(self, x: torch.Tensor) -> torch.Tensor:
         if self._decode is not None and self.use_kernel and kernels.int_kernels_apply(x, self._decode_rows):
             y = self._decode(x)  # decoding: gptlab's kernel, fp32 (..., N), bias included
