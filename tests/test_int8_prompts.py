@@ -2,6 +2,9 @@
 once per machine (gptlab.quantize.int8_prompts_gemm)."""
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -42,6 +45,13 @@ def test_int8_prompts_through_onednn_are_gptlabs_per_row_quantization(monkeypatc
     x = torch.randn(40, 96) * torch.logspace(-1, 1, 40)[:, None]  # rows of different sizes
     monkeypatch.setenv("GPTLAB_INT8_GEMM", "onednn")
     layer = Int8Linear.from_linear(linear, "int8")
+    if kernels.fbgemm_int8_is_exact() and not quantize.onednn_int8_is_exact():  # ONEDNN_MAX_CPU_ISA below VNNI
+        with pytest.raises(ValueError, match="saturates its 16-bit sums"):
+            layer.prepare()
+        monkeypatch.setenv("GPTLAB_INT8_GEMM", "auto")
+        layer.prepare()
+        assert layer._prompts_gemm == "fbgemm"
+        return
     layer.prepare()
     with torch.no_grad():
         y = layer(x)
@@ -68,6 +78,7 @@ def int8_probe(monkeypatch, tmp_path):
     monkeypatch.delenv("GPTLAB_INT8_GEMM", raising=False)
     monkeypatch.setattr(quantize, "_int8_gemm", {})
     monkeypatch.setattr(quantize, "onednn_int8_available", lambda: True)
+    monkeypatch.setattr(quantize, "onednn_int8_is_exact", lambda: True)
     return []
 
 
@@ -105,12 +116,35 @@ def test_int8_prompts_forced_or_without_onednn_are_never_probed(int8_probe, monk
     monkeypatch.setenv("GPTLAB_INT8_GEMM", "mkl")
     with pytest.raises(ValueError, match="GPTLAB_INT8_GEMM='mkl': expected one of auto, fbgemm, onednn"):
         quantize.int8_prompts_gemm()
+    monkeypatch.setattr(quantize, "onednn_int8_is_exact", lambda: False)  # saturating: refused, never timed
+    monkeypatch.setenv("GPTLAB_INT8_GEMM", "onednn")
+    with pytest.raises(ValueError, match="saturates its 16-bit sums"):
+        quantize.int8_prompts_gemm()
+    monkeypatch.setenv("GPTLAB_INT8_GEMM", "auto")
+    assert quantize.int8_prompts_gemm() == "fbgemm"
     monkeypatch.setattr(quantize, "onednn_int8_available", lambda: False)
     monkeypatch.setenv("GPTLAB_INT8_GEMM", "onednn")
     with pytest.raises(ValueError, match="no oneDNN int8 linear"):
         quantize.int8_prompts_gemm()
     monkeypatch.setenv("GPTLAB_INT8_GEMM", "auto")
     assert quantize.int8_prompts_gemm() == "fbgemm"
+
+
+@needs_onednn
+def test_onednn_held_below_vnni_is_found_inexact_and_not_taken(tmp_path):
+    """ONEDNN_MAX_CPU_ISA=AVX2 makes oneDNN's int8 product sum u8 x s8 pairs in 16 bits, which
+    saturate: found by the check (here and on any CPU: it holds oneDNN to AVX2 wherever it runs),
+    so int8 prompts keep fbgemm without timing oneDNN. In a child process: oneDNN reads its ISA
+    setting once."""
+    code = (
+        "from gptlab import quantize\n"
+        "quantize.measure_int8_prompts = None  # timing it would fail\n"
+        "print(quantize.onednn_int8_is_exact(), quantize.int8_prompts_gemm())"
+    )
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2", "GPTLAB_CACHE": str(tmp_path)}
+    env.pop("GPTLAB_INT8_GEMM", None)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "fbgemm"]
 
 
 @needs_int
@@ -144,7 +178,8 @@ def test_a_copy_of_an_int8_model_multiplies_its_own_weights(monkeypatch):
     from conftest import tiny_model
     from gptlab.quantize import quantize_model
 
-    monkeypatch.setenv("GPTLAB_INT8_GEMM", "onednn")
+    if quantize.onednn_int8_is_exact():  # else refused (ONEDNN_MAX_CPU_ISA below VNNI)
+        monkeypatch.setenv("GPTLAB_INT8_GEMM", "onednn")
     model = quantize_model(tiny_model(), "int8")
     twin = copy.deepcopy(model)
     layer, copied = model.transformer.h[0].mlp.c_fc, twin.transformer.h[0].mlp.c_fc

@@ -34,6 +34,7 @@ once, quantized. An untied model keeps its float embedding.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -331,22 +332,40 @@ def onednn_int8_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_pointwise")
 
 
+@functools.cache
+def onednn_int8_is_exact() -> bool:
+    """Whether oneDNN's int8 product sums exactly here. Without VNNI, or held below it by
+    ONEDNN_MAX_CPU_ISA, it multiplies u8 x s8 pairs into 16-bit sums, which saturate (this Xeon
+    6/207 under ONEDNN_MAX_CPU_ISA=AVX2: 0.29 of the largest output off). Checked on the worst
+    case: every activation byte 255 (x quantized to 127) against every weight 127."""
+    K, N = 256, 16
+    weight = OnednnInt8Weight(torch.full((N, K), 127, dtype=torch.int8), torch.ones(N, dtype=torch.bfloat16))
+    y = weight.scaled_sums(torch.full((8, K), 255, dtype=torch.uint8))  # (8, N)
+    return bool((y == 127 * 127 * K).all())  # exact in fp32 (< 2**24)
+
+
 def int8_prompts_gemm() -> str:
     """Whose int8 x int8 product multiplies int8 prompts (more rows than the decoding kernel takes)
     on a CPU where fbgemm's keeps full precision (AVX-512 VNNI): "onednn", PyTorch's oneDNN
     (qlinear_pointwise: AMX where the CPU has it) on x quantized per row by gptlab's kernel, or
     "fbgemm" (quantized::linear_dynamic, x quantized with one scale for all its rows).
-    GPTLAB_INT8_GEMM=fbgemm|onednn forces one; auto (the default) times both on GPT-2 small's
-    block layers the first time a machine asks (measure_int8_prompts), caches the timings
-    (gptlab.machine_cache), and takes the faster (a tie keeps fbgemm)."""
+    GPTLAB_INT8_GEMM=fbgemm|onednn forces one; auto (the default) takes fbgemm where oneDNN's
+    sums would saturate (onednn_int8_is_exact), else times both on GPT-2 small's block layers the
+    first time a machine asks (measure_int8_prompts), caches the timings (gptlab.machine_cache),
+    and takes the faster (a tie keeps fbgemm)."""
     want = os.environ.get("GPTLAB_INT8_GEMM", "auto").strip().lower() or "auto"
     if want not in INT8_GEMMS:
         raise ValueError(f"GPTLAB_INT8_GEMM={want!r}: expected one of {', '.join(INT8_GEMMS)}")
     if want == "onednn" and not onednn_int8_available():
         raise ValueError("GPTLAB_INT8_GEMM=onednn: this PyTorch has no oneDNN int8 linear (qlinear_pointwise)")
+    if want == "onednn" and not onednn_int8_is_exact():
+        raise ValueError(
+            "GPTLAB_INT8_GEMM=onednn: oneDNN's int8 product saturates its 16-bit sums here (no VNNI, or "
+            "ONEDNN_MAX_CPU_ISA holds it below); use fbgemm"
+        )
     if want != "auto":
         return want
-    if not (onednn_int8_available() and kernels.available()[1]):
+    if not (onednn_int8_available() and kernels.available()[1] and onednn_int8_is_exact()):
         return "fbgemm"
     at = (torch.get_num_threads(), kernels.variant())
     if at not in _int8_gemm:
