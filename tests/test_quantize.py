@@ -10,6 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from conftest import tiny_config, tiny_model
+from gptlab import kernels
 from gptlab.checkpoint import load_native, save_model
 from gptlab.cli import main
 from gptlab.generation import generate
@@ -145,6 +146,44 @@ def test_a_copy_of_a_quantized_model_runs_on_its_own_buffers(mode):
                 layer.weight.zero_()
         after = run()
     assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+
+
+@pytest.mark.skipif(
+    not kernels.available()[1], reason=f"gptlab's int kernels are not built here: {kernels.available()[2]}"
+)
+def test_long_int4_prompts_on_amx_multiply_in_bf16(monkeypatch):
+    """From INT4_BF16_ROWS rows where the CPU has AMX (taken as so here, on any CPU), an int4 layer
+    multiplies x and its dequantized weight rounded to bf16 (fp32 sums, a bf16 result) and adds
+    the fp32 bias: within the result's bf16 rounding of F.linear of the same bf16 operands. Fewer
+    rows run the int4 kernel (x quantized to int8), as before."""
+    torch.manual_seed(0)
+    layer = Int4Linear.from_linear(nn.Linear(256, 96), 64)
+    monkeypatch.setattr(kernels, "int4_prompts_in_bf16", lambda rows: rows >= kernels.INT4_BF16_ROWS)
+    layer.prepare()
+    w = layer.dequantize()  # (N, K) fp32
+    for rows in (kernels.INT4_BF16_ROWS, 300):
+        x = torch.randn(rows, 256)
+        with torch.no_grad():
+            y = layer(x)
+        ref = F.linear(x.bfloat16().float(), w.bfloat16().float())  # (rows, N)
+        assert ((y - layer.bias - ref).abs() <= ref.abs() * 2**-8 + 1e-5).all()
+        assert not torch.equal(y, layer._decode(x))  # not the int4 kernel's product
+    x = torch.randn(kernels.INT4_BF16_ROWS - 1, 256)
+    with torch.no_grad():
+        assert torch.equal(layer(x), layer._decode(x))
+
+
+def test_int4_prompts_take_bf16_only_on_amx_where_bf16_is_fast(monkeypatch):
+    flags = "fpu sse2 avx2 avx512f avx512_bf16"
+    monkeypatch.setattr(kernels, "cpuinfo", lambda field: flags if field == "flags" else "")
+    monkeypatch.setattr(kernels, "bf16_matmul_is_fast", lambda: True)
+    assert not kernels.int4_prompts_in_bf16(4096)  # AVX512-BF16 without AMX: the int4 kernel
+    flags += " amx_tile amx_bf16"
+    assert kernels.int4_prompts_in_bf16(kernels.INT4_BF16_ROWS) and not kernels.int4_prompts_in_bf16(
+        kernels.INT4_BF16_ROWS - 1
+    )
+    monkeypatch.setattr(kernels, "bf16_matmul_is_fast", lambda: False)  # oneDNN held below AMX
+    assert not kernels.int4_prompts_in_bf16(4096)
 
 
 def test_quantized_linear_works_on_the_meta_device_shapes_and_repr():

@@ -1078,13 +1078,41 @@ class _GeluTanh(torch.autograd.Function):
         return dx
 
 
-def dequantize_int4(weight, scales, zeros, group_size: int) -> torch.Tensor:
-    """The fp32 (N, K) matrix of an int4 layer (as gptlab.quantize.dequantize_int4), in C."""
+def dequantize_int4(weight, scales, zeros, group_size: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The fp32 (N, K) matrix of an int4 layer (as gptlab.quantize.dequantize_int4), in C, into
+    `out` (N * K contiguous fp32) when given."""
     N, K = weight.size(0), weight.size(1) * 2
-    out = torch.empty(N, K)
+    out = torch.empty(N, K) if out is None else out.view(N, K)
     _library().lib.gl_dequantize_i4(weight.data_ptr(), scales.data_ptr(), zeros.data_ptr(), out.data_ptr(),
                                     N, K, group_size, torch.get_num_threads())  # fmt: skip
     return out
+
+
+# From this many rows, on a CPU with AMX whose bf16 GEMM PyTorch runs fast (bf16_matmul_is_fast), an
+# int4 layer multiplies a prompt as bf16: dequantized to bf16 (int4_bf16_linear) and multiplied by
+# oneDNN on AMX, instead of gptlab's int4 lanes kernel. Intel Xeon 6/207, 2026-12-06, GPT-2's four
+# block layers (g64), lanes kernel against the bf16 product, medians of 15, two runs: 128 rows
+# 0.74-0.75x, 256 rows 1.13-1.25x, 384 1.32-1.33x, 512 1.48-1.52x, 1024 1.52-2.08x. Without AMX
+# (AVX512-BF16 only: AMD Zen 4 and 5) the lanes kernel ran 3.4x faster than the fp32 GEMM at 512
+# rows (Zen 5), where a bf16 GEMM is ~2x fp32: not taken.
+INT4_BF16_ROWS = 256
+
+
+def int4_prompts_in_bf16(rows: int) -> bool:
+    """Whether an int4 layer multiplies `rows` rows of x as bf16 (int4_bf16_linear): from
+    INT4_BF16_ROWS rows, on a CPU with AMX-BF16 whose bf16 GEMM is fast."""
+    return rows >= INT4_BF16_ROWS and "amx_bf16" in cpuinfo("flags").split() and bf16_matmul_is_fast()
+
+
+def int4_bf16_linear(x: torch.Tensor, weight, scales, zeros, group_size: int, bias) -> torch.Tensor:
+    """x (M, K) through an int4 layer in bf16: the weight dequantized (in C, into this thread's
+    reused buffers) and rounded to bf16, x rounded to bf16, multiplied by PyTorch's bf16 GEMM (oneDNN:
+    AMX), the bf16 result widened to fp32 (M, N) and the fp32 bias (N,) or None added."""
+    N, K = weight.size(0), weight.size(1) * 2
+    w32 = dequantize_int4(weight, scales, zeros, group_size, out=_buffer(N * K)[: N * K])  # (N, K) fp32
+    w16 = _buffer(N * K, torch.bfloat16)[: N * K].view(N, K).copy_(w32)  # (N, K) bf16
+    y = F.linear(x.to(torch.bfloat16), w16).float()  # (M, N)
+    return y if bias is None else y.add_(bias)
 
 
 @functools.cache
@@ -1205,14 +1233,16 @@ def sgemm_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 SLAB_BYTES = 4 << 20  # fp32 weight rows converted at a time (bf16_linear_in_fp32)
 WHOLE_BYTES = 16 << 20  # a weight whose fp32 copy fits this is converted whole, into the same buffer
-_slabs = threading.local()  # each thread's reused fp32 buffer
+_slabs = threading.local()  # each thread's reused buffers, one per dtype
 
 
-def _fp32_buffer(numel: int) -> torch.Tensor:
-    """This thread's reused fp32 buffer, at least `numel` long (grown, never shrunk)."""
-    buf = getattr(_slabs, "buf", None)
+def _buffer(numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """This thread's reused buffer of `dtype`, at least `numel` long (grown, never shrunk): no
+    fresh tensor, and its page faults, per call."""
+    buffers = _slabs.__dict__.setdefault("by_dtype", {})
+    buf = buffers.get(dtype)
     if buf is None or buf.numel() < numel:
-        buf = _slabs.buf = torch.empty(numel)
+        buf = buffers[dtype] = torch.empty(numel, dtype=dtype)
     return buf
 
 
@@ -1234,12 +1264,12 @@ def bf16_linear_in_fp32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
         return y.to(torch.bfloat16)  # rounded once
     xf = x.reshape(-1, K).float()  # (M, K)
     if N * K * 4 <= WHOLE_BYTES:
-        w = _fp32_buffer(N * K)[: N * K].view(N, K)
+        w = _buffer(N * K)[: N * K].view(N, K)
         w.copy_(weight)  # bf16 -> fp32, exact
         y = F.linear(xf, w, None if bias is None else bias.float())  # (M, N)
         return y.to(torch.bfloat16).view(*x.shape[:-1], N)  # rounded once
     rows = max(16, SLAB_BYTES // (4 * K))
-    slab = _fp32_buffer(rows * K)
+    slab = _buffer(rows * K)
     yt = torch.empty(N, xf.size(0))  # y^T (N, M)
     for n0 in range(0, N, rows):
         n1 = min(N, n0 + rows)
