@@ -158,7 +158,7 @@ def test_long_int4_prompts_on_amx_multiply_in_bf16(monkeypatch):
     rows run the int4 kernel (x quantized to int8), as before."""
     torch.manual_seed(0)
     layer = Int4Linear.from_linear(nn.Linear(256, 96), 64)
-    monkeypatch.setattr(kernels, "int4_prompts_in_bf16", lambda rows: rows >= kernels.INT4_BF16_ROWS)
+    monkeypatch.setattr(kernels, "int4_prompts_in_bf16", lambda rows, weights: rows >= kernels.INT4_BF16_ROWS)
     layer.prepare()
     w = layer.dequantize()  # (N, K) fp32
     for rows in (kernels.INT4_BF16_ROWS, 300):
@@ -174,16 +174,18 @@ def test_long_int4_prompts_on_amx_multiply_in_bf16(monkeypatch):
 
 
 def test_int4_prompts_take_bf16_only_on_amx_where_bf16_is_fast(monkeypatch):
+    """From INT4_BF16_ROWS rows, for layers of up to INT4_BF16_MAX_WEIGHTS weights (its buffers stay
+    alive), on CPUs with AMX-BF16 whose bf16 GEMM was measured fast."""
+    rows, most = kernels.INT4_BF16_ROWS, kernels.INT4_BF16_MAX_WEIGHTS
     flags = "fpu sse2 avx2 avx512f avx512_bf16"
     monkeypatch.setattr(kernels, "cpuinfo", lambda field: flags if field == "flags" else "")
     monkeypatch.setattr(kernels, "bf16_matmul_is_fast", lambda: True)
-    assert not kernels.int4_prompts_in_bf16(4096)  # AVX512-BF16 without AMX: the int4 kernel
+    assert not kernels.int4_prompts_in_bf16(4096, 1024)  # AVX512-BF16 without AMX: the int4 kernel
     flags += " amx_tile amx_bf16"
-    assert kernels.int4_prompts_in_bf16(kernels.INT4_BF16_ROWS) and not kernels.int4_prompts_in_bf16(
-        kernels.INT4_BF16_ROWS - 1
-    )
+    assert kernels.int4_prompts_in_bf16(rows, most) and not kernels.int4_prompts_in_bf16(rows - 1, most)
+    assert not kernels.int4_prompts_in_bf16(rows, most + 1)  # GPT-2's head: its buffers would stay
     monkeypatch.setattr(kernels, "bf16_matmul_is_fast", lambda: False)  # oneDNN held below AMX
-    assert not kernels.int4_prompts_in_bf16(4096)
+    assert not kernels.int4_prompts_in_bf16(4096, 1024)
 
 
 def test_quantized_linear_works_on_the_meta_device_shapes_and_repr():

@@ -1096,12 +1096,22 @@ def dequantize_int4(weight, scales, zeros, group_size: int, out: torch.Tensor | 
 # (AVX512-BF16 only: AMD Zen 4 and 5) the lanes kernel ran 3.4x faster than the fp32 GEMM at 512
 # rows (Zen 5), where a bf16 GEMM is ~2x fp32: not taken.
 INT4_BF16_ROWS = 256
+# Up to this many weights: the reused buffers int4_bf16_linear dequantizes into stay alive with
+# their thread (6 bytes a weight: 96 MB here), so a larger layer (GPT-2's 38.6M-weight head, for a
+# whole prompt's logits) keeps the lanes kernel. Every block layer of GPT-2 xl (1600 wide) fits.
+INT4_BF16_MAX_WEIGHTS = 16 << 20
 
 
-def int4_prompts_in_bf16(rows: int) -> bool:
-    """Whether an int4 layer multiplies `rows` rows of x as bf16 (int4_bf16_linear): from
-    INT4_BF16_ROWS rows, on a CPU with AMX-BF16 whose bf16 GEMM is fast."""
-    return rows >= INT4_BF16_ROWS and "amx_bf16" in cpuinfo("flags").split() and bf16_matmul_is_fast()
+def int4_prompts_in_bf16(rows: int, weights: int) -> bool:
+    """Whether an int4 layer of `weights` weights multiplies `rows` rows of x as bf16
+    (int4_bf16_linear): from INT4_BF16_ROWS rows, up to INT4_BF16_MAX_WEIGHTS weights, on a CPU with
+    AMX-BF16 whose bf16 GEMM is fast."""
+    return (
+        rows >= INT4_BF16_ROWS
+        and weights <= INT4_BF16_MAX_WEIGHTS
+        and "amx_bf16" in cpuinfo("flags").split()
+        and bf16_matmul_is_fast()
+    )
 
 
 def int4_bf16_linear(x: torch.Tensor, weight, scales, zeros, group_size: int, bias) -> torch.Tensor:

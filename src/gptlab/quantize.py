@@ -442,7 +442,7 @@ class Int4Linear(QuantizedLinear):
             self._kernel_weights = ("gptlab",)
             self._decode = kernels.int4_decoder(self.weight, self.scales, self.zeros, self.group_size, self.bias)
             self._decode_rows = kernels.int4_kernel_rows()
-            if kernels.int4_prompts_in_bf16(kernels.INT4_BF16_ROWS):  # longer prompts: bf16 on AMX (_kernel)
+            if kernels.int4_prompts_in_bf16(kernels.INT4_BF16_ROWS, self.weight.numel() * 2):  # bf16 on AMX
                 self._decode_rows = min(self._decode_rows, kernels.INT4_BF16_ROWS - 1)
             return
         # PyTorch's kernel wants a multiple of 16 output rows: pad (GPT-2's head has 50257) and slice after.
@@ -456,7 +456,7 @@ class Int4Linear(QuantizedLinear):
 
     def _kernel(self, x2d):
         if self._kernel_weights[0] == "gptlab":
-            if kernels.int4_prompts_in_bf16(x2d.size(0)):  # a long prompt on AMX
+            if kernels.int4_prompts_in_bf16(x2d.size(0), self.weight.numel() * 2):  # a long prompt on AMX
                 return kernels.int4_bf16_linear(x2d, self.weight, self.scales, self.zeros, self.group_size, self.bias)
             # A prompt or a batch: dequantize this layer and run the GEMM (compute-bound, so the
             # matrix's bytes matter less than the GEMM's speed).
