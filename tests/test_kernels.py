@@ -154,12 +154,14 @@ def test_int4_prompt_path_dequantizes_exactly(calls, group_size):
 @needs_int
 def test_int4_prompts_run_the_kernel_on_x86_simd_and_dequantize_elsewhere(calls):
     """The x86 SIMD variants' int4 kernel beats dequantize + GEMM at any number of rows (the rows
-    of x across the lanes); the portable variant dequantizes past INT4_KERNEL_ROWS."""
+    of x across the lanes); the portable variant dequantizes past INT4_KERNEL_ROWS, and so does
+    every variant on a CPU with AMX from INT4_BF16_ROWS (to bf16: test_quantize)."""
     layer = Int4Linear.from_linear(nn.Linear(256, 40), 32)
     layer.prepare()
     layer(torch.randn(513, 256))
     simd = kernel_build.VARIANTS[kernels.variant()][0] in ("GL_AVX2", "GL_AVX512")
-    assert calls["gl_linear_i4"] == simd and calls["gl_dequantize_i4"] == (not simd)
+    in_kernel = simd and not kernels.int4_prompts_in_bf16(513, 40 * 256)
+    assert calls["gl_linear_i4"] == in_kernel and calls["gl_dequantize_i4"] == (not in_kernel)
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
