@@ -18,7 +18,7 @@ from gptlab.quantize import Int4Linear, Int8Linear, quantize_model
 PROC_FLAGS = {  # /proc/cpuinfo's names for kernels.FEATURES
     "avx2": "avx2", "fma": "fma", "f16c": "f16c", "avx512f": "avx512f", "avx512bw": "avx512bw",
     "avx512vl": "avx512vl", "avx512dq": "avx512dq", "avx512vnni": "avx512_vnni", "avxvnni": "avx_vnni",
-    "avx512bf16": "avx512_bf16",
+    "avx512bf16": "avx512_bf16", "amxbf16": "amx_bf16",
 }  # fmt: skip
 SIMD = [v for v in kernels.runnable_variants() if v != "portable"]
 

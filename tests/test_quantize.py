@@ -177,11 +177,11 @@ def test_int4_prompts_take_bf16_only_on_amx_where_bf16_is_fast(monkeypatch):
     """From INT4_BF16_ROWS rows, for layers of up to INT4_BF16_MAX_WEIGHTS weights (its buffers stay
     alive), on CPUs with AMX-BF16 whose bf16 GEMM was measured fast."""
     rows, most = kernels.INT4_BF16_ROWS, kernels.INT4_BF16_MAX_WEIGHTS
-    flags = "fpu sse2 avx2 avx512f avx512_bf16"
-    monkeypatch.setattr(kernels, "cpuinfo", lambda field: flags if field == "flags" else "")
+    features = {"avx2", "fma", "avx512f", "avx512bf16"}
+    monkeypatch.setattr(kernels, "cpu_features", lambda: frozenset(features))
     monkeypatch.setattr(kernels, "bf16_matmul_is_fast", lambda: True)
     assert not kernels.int4_prompts_in_bf16(4096, 1024)  # AVX512-BF16 without AMX: the int4 kernel
-    flags += " amx_tile amx_bf16"
+    features.add("amxbf16")
     assert kernels.int4_prompts_in_bf16(rows, most) and not kernels.int4_prompts_in_bf16(rows - 1, most)
     assert not kernels.int4_prompts_in_bf16(rows, most + 1)  # GPT-2's head: its buffers would stay
     monkeypatch.setattr(kernels, "bf16_matmul_is_fast", lambda: False)  # oneDNN held below AMX

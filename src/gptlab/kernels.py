@@ -56,7 +56,7 @@ MAX_ROWS = 8  # rows of x one kernel call takes (MAX_ROWS in kernels.c); more go
 MAX_HEAD_SIZE = 256  # the C attention's limit (MAX_HS in attention.c)
 VARIANTS = tuple(kernel_build.VARIANTS)  # best first
 FEATURES = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512vnni", "avxvnni",
-            "asimd", "asimddp", "avx512bf16")  # fmt: skip  # gl_cpu_features' bits, in order
+            "asimd", "asimddp", "avx512bf16", "amxbf16")  # fmt: skip  # gl_cpu_features' bits, in order
 _ABI = 20
 _P = ctypes.c_void_p
 _I = ctypes.c_int
@@ -1109,7 +1109,7 @@ def int4_prompts_in_bf16(rows: int, weights: int) -> bool:
     return (
         rows >= INT4_BF16_ROWS
         and weights <= INT4_BF16_MAX_WEIGHTS
-        and "amx_bf16" in cpuinfo("flags").split()
+        and "amxbf16" in cpu_features()  # cpuid's: an emulator's CPU (qemu-user) shows the host's /proc/cpuinfo
         and bf16_matmul_is_fast()
     )
 

@@ -45,7 +45,8 @@ const char *gl_variant(void) {
 const char *gl_source_digest(void) { return GL_SOURCE_DIGEST; }
 
 /* What the CPU and the operating system support, as bits (kernels.py FEATURES names them):
- * 0 AVX2, 1 FMA, 2 F16C, 3 AVX-512 F, 4 BW, 5 VL, 6 DQ, 7 AVX-512 VNNI, 8 AVX-VNNI, 11 AVX512-BF16;
+ * 0 AVX2, 1 FMA, 2 F16C, 3 AVX-512 F, 4 BW, 5 VL, 6 DQ, 7 AVX-512 VNNI, 8 AVX-VNNI, 11 AVX512-BF16,
+ * 12 AMX-BF16 (with the tile state the OS saves);
  * on aarch64 9 Advanced SIMD (every aarch64 CPU), 10 its dot products (sdot, Armv8.2's DotProd).
  * On x86 from cpuid directly, with XGETBV for the registers' state the OS saves (AVX needs XMM and
  * YMM state, AVX-512 also the opmask and ZMM state), so any compiler and OS read it the same way;
@@ -60,8 +61,9 @@ int gl_cpu_features(void) {
     unsigned lo, hi;
     __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
     const int ymm_state = (lo & 0x6) == 0x6, zmm_state = (lo & 0xe6) == 0xe6;
+    const int tile_state = (lo & 0x60000) == 0x60000; /* XTILECFG and XTILEDATA */
     if (!ymm_state || !__get_cpuid_count(7, 0, &a, &b, &c, &d)) return 0;
-    bits |= ((b >> 5) & 1) << 0 | fma << 1 | f16c << 2;
+    bits |= ((b >> 5) & 1) << 0 | fma << 1 | f16c << 2 | (tile_state ? ((d >> 22) & 1) << 12 : 0);
     if (zmm_state)
         bits |= ((b >> 16) & 1) << 3 | ((b >> 30) & 1) << 4 | ((b >> 31) & 1) << 5 | ((b >> 17) & 1) << 6 |
                 ((c >> 11) & 1) << 7;
