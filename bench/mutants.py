@@ -46,6 +46,7 @@ HARNESS_TESTS = ("tests/test_harness.py", "-k", "equals")
 HOOKS_TESTS = ("tests/test_hooks.py",)
 GEMM_TESTS = ("tests/test_gemm.py",)
 PROBE_TESTS = ("tests/test_gemm_probe.py",)
+PREFETCH_TESTS = ("tests/test_kernel_variants.py", "-k", "prefetch")
 COMPILE_CACHE_TESTS = ("tests/test_compile_cache.py",)
 LLAMACPP_BUILD_TESTS = ("tests/test_bench.py", "-k", "llamacpp")
 SERVE_LMEVAL_TESTS = ("tests/test_serve_tokenize.py", "tests/test_serve.py", "-k", "offset or logprobs or echo")
@@ -198,23 +199,23 @@ MUTANTS = [
     Mutant("kernels/temporal-float-spans-take-one-row-of-x", "csrc/linear.c",
            ": dot_span(w, bf16, x, bias, bias_bf16, y, y_bf16, RR, MM, 0, n0, n1, N, K))",
            ": dot_span(w, bf16, x, bias, bias_bf16, y, y_bf16, RR, 1, 0, n0, n1, N, K))",
-           ("tests/test_kernel_variants.py", "-k", "prefetch")),
+           PREFETCH_TESTS),
     Mutant("kernels/non-temporal-int8-spans-drop-the-bias", "csrc/quantized.c",
            "(prefetch_nta() ? i8_span(w, xq, xs, ws, wsum, b, y, RR, MM, 1, n0, n1, N, K)",
            "(prefetch_nta() ? i8_span(w, xq, xs, ws, wsum, NULL, y, RR, MM, 1, n0, n1, N, K)",
-           ("tests/test_kernel_variants.py", "-k", "prefetch")),
+           PREFETCH_TESTS),
     Mutant("kernels/prefetch-default-flipped", "csrc/cpu.c",
            "int gl_default_prefetch_nta(void) { return cpu_is_amd(); }",
            "int gl_default_prefetch_nta(void) { return !cpu_is_amd(); }",
-           ("tests/test_kernel_variants.py", "-k", "prefetch")),
+           PREFETCH_TESTS),
     Mutant("kernels/prefetch-default-not-restored", "csrc/cpu.c",
            "gl_prefetch_nta_ = nta < 0 ? gl_default_prefetch_nta() : nta;",
            "gl_prefetch_nta_ = nta < 0 ? gl_prefetch_nta_ : nta;",
-           ("tests/test_kernel_variants.py", "-k", "prefetch")),
+           PREFETCH_TESTS),
     Mutant("kernels/prefetch-hint-not-set", "csrc/cpu.c",
            "    gl_prefetch_nta_ = nta < 0 ? gl_default_prefetch_nta() : nta;\n    return prefetch_nta();",
            "    return prefetch_nta();",
-           ("tests/test_kernel_variants.py", "-k", "prefetch")),
+           PREFETCH_TESTS),
     Mutant("kernels/avx2-f32-gemm-rows-drop-the-bias", "csrc/linear.c",
            "!gl_sgemm_nt(M, N, K, x, K, 0, w, 0, (float *)y, N, (const float *)bias, nthreads))",
            "!gl_sgemm_nt(M, N, K, x, K, 0, w, 0, (float *)y, N, NULL, nthreads))", FUSED_TESTS, variant="avx2"),
