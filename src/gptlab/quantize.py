@@ -385,7 +385,7 @@ def measure_int8_prompts() -> dict[str, dict[str, float]]:
     fastest of gemm_probe.ROUNDS alternating rounds after a warm-up."""
     kernels.wait_for_huge_pages()  # a timing taken while Linux copies a model's pages runs slow, and this one is cached
     g = torch.Generator().manual_seed(0)
-    sides = {"fbgemm": [], "onednn": []}  # side -> [(layer, in_features)]
+    sides = {"fbgemm": [], "onednn": []}  # side -> its Int8Linear of each of LAYERS
     for N, K in gemm_probe.LAYERS.values():
         linear = nn.Linear(K, N)
         with torch.no_grad():
@@ -434,6 +434,7 @@ class Int4Linear(QuantizedLinear):
 
     def prepare(self) -> None:
         self._kernel_weights = self._decode = None
+        self._prompts_in_bf16 = False  # long prompts dequantized to bf16 for AMX (set below)
         if self.weight.device.type != "cpu":
             return
         if kernels.available()[1] and kernels.int4_fits(self.in_features, self.group_size):
@@ -442,7 +443,8 @@ class Int4Linear(QuantizedLinear):
             self._kernel_weights = ("gptlab",)
             self._decode = kernels.int4_decoder(self.weight, self.scales, self.zeros, self.group_size, self.bias)
             self._decode_rows = kernels.int4_kernel_rows()
-            if kernels.int4_prompts_in_bf16(kernels.INT4_BF16_ROWS, self.weight.numel() * 2):  # bf16 on AMX
+            self._prompts_in_bf16 = kernels.int4_prompts_in_bf16(kernels.INT4_BF16_ROWS, self.weight.numel() * 2)
+            if self._prompts_in_bf16:  # long prompts: bf16 on AMX (_kernel)
                 self._decode_rows = min(self._decode_rows, kernels.INT4_BF16_ROWS - 1)
             return
         # PyTorch's kernel wants a multiple of 16 output rows: pad (GPT-2's head has 50257) and slice after.
@@ -456,7 +458,7 @@ class Int4Linear(QuantizedLinear):
 
     def _kernel(self, x2d):
         if self._kernel_weights[0] == "gptlab":
-            if kernels.int4_prompts_in_bf16(x2d.size(0), self.weight.numel() * 2):  # a long prompt on AMX
+            if self._prompts_in_bf16 and x2d.size(0) >= kernels.INT4_BF16_ROWS:  # a long prompt on AMX
                 return kernels.int4_bf16_linear(x2d, self.weight, self.scales, self.zeros, self.group_size, self.bias)
             # A prompt or a batch: dequantize this layer and run the GEMM (compute-bound, so the
             # matrix's bytes matter less than the GEMM's speed).
