@@ -170,10 +170,12 @@ def test_the_int8_probe_times_both_products_on_gpt2_block_layers(monkeypatch):
 
 @needs_int
 @needs_onednn
-def test_a_copy_of_an_int8_model_multiplies_its_own_weights(monkeypatch):
-    """oneDNN's packed weight is an opaque tensor, which copy.deepcopy cannot copy: a copied model
-    packs its own copy of the int8 weight again, and prompts give the same logits."""
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_copy_of_an_int8_model_multiplies_its_own_weights(monkeypatch, how):
+    """oneDNN's packed weight is an opaque tensor, which neither copy.deepcopy nor pickle can copy:
+    a copied model packs its own copy of the int8 weight again, and prompts give the same logits."""
     import copy
+    import pickle
 
     from conftest import tiny_model
     from gptlab.quantize import quantize_model
@@ -181,7 +183,7 @@ def test_a_copy_of_an_int8_model_multiplies_its_own_weights(monkeypatch):
     if quantize.onednn_int8_is_exact():  # else refused (ONEDNN_MAX_CPU_ISA below VNNI)
         monkeypatch.setenv("GPTLAB_INT8_GEMM", "onednn")
     model = quantize_model(tiny_model(), "int8")
-    twin = copy.deepcopy(model)
+    twin = copy.deepcopy(model) if how == "deepcopy" else pickle.loads(pickle.dumps(model))
     layer, copied = model.transformer.h[0].mlp.c_fc, twin.transformer.h[0].mlp.c_fc
     if layer._prompts_gemm == "onednn":  # AVX-512 VNNI CPUs
         assert copied._kernel_weights[2].weight is copied.weight and copied.weight is not layer.weight

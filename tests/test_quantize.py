@@ -2,6 +2,7 @@
 
 import copy
 import json
+import pickle
 from pathlib import Path
 
 import pytest
@@ -127,24 +128,27 @@ def test_quantized_linear_equals_dequantized_matmul(name, out_features):
         assert ((y - linear.bias.detach() - ref).abs() <= ref.abs() * 2**-8 + 1e-5).all()
 
 
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
 @pytest.mark.parametrize("mode", ["int8", "int4"])
-def test_a_copy_of_a_quantized_model_runs_on_its_own_buffers(mode):
-    """copy.deepcopy copies the buffers; the kernels bound to them by their data pointers (decoding,
-    the fused step, prompts) must be the copy's own, not the original's: with the original's
-    weights zeroed, the copy decodes and reads prompts as before."""
+def test_a_copy_of_a_quantized_model_runs_on_its_own_buffers(mode, how):
+    """copy.deepcopy, or pickling (torch.save(model)), copies the buffers; the kernels bound to them
+    by their data pointers (decoding, the fused step, prompts) must be the copy's own, not the
+    original's: the copy computes what the original does, bit for bit, and with the original's
+    weights zeroed, it decodes and reads prompts as before."""
     model = quantize_model(tiny_model(n_embd=128, n_head=4), mode)
-    twin = copy.deepcopy(model)
+    twin = copy.deepcopy(model) if how == "deepcopy" else pickle.loads(pickle.dumps(model))
     prompt = torch.randint(0, 97, (1, 20))
 
-    def run():  # a short prompt (the decoding kernels), a long one (the prompt path), greedy decoding (the fused step)
-        return [twin(prompt[:, :3])[0], twin(prompt)[0], generate(twin, prompt[:, :3], 6, temperature=0)]
+    def run(m):  # a short prompt (the decoding kernels), a long one (the prompt path), greedy decoding (the fused step)
+        return [m(prompt[:, :3])[0], m(prompt)[0], generate(m, prompt[:, :3], 6, temperature=0)]
 
     with torch.no_grad():
-        before = run()
+        original, before = run(model), run(twin)
         for layer in model.modules():
             if isinstance(layer, QuantizedLinear):
                 layer.weight.zero_()
-        after = run()
+        after = run(twin)
+    assert all(torch.equal(a, b) for a, b in zip(original, before, strict=True))  # the same kernels, bound
     assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
 
 

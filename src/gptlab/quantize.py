@@ -165,11 +165,20 @@ class QuantizedLinear(nn.Module):
             return _InputGradient.apply(x, self)
         return self._infer(x)
 
+    def __getstate__(self):
+        # The kernels are bound to the buffers by their data pointers (closures, packed weights):
+        # a copy (copy.deepcopy) or a pickled layer (torch.save(model)) would run the original's,
+        # and neither pickles. It keeps whether they were bound and binds its own (__setstate__),
+        # for the machine it is loaded on.
+        state = dict(self.__dict__)
+        state["_kernels_bound"] = self._decode is not None or self._kernel_weights is not None
+        state["_decode"] = state["_kernel_weights"] = None
+        return state
+
     def __setstate__(self, state):
-        # A copy (copy.deepcopy) gets copies of the buffers but the original's kernels, bound to the
-        # original's buffers by their data pointers: it binds its own.
+        bound = state.pop("_kernels_bound", False)
         super().__setstate__(state)
-        if self._decode is not None or self._kernel_weights is not None:
+        if bound:
             self.prepare()
 
     def _infer(self, x: torch.Tensor) -> torch.Tensor:
@@ -304,17 +313,14 @@ class Int8Linear(QuantizedLinear):
 
 class OnednnInt8Weight:
     """An int8 weight (N, K) with its row scales (N,) in oneDNN's own layout (qlinear_prepack), for
-    qlinear_pointwise. The packed weight is an opaque tensor, with no storage to copy: a copy
-    (copy.deepcopy of a quantized model) packs the copied int8 weight again."""
+    qlinear_pointwise. The packed weight is an opaque tensor, with no storage to copy: a copied or
+    pickled layer packs its own weight again (QuantizedLinear.__getstate__)."""
 
     def __init__(self, weight: torch.Tensor, scales: torch.Tensor):
         self.weight, self.scales = weight, scales  # the layer's buffers, not copies: int8 (N, K), bf16 (N,)
         self.packed = torch.ops.onednn.qlinear_prepack(weight, None)
         self.scales_f32 = scales.float()  # (N,)
         self.zero_points = torch.zeros(weight.size(0), dtype=torch.long)  # symmetric: none
-
-    def __reduce__(self):
-        return OnednnInt8Weight, (self.weight, self.scales)
 
     def scaled_sums(self, xq: torch.Tensor) -> torch.Tensor:
         """(M, N) fp32: sum_k (xq[m, k] - 128) w[n, k] times w's row scale, for xq (M, K) uint8
