@@ -120,9 +120,32 @@ def test_llamacpp_avx2_build_is_cached_apart_built_for_avx2_and_refused_where_it
     monkeypatch.setattr(llamacpp, "cpu_flags", lambda: ["avx", "sse4_2"])
     with pytest.raises(ValueError, match="cannot run llama.cpp's avx2 build: it lacks avx2, bmi2, f16c, fma"):
         llamacpp.ensure_built("0.3.36", cache=tmp_path / "cache", isa="avx2")
-    with pytest.raises(ValueError, match="unknown llama.cpp ISA 'avx9'; choose from native, avx2"):
+    with pytest.raises(ValueError, match="unknown llama.cpp ISA 'avx9'; choose from native, avx2, avx512-vnni"):
         llamacpp.build_root(isa="avx9")
     assert not (tmp_path / "cache").exists()
+
+
+def test_llamacpp_avx512_vnni_build_has_no_bf16_or_amx_and_needs_vnni(monkeypatch, tmp_path):
+    """The first Xeon's level (Ice Lake): AVX-512 with VBMI and VNNI switched on, its BF16 and AMX
+    off, whatever this CPU has; refused on a CPU without VNNI."""
+    from gptlab.bench import llamacpp
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    icelake = "avx2 fma f16c bmi2 avx512f avx512bw avx512dq avx512vl avx512vbmi avx512_vnni".split()
+    monkeypatch.setattr(llamacpp, "cpu_flags", lambda: [*icelake, "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16"])
+    assert llamacpp.build_root("0.3.36", isa="avx512-vnni").name == "0.3.36-x86-64-avx512-vnni"
+    commands = []
+    monkeypatch.setattr(llamacpp, "run_step", lambda step, cmd, **kw: commands.append([str(c) for c in cmd]))
+    (tmp_path / "src" / "build" / "bin").mkdir(parents=True)
+    for tool in llamacpp.TARGETS:
+        (tmp_path / "src" / "build" / "bin" / tool).touch()
+    configure = set(llamacpp.build(tmp_path / "src", "0.3.36", "0c1e570", 2, isa="avx512-vnni")["cmake_flags"])
+    on = {f"-DGGML_{e}=ON" for e in ("AVX2", "FMA", "AVX512", "AVX512_VBMI", "AVX512_VNNI")}
+    off = {f"-DGGML_{e}=OFF" for e in ("AVX512_BF16", "AMX_TILE", "AMX_INT8", "AMX_BF16", "AVX_VNNI")}
+    assert "-DGGML_NATIVE=OFF" in configure and on | off <= configure
+    monkeypatch.setattr(llamacpp, "cpu_flags", lambda: icelake[:-1])  # a Skylake server: no VNNI
+    with pytest.raises(ValueError, match="cannot run llama.cpp's avx512-vnni build: it lacks avx512_vnni"):
+        llamacpp.build_root("0.3.36", isa="avx512-vnni")
 
 
 def test_llamacpp_builds_with_its_amx_tile_config_fixed_and_rebuilds_a_build_made_before(monkeypatch, tmp_path):
@@ -220,17 +243,24 @@ def test_the_llamacpp_rows_load_gptlab_with_the_kv_cache_asked(tmp_path):
     assert cache("int4", "float32") == torch.float32 and cache("fp32", "bfloat16") == torch.bfloat16
 
 
-def test_bench_generate_names_the_settings_that_hold_gptlab_to_avx2(monkeypatch):
-    from gptlab.bench.generate import AVX2_ENV, avx2_env_missing, parse_args
+def test_bench_generate_names_the_settings_that_hold_gptlab_to_each_level(monkeypatch):
+    from gptlab.bench.generate import AVX2_ENV, ISA_ENV, isa_env_missing, parse_args
 
     for name in AVX2_ENV:
         monkeypatch.delenv(name, raising=False)
-    assert avx2_env_missing() == AVX2_ENV
+    assert isa_env_missing("avx2") == AVX2_ENV and isa_env_missing("native") == {}
     monkeypatch.setenv("GPTLAB_KERNELS", "avx2")
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
     monkeypatch.setenv("ATEN_CPU_CAPABILITY", "AVX2")  # ignored by PyTorch, which wants "avx2"
-    assert avx2_env_missing() == {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+    assert isa_env_missing("avx2") == {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+    # the first Xeon's level: AVX-512 kernels, oneDNN without AMX or bf16, MKL at Ice Lake's level
+    assert isa_env_missing("avx512-vnni") == {
+        "GPTLAB_KERNELS": "avx512", "ATEN_CPU_CAPABILITY": "avx512",
+        "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_VNNI", "MKL_ENABLE_INSTRUCTIONS": "AVX512_E2",
+    }  # fmt: skip
+    assert set(ISA_ENV["avx512-vnni"]) == set(AVX2_ENV)  # the results record every level's settings by AVX2_ENV's names
     assert parse_args(["--peer", "llama.cpp", "--peer-isa", "avx2"]).peer_isa == "avx2"
+    assert parse_args(["--peer", "llama.cpp", "--peer-isa", "avx512-vnni"]).peer_isa == "avx512-vnni"
     assert parse_args([]).peer_isa == "native"
 
 

@@ -220,19 +220,31 @@ def time_linears(model, probe: BandwidthProbe | None = None, passes: int = 10, r
 # The run
 
 
-# What holds gptlab to the x86-64 AVX2 level, as --peer-isa avx2 holds llama.cpp: its own kernels,
+# What holds gptlab to the instruction set of a --peer-isa build of llama.cpp: its own kernels,
 # PyTorch's vectorized ops, oneDNN and MKL. Read when each library starts, so set before the run.
+# avx2: AVX2-only CPUs such as AMD Zen 1-3; avx512-vnni: Intel's Ice Lake servers (AVX-512 with
+# VNNI, no BF16 or AMX: this project's first Xeon; MKL's AVX512_E2 is Ice Lake's level).
 AVX2_ENV = {
     "GPTLAB_KERNELS": "avx2",
     "ATEN_CPU_CAPABILITY": "avx2",
     "ONEDNN_MAX_CPU_ISA": "AVX2",
     "MKL_ENABLE_INSTRUCTIONS": "AVX2",
 }
+ISA_ENV = {
+    "native": {},
+    "avx2": AVX2_ENV,
+    "avx512-vnni": {
+        "GPTLAB_KERNELS": "avx512",
+        "ATEN_CPU_CAPABILITY": "avx512",
+        "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_VNNI",
+        "MKL_ENABLE_INSTRUCTIONS": "AVX512_E2",
+    },
+}
 
 
-def avx2_env_missing() -> dict:
-    """The AVX2_ENV settings this process was not started with: {name: value}."""
-    return {k: v for k, v in AVX2_ENV.items() if os.environ.get(k) != v}  # PyTorch's check is case-sensitive
+def isa_env_missing(isa: str) -> dict:
+    """The ISA_ENV[isa] settings this process was not started with: {name: value}."""
+    return {k: v for k, v in ISA_ENV[isa].items() if os.environ.get(k) != v}  # PyTorch's check is case-sensitive
 
 
 def parse_args(argv):
@@ -244,10 +256,12 @@ def parse_args(argv):
     p.add_argument("--peer", choices=("transformers", "llama.cpp"), default="transformers", help="what to compare with")
     p.add_argument(
         "--peer-isa",
-        choices=("native", "avx2"),
+        choices=tuple(ISA_ENV),
         default="native",
-        help="llama.cpp's build: for this CPU (default), or for the x86-64 AVX2 level of AVX2-only CPUs such as "
-        f"AMD Zen 1-3, to stand in for one; pair avx2 with {' '.join(f'{k}={v}' for k, v in AVX2_ENV.items())}",
+        help="llama.cpp's build: for this CPU (default), or for a lower level, to stand in for a CPU of that level: "
+        "avx2 (AVX2-only CPUs such as AMD Zen 1-3), avx512-vnni (AVX-512 with VNNI, no BF16 or AMX: Intel's Ice "
+        "Lake servers); pair each with its settings for gptlab: "
+        + "; ".join(f"{isa}: {' '.join(f'{k}={v}' for k, v in env.items())}" for isa, env in ISA_ENV.items() if env),
     )
     p.add_argument(
         "--modes",
@@ -415,9 +429,9 @@ def run_llamacpp(args) -> int:
     llama = llamacpp.ensure_built(isa=args.peer_isa)
     info = llama.info
     print(f"llama.cpp {info['llama_cpp_commit'][:12]} (llama-cpp-python {info['llama_cpp_python']}, {args.peer_isa}): {llama.root}")  # fmt: skip
-    unpaired = avx2_env_missing() if args.peer_isa == "avx2" else {}
+    unpaired = isa_env_missing(args.peer_isa)
     if unpaired:
-        print(f"note: llama.cpp runs at the AVX2 level but gptlab does not; set {' '.join(f'{k}={v}' for k, v in unpaired.items())}")  # fmt: skip
+        print(f"note: llama.cpp runs at the {args.peer_isa} level but gptlab does not; set {' '.join(f'{k}={v}' for k, v in unpaired.items())}")  # fmt: skip
     native, why = cpu_has_native_bf16()
     if "bf16" in modes and not native:
         print(f"note: bf16 rows run without hardware bf16 for both engines ({why})")
@@ -452,7 +466,7 @@ def run_llamacpp(args) -> int:
                 kv_cache=args.kv_cache, prefill_tokens=llamacpp.PREFILL_TOKENS, greedy=True,
                 repeats=args.repeats, best_of_repeats=True, modes_interleaved=True, threads=threads, native_bf16=native,
                 native_bf16_why=why, load_average=os.getloadavg(), rows_done=f"{len(rows)} of {len(modes)}",
-                peer_isa=args.peer_isa, isa_env={k: os.environ[k] for k in AVX2_ENV if k in os.environ},
+                peer_isa=args.peer_isa, isa_env={k: os.environ[k] for k in AVX2_ENV if k in os.environ},  # every level's names
             ),
             "llama_cpp": {**llama.info, "q4_0": "llama-quantize --pure from the F32 file", "gguf_bytes": gguf_bytes},
             "rows": rows,

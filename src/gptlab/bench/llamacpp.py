@@ -11,6 +11,8 @@ model name plus a hash of the ISA flags, because VMs often report a generic mode
 `isa="avx2"` builds it instead for the x86-64 AVX2 level (AVX2, FMA, F16C, BMI2; no AVX-512, no
 VNNI), the build an AVX2-only CPU such as AMD Zen 1-3 gets; it runs on any newer x86-64 CPU and
 is cached as `VERSION-x86-64-avx2`, so an AVX-512 machine can stand in for an AVX2-only one.
+`isa="avx512-vnni"` builds it for AVX-512 with VBMI and VNNI but no BF16 or AMX (Intel's Ice
+Lake servers, this project's first Intel Xeon), so that a newer Xeon with AMX can stand in for one.
 
 A gptlab model exported with `save_pretrained` is converted to GGUF F32, BF16 and Q8_0 by the
 vendored converter and to Q4_0 by `llama-quantize --pure` from the F32 file: every matrix in
@@ -48,16 +50,32 @@ log = logging.getLogger(__name__)
 # llama-cpp-python 0.3.36 vendors llama.cpp commit 0c1e57098bba (2026-10-01); checked to build
 # offline and to convert and run gptlab's gpt2 exports.
 LLAMA_CPP_PYTHON = "0.3.36"
-# the instruction set llama.cpp is built for: this CPU's, or the x86-64 AVX2 (Haswell) level
+# The instruction set llama.cpp is built for: this CPU's, or a fixed level (ggml's extensions on
+# and off, ISA_EXTENSIONS) that any CPU with the /proc/cpuinfo flags of ISA_NEEDS runs.
+AVX2_EXTENSIONS = ("SSE42", "AVX", "AVX2", "FMA", "F16C", "BMI2")  # the x86-64 AVX2 (Haswell) level
+ISA_EXTENSIONS = {
+    "avx2": AVX2_EXTENSIONS,
+    "avx512-vnni": (*AVX2_EXTENSIONS, "AVX512", "AVX512_VBMI", "AVX512_VNNI"),  # Ice Lake server
+}
+# the x86 extensions ggml leaves off by default, each switched on or off by a level
+GGML_EXTENSIONS = tuple("AVX_VNNI AVX512 AVX512_VBMI AVX512_VNNI AVX512_BF16 AMX_TILE AMX_INT8 AMX_BF16".split())
 ISA_FLAGS = {
     "native": ("-DGGML_NATIVE=ON",),
-    "avx2": (
-        "-DGGML_NATIVE=OFF",
-        *(f"-DGGML_{ext}=ON" for ext in ("SSE42", "AVX", "AVX2", "FMA", "F16C", "BMI2")),
-        *(f"-DGGML_{ext}=OFF" for ext in ("AVX_VNNI", "AVX512", "AVX512_VBMI", "AVX512_VNNI", "AVX512_BF16")),
-    ),
+    **{
+        isa: (
+            "-DGGML_NATIVE=OFF",
+            *(f"-DGGML_{ext}=ON" for ext in on),
+            *(f"-DGGML_{ext}=OFF" for ext in GGML_EXTENSIONS if ext not in on),
+        )
+        for isa, on in ISA_EXTENSIONS.items()
+    },
 }
-AVX2_LEVEL = {"avx2", "fma", "f16c", "bmi2"}  # the /proc/cpuinfo flags the avx2 build needs
+AVX2_LEVEL = {"avx2", "fma", "f16c", "bmi2"}
+ISA_NEEDS = {  # the /proc/cpuinfo flags each level's build needs
+    "native": set(),
+    "avx2": AVX2_LEVEL,
+    "avx512-vnni": AVX2_LEVEL | {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512vbmi", "avx512_vnni"},
+}
 CMAKE_FLAGS = (
     "-DCMAKE_BUILD_TYPE=Release",
     "-DBUILD_SHARED_LIBS=OFF",  # self-contained binaries: the tree is renamed into the cache after the build
@@ -201,9 +219,9 @@ def check_isa(isa: str) -> None:
     """ValueError unless `isa` names a build this CPU can run."""
     if isa not in ISA_FLAGS:
         raise ValueError(f"unknown llama.cpp ISA {isa!r}; choose from {', '.join(ISA_FLAGS)}")
-    missing = AVX2_LEVEL - set(cpu_flags()) if isa == "avx2" else set()
+    missing = ISA_NEEDS[isa] - set(cpu_flags())
     if missing:
-        raise ValueError(f"this CPU cannot run llama.cpp's avx2 build: it lacks {', '.join(sorted(missing))}")
+        raise ValueError(f"this CPU cannot run llama.cpp's {isa} build: it lacks {', '.join(sorted(missing))}")
 
 
 # ---------------------------------------------------------------------------------------------
