@@ -152,6 +152,26 @@ def test_int4_prompt_path_dequantizes_exactly(calls, group_size):
 
 
 @needs_int
+@pytest.mark.parametrize("group_size", [32, 256])
+def test_int4_dequantizes_to_bf16_as_torch_rounds_its_fp32_weight(group_size):
+    """dtype=bf16 (an int4 layer's long prompts on AMX, int4_bf16_linear): the fp32 weight rounded
+    to nearest even, bit for bit, on every variant; a wrong dtype or buffer is refused."""
+    torch.manual_seed(5)
+    layer = Int4Linear.from_linear(nn.Linear(512, 37), group_size)
+    args = (layer.weight, layer.scales, layer.zeros, group_size)
+    w32 = kernels.dequantize_int4(*args)  # (37, 512) fp32
+    assert torch.equal(w32, layer.dequantize())
+    out = torch.full((37 * 512,), float("nan"), dtype=torch.bfloat16)
+    w16 = kernels.dequantize_int4(*args, out, torch.bfloat16)
+    assert w16.data_ptr() == out.data_ptr() and torch.equal(w16, w32.bfloat16())
+    assert not torch.equal(w16.float(), w32)  # really rounded: 2^-8 relative steps, where fp32 has finer
+    with pytest.raises(ValueError, match="out must be contiguous torch.bfloat16, not torch.float32"):
+        kernels.dequantize_int4(*args, torch.empty(37 * 512), torch.bfloat16)
+    with pytest.raises(ValueError, match="dtype must be torch.float32 or torch.bfloat16"):
+        kernels.dequantize_int4(*args, dtype=torch.float16)
+
+
+@needs_int
 def test_int4_prompts_run_the_kernel_on_x86_simd_and_dequantize_elsewhere(calls):
     """The x86 SIMD variants' int4 kernel beats dequantize + GEMM at any number of rows (the rows
     of x across the lanes); the portable variant dequantizes past INT4_KERNEL_ROWS, and so does

@@ -11,7 +11,7 @@
 
 #include "simd.h"
 
-#define GL_ABI 20 /* gptlab/kernels.py refuses a library of another ABI */
+#define GL_ABI 21 /* gptlab/kernels.py refuses a library of another ABI */
 
 /* Rows of W at a time (ROWS memory streams in flight) and rows of x at a time (MROWS, their
  * products kept in registers: 4 x 4 vectors fit AVX-512's 32 registers, 4 x 2 AVX2's 16). The

@@ -574,14 +574,17 @@ int gl_linear_i4(const float *x, const uint8_t *w, const uint16_t *scales, const
     return 0;
 }
 
-/* The fp32 weight (N, K) an int4 layer stands for, for prefill's GEMM: w = (q - 8) * scale + zero. */
-void gl_dequantize_i4(const uint8_t *w, const uint16_t *scales, const uint16_t *zeros, float *out, int N, int K, int g,
-                      int nthreads) {
+/* The weight (N, K) an int4 layer stands for, w = (q - 8) * scale + zero, into out: fp32 for
+ * prefill's GEMM, or rounded to bf16 (to nearest even, as torch rounds) when bf16, for a bf16 GEMM
+ * (kernels.int4_bf16_linear; no fp32 copy to round afterwards). */
+void gl_dequantize_i4(const uint8_t *w, const uint16_t *scales, const uint16_t *zeros, void *out, int N, int K, int g,
+                      int bf16, int nthreads) {
     const int G = K / g;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int n = 0; n < N; n++) {
         const uint8_t *wr = w + (size_t)n * (K / 2);
-        float *o = out + (size_t)n * K;
+        float *o = (float *)out + (size_t)n * K;
+        uint16_t *o16 = (uint16_t *)out + (size_t)n * K;
         for (int j = 0; j < G; j++) {
             const float s = bf16_to_f32(scales[(size_t)n * G + j]), z = bf16_to_f32(zeros[(size_t)n * G + j]) - 8.0f * s;
             for (int k0 = j * g; k0 < (j + 1) * g; k0 += 256) { /* at most 256 columns at a time */
@@ -591,7 +594,10 @@ void gl_dequantize_i4(const uint8_t *w, const uint16_t *scales, const uint16_t *
                     q[2 * i] = wr[k0 / 2 + i] & 15;
                     q[2 * i + 1] = wr[k0 / 2 + i] >> 4;
                 }
-                for (int k = 0; k < len; k++) o[k0 + k] = (float)q[k] * s + z;
+                if (bf16)
+                    for (int k = 0; k < len; k++) o16[k0 + k] = f32_to_bf16((float)q[k] * s + z);
+                else
+                    for (int k = 0; k < len; k++) o[k0 + k] = (float)q[k] * s + z;
             }
         }
     }
