@@ -9,8 +9,9 @@ MKL, per thread count, gptlab.gemm_probe), the flags (bf16 instructions or not: 
 precision, the bf16 GEMM probe; VNNI: whether fbgemm's int8 is exact) and the model (cache keys).
 Here a copy of this CPU's /proc/cpuinfo, rewritten as KINDS says, is bind-mounted over it in a
 private mount namespace (`unshare --mount`, so root), and pytest runs under it, with the kind's
-ISA settings holding PyTorch's libraries to its level. It found the Intel path's thread-count
-dependence (test_kernels' same-bits test took MKL at 3 threads only) and torch.compile's shared
+ISA settings holding PyTorch's libraries to its level (the Xeon's: oneDNN and MKL without bf16
+instructions or AMX, which a newer Xeon running this would otherwise use). It found the Intel
+path's thread-count dependence (test_kernels' same-bits test took MKL at 3 threads only) and torch.compile's shared
 cache crashing at AVX2 (gptlab.compile_cache), neither of which the emulated CPUs show, since
 qemu-user passes the host's /proc/cpuinfo through (tests/emulated_cpu.py).
 
@@ -35,12 +36,15 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # kind: (/proc/cpuinfo fields replaced, flags removed (regular expressions), environment)
 AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+# oneDNN and MKL capped at Ice Lake's level (no bf16 instructions, no AMX), as gptlab.bench.generate's
+# ISA_ENV["avx512-vnni"]; caps, safe on any host (ATEN_CPU_CAPABILITY=avx512 is not: ATen takes it unchecked)
+XEON_ENV = {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_VNNI", "MKL_ENABLE_INSTRUCTIONS": "AVX512_E2"}
 KINDS = {
     # this project's Intel Xeon: AVX-512 and VNNI, no AVX512-BF16 or AMX exposed
     "xeon": (
         {"vendor_id": "GenuineIntel", "cpu family": "6", "model": "106", "model name": "Intel(R) Xeon(R) Processor"},
         [r"avx512_bf16", r"amx\w*"],
-        {},
+        XEON_ENV,
     ),
     # the AMD EPYC Zen 3 (family 25 model 1): AVX2, FMA, F16C; no AVX-512, VNNI or GFNI
     "zen3": (

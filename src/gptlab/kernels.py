@@ -1126,8 +1126,8 @@ def int4_prompts_in_bf16(rows: int, weights: int) -> bool:
 
 
 def int4_bf16_linear(x: torch.Tensor, weight, scales, zeros, group_size: int, bias) -> torch.Tensor:
-    """x (M, K) through an int4 layer in bf16: the weight dequantized (in C, into this thread's
-    reused buffers) and rounded to bf16, x rounded to bf16, multiplied by PyTorch's bf16 GEMM (oneDNN:
+    """x (M, K) through an int4 layer in bf16: the weight dequantized and rounded to bf16 (in C,
+    into this thread's reused buffer), x rounded to bf16, multiplied by PyTorch's bf16 GEMM (oneDNN:
     AMX), the bf16 result widened to fp32 (M, N) and the fp32 bias (N,) or None added."""
     N, K = weight.size(0), weight.size(1) * 2
     w16 = dequantize_int4(weight, scales, zeros, group_size, _buffer(N * K, torch.bfloat16)[: N * K], torch.bfloat16)
