@@ -571,6 +571,39 @@ def test_bench_summary_gives_each_machines_latest_figures(tmp_path, capsys, monk
     assert "no results for this machine (Intel(R) Xeon(R) (26/2)" in capsys.readouterr().out
 
 
+def test_bench_summary_keeps_a_run_with_its_libraries_held_apart(tmp_path, monkeypatch, capsys):
+    """A run with oneDNN and MKL held below the CPU's level (a stand-in for an older CPU: the same
+    kernel variant and ATen level) is a machine of its own, recorded by machine() or, in results
+    written before it recorded them, by the llama.cpp bench's isa_env; this machine's column is
+    the run under the settings this process has."""
+    from gptlab.bench import common, summary
+
+    xeon = {"cpu": "Intel(R) Xeon(R) Processor", "cpu_family_model": "6/207", "gptlab_kernels": "avx512",
+            "cpu_capability": "AVX512", "isa_settings": {}}  # fmt: skip
+    held = {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_VNNI", "MKL_ENABLE_INSTRUCTIONS": "AVX512_E2"}
+    peer = "generate-llamacpp"
+    _result(tmp_path, peer, "2026-12-06T10:00:00", xeon, rows=_llamacpp_rows((1.3,) * 4, (1.5,) * 4, (80.0,) * 4))
+    _result(tmp_path, peer, "2026-12-06T11:00:00", {**xeon, "isa_settings": {**held, "GPTLAB_KERNELS": "avx512"}},
+            rows=_llamacpp_rows((1.1,) * 4, (1.2,) * 4, (80.0,) * 4))  # fmt: skip
+    old = {k: v for k, v in xeon.items() if k != "isa_settings"}  # written before machine() recorded them
+    _result(tmp_path, peer, "2026-12-06T12:00:00", old, settings={"isa_env": {"ONEDNN_MAX_CPU_ISA": "AVX2"}},
+            rows=_llamacpp_rows((0.9,) * 4, (0.8,) * 4, (80.0,) * 4))  # fmt: skip
+    table = summary.summarize(summary.load_results(tmp_path))
+    native, stand_in = summary.machine_key(xeon), summary.machine_key({**xeon, "isa_settings": held})
+    assert stand_in == native + " ONEDNN_MAX_CPU_ISA=AVX512_CORE_VNNI MKL_ENABLE_INSTRUCTIONS=AVX512_E2"
+    assert len(table) == 3 and table[native]["decode vs llama.cpp"][0] == "1.30 / 1.30 / 1.30 / 1.30x"
+    assert table[stand_in]["decode vs llama.cpp"][0] == "1.10 / 1.10 / 1.10 / 1.10x"
+    for name in summary.HELD_IN_KEY:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in held.items():
+        monkeypatch.setenv(name, value)
+    assert common.held_settings() == held
+    monkeypatch.setattr(common, "machine", lambda: {**xeon, "isa_settings": common.held_settings()})
+    assert summary.main(["--results", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "1.10 / 1.10 / 1.10 / 1.10x" in out and "1.30 /" not in out and "0.90 /" not in out
+
+
 @pytest.mark.parametrize("flags", ["fpu sse2 avx2", "fpu sse2 avx2 avx_ne_convert", "fpu sse2 avx512_bf16 amx_bf16"])
 def test_bench_generate_asks_the_kernels_whether_bf16_is_native(flags, monkeypatch):
     """The bench's bf16 rows against transformers run where training's precision choice and the

@@ -29,13 +29,18 @@ ISA_SETTINGS = ("GPTLAB_KERNELS", "GPTLAB_GEMM", "ATEN_CPU_CAPABILITY", "ONEDNN_
 DEFAULT_VALUES = {"GPTLAB_KERNELS": ("auto", "1"), "GPTLAB_GEMM": ("auto",)}
 
 
-def isa_settings() -> str:
-    """The ISA_SETTINGS this process runs under, as the end of a cache key ("" for none)."""
-    settings = " ".join(
-        f"{name}={value}"
+def held_settings() -> dict[str, str]:
+    """The ISA_SETTINGS this process runs under, {name: value}, those that ask for the default left out."""
+    return {
+        name: value
         for name in ISA_SETTINGS
         if (value := os.environ.get(name)) and value.strip().lower() not in DEFAULT_VALUES.get(name, ())
-    )
+    }
+
+
+def isa_settings() -> str:
+    """The ISA_SETTINGS this process runs under, as the end of a cache key ("" for none)."""
+    settings = " ".join(f"{name}={value}" for name, value in held_settings().items())
     return f" | {settings}" if settings else ""
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from gptlab.checkpoint import atomic_write_text
 from gptlab.commands.demo import RELATIVE
+from gptlab.machine_cache import held_settings
 
 # tiny-shakespeare beside the repository, where this workplace keeps it (`make demo` reads it too)
 CORPUS = str(Path(__file__).resolve().parents[3] / RELATIVE)
@@ -19,7 +20,8 @@ CORPUS = str(Path(__file__).resolve().parents[3] / RELATIVE)
 def machine() -> dict:
     """The facts a reader needs to compare a result: CPU (name, family and model, the features
     the kernels choose by), cores, memory, torch build, the gptlab kernel variant that runs and whose
-    GEMM runs the training head (kernels.gemm_choice)."""
+    GEMM runs the training head (kernels.gemm_choice), and the settings holding the libraries below
+    the CPU's level (machine_cache.held_settings)."""
     import torch
 
     from gptlab import kernels
@@ -43,6 +45,7 @@ def machine() -> dict:
         "memory_gib": mem_gib,
         "torch": torch.__version__,
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "isa_settings": held_settings(),  # libraries held below the CPU's level, e.g. to stand in for another
         "python": platform.python_version(),
     }
     if torch.cuda.is_available():

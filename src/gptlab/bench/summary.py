@@ -2,8 +2,9 @@
 results in bench/results/ (what `make bench` writes); it runs no benchmark.
 
 Every result records the machine it ran on (bench.common.machine). Runs are grouped by that
-machine's CPU name and family/model, the gptlab kernel variant that ran and ATen's CPU
-capability, so a run held to AVX2 on an AVX-512 CPU counts as a machine of its own. For each
+machine's CPU name and family/model, the gptlab kernel variant that ran, ATen's CPU capability
+and the settings that held oneDNN or MKL below the CPU's level, so a run held to AVX2 on an
+AVX-512 CPU, or to AVX-512 VNNI on one with AMX, counts as a machine of its own. For each
 group the latest run of each kind gives its rows:
 
 - decode and a 512-token prefill against llama.cpp at fp32 / bf16 / int8 / int4, and int4 and
@@ -42,12 +43,22 @@ def parse_args(argv):
     return p.parse_args(argv)
 
 
-def machine_key(machine: dict) -> str:
-    """The machine a result ran on, as runs are grouped: CPU, family/model, kernels, ATen's level."""
+# Settings that hold a library below the CPU's level (or force a GEMM) without changing the kernel
+# variant or ATen's level, which the key names already: a Xeon with AMX held to AVX-512 VNNI, as a
+# stand-in for an older one, runs the same variant at the same ATen level as unheld.
+HELD_IN_KEY = ("ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "GPTLAB_GEMM")
+
+
+def machine_key(machine: dict, settings: dict | None = None) -> str:
+    """The machine a result ran on, as runs are grouped: CPU, family/model, kernels, ATen's level,
+    and the HELD_IN_KEY settings it ran under (the machine's record, or for results written before
+    it had one, the llama.cpp bench's `settings["isa_env"]`)."""
     cpu = machine.get("cpu", "?")
     family = machine.get("cpu_family_model", "?")
     kernels = machine.get("gptlab_kernels", "?")
-    return f"{cpu} ({family}), kernels {kernels}, ATen {machine.get('cpu_capability', '?')}"
+    key = f"{cpu} ({family}), kernels {kernels}, ATen {machine.get('cpu_capability', '?')}"
+    held = machine.get("isa_settings", (settings or {}).get("isa_env") or {})
+    return " ".join([key, *(f"{name}={held[name]}" for name in HELD_IN_KEY if held.get(name))])
 
 
 def load_results(directory: str | Path) -> list[dict]:
@@ -117,7 +128,7 @@ def summarize(runs: list[dict]) -> dict[str, dict[str, tuple[str, str]]]:
     """{machine: {row: (figure, results file)}} from results (oldest first), rows as in ROWS."""
     machines: dict[str, list[dict]] = {}
     for run in runs:
-        machines.setdefault(machine_key(run["machine"]), []).append(run)
+        machines.setdefault(machine_key(run["machine"], run.get("settings")), []).append(run)
     table = {}
     for key, group in machines.items():
         rows = _llamacpp_rows(group)
