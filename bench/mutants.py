@@ -94,7 +94,7 @@ MUTANTS = [
            "buf = _WORKSPACE[device, dtype] = torch.empty", "buf = torch.empty", LOSS_TESTS),
     # sampling
     Mutant("sampling/draw-not-scaled-to-the-rows-mass", "sampling.py",
-           "dtype=torch.float64, device=probs.device) * total", "dtype=torch.float64, device=probs.device)",
+           "torch.searchsorted(cdf, u * total, right=True)", "torch.searchsorted(cdf, u, right=True)",
            SAMPLING_TESTS),
     Mutant("sampling/top-p-never-sorts-a-wide-nucleus", "sampling.py",
            "    if not bool((mass[..., -1] >= p).all()):", "    if False:", SAMPLING_TESTS),
