@@ -256,8 +256,8 @@ MUTANTS = [
            "for (int r = 0; r < R; r++) yl[r] = lanes[r][l] + bias[r];",
            "for (int r = 0; r < R; r++) yl[r] = lanes[r][l] + bias[0];", FUSED_TESTS),
     Mutant("kernels/prompt-gemm-bias-dropped", "kernels.py",
-           "b = None if bias is None else bias.detach().float().contiguous()\n    if x2.size(0)",
-           "b = None\n    if x2.size(0)",
+           "b = None if bias is None else bias.detach().float().contiguous()\n    in_place",
+           "b = None\n    in_place",
            FUSED_TESTS),
     # the training head's GEMM (csrc/gemm.c)
     Mutant("gemm/accumulate-ignored", "csrc/gemm.c",
