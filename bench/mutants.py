@@ -49,6 +49,7 @@ PROBE_TESTS = ("tests/test_gemm_probe.py",)
 PREFETCH_TESTS = ("tests/test_kernel_variants.py", "-k", "prefetch")
 COMPILE_CACHE_TESTS = ("tests/test_compile_cache.py",)
 LLAMACPP_BUILD_TESTS = ("tests/test_bench.py", "-k", "llamacpp")
+C_CHECK_TESTS = ("tests/test_kernel_variants.py", "-k", "c_check")  # tests/c/kernel_check.c, make neon-check's
 SERVE_LMEVAL_TESTS = ("tests/test_serve_tokenize.py", "tests/test_serve.py", "-k", "offset or logprobs or echo")
 
 
@@ -583,6 +584,15 @@ MUTANTS = [
            "o16[k0 + k] = f32_to_bf16((float)q[k] * s + z);",
            "{ const float v = (float)q[k] * s + z; uint32_t u; memcpy(&u, &v, 4); o16[k0 + k] = (uint16_t)(u >> 16); }",
            ("tests/test_kernels.py", "-k", "dequantize")),
+    Mutant("c-check/int4-dequantized-offset-7-scales", "csrc/quantized.c",
+           "z = bf16_to_f32(zeros[(size_t)n * G + j]) - 8.0f * s;",
+           "z = bf16_to_f32(zeros[(size_t)n * G + j]) - 7.0f * s;", C_CHECK_TESTS),
+    Mutant("c-check/int4-dequantized-bf16-truncated", "csrc/quantized.c",
+           "o16[k0 + k] = f32_to_bf16((float)q[k] * s + z);",
+           "{ const float v = (float)q[k] * s + z; uint32_t u; memcpy(&u, &v, 4); o16[k0 + k] = (uint16_t)(u >> 16); }",
+           C_CHECK_TESTS),
+    Mutant("c-check/int8-dequantized-with-the-first-rows-scale", "csrc/quantized.c",
+           "const float s = bf16_to_f32(scales[n]);", "const float s = bf16_to_f32(scales[0]);", C_CHECK_TESTS),
     Mutant("int4-bf16/weight-buffer-misread", "kernels.py",
            "    w16 = dequantize_int4(weight, scales, zeros, group_size, _buffer(N * K, torch.bfloat16)[: N * K], torch.bfloat16)",
            "    w16 = _buffer(N * K, torch.bfloat16)[: N * K].view(N, K)", QUANTIZE_TESTS),

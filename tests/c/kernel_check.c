@@ -38,6 +38,8 @@ typedef int (*attend_prompt_t)(const float *, const long *, const float *, const
                                float *, int, int, int, int, int, int);
 typedef int (*gelu_t)(const void *, void *, long, int, int);
 typedef int (*gelu_backward_t)(const float *, const float *, float *, long, int);
+typedef void (*dequantize_i4_t)(const uint8_t *, const uint16_t *, const uint16_t *, void *, int, int, int, int, int);
+typedef void (*dequantize_i8_t)(const int8_t *, const uint16_t *, float *, int, int, int);
 
 typedef struct {
     const char *path, *variant;
@@ -58,6 +60,8 @@ typedef struct {
     gelu_t gelu_tanh;
     gelu_backward_t gelu_tanh_backward;
     int (*gemm_columns)(void);
+    dequantize_i4_t dequantize_i4;
+    dequantize_i8_t dequantize_i8;
 } lib_t;
 
 static int failures = 0;
@@ -83,7 +87,8 @@ static lib_t open_lib(const char *path) {
                need(h, "gl_gemm_bf16"), need(h, "gl_has_gemm_bf16"), need(h, "gl_sgemm_bf16_b"),
                need(h, "gl_sgemm_colmax"), need(h, "gl_sgemm_bf16_ab"), need(h, "gl_sgemm_nt"),
                need(h, "gl_attend_prompt"),
-               need(h, "gl_gelu_tanh"), need(h, "gl_gelu_tanh_backward"), need(h, "gl_gemm_columns")};
+               need(h, "gl_gelu_tanh"), need(h, "gl_gelu_tanh_backward"), need(h, "gl_gemm_columns"),
+               need(h, "gl_dequantize_i4"), need(h, "gl_dequantize_i8")};
     return l;
 }
 
@@ -278,6 +283,42 @@ static void check_gelu(const lib_t *ref, const lib_t *l, int n) {
     free(x), free(y0), free(y), free(xh), free(h0), free(h), free(dy);
 }
 
+/* The weights a quantized layer stands for, for prompts' GEMMs: int4 (N, K) in groups of g,
+ * w = (q - 8) s + z, in fp32 against the formula (exact but for a fused multiply-add's rounding)
+ * and the reference's, and in bf16 the same bits as the variant's own fp32 rounded to nearest even
+ * (as torch rounds); int8, w = q s, one product, the same bits as the formula's. */
+static void check_dequantize(const lib_t *ref, const lib_t *l, int N, int K, int g) {
+    const int G = K / g;
+    uint8_t *w = malloc((size_t)N * K / 2);
+    uint16_t *sc = malloc(2 * (size_t)N * G), *ze = malloc(2 * (size_t)N * G);
+    for (size_t i = 0; i < (size_t)N * K / 2; i++) w[i] = (uint8_t)(next_bits() >> 56); /* two nibbles */
+    for (size_t i = 0; i < (size_t)N * G; i++) sc[i] = bf16(0.01f * (1.5f + uniform())), ze[i] = bf16(0.05f * uniform());
+    float *want = malloc(sizeof(float) * N * K), *f0 = malloc(sizeof(float) * N * K), *f = malloc(sizeof(float) * N * K);
+    for (int n = 0; n < N; n++)
+        for (int k = 0; k < K; k++) {
+            const int q = k & 1 ? w[((size_t)n * K + k) / 2] >> 4 : w[((size_t)n * K + k) / 2] & 15;
+            const size_t j = (size_t)n * G + k / g;
+            want[(size_t)n * K + k] = (float)((q - 8) * (double)from_bf16(sc[j]) + from_bf16(ze[j]));
+        }
+    ref->dequantize_i4(w, sc, ze, f0, N, K, g, 0, 2);
+    l->dequantize_i4(w, sc, ze, f, N, K, g, 0, 2);
+    char shape[64];
+    snprintf(shape, sizeof shape, "N=%d K=%d g=%d", N, K, g);
+    report("dequantize_i4 vs formula", l, shape, worst(f, want, (size_t)N * K, 1e-7, 1e-6));
+    report("dequantize_i4", l, shape, worst(f, f0, (size_t)N * K, 1e-7, 1e-6));
+    uint16_t *h = malloc(2 * (size_t)N * K);
+    l->dequantize_i4(w, sc, ze, h, N, K, g, 1, 2);
+    size_t differ = 0;
+    for (size_t i = 0; i < (size_t)N * K; i++) differ += h[i] != bf16(f[i]);
+    report("dequantize_i4 bf16", l, shape, differ ? 2 : 0);
+    int8_t *w8 = malloc((size_t)N * K);
+    for (size_t i = 0; i < (size_t)N * K; i++) w8[i] = (int8_t)lrintf(127 * uniform());
+    for (size_t i = 0; i < (size_t)N * K; i++) want[i] = (float)w8[i] * from_bf16(sc[i / K]); /* the first N scales */
+    l->dequantize_i8(w8, sc, f, N, K, 2);
+    report("dequantize_i8", l, shape, memcmp(f, want, sizeof(float) * N * K) ? 2 : 0);
+    free(w), free(sc), free(ze), free(want), free(f0), free(f), free(h), free(w8);
+}
+
 /* A long prompt's bf16 layer, y = x W^T + b with W (N, K) stored as bf16: the same bits as gl_sgemm of
  * W widened to fp32 (each variant against itself, then against the reference). */
 static void check_sgemm_bf16_b(const lib_t *ref, const lib_t *l, int M, int N, int K) {
@@ -422,6 +463,7 @@ static void check_all(const lib_t *ref, const lib_t *l) {
     check_argmax(ref, l, 3, 1000), check_argmax(ref, l, 1, 7);
     check_attend_prompt(ref, l, 2, 3, 40, 101, 0), check_attend_prompt(ref, l, 1, 2, 64, 50, 37);
     check_gelu(ref, l, 4099), check_gelu(ref, l, 7);
+    check_dequantize(ref, l, 37, 256, 32), check_dequantize(ref, l, 5, 768, 128), check_dequantize(ref, l, 3, 1024, 1024);
     check_sgemm_bf16_b(ref, l, 37, 70, 300), check_sgemm_bf16_b(ref, l, 5, 4100, 20);
     check_sgemm_nt(ref, l, 37, 70, 300), check_sgemm_nt(ref, l, 5, 41, 20), check_sgemm_nt(ref, l, 512, 4100, 8);
     static const int split_rows[] = {9, 10, 11, 12, 13, 17, 20, 23, 24, 25}; /* split last panels of 16 and 32 */
@@ -437,6 +479,7 @@ int main(int argc, char **argv) {
     const lib_t ref = open_lib(argv[1]);
     printf("reference: %s (%s)\n", ref.variant, ref.path);
     check_linear_f32(&ref, &ref, 3, 37, 40), check_linear_f32(&ref, &ref, 1, 70, 768);
+    check_dequantize(&ref, &ref, 7, 256, 64);
     check_sgemms(&ref);
     for (int i = 2; i < argc; i++) {
         const lib_t l = open_lib(argv[i]);
