@@ -186,12 +186,18 @@ def test_sgemm_nt_is_the_linear_layer_on_every_variant(shape, with_bias, calls, 
 def test_sgemm_nt_of_a_bf16_weight_is_the_product_of_it_widened(shape, x_bf16, calls):
     """A bf16 layer's weight (and x, a bf16 model's activations) up to NT_ROWS rows, widened a
     block of W's rows at a time and then read as fp32 weights are: the same bits as the fp32
-    product of the widened copies."""
+    product of the widened copies. Asked for bf16 y, gl_sgemm_nt rounds it as it writes it: the
+    same bits as torch's rounding of the fp32 y, a NaN, infinities and an overflow included."""
     x, w, b = linear_operands(*shape)
     w16, x = w.bfloat16(), x.bfloat16() if x_bf16 else x
+    nan = torch.tensor(0x7FFFFFFF, dtype=torch.int32).view(torch.float32)  # rounding it as a number gives -0.0
+    b[:3] = torch.stack([nan, torch.tensor(-float("inf")), torch.tensor(3.4e38)])[: shape[1]]  # 3.4e38 -> bf16 inf
     y = kernels.sgemm_linear(x, w16, b)
     assert calls == {"gl_sgemm_nt": 1}
-    assert torch.equal(y, kernels.sgemm_linear(x.float(), w16.float(), b))
+    torch.testing.assert_close(y, kernels.sgemm_linear(x.float(), w16.float(), b), rtol=0, atol=0, equal_nan=True)
+    y16 = kernels.sgemm_linear(x, w16, b, torch.bfloat16)
+    assert calls == {"gl_sgemm_nt": 3} and y16.dtype is torch.bfloat16
+    torch.testing.assert_close(y16, y.to(torch.bfloat16), rtol=0, atol=0, equal_nan=True)
 
 
 def test_sgemm_nt_gives_the_same_bits_on_any_number_of_threads(calls):

@@ -132,6 +132,27 @@ def test_an_intel_cpus_prompts_and_head_run_what_was_chosen(intel, monkeypatch, 
 
 
 @needs_float
+def test_an_intel_cpus_bf16_prompts_run_gptlabs_gemm_whatever_its_probe_chose(intel, monkeypatch, calls):
+    """The probe times fp32 products. A bf16 model's prompts on a CPU without bf16 GEMMs run
+    gptlab's GEMM even where PyTorch's won every probe (its side would widen the weight and convert
+    x and y too): the product widened, rounded once; PyTorch's only under GPTLAB_GEMM=torch."""
+    fake_probe(monkeypatch, intel, timings(0.5, 0.5, 0.5))
+    monkeypatch.setattr(kernels, "bf16_matmul_is_fast", lambda: False)
+    layer = kernels.Linear(96, 70).bfloat16()
+    x = torch.randn(1, 300, 96).bfloat16()
+    want = F.linear(x.float(), layer.weight.float(), layer.bias.float()).detach()  # (1, 300, 70)
+    for gemm, runs in (("auto", {"gl_sgemm_nt"}), ("gptlab", {"gl_sgemm_nt"}), ("torch", set())):
+        monkeypatch.setenv("GPTLAB_GEMM", gemm)
+        with torch.no_grad():
+            y = layer(x)
+        assert set(calls) == runs and kernels.bf16_prompt_gemm_choice() == ("torch" if gemm == "torch" else "gptlab")
+        assert y.dtype is torch.bfloat16
+        torch.testing.assert_close(y.float(), want, rtol=2**-8, atol=1e-5)  # rounded once: half a bf16 ulp
+        calls.clear()
+    assert kernels.prompt_gemm_choice(300) == "torch" and intel == [1]  # the probe ran once, and chose PyTorch's
+
+
+@needs_float
 def test_the_probe_times_gptlabs_gemm_against_pytorchs(calls, monkeypatch):
     events = []
     monkeypatch.setattr(kernels, "wait_for_huge_pages", lambda timeout=10.0: events.append("wait") or True)

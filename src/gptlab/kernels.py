@@ -57,7 +57,7 @@ MAX_HEAD_SIZE = 256  # the C attention's limit (MAX_HS in attention.c)
 VARIANTS = tuple(kernel_build.VARIANTS)  # best first
 FEATURES = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512vnni", "avxvnni",
             "asimd", "asimddp", "avx512bf16", "amxbf16")  # fmt: skip  # gl_cpu_features' bits, in order
-_ABI = 21
+_ABI = 22
 _P = ctypes.c_void_p
 _I = ctypes.c_int
 _L = ctypes.c_long
@@ -89,7 +89,7 @@ _SIGNATURES = {  # name: argument types; each returns 0, or -1 when out of memor
     "gl_sgemm_bf16_ab": [_I, _I, _I, _P, _L, _L, _P, _L, _L, _P, _L, _P, _I, _I],  # as gl_sgemm, a and b bf16
     "gl_sgemm_colmax": [_I, _I, _I, _P, _L, _L, _P, _L, _L, _P, _L, _P, _I, _I],  # ..., c, ldc, colmax, bf16, threads
     # M, N, K, x, its row stride, whether bf16, W (N, K), whether bf16, y, its row stride, bias, threads
-    "gl_sgemm_nt": [_I, _I, _I, _P, _L, _I, _P, _I, _P, _L, _P, _I],
+    "gl_sgemm_nt": [_I, _I, _I, _P, _L, _I, _P, _I, _P, _L, _I, _P, _I],  # ..., y, ldy, y_bf16, bias, threads
     "gl_gemm_columns": [],
     "gl_has_gemm_bf16": [],
     "gl_set_decode_rows": [_I],  # 1 or ROWS, 0 for the CPU's default; returns the rows in use or -1
@@ -838,6 +838,22 @@ def prompt_gemm_choice(rows: int) -> str:
 _measured_gemm: dict[tuple[int, str], dict[str, str]] = {}  # (threads, variant) -> this process's choice per work
 
 
+def bf16_prompt_gemm_choice() -> str:
+    """Who multiplies a bf16 model's prompts (more than MAX_ROWS rows) on a CPU whose bf16 GEMM is
+    emulated (bf16_linear_in_fp32): "gptlab", wherever its GEMM runs at all (x86 with SIMD), or
+    "torch" (the weight widened into a reused fp32 buffer for PyTorch's BLAS); GPTLAB_GEMM forces
+    either. Not the probe's choice: that times fp32 operands, and here PyTorch's side would also
+    pay for widening the weight and converting x and y, where gptlab's GEMM widens them as it reads
+    them and rounds y as it writes it. Intel Xeon 6/207, 512-token GPT-2 prefill against fp32's
+    (MKL's there), medians of 8 interleaved rounds, 2 runs each: held to the first Xeon's AVX-512
+    VNNI 0.993 / 0.996x (0.963 / 0.968x through MKL), held to AVX2 1.001 / 1.008x (0.966 / 0.973x);
+    256 tokens 1.09x (0.94x); 1,024 tokens, past NT_ROWS, level with MKL's route (1.09x both)."""
+    want = _gemm_env()
+    if want != "auto":
+        return want
+    return "gptlab" if has_simd() and kernel_build.is_x86() and not torch.compiler.is_compiling() else "torch"
+
+
 def _gemm_env() -> str:
     want = os.environ.get("GPTLAB_GEMM", "auto").strip().lower() or "auto"
     if want not in GEMM_CHOICES:
@@ -1230,24 +1246,28 @@ def prompt_gemm_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
 NT_ROWS = 512
 
 
-def sgemm_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def sgemm_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """F.linear of x (..., K) and weight (N, K) in gptlab's GEMM, y = b + x W^T in fp32: both fp32,
     or the weight bf16 and x fp32 or bf16, widened as they are read. Up to NT_ROWS rows of x,
     gl_sgemm_nt reads the weight where it is (a bf16 one widened a block of rows at a time); more
-    run gl_sgemm (_bf16_b, _bf16_ab), which packs it."""
+    run gl_sgemm (_bf16_b, _bf16_ab), which packs it. y is fp32, or rounded once to `dtype` bf16
+    (by gl_sgemm_nt as it writes y: no fp32 y to convert afterwards)."""
     N, K = weight.shape
     x2 = x.reshape(-1, K)  # (M, K)
-    y = torch.empty(x2.size(0), N)  # (M, N)
     b = None if bias is None else bias.detach().float().contiguous()
     in_place = not (x.dtype is torch.bfloat16 and weight.dtype is torch.float32)  # no such gl_sgemm_nt
     if in_place and x2.size(0) <= NT_ROWS and weight.is_contiguous() and x2.stride(1) == 1:
+        y = torch.empty(x2.size(0), N, dtype=dtype)  # (M, N)
         status = _library().lib.gl_sgemm_nt(
             x2.size(0), N, K, x2.data_ptr(), x2.stride(0), int(x.dtype is torch.bfloat16), weight.data_ptr(),
-            int(weight.dtype is torch.bfloat16), y.data_ptr(), N, ptr(b), torch.get_num_threads(),
+            int(weight.dtype is torch.bfloat16), y.data_ptr(), N, int(dtype is torch.bfloat16), ptr(b),
+            torch.get_num_threads(),
         )  # fmt: skip
         check(status)
     else:
-        mm(x2, weight.detach().t(), y, bias=b)  # W fp32 or bf16
+        y = mm(x2, weight.detach().t(), torch.empty(x2.size(0), N), bias=b).to(dtype)  # W fp32 or bf16
     return y.view(*x.shape[:-1], N)
 
 
@@ -1274,14 +1294,16 @@ def bf16_linear_in_fp32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     stays in cache), multiplied transposed, W x^T, as MKL runs that faster. AMD EPYC, 512 rows,
     2026-12-02: the 50,257-row head (scoring) 720 -> 472 ms in slabs; GPT-2's block layers
     together 79.3 ms in slabs, 70.5 converted whole, 66.7 for fp32 weights. From PROMPT_GEMM_ROWS
-    rows, where prompt_gemm_choice() gives gptlab, gptlab's GEMM multiplies the bf16 weight itself,
-    widening it as it reads it (sgemm_linear; no fp32 copy: a 512-token bf16 GPT-2 prefill 457 -> 440 ms on the
-    Zen 5 held to AVX2), and x too (gl_sgemm_bf16_ab: no fp32 copy of the activations, 461 -> 455
-    ms, medians of 7 alternating runs, where fp32's took 460)."""
+    rows, where bf16_prompt_gemm_choice() gives gptlab, gptlab's GEMM multiplies the bf16 weight
+    itself, widening it as it reads it (sgemm_linear; no fp32 copy: a 512-token bf16 GPT-2 prefill
+    457 -> 440 ms on the Zen 5 held to AVX2), and x too (gl_sgemm_bf16_ab: no fp32 copy of the
+    activations, 461 -> 455 ms, medians of 7 alternating runs, where fp32's took 460), and up to
+    NT_ROWS rows gl_sgemm_nt rounds y to bf16 as it writes it (no fp32 y to round afterwards: on
+    the Intel Xeon 6/207 held to AVX-512 VNNI 260.0-264.2 -> 252.9-253.8 ms, held to AVX2
+    443.5-447.3 -> 435.3-436.5)."""
     K, N = weight.size(1), weight.size(0)
-    if x.numel() >= PROMPT_GEMM_ROWS * K and prompt_gemm_choice(x.numel() // K) == "gptlab" and _library().float_ok:
-        y = sgemm_linear(x, weight, bias)  # (..., N) fp32; x and the weight widened as they are read
-        return y.to(torch.bfloat16)  # rounded once
+    if x.numel() >= PROMPT_GEMM_ROWS * K and bf16_prompt_gemm_choice() == "gptlab" and _library().float_ok:
+        return sgemm_linear(x, weight, bias, torch.bfloat16)  # (..., N): widened as read, rounded once
     xf = x.reshape(-1, K).float()  # (M, K)
     if N * K * 4 <= WHOLE_BYTES:
         w = _buffer(N * K)[: N * K].view(N, K)

@@ -32,8 +32,8 @@ typedef int (*sgemm_bf16_ab_t)(int, int, int, const uint16_t *, long, long, cons
                                long, const float *, int, int);
 typedef int (*sgemm_bf16_b_t)(int, int, int, const float *, long, long, const uint16_t *, long, long, float *, long,
                               const float *, int, int);
-typedef int (*sgemm_nt_t)(int, int, int, const void *, long, int, const void *, int, float *, long, const float *,
-                          int);
+typedef int (*sgemm_nt_t)(int, int, int, const void *, long, int, const void *, int, void *, long, int,
+                          const float *, int);
 typedef int (*attend_prompt_t)(const float *, const long *, const float *, const long *, const float *, const long *,
                                float *, int, int, int, int, int, int);
 typedef int (*gelu_t)(const void *, void *, long, int, int);
@@ -352,10 +352,10 @@ static void check_sgemm_nt(const lib_t *ref, const lib_t *l, int M, int N, int K
     float *y0 = malloc(sizeof(float) * M * N), *y = malloc(sizeof(float) * M * N), *yw = malloc(sizeof(float) * M * N);
     char shape[64];
     snprintf(shape, sizeof shape, "M=%d N=%d K=%d", M, N, K);
-    ref->sgemm_nt(M, N, K, x, ldx, 0, w, 0, y0, N, b, 2);
-    l->sgemm_nt(M, N, K, x, ldx, 0, w, 0, y, N, b, 2);
+    ref->sgemm_nt(M, N, K, x, ldx, 0, w, 0, y0, N, 0, b, 2);
+    l->sgemm_nt(M, N, K, x, ldx, 0, w, 0, y, N, 0, b, 2);
     report("sgemm_nt", l, shape, worst(y, y0, (size_t)M * N, 1e-5, 1e-5));
-    l->sgemm_nt(M, N, K, x, ldx, 0, w, 0, y, N, NULL, 2);
+    l->sgemm_nt(M, N, K, x, ldx, 0, w, 0, y, N, 0, NULL, 2);
     l->sgemm(M, N, K, x, ldx, 1, w, 1, K, yw, N, NULL, 0, 2);
     const int nr = l->gemm_columns(), vw = nr / 2, rest = (M - 1) % nr + 1;
     if (rest > vw && rest <= vw + vw / 2)
@@ -365,11 +365,17 @@ static void check_sgemm_nt(const lib_t *ref, const lib_t *l, int M, int N, int K
     uint16_t *xh = bf16s((size_t)M * ldx, 1), *wh = bf16s((size_t)N * K, 0.1f);
     for (long i = 0; i < M * ldx; i++) x[i] = from_bf16(xh[i]);
     for (int i = 0; i < N * K; i++) w[i] = from_bf16(wh[i]);
-    l->sgemm_nt(M, N, K, x, ldx, 0, w, 0, yw, N, b, 2);
-    l->sgemm_nt(M, N, K, x, ldx, 0, wh, 1, y, N, b, 2);
+    l->sgemm_nt(M, N, K, x, ldx, 0, w, 0, yw, N, 0, b, 2);
+    l->sgemm_nt(M, N, K, x, ldx, 0, wh, 1, y, N, 0, b, 2);
     report("sgemm_nt bf16 W = widened", l, shape, memcmp(y, yw, sizeof(float) * M * N) ? 2 : 0);
-    l->sgemm_nt(M, N, K, xh, ldx, 1, wh, 1, y, N, b, 2);
+    l->sgemm_nt(M, N, K, xh, ldx, 1, wh, 1, y, N, 0, b, 2);
     report("sgemm_nt bf16 x, W = widened", l, shape, memcmp(y, yw, sizeof(float) * M * N) ? 2 : 0);
+    uint16_t *yh = malloc(2 * (size_t)M * N); /* y rounded to bf16 as it is written: y's bits, rounded */
+    l->sgemm_nt(M, N, K, xh, ldx, 1, wh, 1, yh, N, 1, b, 2);
+    size_t differ = 0;
+    for (size_t i = 0; i < (size_t)M * N; i++) differ += yh[i] != bf16(y[i]);
+    report("sgemm_nt bf16 y = rounded", l, shape, differ ? 2 : 0);
+    free(yh);
     free(x), free(w), free(b), free(y0), free(y), free(yw), free(xh), free(wh);
 }
 

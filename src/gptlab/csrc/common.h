@@ -11,7 +11,7 @@
 
 #include "simd.h"
 
-#define GL_ABI 21 /* gptlab/kernels.py refuses a library of another ABI */
+#define GL_ABI 22 /* gptlab/kernels.py refuses a library of another ABI */
 
 /* Rows of W at a time (ROWS memory streams in flight) and rows of x at a time (MROWS, their
  * products kept in registers: 4 x 4 vectors fit AVX-512's 32 registers, 4 x 2 AVX2's 16). The
@@ -204,11 +204,11 @@ static inline void thread_rows(int n, int unit, int *n0, int *n1) {
  * to nearest even), 2 y fp32 holding those bf16 values. */
 void gl_linear_rows(const void *w, int w_bf16, const float *x, const void *bias, int bias_bf16, void *y, int y_bf16,
                     int M, int N, int K, int nthreads);
-/* y (M, N) = x (M, K) W^T + bias in gptlab's GEMM, W (N, K) read where it is (gemm.c; x and W fp32
- * or bf16 as flagged, rows ldx and ldy apart, bias fp32 or NULL). Returns 0, -1 out of memory, -2
- * bf16 x with fp32 W. */
-int gl_sgemm_nt(int M, int N, int K, const void *x, long ldx, int x_bf16, const void *w, int w_bf16, float *y, long ldy,
-                const float *bias, int nthreads);
+/* y (M, N) = x (M, K) W^T + bias in gptlab's GEMM, W (N, K) read where it is (gemm.c; x, W and y
+ * fp32 or bf16 as flagged, rows ldx and ldy apart, bias fp32 or NULL). Returns 0, -1 out of
+ * memory, -2 bf16 x with fp32 W. */
+int gl_sgemm_nt(int M, int N, int K, const void *x, long ldx, int x_bf16, const void *w, int w_bf16, void *y, long ldy,
+                int y_bf16, const float *bias, int nthreads);
 /* x (M, K) fp32 into xo in the order the bf16 kernel reads (see linear.c). */
 void gl_order_pairs(const float *x, float *xo, int M, int K);
 int gl_linear_i8(const float *x, const int8_t *w, const uint16_t *ws, const int32_t *wsum, const float *b, float *y,

@@ -159,7 +159,7 @@ static void dot_span_rm(const void *w, int bf16, const float *x, const void *bia
 AI void linear_rows(const void *w, int bf16, const float *x, const void *bias, const int bias_bf16, void *y,
                     int y_bf16, int M, int N, int K, int nthreads) {
     if (M >= F32_GEMM_ROWS && !bf16 && !bias_bf16 && !y_bf16 &&
-        !gl_sgemm_nt(M, N, K, x, K, 0, w, 0, (float *)y, N, (const float *)bias, nthreads))
+        !gl_sgemm_nt(M, N, K, x, K, 0, w, 0, y, N, 0, (const float *)bias, nthreads))
         return; /* else out of memory for its x^T panel: the float kernel's blocks need none */
     if (M <= MROWS) { /* decoding: a span of W's rows per thread */
 #pragma omp parallel num_threads(nthreads)
