@@ -88,8 +88,8 @@ _SIGNATURES = {  # name: argument types; each returns 0, or -1 when out of memor
     "gl_sgemm_bf16_b": [_I, _I, _I, _P, _L, _L, _P, _L, _L, _P, _L, _P, _I, _I],  # as gl_sgemm, b bf16
     "gl_sgemm_bf16_ab": [_I, _I, _I, _P, _L, _L, _P, _L, _L, _P, _L, _P, _I, _I],  # as gl_sgemm, a and b bf16
     "gl_sgemm_colmax": [_I, _I, _I, _P, _L, _L, _P, _L, _L, _P, _L, _P, _I, _I],  # ..., c, ldc, colmax, bf16, threads
-    # M, N, K, x, its row stride, whether bf16, W (N, K), whether bf16, y, its row stride, bias, threads
-    "gl_sgemm_nt": [_I, _I, _I, _P, _L, _I, _P, _I, _P, _L, _I, _P, _I],  # ..., y, ldy, y_bf16, bias, threads
+    # M, N, K, x, its row stride, whether bf16, W (N, K), whether bf16, y, its row stride, whether bf16, bias, threads
+    "gl_sgemm_nt": [_I, _I, _I, _P, _L, _I, _P, _I, _P, _L, _I, _P, _I],
     "gl_gemm_columns": [],
     "gl_has_gemm_bf16": [],
     "gl_set_decode_rows": [_I],  # 1 or ROWS, 0 for the CPU's default; returns the rows in use or -1
