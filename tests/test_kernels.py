@@ -294,7 +294,8 @@ def test_decode_attention_writes_the_cache_and_matches_sdpa(dtype, cache, padded
 def test_prompt_attention_is_causal_sdpa(dtype, cached):
     """gl_attend_prompt: q a strided view of c_attn's output; k and v views of it too (no cache),
     or a cache's first S = cached + T slots (the cached ones visible to every query), against
-    float64 SDPA with the causal mask; bf16 computed in fp32 and rounded once."""
+    float64 SDPA with the causal mask; bf16 read as it is (no fp32 copies), computed in fp32 and
+    rounded once: the same bits as the fp32 attention of its fp32 copies, rounded by torch."""
     B, T, nh, hs = 2, 101, 3, 40  # T: 48 + 48 + 5 queries; hs: a vector tail on every variant
     torch.manual_seed(9)
     qkv = torch.randn(B, T, 3 * nh * hs).to(dtype)
@@ -313,6 +314,9 @@ def test_prompt_attention_is_causal_sdpa(dtype, cached):
         assert (y.double() - ref).abs().max() <= 2e-6  # measured <= 5.4e-7
     else:  # one rounding to bf16 of an fp32 result: half an ulp plus fp32's error
         assert ((y.double() - ref).abs() <= ref.abs() * 2**-8 + 2e-6).all()
+        with torch.no_grad():
+            y32 = kernels.prompt_attention(q.float(), k.float(), v.float())
+        assert torch.equal(y, y32.to(dtype))
 
 
 @needs_float

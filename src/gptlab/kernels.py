@@ -57,7 +57,7 @@ MAX_HEAD_SIZE = 256  # the C attention's limit (MAX_HS in attention.c)
 VARIANTS = tuple(kernel_build.VARIANTS)  # best first
 FEATURES = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512vnni", "avxvnni",
             "asimd", "asimddp", "avx512bf16", "amxbf16")  # fmt: skip  # gl_cpu_features' bits, in order
-_ABI = 22
+_ABI = 23
 _P = ctypes.c_void_p
 _I = ctypes.c_int
 _L = ctypes.c_long
@@ -76,7 +76,7 @@ _SIGNATURES = {  # name: argument types; each returns 0, or -1 when out of memor
     "gl_gelu_tanh": [_P, _P, _L, _I, _I],  # x, y, n, bf16, threads
     "gl_gelu_tanh_backward": [_P, _P, _P, _L, _I],  # x, dy, dx, n, threads
     # q, its (batch, head, row) strides, k, strides, v, strides, out, B, nh, T, S, hs, threads
-    "gl_attend_prompt": [_P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I],
+    "gl_attend_prompt": [_P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I],
     # logits (V, n), its row stride, targets, loss, peak, inv, n, V, grad, the peaks given or NULL, threads
     "gl_softmax_xent": [_P, _L, _P, _P, _P, _P, _I, _I, _I, _P, _I],
     # model, kv caches, whether they are bf16, tokens, positions, B, T, pos, max_len, mask, rope, logits,
@@ -670,24 +670,22 @@ def prompt_attention_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
 def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Causal attention of q (B, nh, T, hs) over k, v (B, nh, S, hs), S >= T, query t seeing keys
     0..S-T+t, as F.scaled_dot_product_attention(is_causal=True) for S == T, in C (gl_attend_prompt,
-    fp32; bf16 inputs are converted, the output rounded to bf16):
+    fp32 sums; bf16 q, k, v widened as C reads them, the output rounded once as it writes it):
     returns it as SDPA does, (B, nh, T, hs), a view of (B, T, nh, hs) memory (the heads side by
     side, as c_proj takes them). A 512-token GPT-2 prompt's 12 layers took PyTorch's flash
     attention 55 ms on an AMD EPYC Zen 5 held to AVX2, and this 35 ms."""
-    dtype = q.dtype
-    if dtype is torch.bfloat16:  # computed in fp32 (bf16 converts exactly), the output rounded once
-        q, k, v = q.float(), k.float(), v.float()
     B, nh, T, hs = q.shape
     S = k.size(2)
-    out = torch.empty(B, T, nh, hs)
+    out = torch.empty(B, T, nh, hs, dtype=q.dtype)
     strides = [torch.tensor(t.stride()[:3], dtype=torch.long) for t in (q, k, v)]  # (batch, head, row)
     check(
         _library().lib.gl_attend_prompt(
             q.data_ptr(), strides[0].data_ptr(), k.data_ptr(), strides[1].data_ptr(), v.data_ptr(),
-            strides[2].data_ptr(), out.data_ptr(), B, nh, T, S, hs, torch.get_num_threads(),
+            strides[2].data_ptr(), out.data_ptr(), B, nh, T, S, hs, int(q.dtype is torch.bfloat16),
+            torch.get_num_threads(),
         )
     )  # fmt: skip
-    return out.to(dtype).transpose(1, 2)
+    return out.transpose(1, 2)
 
 
 def decode_attention(qkv: torch.Tensor, kv, cache_pos: int, mask: torch.Tensor | None, n_head: int) -> torch.Tensor:

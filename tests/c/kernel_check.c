@@ -34,8 +34,8 @@ typedef int (*sgemm_bf16_b_t)(int, int, int, const float *, long, long, const ui
                               const float *, int, int);
 typedef int (*sgemm_nt_t)(int, int, int, const void *, long, int, const void *, int, void *, long, int,
                           const float *, int);
-typedef int (*attend_prompt_t)(const float *, const long *, const float *, const long *, const float *, const long *,
-                               float *, int, int, int, int, int, int);
+typedef int (*attend_prompt_t)(const void *, const long *, const void *, const long *, const void *, const long *,
+                               void *, int, int, int, int, int, int, int);
 typedef int (*gelu_t)(const void *, void *, long, int, int);
 typedef int (*gelu_backward_t)(const float *, const float *, float *, long, int);
 typedef void (*dequantize_i4_t)(const uint8_t *, const uint16_t *, const uint16_t *, void *, int, int, int, int, int);
@@ -248,19 +248,28 @@ static void check_attention(const lib_t *ref, const lib_t *l, int B, int nh, int
 }
 
 /* A prompt's causal attention: q a strided view of c_attn's output (B, T, 3C), k and v a cache's
- * first S = T + cached slots, out (B, T, nh, hs); against the reference variant. */
+ * first S = T + cached slots, out (B, T, nh, hs); against the reference variant. In bf16 (the same
+ * values rounded to bf16): the same bits as this library's fp32 attention of them, rounded. */
 static void check_attend_prompt(const lib_t *ref, const lib_t *l, int B, int nh, int hs, int T, int cached) {
     const int C = nh * hs, S = T + cached, L = S + 5;
-    float *qkv = floats((size_t)B * T * 3 * C, 1), *k = floats((size_t)B * nh * L * hs, 1);
-    float *v = floats((size_t)B * nh * L * hs, 1);
+    const size_t nq = (size_t)B * T * 3 * C, nkv = (size_t)B * nh * L * hs, no = (size_t)B * T * C;
+    float *qkv = floats(nq, 1), *k = floats(nkv, 1), *v = floats(nkv, 1);
     const long qs[3] = {(long)T * 3 * C, hs, 3 * C}, cs[3] = {(long)nh * L * hs, (long)L * hs, hs};
-    float *o0 = malloc(sizeof(float) * B * T * C), *o = malloc(sizeof(float) * B * T * C);
-    ref->attend_prompt(qkv, qs, k, cs, v, cs, o0, B, nh, T, S, hs, 2);
-    l->attend_prompt(qkv, qs, k, cs, v, cs, o, B, nh, T, S, hs, 2);
+    float *o0 = malloc(sizeof(float) * no), *o = malloc(sizeof(float) * no);
+    ref->attend_prompt(qkv, qs, k, cs, v, cs, o0, B, nh, T, S, hs, 0, 2);
+    l->attend_prompt(qkv, qs, k, cs, v, cs, o, B, nh, T, S, hs, 0, 2);
     char shape[64];
     snprintf(shape, sizeof shape, "B=%d nh=%d hs=%d T=%d S=%d", B, nh, hs, T, S);
-    report("attend_prompt", l, shape, worst(o, o0, (size_t)B * T * C, 1e-6, 1e-5));
-    free(qkv), free(k), free(v), free(o0), free(o);
+    report("attend_prompt", l, shape, worst(o, o0, no, 1e-6, 1e-5));
+    uint16_t *qkvh = malloc(2 * nq), *kh = malloc(2 * nkv), *vh = malloc(2 * nkv), *oh = malloc(2 * no);
+    for (size_t i = 0; i < nq; i++) qkvh[i] = bf16(qkv[i]), qkv[i] = from_bf16(qkvh[i]);
+    for (size_t i = 0; i < nkv; i++) kh[i] = bf16(k[i]), k[i] = from_bf16(kh[i]), vh[i] = bf16(v[i]), v[i] = from_bf16(vh[i]);
+    l->attend_prompt(qkv, qs, k, cs, v, cs, o, B, nh, T, S, hs, 0, 2);
+    l->attend_prompt(qkvh, qs, kh, cs, vh, cs, oh, B, nh, T, S, hs, 1, 2);
+    int same = 1;
+    for (size_t i = 0; i < no; i++) same &= oh[i] == bf16(o[i]);
+    report("attend_prompt bf16", l, shape, same ? 0 : 2);
+    free(qkv), free(k), free(v), free(o0), free(o), free(qkvh), free(kh), free(vh), free(oh);
 }
 
 /* GPT-2's tanh GELU over n values, fp32 and bf16 (rounded once), against the reference variant. */

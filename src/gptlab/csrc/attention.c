@@ -142,18 +142,20 @@ typedef struct {
     long b, h, row;
 } ap_strides_t;
 
-/* Causal attention of T queries per (batch row, head) over S >= T keys, fp32:
+/* Causal attention of T queries per (batch row, head) over S >= T keys:
  *   out[b, t, h, :] = softmax(q_t . k_j / sqrt(hs), j <= S - T + t) . v_j
  * q (B, nh, T, hs), k and v (B, nh, S, hs) at any strides (e.g. views of c_attn's output, or the
  * KV cache), out (B, T, nh, hs) contiguous: the heads side by side, as c_proj takes them. Each
  * head's K^T is packed once (gemm.c's panels); then each task is AP_ROWS queries of one head:
  * their scores against the keys they can see, then those probabilities times the values, both in
  * gemm.c's blocked product on one thread; the rows of scores a query cannot see are zeroed after
- * its softmax. Returns 0, or -1 out of memory. */
-int gl_attend_prompt(const float *q, const long *qs, const float *k, const long *ks, const float *v,
-                     const long *vs, float *out, int B, int nh, int T, int S, int hs, int nthreads) {
+ * its softmax. All fp32, or (bf16) q, k, v and out bf16: q, k and v widened exactly as they are
+ * packed, the sums fp32, each output rounded once (to nearest even) as it is written, the same
+ * bits as the fp32 product of their fp32 copies rounded by torch. Returns 0, or -1 out of memory. */
+int gl_attend_prompt(const void *q, const long *qs, const void *k, const long *ks, const void *v, const long *vs,
+                     void *out, int B, int nh, int T, int S, int hs, int bf16, int nthreads) {
     const ap_strides_t sq = {qs[0], qs[1], qs[2]}, sk = {ks[0], ks[1], ks[2]}, sv = {vs[0], vs[1], vs[2]};
-    const int blocks = (T + AP_ROWS - 1) / AP_ROWS, heads = B * nh, tasks = heads * blocks;
+    const int blocks = (T + AP_ROWS - 1) / AP_ROWS, heads = B * nh, tasks = heads * blocks, es = bf16 ? 2 : 4;
     const float scale = 1.0f / sqrtf((float)hs);
     const size_t packed = gemm_packed_elems(S, hs); /* each head's K^T, packed once for its blocks */
     float *kt = aligned_alloc(64, (sizeof(float) * packed * heads + 63) / 64 * 64);
@@ -163,16 +165,21 @@ int gl_attend_prompt(const float *q, const long *qs, const float *k, const long 
     {
 #pragma omp for schedule(static)
         for (int bh = 0; bh < heads; bh++)
-            gemm_pack_whole(k + bh / nh * sk.b + bh % nh * sk.h, 1, sk.row, S, hs, kt + packed * bh);
+            gemm_pack_whole((const char *)k + (bh / nh * sk.b + bh % nh * sk.h) * es, 1, sk.row, S, hs,
+                            kt + packed * bh, bf16);
         float *scores = malloc(sizeof(float) * (size_t)AP_ROWS * S);
+        float *sums = bf16 ? malloc(sizeof(float) * (size_t)AP_ROWS * hs) : NULL; /* a task's fp32 output */
 #pragma omp for schedule(dynamic, 1)
         for (int task = 0; task < tasks; task++) { /* the last (longest) query blocks first */
             const int blk = blocks - 1 - task / heads, bh = task % heads, b = bh / nh, h = bh % nh;
             const int t0 = blk * AP_ROWS, m = T - t0 < AP_ROWS ? T - t0 : AP_ROWS, keys = S - T + t0 + m;
-            const float *qb = q + b * sq.b + h * sq.h + t0 * sq.row, *vb = v + b * sv.b + h * sv.h;
-            float *ob = out + (((size_t)b * T + t0) * nh + h) * hs;
-            const long ldo = (long)nh * hs;
-            if (!scores || gemm_prepacked(m, keys, hs, qb, sq.row, 1, kt + packed * bh, scores, keys)) {
+            const char *qb = (const char *)q + (b * sq.b + h * sq.h + t0 * sq.row) * es;
+            const char *vb = (const char *)v + (b * sv.b + h * sv.h) * es;
+            const size_t at = (((size_t)b * T + t0) * nh + h) * hs; /* out's element (b, t0, h, 0) */
+            const long ldo = (long)nh * hs, ld = bf16 ? hs : ldo;
+            float *ob = bf16 ? sums : (float *)out + at;
+            if (!scores || (bf16 && !sums) ||
+                gemm_prepacked(m, keys, hs, qb, sq.row, 1, bf16, kt + packed * bh, scores, keys)) {
 #pragma omp atomic write
                 failed = 1;
                 continue;
@@ -180,18 +187,24 @@ int gl_attend_prompt(const float *q, const long *qs, const float *k, const long 
             float inv[AP_ROWS]; /* query t0 + i sees keys [0, S - T + t0 + i] */
             for (int i = 0; i < m; i++)
                 inv[i] = 1.0f / softmax_seen(scores + (size_t)i * keys, S - T + t0 + i + 1, keys, scale);
-            if (gemm(&GEMM_F32, m, hs, keys, scores, keys, 1, vb, sv.row, 1, ob, ldo, NULL, 0, NULL, 1)) {
+            if (bf16 ? gemm(&GEMM_F32_BF16_B, m, hs, keys, scores, keys, 1, vb, sv.row, 1, ob, ld, NULL, 0, NULL, 1)
+                     : gemm(&GEMM_F32, m, hs, keys, scores, keys, 1, vb, sv.row, 1, ob, ld, NULL, 0, NULL, 1)) {
 #pragma omp atomic write
                 failed = 1;
                 continue;
             }
             for (int i = 0; i < m; i++) { /* the probabilities' normalization, on hs values instead of keys */
-                float *o = ob + i * ldo;
+                float *o = ob + i * ld;
                 for (int d = 0; d < hs; d += VW)
                     vf_store_n(o + d, vf_mul(vf_load_n(o + d, hs - d), vf_set1(inv[i])), hs - d);
+                if (bf16) {
+                    uint16_t *oh = (uint16_t *)out + at + i * ldo;
+                    for (int d = 0; d < hs; d++) oh[d] = f32_to_bf16(o[d]);
+                }
             }
         }
         free(scores);
+        free(sums);
     }
     free(kt);
     return failed ? -1 : 0;

@@ -11,7 +11,7 @@
 
 #include "simd.h"
 
-#define GL_ABI 22 /* gptlab/kernels.py refuses a library of another ABI */
+#define GL_ABI 23 /* gptlab/kernels.py refuses a library of another ABI */
 
 /* Rows of W at a time (ROWS memory streams in flight) and rows of x at a time (MROWS, their
  * products kept in registers: 4 x 4 vectors fit AVX-512's 32 registers, 4 x 2 AVX2's 16). The
@@ -170,11 +170,12 @@ static inline float bf16_to_f32(uint16_t h) {
     return f;
 }
 
-static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch does */
+/* Rounded to nearest even, as torch does; NaN stays NaN (quiet). A select, not a branch, so that
+ * loops of it vectorize. */
+static inline uint16_t f32_to_bf16(float f) {
     uint32_t u;
     memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* NaN stays NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
+    u = (u & 0x7fffffffu) > 0x7f800000u ? u | 0x400000u : u + 0x7fffu + ((u >> 16) & 1u);
     return (uint16_t)(u >> 16);
 }
 

@@ -345,6 +345,12 @@ static void pack_b_f32(const void *b, long rsb, long csb, int n, int kc, int p0,
             for (int k = 0; k < kc; k++) memcpy(out + k * GEMM_NR, bj + k * rsb, sizeof(float) * GEMM_NR);
             continue;
         }
+        if (csb == 1 && nr == GEMM_NR) { /* bf16, each k's columns adjacent: widened a vector at a time */
+            const uint16_t *bj = (const uint16_t *)b + j0;
+            for (int k = 0; k < kc; k++)
+                for (int j = 0; j < GEMM_NR; j += VW) vf_store(out + k * GEMM_NR + j, vf_load_bf16(bj + k * rsb + j));
+            continue;
+        }
         if (rsb == 1 && nr == GEMM_NR) { /* each column's k values are adjacent: a weight stored (N, K) */
             pack_rows(b, (size_t)j0 * csb, csb, GEMM_NR, kc, out, bf16);
             continue;
@@ -599,23 +605,32 @@ static const gemm_kind_t GEMM_BF16_A_ROWS = {GEMM_MR, GEMM_NR, 1, 4, 2, 1, gemm_
 static const gemm_kind_t GEMM_BF16_AB_ROWS = {GEMM_MR, GEMM_NR, 1, 2, 2, 1, gemm_widen_a_rows,
                                               gemm_pack_b_split_from_bf16, gemm_tile_rows};
 
-/* One fp32 operand B (K, N), K <= GEMM_KC, packed once for many products (gemm_prepacked): its
- * elements, and the packing (panels of NR columns, [K][NR] each). */
+/* A bf16 A against a prepacked fp32 B (gemm_prepacked's; the kind's pack_b is never called). */
+static const gemm_kind_t GEMM_F32_BF16_A = {GEMM_MR, GEMM_NR, 1, 4, 2, 0, gemm_pack_a_from_bf16, gemm_pack_b, gemm_tile};
+
+/* One operand B (K, N), K <= GEMM_KC, fp32 or bf16 (widened exactly), packed once for many
+ * products (gemm_prepacked): its elements, and the packing (panels of NR columns, [K][NR] each). */
 static size_t gemm_packed_elems(int N, int K) { return (size_t)(N + GEMM_NR - 1) / GEMM_NR * K * GEMM_NR; }
-static void gemm_pack_whole(const float *b, long rsb, long csb, int N, int K, float *bp) {
-    gemm_pack_b(b, rsb, csb, N, K, 0, (N + GEMM_NR - 1) / GEMM_NR, bp);
+static void gemm_pack_whole(const void *b, long rsb, long csb, int N, int K, float *bp, int bf16) {
+    pack_b_f32(b, rsb, csb, N, K, 0, (N + GEMM_NR - 1) / GEMM_NR, bp, bf16);
 }
 
-/* On this thread: C (M, N) = A (M, K) B, B packed by gemm_pack_whole for N or more columns (its
- * first panels serve a narrower product). Returns 0, or -1 out of memory. */
-static int gemm_prepacked(int M, int N, int K, const float *a, long rsa, long csa, const float *bp, float *c,
-                          long ldc) {
-    uint32_t *ap = alloc_elems((GEMM_MC / GEMM_MR + 1) * a_panel_elems(&GEMM_F32, K));
+/* On this thread: C (M, N) = A (M, K) B, A fp32 or (a_bf16) bf16, B packed by gemm_pack_whole for
+ * N or more columns (its first panels serve a narrower product). Returns 0, or -1 out of memory. */
+static inline __attribute__((always_inline)) int prepacked(const gemm_kind_t *kind, int M, int N, int K,
+                                                           const void *a, long rsa, long csa, const float *bp,
+                                                           float *c, long ldc) {
+    uint32_t *ap = alloc_elems((GEMM_MC / GEMM_MR + 1) * a_panel_elems(kind, K));
     if (!ap) return -1;
-    const gemm_t g = {&GEMM_F32, M, N, K, 0, M, 0, a, NULL, rsa, csa, ldc, c, NULL};
+    const gemm_t g = {kind, M, N, K, 0, M, 0, a, NULL, rsa, csa, ldc, c, NULL};
     gemm_rows_whole(&g, (const uint32_t *)bp, 0, ap);
     free(ap);
     return 0;
+}
+static int gemm_prepacked(int M, int N, int K, const void *a, long rsa, long csa, int a_bf16, const float *bp,
+                          float *c, long ldc) { /* each kind a constant, so that its loops are specialized */
+    return a_bf16 ? prepacked(&GEMM_F32_BF16_A, M, N, K, a, rsa, csa, bp, c, ldc)
+                  : prepacked(&GEMM_F32, M, N, K, a, rsa, csa, bp, c, ldc);
 }
 
 /* fp32: C (M, N) = A (M, K) B (K, N) + bias, or C += A B + bias when accumulate (see gemm). */
