@@ -75,7 +75,7 @@ _SIGNATURES = {  # name: argument types; each returns 0, or -1 when out of memor
     "gl_draw": [_P, _P, _P, _I, _I],  # probs, u, ids, M, V; -3: a row's sum not finite and positive
     "gl_gelu_tanh": [_P, _P, _L, _I, _I],  # x, y, n, bf16, threads
     "gl_gelu_tanh_backward": [_P, _P, _P, _L, _I],  # x, dy, dx, n, threads
-    # q, its (batch, head, row) strides, k, strides, v, strides, out, B, nh, T, S, hs, threads
+    # q, its (batch, head, row) strides, k, strides, v, strides, out, B, nh, T, S, hs, whether bf16, threads
     "gl_attend_prompt": [_P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I],
     # logits (V, n), its row stride, targets, loss, peak, inv, n, V, grad, the peaks given or NULL, threads
     "gl_softmax_xent": [_P, _L, _P, _P, _P, _P, _I, _I, _I, _P, _I],
