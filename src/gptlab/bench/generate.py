@@ -486,8 +486,8 @@ def _same_tokens(row, rows):
     return bool(torch.equal(row["tokens"], ref["tokens"]))
 
 
-def _ratio(row, base) -> float:
-    return round(row["decode_tok_s"] / base["decode_tok_s"], 2)
+def _ratio(row, base, key: str = "decode_tok_s") -> float:
+    return round(row[key] / base[key], 2)
 
 
 def summarize(rows) -> dict:
@@ -503,10 +503,10 @@ def summarize(rows) -> dict:
             if "linears_only_share" in ours32:
                 out["fp32_linears_only_share"] = ours32["linears_only_share"]
         if ours32 and hf32:
-            out[f"fp32_{tag}_decode_vs_transformers"] = round(ours32["decode_tok_s"] / hf32["decode_tok_s"], 2)
-            out[f"fp32_{tag}_prefill_vs_transformers"] = round(ours32["prefill_tok_s"] / hf32["prefill_tok_s"], 2)
+            out[f"fp32_{tag}_decode_vs_transformers"] = _ratio(ours32, hf32)
+            out[f"fp32_{tag}_prefill_vs_transformers"] = _ratio(ours32, hf32, "prefill_tok_s")
         if ours16 and ours32:
-            out[f"bf16_{tag}_decode_vs_gptlab_fp32_{tag}"] = round(ours16["decode_tok_s"] / ours32["decode_tok_s"], 2)
+            out[f"bf16_{tag}_decode_vs_gptlab_fp32_{tag}"] = _ratio(ours16, ours32)
         for q in QUANTIZED:
             ours_q = _find(rows, engine="gptlab", mode=q, compiled=compiled, batch=1)
             if ours_q and ours32:
