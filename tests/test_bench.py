@@ -421,26 +421,27 @@ def test_bench_variants_times_each_prefetch_hint_it_is_given(tmp_path, capsys, m
 
 
 def test_bench_gemm_times_both_sides_and_the_bf16_products_where_they_run(tmp_path, capsys, monkeypatch):
-    from gptlab.bench import gemm
+    from gptlab import gemm
+    from gptlab.bench import gemm as bench_gemm
 
     if not kernels.available()[0]:
         pytest.skip(f"no kernels built: {kernels.available()[2]}")
-    calls, sgemm_linear = [], kernels.sgemm_linear
-    monkeypatch.setattr(kernels, "sgemm_linear", lambda *a: calls.append(1) or sgemm_linear(*a))
+    calls, sgemm_linear = [], gemm.sgemm_linear
+    monkeypatch.setattr(gemm, "sgemm_linear", lambda *a: calls.append(1) or sgemm_linear(*a))
     argv = ["--vocab", "300", "--rows", "16", "--width", "8", "--rounds", "1", "--layer-rows", "9",
             "--out", str(tmp_path)]  # fmt: skip
-    assert gemm.main(argv) == 0
+    assert bench_gemm.main(argv) == 0
     assert (
         len(calls) == 2 * (1 + 2048 // 9) * 4
     )  # fp32 and bf16: a warm-up and a round's reps of 4 layers, gptlab's side only
     (path,) = tmp_path.glob("gemm-*.json")
     results = json.loads(path.read_text())
-    assert [r["product"] for r in results["products"]] == list(gemm.PRODUCTS)
+    assert [r["product"] for r in results["products"]] == list(bench_gemm.PRODUCTS)
     layers = results["block_layers"]
     assert [(r["rows"], r["weights"]) for r in layers] == [(9, "float32"), (9, "bfloat16")]
     assert all(r["speedup"] == pytest.approx(r["torch_ms"] / r["gptlab_ms"], rel=0.01) for r in layers)
     assert all(r["gptlab_ms"] > 0 and r["torch_ms"] > 0 for r in results["products"])
-    bf16 = kernels.gemm_bf16_runs()
+    bf16 = gemm.gemm_bf16_runs()
     assert results["bf16_products"] == ("gl_gemm_bf16" if bf16 else "torch")
     assert ("products_bf16" in results) == bf16
     assert ("gl_gemm_bf16 against torch bf16" in capsys.readouterr().out) == bf16

@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 
 from conftest import VARIANTS, tiny_model
-from gptlab import fused_step, kernels
+from gptlab import fused_step, gemm, kernels
 from gptlab.generation import decode_step, generate, left_pad, new_cache, prefill
 from gptlab.quantize import quantize_model
 
@@ -207,7 +207,7 @@ def test_float_steps_of_many_rows_match_the_modules(rows, dtype, steps, monkeypa
     g = torch.Generator().manual_seed(rows)
     prompts = [torch.randint(1, 64, (1 + r % 5,), generator=g).tolist() for r in range(rows)]  # left-padded
     fused, plain = decode_logits(model, n=4, prompts=prompts), decode_logits(model, n=4, prompts=prompts, fused=False)
-    in_c = kernels.prompt_gemm_choice(rows) == "gptlab"  # not on the portable variant
+    in_c = gemm.prompt_gemm_choice(rows) == "gptlab"  # not on the portable variant
     assert steps["fused"] == (4 if in_c else 0)  # the steps, not the prompt of rows x 5 tokens
     # As test_fp32_step_matches_the_modules and test_bf16_step_rounds_where_the_modules_round:
     # measured at most 2.3e-7 (fp32) and 0.0 (bf16) of the largest logit, on every variant.

@@ -1,10 +1,10 @@
-"""gptlab's fp32 GEMM (kernels.mm, gl_sgemm in csrc/gemm.c): the training head's products, on every
+"""gptlab's fp32 GEMM (gemm.mm, gl_sgemm in csrc/gemm.c): the training head's products, on every
 kernel variant this CPU runs, against float64; which GEMM runs; and the chunked loss through it."""
 
 import pytest
 import torch
 
-from gptlab import kernels
+from gptlab import gemm, kernels
 from gptlab.chunked_loss import linear_cross_entropy
 
 pytestmark = pytest.mark.skipif(not kernels.available()[0], reason=f"no kernels built: {kernels.available()[2]}")
@@ -43,8 +43,8 @@ def assert_close_to_float64(got, want64, a, b, c=None):
 @pytest.fixture
 def gptlab_gemm(monkeypatch):
     monkeypatch.setenv("GPTLAB_GEMM", "gptlab")
-    calls = []  # per kernels.mm call: whether gl_sgemm ran
-    monkeypatch.setattr(kernels, "_sgemm_runs", _spy(kernels._sgemm_runs, calls))
+    calls = []  # per gemm.mm call: whether gl_sgemm ran
+    monkeypatch.setattr(gemm, "_sgemm_runs", _spy(gemm._sgemm_runs, calls))
     return calls
 
 
@@ -76,7 +76,7 @@ def test_sgemm_is_the_product_on_every_variant(gptlab_gemm, shape, accumulate, w
     bias = torch.randn(shape[1]) if with_bias else None
     before = added(out, accumulate, bias)
     want = a.double() @ b.double() + (0 if before is None else before.double())
-    kernels.mm(a, b, out, accumulate=accumulate, bias=bias)
+    gemm.mm(a, b, out, accumulate=accumulate, bias=bias)
     assert gptlab_gemm == [True]  # gl_sgemm ran, not torch.mm
     assert_close_to_float64(out, want, a, b, before)
 
@@ -93,13 +93,13 @@ def test_sgemm_of_a_bf16_b_is_the_product_of_b_widened(gptlab_gemm, shape, monke
     before = out.clone() + bias
     want = a.double() @ b16.double() + before.double()
     widened = out.clone()
-    kernels.mm(a, b16, out, accumulate=True, bias=bias)
-    kernels.mm(a, b16.float(), widened, accumulate=True, bias=bias)
+    gemm.mm(a, b16, out, accumulate=True, bias=bias)
+    gemm.mm(a, b16.float(), widened, accumulate=True, bias=bias)
     assert gptlab_gemm == [True, True]
     assert_close_to_float64(out, want, a, b16.float(), before)
     assert torch.equal(out, widened)
     monkeypatch.setenv("GPTLAB_GEMM", "torch")  # PyTorch's product of the widened b
-    torch.testing.assert_close(kernels.mm(a, b16, torch.empty(shape[0], shape[1])), a @ b16.float())
+    torch.testing.assert_close(gemm.mm(a, b16, torch.empty(shape[0], shape[1])), a @ b16.float())
 
 
 @pytest.mark.usefixtures("kernel_variant")
@@ -108,7 +108,7 @@ def test_sgemm_writes_only_its_own_rows_and_columns(gptlab_gemm):
     a, b = operands(37, 21, 300, False, False)
     buf = torch.full((40, 30), 7.0)
     out = buf[2:39, 3:24]
-    kernels.mm(a, b, out)
+    gemm.mm(a, b, out)
     assert_close_to_float64(out, a.double() @ b.double(), a, b)
     outside = torch.ones_like(buf, dtype=torch.bool)
     outside[2:39, 3:24] = False
@@ -122,9 +122,9 @@ def test_mm_colmax_is_the_product_and_the_largest_of_each_column(gptlab_gemm, sh
     each column's largest value, found tile by tile (B whole and in blocks, edge tiles, columns
     past one block of B); out a view into a wider buffer, as the chunked loss's padded workspace."""
     a, b = operands(*shape)
-    want = kernels.mm(a, b, torch.empty(shape[0], shape[1]))
+    want = gemm.mm(a, b, torch.empty(shape[0], shape[1]))
     out = torch.full((shape[0], shape[1] + 5), 7.0)[:, : shape[1]]
-    top = kernels.mm_colmax(a, b, out)
+    top = gemm.mm_colmax(a, b, out)
     assert gptlab_gemm == [True, True]
     assert torch.equal(out, want)
     assert torch.equal(top, want.amax(dim=0))
@@ -145,14 +145,14 @@ NT_SHAPES = [
     (24, 43, 300),
     (40, 301, 600),
     (64, 33, 257),
-    (kernels.NT_ROWS, 4100, 20),
+    (gemm.NT_ROWS, 4100, 20),
 ]
 
 
 def split_panel(M: int) -> bool:
     """Whether gl_sgemm_nt splits x^T's last panel (csrc/gemm.c's split_panel): its rows past one
     vector (VW = half the tile's columns), at most VW / 2 of them, are dot products along k."""
-    columns = kernels._library().gemm_columns
+    columns = kernels.gemm_columns()
     rest = (M - 1) % columns + 1
     return columns // 2 < rest <= columns // 2 + columns // 4
 
@@ -171,13 +171,13 @@ def test_sgemm_nt_is_the_linear_layer_on_every_variant(shape, with_bias, calls, 
     transposed, with the bias): within fp32 summation of the float64 layer, x's row stride honoured."""
     x, w, b = linear_operands(*shape)
     b = b if with_bias else None
-    y = kernels.sgemm_linear(x.unsqueeze(0), w, b)  # (1, M, N)
+    y = gemm.sgemm_linear(x.unsqueeze(0), w, b)  # (1, M, N)
     assert calls == {"gl_sgemm_nt": 1}
     assert y.shape == (1, shape[0], shape[1])
     want = x.double() @ w.double().t() + (0 if b is None else b.double())
     assert_close_to_float64(y[0], want, x, w.t(), None if b is None else b.expand(shape[0], -1))
     if b is None and not split_panel(shape[0]):  # each element sums over k in gl_sgemm's tiles' order
-        assert torch.equal(y[0], kernels.mm(x, w.t(), torch.empty(shape[0], shape[1])))
+        assert torch.equal(y[0], gemm.mm(x, w.t(), torch.empty(shape[0], shape[1])))
 
 
 @pytest.mark.usefixtures("kernel_variant")
@@ -192,10 +192,10 @@ def test_sgemm_nt_of_a_bf16_weight_is_the_product_of_it_widened(shape, x_bf16, c
     w16, x = w.bfloat16(), x.bfloat16() if x_bf16 else x
     nan = torch.tensor(0x7FFFFFFF, dtype=torch.int32).view(torch.float32)  # rounding it as a number gives -0.0
     b[:3] = torch.stack([nan, torch.tensor(-float("inf")), torch.tensor(3.4e38)])[: shape[1]]  # 3.4e38 -> bf16 inf
-    y = kernels.sgemm_linear(x, w16, b)
+    y = gemm.sgemm_linear(x, w16, b)
     assert calls == {"gl_sgemm_nt": 1}
-    torch.testing.assert_close(y, kernels.sgemm_linear(x.float(), w16.float(), b), rtol=0, atol=0, equal_nan=True)
-    y16 = kernels.sgemm_linear(x, w16, b, torch.bfloat16)
+    torch.testing.assert_close(y, gemm.sgemm_linear(x.float(), w16.float(), b), rtol=0, atol=0, equal_nan=True)
+    y16 = gemm.sgemm_linear(x, w16, b, torch.bfloat16)
     assert calls == {"gl_sgemm_nt": 3} and y16.dtype is torch.bfloat16
     torch.testing.assert_close(y16, y.to(torch.bfloat16), rtol=0, atol=0, equal_nan=True)
 
@@ -203,7 +203,7 @@ def test_sgemm_nt_of_a_bf16_weight_is_the_product_of_it_widened(shape, x_bf16, c
 def test_sgemm_nt_gives_the_same_bits_on_any_number_of_threads(calls):
     """Threads split W's rows: each element sums in one thread's order, whatever their number."""
     x, w, b = linear_operands(100, 301, 600)
-    results = on_threads(lambda: kernels.sgemm_linear(x, w, b))
+    results = on_threads(lambda: gemm.sgemm_linear(x, w, b))
     assert calls == {"gl_sgemm_nt": 3}
     assert all(torch.equal(results[0], r) for r in results[1:])
 
@@ -214,7 +214,7 @@ def test_mm_colmax_is_none_where_gptlabs_gemm_does_not_run(monkeypatch):
     monkeypatch.setenv("GPTLAB_GEMM", "torch")
     a, b = operands(30, 20, 10, False, True)
     out = torch.full((30, 20), 7.0)
-    assert kernels.mm_colmax(a, b, out) is None
+    assert gemm.mm_colmax(a, b, out) is None
     assert (out == 7.0).all()
 
 
@@ -237,10 +237,10 @@ def on_threads(fn, threads=(1, 2, 3)) -> list[torch.Tensor]:
 
 
 def products_on_threads(bf16: bool, shape, threads=(1, 2, 3)) -> list[torch.Tensor]:
-    """The same product through kernels.mm on each number of threads, accumulated onto the same C."""
+    """The same product through gemm.mm on each number of threads, accumulated onto the same C."""
     a, b = operands(*shape)
     c = torch.randn(shape[0], shape[1], generator=torch.Generator().manual_seed(1))
-    return on_threads(lambda: kernels.mm(a, b, c.clone(), accumulate=True, bf16=bf16), threads)
+    return on_threads(lambda: gemm.mm(a, b, c.clone(), accumulate=True, bf16=bf16), threads)
 
 
 @pytest.mark.parametrize("shape", THREAD_SHAPES, ids=["rows", "columns"])
@@ -254,39 +254,39 @@ def test_sgemm_gives_the_same_bits_on_any_number_of_threads(gptlab_gemm, shape):
 
 def test_gemm_choice(monkeypatch):
     monkeypatch.setenv("GPTLAB_GEMM", "torch")
-    assert kernels.gemm_choice() == "torch"
+    assert gemm.gemm_choice() == "torch"
     monkeypatch.setenv("GPTLAB_GEMM", "bogus")
     with pytest.raises(ValueError, match="GPTLAB_GEMM='bogus'"):
-        kernels.gemm_choice()
+        gemm.gemm_choice()
     monkeypatch.delenv("GPTLAB_GEMM")
     monkeypatch.setattr(kernels, "variant", lambda: "avx2")
     monkeypatch.setattr(kernels.kernel_build, "is_x86", lambda: True)
     monkeypatch.setattr(kernels, "cpu_vendor", lambda: "AuthenticAMD")
-    assert kernels.gemm_choice() == "gptlab"  # MKL's slow products on AMD (module docstring)
+    assert gemm.gemm_choice() == "gptlab"  # MKL's slow products on AMD (module docstring)
     # Intel's CPUs: measured (test_gemm_probe.py)
     monkeypatch.setattr(kernels, "variant", lambda: "portable")
-    assert kernels.gemm_choice() == "torch"  # no SIMD: PyTorch's BLAS is faster than plain C
+    assert gemm.gemm_choice() == "torch"  # no SIMD: PyTorch's BLAS is faster than plain C
     monkeypatch.setattr(kernels, "variant", lambda: "neon")
     monkeypatch.setattr(kernels.kernel_build, "is_x86", lambda: False)
-    assert kernels.gemm_choice() == "torch"
+    assert gemm.gemm_choice() == "torch"
 
 
 def test_mm_falls_back_to_torch_where_sgemm_does_not_apply(gptlab_gemm, monkeypatch):
     a, b = operands(9, 8, 7, False, False)
     out = torch.empty(8, 9).t()  # columns not contiguous: torch.mm writes it
-    kernels.mm(a, b, out)
+    gemm.mm(a, b, out)
     torch.testing.assert_close(out, a @ b)
     ad = a.double()
     outd = torch.empty(9, 8, dtype=torch.float64)
-    kernels.mm(ad, b.double(), outd)
+    gemm.mm(ad, b.double(), outd)
     torch.testing.assert_close(outd, ad @ b.double())
     monkeypatch.setenv("GPTLAB_GEMM", "torch")  # chosen off
     out, bias = torch.randn(9, 8), torch.randn(8)
     want = out + a @ b + bias
-    torch.testing.assert_close(kernels.mm(a, b, out, accumulate=True, bias=bias), want)
+    torch.testing.assert_close(gemm.mm(a, b, out, accumulate=True, bias=bias), want)
     assert gptlab_gemm == [False, False, False]
     with pytest.raises(ValueError, match=r"bias must be a contiguous fp32 \(8,\), not torch.float32 \(9,\)"):
-        kernels.mm(a, b, out, bias=torch.randn(9))
+        gemm.mm(a, b, out, bias=torch.randn(9))
 
 
 @pytest.mark.usefixtures("kernel_variant")
@@ -299,13 +299,13 @@ def test_sgemm_of_bf16_a_and_b_is_the_product_of_both_widened(gptlab_gemm, shape
     a16, b16 = a.bfloat16(), b.bfloat16()
     bias = torch.randn(shape[1])
     out, widened = torch.empty(shape[0], shape[1]), torch.empty(shape[0], shape[1])
-    kernels.mm(a16, b16, out, bias=bias)
-    kernels.mm(a16.float(), b16.float(), widened, bias=bias)
+    gemm.mm(a16, b16, out, bias=bias)
+    gemm.mm(a16.float(), b16.float(), widened, bias=bias)
     assert gptlab_gemm == [True, True]
     assert torch.equal(out, widened)
     assert_close_to_float64(out, a16.double() @ b16.double() + bias.double(), a16.float(), b16.float(), bias)
     monkeypatch.setenv("GPTLAB_GEMM", "torch")
-    torch.testing.assert_close(kernels.mm(a16, b16, torch.empty(shape[0], shape[1])), a16.float() @ b16.float())
+    torch.testing.assert_close(gemm.mm(a16, b16, torch.empty(shape[0], shape[1])), a16.float() @ b16.float())
 
 
 @pytest.mark.usefixtures("kernel_variant")
@@ -331,7 +331,7 @@ def test_the_chunked_loss_through_sgemm_equals_pytorchs(monkeypatch, gptlab_gemm
 
 
 # ------------------------------------------------------------------------------------------------
-# bf16 products (kernels.mm(bf16=True), gl_gemm_bf16): bf16 autocast's head on CPUs with AVX512-BF16
+# bf16 products (gemm.mm(bf16=True), gl_gemm_bf16): bf16 autocast's head on CPUs with AVX512-BF16
 
 
 def _bf16_variants() -> list[str]:
@@ -354,7 +354,7 @@ def bf16_gemm(request, monkeypatch):
     whether gl_gemm_bf16 ran it."""
     monkeypatch.setenv("GPTLAB_GEMM", "gptlab")
     calls = []
-    monkeypatch.setattr(kernels, "gemm_bf16_runs", _spy(kernels.gemm_bf16_runs, calls))
+    monkeypatch.setattr(gemm, "gemm_bf16_runs", _spy(gemm.gemm_bf16_runs, calls))
     with kernels.use_variant(request.param):
         yield calls
 
@@ -383,16 +383,16 @@ def test_gemm_bf16_is_the_product_of_bf16_operands(bf16_gemm, shape, accumulate,
     bias = torch.randn(shape[1]) if with_bias else None
     before = added(out, accumulate, bias)
     want = bf16_rounded(a) @ bf16_rounded(b) + (0 if before is None else before.double())
-    kernels.mm(a, b, out, accumulate=accumulate, bf16=True, bias=bias)
+    gemm.mm(a, b, out, accumulate=accumulate, bf16=True, bias=bias)
     assert bf16_gemm == [True]
     assert_close_to_float64(out, want, bf16_rounded(a), bf16_rounded(b), before)
 
 
 def test_mm_colmax_in_bf16_is_the_bf16_product_and_its_columns_maxima(bf16_gemm):
     a, b = operands(301, 40, 16, False, True)
-    want = kernels.mm(a, b, torch.empty(301, 40), bf16=True)
+    want = gemm.mm(a, b, torch.empty(301, 40), bf16=True)
     out = torch.empty(301, 40)
-    top = kernels.mm_colmax(a, b, out, bf16=True)
+    top = gemm.mm_colmax(a, b, out, bf16=True)
     assert bf16_gemm == [True, True]
     assert torch.equal(out, want) and torch.equal(top, want.amax(dim=0))
 
@@ -403,7 +403,7 @@ def test_gemm_bf16_takes_any_strides_and_writes_only_its_own_part(bf16_gemm):
     b = torch.randn(301, 45)
     buf = torch.full((33, 50), 7.0)
     out = buf[1:30, 2:47]
-    kernels.mm(a, b, out, bf16=True)
+    gemm.mm(a, b, out, bf16=True)
     assert_close_to_float64(out, bf16_rounded(a) @ bf16_rounded(b), bf16_rounded(a), bf16_rounded(b))
     outside = torch.ones_like(buf, dtype=torch.bool)
     outside[1:30, 2:47] = False
@@ -415,10 +415,10 @@ def test_gemm_bf16_rounds_to_nearest_even_and_keeps_nan(bf16_gemm):
     (truncating gives 1.0); a NaN whose payload is in the low bits only stays NaN (rounding its bits
     as a number's would make it infinite)."""
     a = torch.tensor([[1 + 2**-8, 1 + 3 * 2**-9, 1 + 2**-7 + 2**-8]])  # (1, 3)
-    out = kernels.mm(a, torch.eye(3), torch.empty(1, 3), bf16=True)
+    out = gemm.mm(a, torch.eye(3), torch.empty(1, 3), bf16=True)
     assert out.tolist() == [[1.0, 1 + 2**-7, 1 + 2**-6]] == a.bfloat16().float().tolist()
     nan = torch.tensor([[0x7F800001]], dtype=torch.int32).view(torch.float32)  # (1, 1)
-    out = kernels.mm(nan, torch.ones(1, 1), torch.empty(1, 1), bf16=True)
+    out = gemm.mm(nan, torch.ones(1, 1), torch.empty(1, 1), bf16=True)
     assert out.isnan().all()
 
 
@@ -433,17 +433,17 @@ def test_mm_bf16_without_the_kernel_is_torchs_bf16_product(monkeypatch, accumula
     """Where gl_gemm_bf16 does not run (no AVX512-BF16, or GPTLAB_GEMM=torch): torch's bf16 product,
     the same values (bf16 products are exact in fp32; sums to fp32 rounding: <= 1e-6 measured)."""
     monkeypatch.setenv("GPTLAB_GEMM", "torch")
-    assert not kernels.gemm_bf16_runs()
+    assert not gemm.gemm_bf16_runs()
     a, b = operands(37, 45, 300, True, False)
     out = torch.randn(37, 45)
     before = out.clone()
-    kernels.mm(a, b, out, accumulate=accumulate, bf16=True)
+    gemm.mm(a, b, out, accumulate=accumulate, bf16=True)
     want = bf16_rounded(a) @ bf16_rounded(b) + (before.double() if accumulate else 0)
     # torch's bf16 matmul rounds its result to bf16 (2^-9 relative), then out adds it in fp32
     scale = bf16_rounded(a).abs() @ bf16_rounded(b).abs() + (before.double().abs() if accumulate else 0)
     assert ((out.double() - want).abs() / scale).max() < 2**-8
     with pytest.raises(ValueError, match="fp32 operands"):
-        kernels.mm(a.bfloat16(), b.bfloat16(), out, bf16=True)
+        gemm.mm(a.bfloat16(), b.bfloat16(), out, bf16=True)
 
 
 @pytest.mark.parametrize("chunk_rows", [16, 1024])

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gptlab import gemm_probe, kernels
+from gptlab import gemm, gemm_probe, kernels, linear
 
 OK, _, WHY = kernels.available()
 needs_float = pytest.mark.skipif(not OK, reason=f"gptlab's float kernels are not built here: {WHY}")
@@ -31,7 +31,7 @@ def intel(monkeypatch, tmp_path):
     monkeypatch.setattr(kernels, "has_simd", lambda: True)
     monkeypatch.setattr(kernels.kernel_build, "is_x86", lambda: True)
     monkeypatch.setattr(kernels, "cpu_vendor", lambda: "GenuineIntel")
-    monkeypatch.setattr(kernels, "_measured_gemm", {})
+    monkeypatch.setattr(gemm, "_measured_gemm", {})
     return []
 
 
@@ -54,27 +54,27 @@ def test_an_intel_cpu_takes_the_gemm_its_probe_measured_faster(intel, monkeypatc
     longer ones what ran 512 rows faster; the training head what ran the head faster."""
     fake_probe(monkeypatch, intel, timings(*speedups))
     with caplog.at_level("INFO", logger="gptlab.gemm_probe"):
-        assert [kernels.prompt_gemm_choice(rows) for rows in (9, 64, 181)] == [short] * 3
-        assert [kernels.prompt_gemm_choice(rows) for rows in (182, 512, 4096)] == [long] * 3
-        assert kernels.gemm_choice() == head
-    assert kernels.float_kernel_rows(torch.float32) == kernels.MAX_ROWS or short == "gptlab"
+        assert [gemm.prompt_gemm_choice(rows) for rows in (9, 64, 181)] == [short] * 3
+        assert [gemm.prompt_gemm_choice(rows) for rows in (182, 512, 4096)] == [long] * 3
+        assert gemm.gemm_choice() == head
+    assert linear.float_kernel_rows(torch.float32) == kernels.MAX_ROWS or short == "gptlab"
     assert len(intel) == 1  # measured once, for every kind of work
     assert len(caplog.records) == 1  # and said once, not once per kind of work
 
 
 def test_the_timings_are_cached_per_machine(intel, monkeypatch, tmp_path):
     fake_probe(monkeypatch, intel, timings(1.3, 1.1, 0.8))
-    assert kernels.prompt_gemm_choice(64) == "gptlab"
+    assert gemm.prompt_gemm_choice(64) == "gptlab"
     (key, cached), *others = json.loads((tmp_path / "cache" / gemm_probe.CACHE_FILE).read_text()).items()
     assert not others and cached == timings(1.3, 1.1, 0.8)
     assert kernels.cpu_name() in key and f"torch {torch.__version__}" in key and f"kernels {kernels.variant()}" in key
-    monkeypatch.setattr(kernels, "_measured_gemm", {})  # a new process on the same machine reads the file
+    monkeypatch.setattr(gemm, "_measured_gemm", {})  # a new process on the same machine reads the file
     fake_probe(monkeypatch, intel, timings(0.5, 0.5, 0.5))
-    assert kernels.prompt_gemm_choice(64) == "gptlab" and kernels.gemm_choice() == "torch" and len(intel) == 1
+    assert gemm.prompt_gemm_choice(64) == "gptlab" and gemm.gemm_choice() == "torch" and len(intel) == 1
     threads = torch.get_num_threads()
     torch.set_num_threads(threads + 1)  # another thread count is another machine: measured again
     try:
-        assert kernels.prompt_gemm_choice(64) == "torch" and len(intel) == 2
+        assert gemm.prompt_gemm_choice(64) == "torch" and len(intel) == 2
     finally:
         torch.set_num_threads(threads)
 
@@ -84,27 +84,27 @@ def test_an_unreadable_cache_is_measured_again_and_rewritten(intel, monkeypatch,
     path.parent.mkdir(parents=True)
     path.write_text('{"half a file')
     fake_probe(monkeypatch, intel, timings(0.9, 0.9, 1.2))
-    assert kernels.gemm_choice() == "gptlab" and len(intel) == 1
+    assert gemm.gemm_choice() == "gptlab" and len(intel) == 1
     assert list(json.loads(path.read_text()).values()) == [timings(0.9, 0.9, 1.2)]
 
 
 def test_other_cpus_and_forced_choices_are_never_probed(intel, monkeypatch):
     monkeypatch.setattr(gemm_probe, "measure", lambda *gemms: pytest.fail("probed"))
     monkeypatch.setenv("GPTLAB_GEMM", "torch")
-    assert kernels.gemm_choice() == kernels.prompt_gemm_choice(64) == kernels.prompt_gemm_choice(512) == "torch"
+    assert gemm.gemm_choice() == gemm.prompt_gemm_choice(64) == gemm.prompt_gemm_choice(512) == "torch"
     monkeypatch.setenv("GPTLAB_GEMM", "gptlab")
-    assert kernels.gemm_choice() == kernels.prompt_gemm_choice(64) == kernels.prompt_gemm_choice(512) == "gptlab"
+    assert gemm.gemm_choice() == gemm.prompt_gemm_choice(64) == gemm.prompt_gemm_choice(512) == "gptlab"
     monkeypatch.delenv("GPTLAB_GEMM")
     with monkeypatch.context() as tracing:  # inside torch.compile's trace nothing is timed (it runs PyTorch's)
         tracing.setattr(torch.compiler, "is_compiling", lambda: True)
-        assert kernels.gemm_choice() == kernels.prompt_gemm_choice(64) == kernels.prompt_gemm_choice(512) == "torch"
+        assert gemm.gemm_choice() == gemm.prompt_gemm_choice(64) == gemm.prompt_gemm_choice(512) == "torch"
     monkeypatch.setattr(kernels, "cpu_vendor", lambda: "AuthenticAMD")
     assert (
-        kernels.gemm_choice() == kernels.prompt_gemm_choice(64) == kernels.prompt_gemm_choice(512) == "gptlab"
+        gemm.gemm_choice() == gemm.prompt_gemm_choice(64) == gemm.prompt_gemm_choice(512) == "gptlab"
     )  # MKL's slow products on AMD
     monkeypatch.setattr(kernels, "has_simd", lambda: False)
     assert (
-        kernels.gemm_choice() == kernels.prompt_gemm_choice(64) == kernels.prompt_gemm_choice(512) == "torch"
+        gemm.gemm_choice() == gemm.prompt_gemm_choice(64) == gemm.prompt_gemm_choice(512) == "torch"
     )  # plain C: PyTorch's BLAS is faster
     with pytest.raises(ValueError, match="work must be one of prompts 64 rows, prompts 512 rows, head"):
         gemm_probe.choice("decoding", timings(2.0, 2.0, 2.0))
@@ -117,7 +117,7 @@ def test_an_intel_cpus_prompts_and_head_run_what_was_chosen(intel, monkeypatch, 
     the other GEMM), the training head's products its choice for the head."""
     other = "torch" if prompts == "gptlab" else "gptlab"
     fake_probe(monkeypatch, intel, timings(2.0, 0.5, 0.5) if prompts == "gptlab" else timings(0.5, 2.0, 2.0))
-    layer = kernels.Linear(96, 70)
+    layer = linear.Linear(96, 70)
     for tokens, takes in ((64, prompts), (300, other)):
         x = torch.randn(1, tokens, 96)  # a prompt
         with torch.no_grad():
@@ -126,7 +126,7 @@ def test_an_intel_cpus_prompts_and_head_run_what_was_chosen(intel, monkeypatch, 
         torch.testing.assert_close(y, F.linear(x, layer.weight, layer.bias).detach())
         calls.clear()
     a, b, out = torch.randn(40, 30), torch.randn(30, 20), torch.empty(40, 20)
-    kernels.mm(a, b, out)  # the training head's products
+    gemm.mm(a, b, out)  # the training head's products
     assert set(calls) == (set() if prompts == "gptlab" else {"gl_sgemm"})
     torch.testing.assert_close(out, a @ b)
 
@@ -137,19 +137,19 @@ def test_an_intel_cpus_bf16_prompts_run_gptlabs_gemm_whatever_its_probe_chose(in
     gptlab's GEMM even where PyTorch's won every probe (its side would widen the weight and convert
     x and y too): the product widened, rounded once; PyTorch's only under GPTLAB_GEMM=torch."""
     fake_probe(monkeypatch, intel, timings(0.5, 0.5, 0.5))
-    monkeypatch.setattr(kernels, "bf16_matmul_is_fast", lambda: False)
-    layer = kernels.Linear(96, 70).bfloat16()
+    monkeypatch.setattr(linear, "bf16_matmul_is_fast", lambda: False)
+    layer = linear.Linear(96, 70).bfloat16()
     x = torch.randn(1, 300, 96).bfloat16()
     want = F.linear(x.float(), layer.weight.float(), layer.bias.float()).detach()  # (1, 300, 70)
-    for gemm, runs in (("auto", {"gl_sgemm_nt"}), ("gptlab", {"gl_sgemm_nt"}), ("torch", set())):
-        monkeypatch.setenv("GPTLAB_GEMM", gemm)
+    for choice, runs in (("auto", {"gl_sgemm_nt"}), ("gptlab", {"gl_sgemm_nt"}), ("torch", set())):
+        monkeypatch.setenv("GPTLAB_GEMM", choice)
         with torch.no_grad():
             y = layer(x)
-        assert set(calls) == runs and kernels.bf16_prompt_gemm_choice() == ("torch" if gemm == "torch" else "gptlab")
+        assert set(calls) == runs and gemm.bf16_prompt_gemm_choice() == ("torch" if choice == "torch" else "gptlab")
         assert y.dtype is torch.bfloat16
         torch.testing.assert_close(y.float(), want, rtol=2**-8, atol=1e-5)  # rounded once: half a bf16 ulp
         calls.clear()
-    assert kernels.prompt_gemm_choice(300) == "torch" and intel == [1]  # the probe ran once, and chose PyTorch's
+    assert gemm.prompt_gemm_choice(300) == "torch" and intel == [1]  # the probe ran once, and chose PyTorch's
 
 
 @needs_float
@@ -157,7 +157,7 @@ def test_the_probe_times_gptlabs_gemm_against_pytorchs(calls, monkeypatch):
     events = []
     monkeypatch.setattr(kernels, "wait_for_huge_pages", lambda timeout=10.0: events.append("wait") or True)
     monkeypatch.setattr(gemm_probe, "ROUNDS", 1)
-    result = kernels.measure_gemms()
+    result = gemm.measure_gemms()
     assert list(result) == ["prompts 64 rows", "prompts 512 rows", "head"] and events == ["wait"]
     assert all(set(t) == {"gptlab", "torch"} and min(t.values()) > 0 for t in result.values())
     # gptlab's side runs gptlab's GEMM: the four layers per prompt and the head's three products,
@@ -172,17 +172,17 @@ def test_an_intel_cpus_bf16_products_keep_onednn_unless_forced(intel, monkeypatc
     the newer), never timed against gl_gemm_bf16: that runs there only when asked for."""
     monkeypatch.setattr(kernels._library(), "lib", types.SimpleNamespace(gl_has_gemm_bf16=lambda: 1))
     monkeypatch.setattr(gemm_probe, "measure", lambda *gemms: pytest.fail("probed for an answer it does not need"))
-    assert not kernels.gemm_bf16_runs()
+    assert not gemm.gemm_bf16_runs()
     fake_probe(monkeypatch, intel, timings(2.0, 2.0, 2.0))
-    assert kernels.gemm_choice() == "gptlab" and not kernels.gemm_bf16_runs()
+    assert gemm.gemm_choice() == "gptlab" and not gemm.gemm_bf16_runs()
     monkeypatch.setenv("GPTLAB_GEMM", "gptlab")
-    assert kernels.gemm_bf16_runs()
+    assert gemm.gemm_bf16_runs()
     monkeypatch.delenv("GPTLAB_GEMM")
     with monkeypatch.context() as tracing:  # inside torch.compile's trace nothing is timed (it runs PyTorch's)
         tracing.setattr(torch.compiler, "is_compiling", lambda: True)
-        assert kernels.gemm_choice() == kernels.prompt_gemm_choice(64) == kernels.prompt_gemm_choice(512) == "torch"
+        assert gemm.gemm_choice() == gemm.prompt_gemm_choice(64) == gemm.prompt_gemm_choice(512) == "torch"
     monkeypatch.setattr(kernels, "cpu_vendor", lambda: "AuthenticAMD")
-    assert kernels.gemm_bf16_runs()  # where the CPU has AVX512-BF16 (a stand-in library here says so)
+    assert gemm.gemm_bf16_runs()  # where the CPU has AVX512-BF16 (a stand-in library here says so)
 
 
 def test_the_head_is_timed_laid_out_as_training_lays_it_out():

@@ -7,7 +7,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from conftest import VARIANTS, tiny_model
-from gptlab import fused_step, kernel_build, kernels
+from gptlab import fused_step, gemm, kernel_build, kernels, linear
 from gptlab.generation import generate
 from gptlab.quantize import Int4Linear, Int8Linear, quantize_model
 
@@ -36,28 +36,28 @@ def test_fp32_kernel_matches_float64(shape, M):
 
 
 @needs_float
-@pytest.mark.parametrize("gemm", ["gptlab", "torch"])
+@pytest.mark.parametrize("who", ["gptlab", "torch"])
 @pytest.mark.parametrize("bias", [True, False])
-def test_prompts_run_the_float_kernel_then_gptlabs_gemm_where_it_is_chosen(gemm, bias, calls, monkeypatch):
+def test_prompts_run_the_float_kernel_then_gptlabs_gemm_where_it_is_chosen(who, bias, calls, monkeypatch):
     """An fp32 inference forward of up to MAX_ROWS rows runs the float kernel. Where gemm_choice()
     says gptlab (auto: x86 CPUs not made by Intel), so do up to float_kernel_rows (half the GEMM
     tile's columns), then gl_sgemm_nt (the weights read in place) up to NT_ROWS, and more run
     gl_sgemm; under torch's choice more than MAX_ROWS go to F.linear, as training does."""
-    monkeypatch.setenv("GPTLAB_GEMM", gemm)
+    monkeypatch.setenv("GPTLAB_GEMM", who)
     torch.manual_seed(5)
-    layer = kernels.Linear(96, 70, bias=bias)
-    ours = gemm == "gptlab"
-    columns = kernels._library().gemm_columns
+    layer = linear.Linear(96, 70, bias=bias)
+    ours = who == "gptlab"
+    columns = kernels.gemm_columns()
     assert columns in (8, 16, 32)  # 2 vectors: NEON's, AVX2's or avx512-256's, AVX-512's
-    kernel_rows = kernels.float_kernel_rows(torch.float32)
+    kernel_rows = linear.float_kernel_rows(torch.float32)
     assert kernel_rows == (max(kernels.MAX_ROWS, columns // 2) if ours else kernels.MAX_ROWS)
     expected = {
         kernels.MAX_ROWS: "gl_linear_f32",
         kernels.MAX_ROWS + 1: ("gl_linear_f32" if kernel_rows > kernels.MAX_ROWS else "gl_sgemm_nt") if ours else None,
         kernel_rows: "gl_linear_f32",
         kernel_rows + 1: "gl_sgemm_nt" if ours else None,
-        kernels.NT_ROWS: "gl_sgemm_nt" if ours else None,
-        kernels.NT_ROWS + 1: "gl_sgemm" if ours else None,
+        gemm.NT_ROWS: "gl_sgemm_nt" if ours else None,
+        gemm.NT_ROWS + 1: "gl_sgemm" if ours else None,
     }
     for rows, kernel in expected.items():
         x = torch.randn(1, rows, 96)  # (B, T, K)
@@ -180,7 +180,7 @@ def test_int4_prompts_run_the_kernel_on_x86_simd_and_dequantize_elsewhere(calls)
     layer.prepare()
     layer(torch.randn(513, 256))
     simd = kernel_build.VARIANTS[kernels.variant()][0] in ("GL_AVX2", "GL_AVX512")
-    in_kernel = simd and not kernels.int4_prompts_in_bf16(513, 40 * 256)
+    in_kernel = simd and not linear.int4_prompts_in_bf16(513, 40 * 256)
     assert calls["gl_linear_i4"] == in_kernel and calls["gl_dequantize_i4"] == (not in_kernel)
 
 
@@ -200,7 +200,7 @@ def test_default_paths_run_the_kernels(tmp_path, calls):
     model = tiny_model()
     model.save_pretrained(tmp_path / "hf")
     loaded = type(model).from_pretrained(str(tmp_path / "hf"))
-    assert all(isinstance(m, kernels.Linear) for m in loaded.modules() if isinstance(m, nn.Linear))
+    assert all(isinstance(m, linear.Linear) for m in loaded.modules() if isinstance(m, nn.Linear))
     generate(loaded, [[1, 2, 3]], 4, temperature=0)
     # the prompt (3 tokens) and 3 decoding steps: each one call running the whole model (gptlab.fused_step)
     assert calls["gl_decode_step"] == 4 and calls["gl_linear_f32"] == 0
@@ -458,15 +458,15 @@ def test_bf16_linear_in_fp32_is_the_product_rounded_once(monkeypatch, calls, bia
     for prompts (here from 16 rows) with the weight and x widened as gl_sgemm_nt reads them (up to
     NT_ROWS rows) or as gl_sgemm_bf16_ab packs them, rounded to bf16 once."""
     torch.manual_seed(0)
-    monkeypatch.setattr(kernels, "SLAB_BYTES", 16 * 4 * 96)
-    monkeypatch.setattr(kernels, "WHOLE_BYTES", 70 * 96 * 4 if path == "whole" else 0)
-    monkeypatch.setattr(kernels, "PROMPT_GEMM_ROWS", 16 if path.startswith("gl_") else 10**9)
-    monkeypatch.setattr(kernels, "NT_ROWS", 18 if path == "gl_sgemm_nt" else 17)
+    monkeypatch.setattr(linear, "SLAB_BYTES", 16 * 4 * 96)
+    monkeypatch.setattr(linear, "WHOLE_BYTES", 70 * 96 * 4 if path == "whole" else 0)
+    monkeypatch.setattr(linear, "PROMPT_GEMM_ROWS", 16 if path.startswith("gl_") else 10**9)
+    monkeypatch.setattr(gemm, "NT_ROWS", 18 if path == "gl_sgemm_nt" else 17)
     monkeypatch.setenv("GPTLAB_GEMM", "gptlab")
     x = torch.randn(2, 9, 96).bfloat16()
     w = (torch.randn(70, 96) * 0.1).bfloat16()
     b = torch.randn(70).bfloat16() if bias else None
-    got = kernels.bf16_linear_in_fp32(x, w, b)
+    got = linear.bf16_linear_in_fp32(x, w, b)
     assert set(calls) == ({path} if path.startswith("gl_") else set())
     exact = x.double() @ w.double().t() + (b.double() if bias else 0)  # (2, 9, 70)
     assert got.shape == (2, 9, 70) and got.dtype == torch.bfloat16
@@ -534,7 +534,7 @@ def test_bf16_matmul_choice_is_timed_after_the_huge_pages_where_the_cpu_has_bf16
 
     clock, events = SimpleNamespace(now=0.0), []
 
-    def linear(x, w, bias=None):
+    def fake_linear(x, w, bias=None):
         native = x.dtype is torch.bfloat16
         done = events.count("native" if native else "fp32")
         events.append("native" if native else "fp32")
@@ -544,19 +544,19 @@ def test_bf16_matmul_choice_is_timed_after_the_huge_pages_where_the_cpu_has_bf16
         clock.now += (native_ms if native else fp32_ms) * factor / 1000
         return torch.zeros(x.size(0), w.size(0), dtype=x.dtype)
 
-    monkeypatch.setattr(kernels, "F", SimpleNamespace(linear=linear))
-    monkeypatch.setattr(kernels, "time", SimpleNamespace(perf_counter=lambda: clock.now))
+    monkeypatch.setattr(linear, "F", SimpleNamespace(linear=fake_linear))
+    monkeypatch.setattr(linear, "time", SimpleNamespace(perf_counter=lambda: clock.now))
     monkeypatch.setattr(kernels, "wait_for_huge_pages", lambda timeout=10.0: events.append("wait") or True)
-    kernels.bf16_matmul_is_fast.cache_clear()
+    linear.bf16_matmul_is_fast.cache_clear()
     try:
         monkeypatch.setattr(kernels, "may_have_native_bf16", lambda: False)
-        assert kernels.bf16_matmul_is_fast() is False and events == []
-        kernels.bf16_matmul_is_fast.cache_clear()
+        assert linear.bf16_matmul_is_fast() is False and events == []
+        linear.bf16_matmul_is_fast.cache_clear()
         monkeypatch.setattr(kernels, "may_have_native_bf16", lambda: True)
-        assert kernels.bf16_matmul_is_fast() is expected
+        assert linear.bf16_matmul_is_fast() is expected
         assert events[0] == "wait" and events.count("native") == events.count("fp32") == 4
     finally:
-        kernels.bf16_matmul_is_fast.cache_clear()
+        linear.bf16_matmul_is_fast.cache_clear()
 
 
 def _forwards(model) -> list[torch.Tensor]:
@@ -581,7 +581,7 @@ def test_the_kernels_give_the_same_bits_on_any_number_of_threads(kernel_variant,
     threads as on 2: a thread's share computed twice or not at all, or a tail lost, shows. The
     portable variant leaves long prompts' products to PyTorch, whose sums depend on the threads
     (measured: 1.5e-7 of a logit). On an Intel CPU auto times gptlab's GEMM against MKL for each
-    thread count (kernels.prompt_gemm_choice) and may take MKL for some: this test is about
+    thread count (gemm.prompt_gemm_choice) and may take MKL for some: this test is about
     gptlab's kernels, so it asks for them (an Intel CPU's flags on this AMD host took MKL at 3
     threads only, and the logits differed)."""
     if kernel_variant != "portable":

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from conftest import tiny_config, tiny_model
 from gptlab import kernels
+from gptlab import linear as linear_layer
 from gptlab.checkpoint import load_native, save_model
 from gptlab.cli import main
 from gptlab.generation import generate
@@ -162,17 +163,17 @@ def test_long_int4_prompts_on_amx_multiply_in_bf16(monkeypatch):
     rows run the int4 kernel (x quantized to int8), as before."""
     torch.manual_seed(0)
     layer = Int4Linear.from_linear(nn.Linear(256, 96), 64)
-    monkeypatch.setattr(kernels, "int4_prompts_in_bf16", lambda rows, weights: rows >= kernels.INT4_BF16_ROWS)
+    monkeypatch.setattr(linear_layer, "int4_prompts_in_bf16", lambda rows, weights: rows >= linear_layer.INT4_BF16_ROWS)
     layer.prepare()
     w = layer.dequantize()  # (N, K) fp32
-    for rows in (kernels.INT4_BF16_ROWS, 300):
+    for rows in (linear_layer.INT4_BF16_ROWS, 300):
         x = torch.randn(rows, 256)
         with torch.no_grad():
             y = layer(x)
         ref = F.linear(x.bfloat16().float(), w.bfloat16().float())  # (rows, N)
         assert ((y - layer.bias - ref).abs() <= ref.abs() * 2**-8 + 1e-5).all()
         assert not torch.equal(y, layer._decode(x))  # not the int4 kernel's product
-    x = torch.randn(kernels.INT4_BF16_ROWS - 1, 256)
+    x = torch.randn(linear_layer.INT4_BF16_ROWS - 1, 256)
     with torch.no_grad():
         assert torch.equal(layer(x), layer._decode(x))
 
@@ -180,16 +181,16 @@ def test_long_int4_prompts_on_amx_multiply_in_bf16(monkeypatch):
 def test_int4_prompts_take_bf16_only_on_amx_where_bf16_is_fast(monkeypatch):
     """From INT4_BF16_ROWS rows, for layers of up to INT4_BF16_MAX_WEIGHTS weights (its buffers stay
     alive), on CPUs with AMX-BF16 whose bf16 GEMM was measured fast."""
-    rows, most = kernels.INT4_BF16_ROWS, kernels.INT4_BF16_MAX_WEIGHTS
+    rows, most = linear_layer.INT4_BF16_ROWS, linear_layer.INT4_BF16_MAX_WEIGHTS
     features = {"avx2", "fma", "avx512f", "avx512bf16"}
     monkeypatch.setattr(kernels, "cpu_features", lambda: frozenset(features))
-    monkeypatch.setattr(kernels, "bf16_matmul_is_fast", lambda: True)
-    assert not kernels.int4_prompts_in_bf16(4096, 1024)  # AVX512-BF16 without AMX: the int4 kernel
+    monkeypatch.setattr(linear_layer, "bf16_matmul_is_fast", lambda: True)
+    assert not linear_layer.int4_prompts_in_bf16(4096, 1024)  # AVX512-BF16 without AMX: the int4 kernel
     features.add("amxbf16")
-    assert kernels.int4_prompts_in_bf16(rows, most) and not kernels.int4_prompts_in_bf16(rows - 1, most)
-    assert not kernels.int4_prompts_in_bf16(rows, most + 1)  # GPT-2's head: its buffers would stay
-    monkeypatch.setattr(kernels, "bf16_matmul_is_fast", lambda: False)  # oneDNN held below AMX
-    assert not kernels.int4_prompts_in_bf16(4096, 1024)
+    assert linear_layer.int4_prompts_in_bf16(rows, most) and not linear_layer.int4_prompts_in_bf16(rows - 1, most)
+    assert not linear_layer.int4_prompts_in_bf16(rows, most + 1)  # GPT-2's head: its buffers would stay
+    monkeypatch.setattr(linear_layer, "bf16_matmul_is_fast", lambda: False)  # oneDNN held below AMX
+    assert not linear_layer.int4_prompts_in_bf16(4096, 1024)
 
 
 def test_quantized_linear_works_on_the_meta_device_shapes_and_repr():

@@ -10,7 +10,7 @@ chunk's logits are then dropped. The gradient softmax - onehot is never formed o
 normalization and the one-hot go to the small (n, C) side of the two products (one pass fewer
 over ~200 MB per step of the demo). Backward only scales the stored gradients. The matmuls run in
 the autocast dtype (bf16 logits under bf16 autocast); the softmax runs in fp32. Under bf16 autocast
-on a CPU with AVX512-BF16 the three products run in gl_gemm_bf16 instead (kernels.gemm_bf16_runs):
+on a CPU with AVX512-BF16 the three products run in gl_gemm_bf16 instead (gemm.gemm_bf16_runs):
 fp32 operands rounded to bf16 as they are packed, fp32 sums, and the logits kept in fp32.
 
 The same value as `F.cross_entropy(x @ weight.T, targets, ignore_index=-100)` (mean over the
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from gptlab import kernels
+from gptlab import gemm, kernels
 
 IGNORE_INDEX = -100
 # Rows per chunk: larger chunks multiply faster, up to a batch of the demo's size. Measured on the
@@ -41,11 +41,11 @@ def _chunk_grad(x_c, w, t_c, out: torch.Tensor, bf16: bool = False):
     Transposed because W x^T runs faster than x W^T on CPU for this shape, and so do its two
     backward products (measured on the AMD EPYC, 2 threads, 512 rows: 95 against 67 GFLOP/s
     forward; 107/82 against 119/74 for the inputs' and the weight's gradients: ~15% less in all).
-    bf16: x_c and w fp32, multiplied as bf16 (kernels.mm)."""
+    bf16: x_c and w fp32, multiplied as bf16 (gemm.mm)."""
     peak = None
     if out.dtype == x_c.dtype:
-        peak = kernels.mm_colmax(w, x_c.t(), out, bf16=bf16)  # (n,) each row's largest logit, or None
-        logits = out if peak is not None else kernels.mm(w, x_c.t(), out, bf16=bf16)  # (V, n)
+        peak = gemm.mm_colmax(w, x_c.t(), out, bf16=bf16)  # (n,) each row's largest logit, or None
+        logits = out if peak is not None else gemm.mm(w, x_c.t(), out, bf16=bf16)  # (V, n)
     else:
         product = _workspace(x_c.size(0), w.size(0), out.device, w.dtype)  # (V, n) bf16/fp16, kept
         logits = out.copy_(torch.mm(w, x_c.t().contiguous(), out=product))  # (V, n) fp32
@@ -80,8 +80,8 @@ def _accumulate_grads(e, inv, t_c, x_c, w, w_t, grad_x_c, grad_w, first: bool, s
     inv = inv * scale  # (n,)
     x_scaled = x_c * inv.to(x_c.dtype)[:, None]  # (n, C)
     if e.dtype == torch.float32:
-        kernels.mm(e.t(), w, grad_x_c, bf16=bf16)
-        kernels.mm(e, x_scaled, grad_w, accumulate=not first, bf16=bf16)  # the first: grad_w's old values are not read
+        gemm.mm(e.t(), w, grad_x_c, bf16=bf16)
+        gemm.mm(e, x_scaled, grad_w, accumulate=not first, bf16=bf16)  # the first: grad_w's old values are not read
     else:
         grad_x_c.copy_((w_t @ e).t())
         if first:
@@ -136,7 +136,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 f"target {int(t[bad][0])} outside the vocabulary [0, {weight.size(0)}) (and not {IGNORE_INDEX})"
             )
         n_valid = max(int((t != IGNORE_INDEX).sum()), 1)
-        bf16 = compute_dtype == torch.bfloat16 and kernels.gemm_bf16_runs(x.device)  # gl_gemm_bf16 rounds fp32 operands
+        bf16 = compute_dtype == torch.bfloat16 and gemm.gemm_bf16_runs(x.device)  # gl_gemm_bf16 rounds fp32 operands
         mm_dtype = torch.float32 if bf16 else compute_dtype
         xc = x2.to(mm_dtype)
         w = weight.to(mm_dtype)  # (V, C)
@@ -226,4 +226,4 @@ def _head_t(head: torch.nn.Module, x_c: torch.Tensor) -> torch.Tensor:
         return head(x_c).float().t().contiguous()  # a quantized head computes (n, V) its own way
     if x_c.dtype != torch.float32:
         return (weight @ x_c.t()).float()
-    return kernels.mm(weight, x_c.t(), _workspace(x_c.size(0), weight.size(0), x_c.device))
+    return gemm.mm(weight, x_c.t(), _workspace(x_c.size(0), weight.size(0), x_c.device))

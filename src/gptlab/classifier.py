@@ -16,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from gptlab.config import GPTConfig
-from gptlab.kernels import Linear
+from gptlab.linear import Linear
 from gptlab.model import GPT, meta_device
 
 

@@ -35,7 +35,7 @@ import torch
 import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
-from gptlab import kernels
+from gptlab import gemm, kernels, linear
 
 _P, _I = ctypes.c_void_p, ctypes.c_int
 F32, BF16, I8, I4 = 0, 1, 2, 3  # gl_linear_t.kind
@@ -285,7 +285,7 @@ def plan(model, dtype: torch.dtype) -> Plan | NoPlan:
 INT_STEP_ROWS = 64
 
 # An fp32 or bf16 model's one-token decoding steps run in C up to this many rows where the modules
-# would multiply those rows with gptlab's own kernels too (kernels.prompt_gemm_choice() gives
+# would multiply those rows with gptlab's own kernels too (gemm.prompt_gemm_choice() gives
 # gptlab: the float kernel, then gl_sgemm_nt for fp32, from the same row counts in C's linear.c),
 # so C computes what they do without their Python and PyTorch overhead. bf16 stops where the
 # modules' bf16 layers leave the float kernel. GPT-2 batches decoding 32 tokens, fused against the
@@ -294,7 +294,7 @@ INT_STEP_ROWS = 64
 # avx512 fp32 1.11 / - / 1.17x, bf16 1.15 / - / 1.16x; fp32 at 24 / 32 / 64 rows: avx512-256 1.12 /
 # 1.14 / 1.05x, avx2 1.12 / - / 1.06x, avx512 1.10 / 1.05 / 1.05x (17 rows 1.10x). Where MKL won an
 # Intel CPU's probe, the modules keep those rows.
-FLOAT_STEP_ROWS = {torch.float32: INT_STEP_ROWS, torch.bfloat16: kernels.KERNEL_ROWS_GPTLAB}
+FLOAT_STEP_ROWS = {torch.float32: INT_STEP_ROWS, torch.bfloat16: linear.KERNEL_ROWS_GPTLAB}
 
 
 def _rows_fit(model, idx: torch.Tensor) -> bool:
@@ -309,7 +309,7 @@ def _rows_fit(model, idx: torch.Tensor) -> bool:
     return (
         mode is None
         and rows <= FLOAT_STEP_ROWS.get(model.transformer.wte.weight.dtype, 0)
-        and kernels.prompt_gemm_choice(rows) == "gptlab"
+        and gemm.prompt_gemm_choice(rows) == "gptlab"
     )
 
 

@@ -7,17 +7,17 @@ chip, and gptlab's GEMM has not been timed against it on one: rather than guess,
 on two kinds of work the first time it is asked on a machine, and caches the timings
 (gptlab.machine_cache), so that every later process makes the same choice:
 
-- prompts: GPT-2 small's four block layers at PROMPT_ROWS rows of x, kernels.sgemm_linear (the
+- prompts: GPT-2 small's four block layers at PROMPT_ROWS rows of x, gemm.sgemm_linear (the
   weights read in place) against F.linear; a prompt takes what ran the row count nearest its own
   (prompt_work), as the two can disagree: on an Intel Xeon 6/207 gptlab's GEMM ran 64 rows 1.13x
   MKL's speed and 512 rows 0.92x;
 - the training head: its three products for 1,024 tokens 128 wide (the demo's) against a slice
   of HEAD_VOCAB rows of the vocabulary, gl_sgemm against torch.mm.
 
-Each kind of work takes the GEMM that ran it faster (kernels.prompt_gemm_choice for prompts of a
-number of rows, kernels.gemm_choice for the head; a tie keeps PyTorch's). Both sides are timed in alternating
+Each kind of work takes the GEMM that ran it faster (gemm.prompt_gemm_choice for prompts of a
+number of rows, gemm.gemm_choice for the head; a tie keeps PyTorch's). Both sides are timed in alternating
 rounds, the first a warm-up, and the fastest of the others counts. The whole measurement takes
-about a second on two cores. gptlab's side is what kernels hands in (kernels.measure_gemms), so
+about a second on two cores. gptlab's side is what kernels hands in (gemm.measure_gemms), so
 that this module sits below kernels in the import graph.
 """
 
@@ -39,7 +39,7 @@ CACHE_FILE = "gemm.json"
 ROUNDS = 3  # timed rounds per side, after one to warm up
 # GPT-2 small's block layers, (out_features, in_features)
 LAYERS = {"attn c_attn": (2304, 768), "attn c_proj": (768, 768), "mlp c_fc": (3072, 768), "mlp c_proj": (768, 3072)}
-PROMPT_ROWS = (64, 512)  # both within kernels.NT_ROWS: sgemm_linear then never asks gemm_choice
+PROMPT_ROWS = (64, 512)  # both within gemm.NT_ROWS: sgemm_linear then never asks gemm_choice
 WORK = (*(f"prompts {rows} rows" for rows in PROMPT_ROWS), "head")  # measure()'s workloads, each chosen apart
 HEAD_VOCAB, HEAD_ROWS, HEAD_WIDTH = 8192, 1024, 128
 # A training chunk's logits, and the softmax e written over them, have rows this many floats longer
@@ -68,7 +68,7 @@ def prompt_work(rows: int) -> str:
 
 def timings(key: str, measure: Callable[[], dict]) -> dict:
     """The timings of this machine (`key`, gptlab.machine_cache.machine_key): the cache file's, or
-    measure() now (kernels.measure_gemms), logged."""
+    measure() now (gemm.measure_gemms), logged."""
     result, source = cached(CACHE_FILE, key, measure)
     log.info("gptlab's GEMM against PyTorch's on this CPU (%s): %s", source, describe(result))
     return result
@@ -83,7 +83,7 @@ def describe(timings: dict) -> str:
 def measure(sgemm_linear: Callable, sgemm: Callable) -> dict[str, dict[str, float]]:
     """Seconds of each workload ("prompts 64 rows", "prompts 512 rows", "head") on each side:
     gptlab's through `sgemm_linear` (x, W, bias) -> x W^T + bias and `sgemm` (a, b, out), out =
-    a @ b (kernels.sgemm_linear, gl_sgemm), PyTorch's through F.linear and torch.mm."""
+    a @ b (gemm.sgemm_linear, gl_sgemm), PyTorch's through F.linear and torch.mm."""
     g = torch.Generator().manual_seed(0)
     result = {}
     weights = [torch.randn(N, K, generator=g) * 0.02 for N, K in LAYERS.values()]

@@ -19,13 +19,13 @@ kernels only), and a variant this CPU cannot run is a RuntimeError naming what i
 C compiler and without a built library, `available()` says why and every caller falls back to
 PyTorch's kernels.
 
-`Linear` is the model's linear layer: an nn.Linear (same parameters, same state dict, training
-unchanged) whose forward without autograd on the CPU takes the kernel for a few rows and, where
-prompt_gemm_choice() gives gptlab, gptlab's GEMM for more (`sgemm_linear`: up to NT_ROWS rows with
-the weights read in place), and F.linear everywhere else. A decoding step usually runs the whole
-model in C instead (gl_decode_step, described to it by gptlab.fused_step), with the same kernels. One kernel serves
-training and scoring (gptlab.chunked_loss): `softmax_exp_`, the chunked loss's softmax, loss and
-gradient, and `cross_entropy_t`, the loss and largest logit without a gradient.
+This module loads the library and wraps its kernels one by one: `float_linear` and the int8/int4
+decoders (a few rows of x), the attention step and a prompt's attention, argmax and sampling's
+draws, the GELU, and the training loss's softmax (`softmax_exp_`, `cross_entropy_t`, for
+gptlab.chunked_loss). Which product a layer runs is chosen above it: gptlab.linear (the model's
+`Linear`) and gptlab.gemm (gptlab's GEMM or PyTorch's, for prompts and the training head). A
+decoding step usually runs the whole model in C instead (gl_decode_step, described to it by
+gptlab.fused_step), with the same kernels.
 """
 
 from __future__ import annotations
@@ -39,16 +39,14 @@ import platform
 import re
 import sys
 import threading
-import time
 import weakref
 from pathlib import Path
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
 from gptlab import gemm_probe, kernel_build
-from gptlab.machine_cache import cache_dir, machine_key
+from gptlab.machine_cache import cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +108,45 @@ _huge_paged: dict[int, tuple[weakref.ref, int]] = {}
 def cpu_name() -> str:
     """The CPU model name (/proc/cpuinfo), or the platform's machine type."""
     return cpuinfo("model name") or platform.machine() or "unknown"
+
+
+def cpuinfo(field: str) -> str:
+    """The first value of `field` in /proc/cpuinfo, or "" where there is none (or no such file)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == field:
+                return value.strip()
+    except OSError:
+        pass
+    return ""
+
+
+BF16_FLAGS = ("avx512_bf16", "amx_bf16", "avx_ne_convert")  # /proc/cpuinfo names of x86's bf16 instructions
+
+
+def may_have_native_bf16() -> bool:
+    """False for an x86 Linux CPU whose flags name none of BF16_FLAGS (bf16 matmuls are then
+    emulated, slower than fp32); True where that cannot be told (other CPUs, no /proc/cpuinfo)."""
+    flags = cpuinfo("flags").split()
+    if "sse2" not in flags:  # not x86, or no /proc/cpuinfo
+        return True
+    return any(f in flags for f in BF16_FLAGS)
+
+
+@functools.cache
+def cpu_vendor() -> str:
+    """The CPU's vendor as cpuid names it (/proc/cpuinfo's vendor_id: GenuineIntel, AuthenticAMD,
+    ...), or "" where that cannot be read."""
+    return cpuinfo("vendor_id")
+
+
+@functools.cache
+def cpu_family() -> int | None:
+    """The CPU's family as cpuid reports it (/proc/cpuinfo's cpu family: 25 for AMD Zen 3 and 4,
+    26 for Zen 5, 6 for most Intel CPUs), or None where that cannot be read."""
+    family = cpuinfo("cpu family")
+    return int(family) if family.isdigit() else None
 
 
 @functools.cache
@@ -264,7 +301,7 @@ class _Library:
 
     def __init__(self, variant: str | None):
         self.variant, self.lib, self.reason = variant, None, ""
-        self.gemm_columns = 0  # columns of gptlab's fp32 GEMM tile (float_kernel_rows)
+        self.gemm_columns = 0  # columns of gptlab's fp32 GEMM tile (linear.float_kernel_rows)
         if variant is None:
             self.reason = "switched off by GPTLAB_KERNELS=0"
             return
@@ -408,6 +445,16 @@ def release_threads() -> bool:
         return False
 
 
+def enabled() -> bool:
+    """Whether gptlab's kernels may run (not switched off by use_kernels(False))."""
+    return _enabled
+
+
+def gemm_columns() -> int:
+    """Columns of the active variant's fp32 GEMM tile (0 without kernels)."""
+    return _library().gemm_columns
+
+
 def available() -> tuple[bool, bool, str]:
     """(float kernels, int8/int4 kernels, why not) for this machine; builds the library if needed."""
     if not _enabled:
@@ -469,7 +516,7 @@ def _huge_page_queue():
 def wait_for_huge_pages(timeout: float = 10.0) -> bool:
     """Wait (at most `timeout` seconds) until the huge-page thread has moved every weight handed to
     it so far; returns whether it has. Linux copies the pages meanwhile, and a timing taken then
-    runs slow (see bf16_matmul_is_fast)."""
+    runs slow (see linear.bf16_matmul_is_fast)."""
     if not _huge_page_queue.cache_info().currsize:  # the thread never started here
         return True
     pending = _huge_page_queue()
@@ -477,55 +524,13 @@ def wait_for_huge_pages(timeout: float = 10.0) -> bool:
         return pending.all_tasks_done.wait_for(lambda: not pending.unfinished_tasks, timeout)
 
 
-def _inference_on_cpu(x: torch.Tensor) -> bool:
+def inference_on_cpu(x: torch.Tensor) -> bool:
     """The conditions every kernel shares: enabled, CPU, no autograd graph, not under torch.compile."""
     return (
         _enabled
         and x.device.type == "cpu"
         and not (torch.is_grad_enabled() and x.requires_grad)
         and not torch.compiler.is_compiling()
-    )
-
-
-# Rows up to which the float kernel (each weight row read once for all rows of x) takes a bf16
-# inference forward where prompt_gemm_choice() gives gptlab (x86 CPUs not made by Intel, and Intel
-# ones where it was measured faster than MKL); elsewhere MAX_ROWS. AMD EPYC Zen 5, 2
-# threads, 2026-12-05, GPT-2's whole forward with all logits, the kernel against oneDNN's bf16 GEMM
-# natively and gl_sgemm widening bf16 held to AVX2, medians of 5, best of 2 alternations: avx512
-# 9 rows 1.17x, 16 1.14x, 0.69x at 32; held to AVX2 1.81x, 1.44x, 1.19x. fp32 forwards: float_kernel_rows.
-# More rows lose, though the four block layers alone favour the kernel further (to ~20 rows on
-# avx2 and avx512-256, ~40 on avx512, against gl_sgemm_nt; their bf16 weights fit L3): the AMD EPYC
-# Zen 4, 2026-12-05, the whole bf16 forward with the kernel up to 24 rows (40 on avx512) against 16,
-# medians of 11 alternating rounds, 17-24 tokens 0.81-0.92x, 32-40 tokens on avx512 0.77-0.82x.
-KERNEL_ROWS_GPTLAB = 16
-
-
-def float_kernel_rows(dtype: torch.dtype) -> int:
-    """Up to how many rows of x the float kernel takes an inference forward of `dtype`: MAX_ROWS,
-    or where prompt_gemm_choice() gives gptlab, KERNEL_ROWS_GPTLAB for bf16 and for fp32 half the columns
-    of gl_sgemm_nt's tile (its lanes hold rows of x, so fewer leave most of them idle). GPT-2's four
-    block layers, the float kernel against gl_sgemm_nt, AMD EPYC Zen 4, 2 threads, medians of 9
-    alternating rounds: 16 columns (avx2, avx512-256) 8 rows 0.97 / 1.06x, 9 1.10 / 1.15x, 16 1.70 /
-    1.71x; 32 columns (avx512) 0.55x at 9 rows, 0.78x at 16."""
-    if prompt_gemm_choice(PROMPT_GEMM_ROWS) != "gptlab":
-        return MAX_ROWS
-    if dtype is torch.bfloat16:
-        return KERNEL_ROWS_GPTLAB
-    return max(MAX_ROWS, _library().gemm_columns // 2)
-
-
-def kernel_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether the float kernel takes y = x W^T: CPU, fp32 or bf16, a few rows (float_kernel_rows),
-    no autograd."""
-    rows = x.numel() // max(x.size(-1), 1)
-    return (
-        x.dtype is weight.dtype
-        and x.dtype in (torch.float32, torch.bfloat16)
-        and (rows <= MAX_ROWS or rows <= float_kernel_rows(x.dtype))  # decoding's rows skip asking prompt_gemm_choice
-        and _inference_on_cpu(x)
-        and not (torch.is_grad_enabled() and weight.requires_grad)
-        and weight.is_contiguous()
-        and _library().float_ok
     )
 
 
@@ -582,7 +587,7 @@ def fbgemm_int8_is_exact() -> bool:
 
 def int_kernels_apply(x: torch.Tensor, max_rows: int = MAX_ROWS) -> bool:
     """Whether the int8/int4 kernels take x (..., K): CPU, at most max_rows rows, VNNI, no autograd."""
-    return x.numel() <= max_rows * x.size(-1) and _inference_on_cpu(x) and _library().int_ok
+    return x.numel() <= max_rows * x.size(-1) and inference_on_cpu(x) and _library().int_ok
 
 
 def _decoder(name: str, weight: torch.Tensor, buffers: list[torch.Tensor], bias, N: int, K: int, extra: tuple):
@@ -645,7 +650,7 @@ def decode_attention_applies(qkv: torch.Tensor, kv, cache_pos) -> bool:
         and kv[0].dtype in (qkv.dtype, torch.bfloat16)
         and kv[1].dtype is kv[0].dtype
         and kv[0].size(-1) <= MAX_HEAD_SIZE
-        and _inference_on_cpu(qkv)
+        and inference_on_cpu(qkv)
         and _library().float_ok
     )
 
@@ -661,7 +666,7 @@ def prompt_attention_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         and q.dtype in (torch.float32, torch.bfloat16)
         and all(t.dtype is q.dtype and t.stride(-1) == 1 for t in (q, k, v))
         and q.size(-1) <= MAX_HEAD_SIZE
-        and _inference_on_cpu(q)
+        and inference_on_cpu(q)
         and has_simd()
         and _library().float_ok
     )
@@ -771,232 +776,6 @@ def _softmax_xent(logits_t: torch.Tensor, targets: torch.Tensor, grad: bool, pea
         raise ValueError(f"target {int(bad[0])} outside the vocabulary [0, {V}) (and not the ignore index -100)")
     check(status)
     return loss, peak, inv
-
-
-def cpuinfo(field: str) -> str:
-    """The first value of `field` in /proc/cpuinfo, or "" where there is none (or no such file)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == field:
-                return value.strip()
-    except OSError:
-        pass
-    return ""
-
-
-BF16_FLAGS = ("avx512_bf16", "amx_bf16", "avx_ne_convert")  # /proc/cpuinfo names of x86's bf16 instructions
-
-
-def may_have_native_bf16() -> bool:
-    """False for an x86 Linux CPU whose flags name none of BF16_FLAGS (bf16 matmuls are then
-    emulated, slower than fp32); True where that cannot be told (other CPUs, no /proc/cpuinfo)."""
-    flags = cpuinfo("flags").split()
-    if "sse2" not in flags:  # not x86, or no /proc/cpuinfo
-        return True
-    return any(f in flags for f in BF16_FLAGS)
-
-
-@functools.cache
-def cpu_vendor() -> str:
-    """The CPU's vendor as cpuid names it (/proc/cpuinfo's vendor_id: GenuineIntel, AuthenticAMD,
-    ...), or "" where that cannot be read."""
-    return cpuinfo("vendor_id")
-
-
-@functools.cache
-def cpu_family() -> int | None:
-    """The CPU's family as cpuid reports it (/proc/cpuinfo's cpu family: 25 for AMD Zen 3 and 4,
-    26 for Zen 5, 6 for most Intel CPUs), or None where that cannot be read."""
-    family = cpuinfo("cpu family")
-    return int(family) if family.isdigit() else None
-
-
-GEMM_CHOICES = ("auto", "gptlab", "torch")
-
-
-def gemm_choice() -> str:
-    """Whose fp32 GEMM runs `mm` (the training head's three products): "gptlab" (gl_sgemm) or
-    "torch" (PyTorch's BLAS). GPTLAB_GEMM=gptlab|torch forces one (and prompt_gemm_choice's); auto
-    (the default) takes gptlab's on an x86 CPU not made by Intel whose kernel variant has SIMD,
-    whichever ran the head faster on an Intel one (measured once per machine, gptlab.gemm_probe),
-    and PyTorch's elsewhere. PyTorch's x86 builds multiply with Intel's MKL, which on an AMD EPYC
-    (Zen 3, 2 threads) ran the demo head's products at 75-110 GFLOP/s where gl_sgemm runs them at
-    135-175 (`gptlab bench gemm`); on other architectures PyTorch's BLAS beats plain C."""
-    return _gemm_choice("head")
-
-
-def prompt_gemm_choice(rows: int) -> str:
-    """As gemm_choice, for prompts' layers of `rows` rows of x (more than MAX_ROWS, without
-    autograd: sgemm_linear against F.linear): on an Intel CPU, whichever ran the probe's row count
-    nearest `rows` faster there (gemm_probe.prompt_work)."""
-    return _gemm_choice(gemm_probe.prompt_work(rows))
-
-
-_measured_gemm: dict[tuple[int, str], dict[str, str]] = {}  # (threads, variant) -> this process's choice per work
-
-
-def bf16_prompt_gemm_choice() -> str:
-    """Who multiplies a bf16 model's prompts (more than MAX_ROWS rows) on a CPU whose bf16 GEMM is
-    emulated (bf16_linear_in_fp32): "gptlab", wherever its GEMM runs at all (x86 with SIMD), or
-    "torch" (the weight widened into a reused fp32 buffer for PyTorch's BLAS); GPTLAB_GEMM forces
-    either. Not the probe's choice: that times fp32 operands, and here PyTorch's side would also
-    pay for widening the weight and converting x and y, where gptlab's GEMM widens them as it reads
-    them and rounds y as it writes it. Intel Xeon 6/207, 512-token GPT-2 prefill against fp32's
-    (MKL's there), medians of 8 interleaved rounds, 2 runs each: held to the first Xeon's AVX-512
-    VNNI 0.993 / 0.996x (0.963 / 0.968x through MKL), held to AVX2 1.001 / 1.008x (0.966 / 0.973x);
-    256 tokens 1.09x (0.94x); 1,024 tokens, past NT_ROWS, level with MKL's route (1.09x both)."""
-    want = _gemm_env()
-    if want != "auto":
-        return want
-    return "gptlab" if has_simd() and kernel_build.is_x86() and not torch.compiler.is_compiling() else "torch"
-
-
-def _gemm_env() -> str:
-    want = os.environ.get("GPTLAB_GEMM", "auto").strip().lower() or "auto"
-    if want not in GEMM_CHOICES:
-        raise ValueError(f"GPTLAB_GEMM={want!r}: expected one of {', '.join(GEMM_CHOICES)}")
-    return want
-
-
-def _gemm_choice(work: str) -> str:
-    want = _gemm_env()
-    if want != "auto":
-        return want
-    if not (has_simd() and kernel_build.is_x86()):
-        return "torch"
-    if cpu_vendor() != "GenuineIntel":
-        return "gptlab"
-    if torch.compiler.is_compiling():  # nothing is timed inside a traced graph, which runs PyTorch's GEMM anyway
-        return "torch"
-    at = (torch.get_num_threads(), variant())  # asked on every prompt's layer: a dict lookup
-    if at not in _measured_gemm:  # every choice from one reading of the timings (logged once)
-        timings = gemm_probe.timings(machine_key(cpu_description(), f"kernels {at[1]}"), measure_gemms)
-        _measured_gemm[at] = {w: gemm_probe.choice(w, timings) for w in gemm_probe.WORK}
-    return _measured_gemm[at][work]
-
-
-def measure_gemms() -> dict:
-    """gemm_probe's timings of gptlab's GEMM against PyTorch's on this CPU, measured now."""
-    wait_for_huge_pages()  # a timing taken while Linux copies a model's pages runs slow, and this one is cached
-    lib = _library().lib
-    return gemm_probe.measure(sgemm_linear, lambda a, b, out: run_gemm(lib.gl_sgemm, a, b, out))
-
-
-def mm(
-    a: torch.Tensor,
-    b: torch.Tensor,
-    out: torch.Tensor,
-    accumulate: bool = False,
-    bf16: bool = False,
-    bias: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """out = a @ b (+ bias), or out += a @ b (+ bias) when accumulate; a (M, K), b (K, N) and out
-    (M, N) 2-D with any strides (out's rows contiguous), bias (N,) fp32 contiguous or None, no
-    autograd. On CPU fp32 in gl_sgemm where gemm_choice() says gptlab (whatever the thread count,
-    each element sums in the same order), else torch.mm/addmm_. b may be bf16 (a bf16 layer's
-    weight), and then a too (its activations): widened exactly as gl_sgemm_bf16_b and
-    gl_sgemm_bf16_ab pack them, the same product as of a.float() and b.float().
-
-    bf16: a and b fp32, each rounded to bf16 before it is multiplied, the sums in fp32 (bf16
-    autocast's product, without its bf16 result): in gl_gemm_bf16 where gemm_bf16_runs(), else
-    through torch's bf16 product."""
-    if bias is not None and not (bias.dtype is torch.float32 and bias.shape == out.shape[1:] and bias.is_contiguous()):
-        raise ValueError(f"mm: bias must be a contiguous fp32 ({out.size(1)},), not {bias.dtype} {tuple(bias.shape)}")
-    if bf16:
-        return _mm_bf16(a, b, out, accumulate, bias)
-    if _sgemm_runs(a, b, out):
-        run_gemm(getattr(_library().lib, _SGEMMS[a.dtype, b.dtype]), a, b, out, accumulate, bias)
-        return out
-    a, b = (t.float() if t.dtype is torch.bfloat16 else t for t in (a, b))  # bf16 widens exactly
-    out = out.addmm_(a, b) if accumulate else torch.mm(a, b, out=out)
-    return out if bias is None else out.add_(bias)
-
-
-def run_gemm(fn, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate: bool = False, bias=None) -> None:
-    """out (+)= a @ b (+ bias) through the C GEMM `fn` (gl_sgemm's arguments), unchecked: mm's."""
-    (M, K), N = a.shape, b.size(1)
-    status = fn(
-        M, N, K, a.data_ptr(), a.stride(0), a.stride(1), b.data_ptr(), b.stride(0), b.stride(1),
-        out.data_ptr(), out.stride(0), None if bias is None else bias.data_ptr(), int(accumulate),
-        torch.get_num_threads(),
-    )  # fmt: skip
-    check(status)
-
-
-def mm_colmax(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, bf16: bool = False) -> torch.Tensor | None:
-    """out = a @ b as mm(a, b, out, bf16=bf16), and the largest value of each of out's columns
-    (N,), found as gptlab's GEMM writes out's tiles (the training head's W x^T: softmax_exp_ then
-    reads the logits once instead of twice). None, with out untouched, where gptlab's GEMM does
-    not run the product."""
-    runs = gemm_bf16_runs(out.device) if bf16 else b.dtype is torch.float32
-    if not (runs and _sgemm_runs(a, b, out)):
-        return None
-    (M, K), N = a.shape, b.size(1)
-    top = torch.empty(N)  # (N,)
-    status = _library().lib.gl_sgemm_colmax(
-        M, N, K, a.data_ptr(), a.stride(0), a.stride(1), b.data_ptr(), b.stride(0), b.stride(1),
-        out.data_ptr(), out.stride(0), top.data_ptr(), int(bf16), torch.get_num_threads(),
-    )  # fmt: skip
-    check(status)
-    return top
-
-
-def _mm_bf16(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate: bool, bias) -> torch.Tensor:
-    if not all(t.dtype == torch.float32 for t in (a, b, out)):
-        raise ValueError(f"mm(bf16=True) takes fp32 operands, not {a.dtype}, {b.dtype} -> {out.dtype}")
-    if gemm_bf16_runs(out.device) and _sgemm_runs(a, b, out):
-        run_gemm(_library().lib.gl_gemm_bf16, a, b, out, accumulate, bias)
-        return out
-    product = (a.bfloat16() @ b.bfloat16()).float()  # (M, N)
-    out = out.add_(product) if accumulate else out.copy_(product)
-    return out if bias is None else out.add_(bias)
-
-
-def gemm_bf16_choice() -> str:
-    """Who runs mm(bf16=True) here: "gl_gemm_bf16" or "torch" (see gemm_bf16_runs)."""
-    return "gl_gemm_bf16" if gemm_bf16_runs() else "torch"
-
-
-def head_gemm() -> str:
-    """Who multiplies the training head, for logs and benchmarks: gemm_choice(), and where bf16
-    autocast's products run ("gptlab, bf16 in gl_gemm_bf16")."""
-    return f"{gemm_choice()}, bf16 in {gemm_bf16_choice()}"
-
-
-# (a's dtype, b's) -> the fp32 GEMM that widens what is bf16 as it packs it
-_SGEMMS = {
-    (torch.float32, torch.float32): "gl_sgemm",
-    (torch.float32, torch.bfloat16): "gl_sgemm_bf16_b",
-    (torch.bfloat16, torch.bfloat16): "gl_sgemm_bf16_ab",
-}
-
-
-def _sgemm_runs(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> bool:
-    if not (_enabled and all(t.device.type == "cpu" for t in (a, b, out))):
-        return False
-    if not (out.dtype is torch.float32 and (a.dtype, b.dtype) in _SGEMMS):
-        return False
-    if out.dim() != 2 or out.stride(1) != 1 or a.shape[1] != b.shape[0] or out.shape != (a.shape[0], b.shape[1]):
-        return False
-    if torch.compiler.is_compiling() or not _library().float_ok:
-        return False
-    return gemm_choice() == "gptlab"
-
-
-def gemm_bf16_runs(device: torch.device | str = "cpu") -> bool:
-    """Whether mm(bf16=True) runs in gl_gemm_bf16 on `device`: a CPU with AVX512-BF16 (vdpbf16ps),
-    a variant with AVX-512, and gptlab's GEMM chosen (gemm_choice). On an AMD EPYC Zen 4 (2
-    threads) it runs the demo head's three products at 284-312 GFLOP/s against gl_sgemm's 147-196.
-    On Intel CPUs only with GPTLAB_GEMM=gptlab: their probe (gptlab.gemm_probe) times fp32, and
-    Intel's bf16 CPUs have oneDNN's native bf16 products (AMX on the newer), never timed against it."""
-    if not (_enabled and torch.device(device).type == "cpu" and kernel_build.is_x86()):
-        return False
-    if cpu_vendor() == "GenuineIntel" and _gemm_env() != "gptlab":  # before gemm_choice: no probe for nothing
-        return False
-    if torch.compiler.is_compiling() or gemm_choice() != "gptlab" or not _library().float_ok:
-        return False
-    return bool(_library().lib.gl_has_gemm_bf16())
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:
@@ -1110,226 +889,6 @@ def dequantize_int4(
     return out
 
 
-# From this many rows, on a CPU with AMX whose bf16 GEMM PyTorch runs fast (bf16_matmul_is_fast), an
-# int4 layer multiplies a prompt as bf16: dequantized to bf16 (int4_bf16_linear) and multiplied by
-# oneDNN on AMX, instead of gptlab's int4 lanes kernel. Intel Xeon 6/207, 2026-12-06, GPT-2's four
-# block layers (g64), lanes kernel against the bf16 product, medians of 15, two runs: 128 rows
-# 0.74-0.75x, 256 rows 1.13-1.25x, 384 1.32-1.33x, 512 1.48-1.52x, 1024 1.52-2.08x. Without AMX
-# (AVX512-BF16 only: AMD Zen 4 and 5) the lanes kernel ran 3.4x faster than the fp32 GEMM at 512
-# rows (Zen 5), where a bf16 GEMM is ~2x fp32: not taken. Since the weight is dequantized straight to
-# bf16 (gl_dequantize_i4's bf16 output; before, to fp32 then rounded by torch), the bf16 path runs
-# those layers 10-15% faster: 4.0 -> 3.6 ms at 256 rows (1.18-1.21x the lanes kernel), 192 rows
-# 0.98-1.04x, 160 0.93-0.94x, 128 0.81-0.82x (medians of 14, alternating): 256 stays the threshold.
-INT4_BF16_ROWS = 256
-# Up to this many weights: the reused buffer int4_bf16_linear dequantizes into stays alive with
-# its thread (2 bytes a weight: 32 MB here), so a larger layer (GPT-2's 38.6M-weight head, for a
-# whole prompt's logits) keeps the lanes kernel. Every block layer of GPT-2 xl (1600 wide) fits.
-INT4_BF16_MAX_WEIGHTS = 16 << 20
-
-
-def int4_prompts_in_bf16(rows: int, weights: int) -> bool:
-    """Whether an int4 layer of `weights` weights multiplies `rows` rows of x as bf16
-    (int4_bf16_linear): from INT4_BF16_ROWS rows, up to INT4_BF16_MAX_WEIGHTS weights, on a CPU with
-    AMX-BF16 whose bf16 GEMM is fast."""
-    return (
-        rows >= INT4_BF16_ROWS
-        and weights <= INT4_BF16_MAX_WEIGHTS
-        and "amxbf16" in cpu_features()  # cpuid's: an emulator's CPU (qemu-user) shows the host's /proc/cpuinfo
-        and bf16_matmul_is_fast()
-    )
-
-
-def int4_bf16_linear(x: torch.Tensor, weight, scales, zeros, group_size: int, bias) -> torch.Tensor:
-    """x (M, K) through an int4 layer in bf16: the weight dequantized and rounded to bf16 (in C,
-    into this thread's reused buffer), x rounded to bf16, multiplied by PyTorch's bf16 GEMM (oneDNN:
-    AMX), the bf16 result widened to fp32 (M, N) and the fp32 bias (N,) or None added."""
-    N, K = weight.size(0), weight.size(1) * 2
-    w16 = dequantize_int4(weight, scales, zeros, group_size, _buffer(N * K, torch.bfloat16)[: N * K], torch.bfloat16)
-    y = F.linear(x.to(torch.bfloat16), w16).float()  # (M, N); w16 (N, K)
-    return y if bias is None else y.add_(bias)
-
-
-@functools.cache
-def bf16_matmul_is_fast() -> bool:
-    """Whether a bf16 GEMM beats converting to fp32 and running the fp32 one: False unmeasured on
-    an x86 CPU without bf16 instructions (may_have_native_bf16), else measured once.
-
-    CPUs with native bf16 (AVX-512 BF16, AMX) run bf16 GEMMs 2-3x faster than fp32; without
-    them PyTorch's bf16 GEMM is emulated and ~5x slower than fp32 (e.g. 63 vs 337 GFLOP/s on
-    an Intel Xeon without AVX512_BF16), so bf16 weights are then better multiplied in fp32. The
-    measurement waits for the huge-page thread first: timed while Linux copied a model's pages, the
-    fp32 product took 40 ms instead of 5 and the emulated bf16 one 24, so a bf16 model's prompts
-    ran PyTorch's emulated GEMM, 4x slower (AMD EPYC Zen 4 held to AVX2, 2026-12-05: 512-token
-    bf16 prefill 225-239 tok/s against 860-992 in fp32).
-    """
-    if not may_have_native_bf16():
-        log.info("no bf16 instructions on this CPU: multiplying bf16 weights in fp32")
-        return False
-    wait_for_huge_pages()
-    x = torch.randn(128, 768)
-    w = torch.randn(2304, 768)
-    xb, wb = x.bfloat16(), w.bfloat16()
-    candidates = {"native": lambda: F.linear(xb, wb), "via_fp32": lambda: F.linear(xb.float(), wb.float()).bfloat16()}
-    times = {name: [] for name in candidates}
-    for _ in range(4):  # the first round warms up; alternating, a slow moment is less likely to favour one
-        for name, fn in candidates.items():
-            t0 = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t0)
-    native, via_fp32 = (min(times[name][1:]) for name in candidates)
-    fast = native <= via_fp32
-    log.info(
-        "bf16 GEMM %.2f ms vs fp32 conversion %.2f ms: multiplying bf16 weights in %s",
-        native * 1e3, via_fp32 * 1e3, "bf16" if fast else "fp32",
-    )  # fmt: skip
-    return fast
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, through the fastest kernel this CPU has for the case (see the module docstring)."""
-    if kernel_applies(x, weight):
-        return float_linear(x, weight, bias)
-    if prompt_gemm_applies(x, weight):
-        return sgemm_linear(x, weight, bias)
-    if (
-        x.dtype is torch.bfloat16
-        and _inference_on_cpu(x)
-        and not (torch.is_grad_enabled() and weight.requires_grad)
-        and not bf16_matmul_is_fast()
-    ):
-        return bf16_linear_in_fp32(x, weight, bias)
-    return F.linear(x, weight, bias)
-
-
-# From this many rows on, an fp32 inference forward (a prompt longer than MAX_ROWS; the float
-# kernel takes up to KERNEL_ROWS_GPTLAB first) runs in gptlab's GEMM where prompt_gemm_choice() gives gptlab.
-# It was 256 while each thread packed all of B (12-04: GPT-2's block layers at 16 rows 8.9 ms
-# against MKL's 3.4); since the threads split B's columns, gl_sgemm beats MKL at every row count.
-# AMD EPYC Zen 5, 2 threads, 2026-12-05, GPT-2's whole forward with all logits / the last only,
-# 256 against 9 here (medians of 5, best of 2 alternations): avx512 9 rows 1.58 / 1.43x, 16 1.60 /
-# 1.38, 64 1.73, 128 1.95 / 2.12; avx512-256 1.80 / 1.45, 1.48 / 1.30, 1.20 / 1.21, 1.29 / 1.17;
-# held to AVX2 (MKL too) 1.79 / 1.50, 1.48 / 1.38, 1.26 / 1.22, 1.26 / 1.19, and a bf16 model there
-# (bf16_linear_in_fp32) 1.46 / 1.46 at 9 rows, 1.25 / 1.19 at 128.
-PROMPT_GEMM_ROWS = MAX_ROWS + 1
-
-
-def prompt_gemm_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether an fp32 inference forward of at least PROMPT_GEMM_ROWS rows runs in gptlab's GEMM
-    (sgemm_linear): where prompt_gemm_choice() gives gptlab."""
-    return (
-        x.numel() >= PROMPT_GEMM_ROWS * x.size(-1)
-        and x.dtype is torch.float32
-        and weight.dtype is torch.float32
-        and _inference_on_cpu(x)
-        and not (torch.is_grad_enabled() and weight.requires_grad)
-        and _library().float_ok
-        and prompt_gemm_choice(x.numel() // x.size(-1)) == "gptlab"
-    )
-
-
-# Up to this many rows, an fp32 prompt's layer runs gl_sgemm_nt, which reads the weights in place,
-# instead of gl_sgemm, which packs them (a transpose of every weight on every call: 20% of a
-# 64-token GPT-2 forward's samples). GPT-2's four block layers, gl_sgemm against gl_sgemm_nt, AMD
-# EPYC Zen 4, 2 threads, medians of 7-9 alternating rounds, avx512-256 / avx2 / avx512: 32 rows
-# 1.60 / 1.45 / 1.61x, 64 1.29 / 1.28 / 1.41x, 128 1.21 / 1.16 / 1.21x, 256 1.06 / 1.07 / 1.10x,
-# 512 1.00-1.02 / 1.00-1.03 / 1.08x, 640 1.00 / 0.98 / 1.06x, 768 0.96 / 0.97 / 0.97x; GPT-2's head
-# (all logits) avx512-256 / avx2 16 rows 1.98 / 1.86x, 64 1.50 / 1.42x, 512 1.20 / 1.18x.
-# bf16 weights (and activations: a bf16 model on a CPU without bf16 instructions) take the same
-# bound: gl_sgemm_nt widens each block of W's rows once, then reads them as fp32 ones. Against
-# gl_sgemm_bf16_ab (W widened and transposed as it is packed), GPT-2's four block layers,
-# avx2 / avx512 / avx512-256, medians of 5 alternating rounds: 32 rows 1.23 / 1.26 / 1.22x, 128
-# 1.09 / 1.05 / 1.12x, 256 1.05 / 1.03 / 1.04x, 512 1.02 / 0.99 / 1.00x, 768 0.98x. At 17-24 rows,
-# since x^T's last narrow panel takes half a tile (medians of 7, avx2 / avx512-256): 17 rows 1.01 /
-# 1.00x (0.75-0.85x before), 20 1.26 / 1.24x, 24 1.25 / 1.19x.
-NT_ROWS = 512
-
-
-def sgemm_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype = torch.float32
-) -> torch.Tensor:
-    """F.linear of x (..., K) and weight (N, K) in gptlab's GEMM, y = b + x W^T in fp32: both fp32,
-    or the weight bf16 and x fp32 or bf16, widened as they are read. Up to NT_ROWS rows of x,
-    gl_sgemm_nt reads the weight where it is (a bf16 one widened a block of rows at a time); more
-    run gl_sgemm (_bf16_b, _bf16_ab), which packs it. y is fp32, or rounded once to `dtype` bf16
-    (by gl_sgemm_nt as it writes y: no fp32 y to convert afterwards)."""
-    N, K = weight.shape
-    x2 = x.reshape(-1, K)  # (M, K)
-    b = None if bias is None else bias.detach().float().contiguous()
-    in_place = not (x.dtype is torch.bfloat16 and weight.dtype is torch.float32)  # no such gl_sgemm_nt
-    if in_place and x2.size(0) <= NT_ROWS and weight.is_contiguous() and x2.stride(1) == 1:
-        y = torch.empty(x2.size(0), N, dtype=dtype)  # (M, N)
-        status = _library().lib.gl_sgemm_nt(
-            x2.size(0), N, K, x2.data_ptr(), x2.stride(0), int(x.dtype is torch.bfloat16), weight.data_ptr(),
-            int(weight.dtype is torch.bfloat16), y.data_ptr(), N, int(dtype is torch.bfloat16), ptr(b),
-            torch.get_num_threads(),
-        )  # fmt: skip
-        check(status)
-    else:
-        y = mm(x2, weight.detach().t(), torch.empty(x2.size(0), N), bias=b).to(dtype)  # W fp32 or bf16
-    return y.view(*x.shape[:-1], N)
-
-
-SLAB_BYTES = 4 << 20  # fp32 weight rows converted at a time (bf16_linear_in_fp32)
-WHOLE_BYTES = 16 << 20  # a weight whose fp32 copy fits this is converted whole, into the same buffer
-_slabs = threading.local()  # each thread's reused buffers, one per dtype
-
-
-def _buffer(numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """This thread's reused buffer of `dtype`, at least `numel` long (grown, never shrunk): no
-    fresh tensor, and its page faults, per call."""
-    buffers = _slabs.__dict__.setdefault("by_dtype", {})
-    buf = buffers.get(dtype)
-    if buf is None or buf.numel() < numel:
-        buf = buffers[dtype] = torch.empty(numel, dtype=dtype)
-    return buf
-
-
-def bf16_linear_in_fp32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """F.linear of bf16 x (..., K) and weight (N, K) computed in fp32, rounded to bf16 once, for
-    CPUs whose bf16 GEMM is emulated. The weight is converted into one reused buffer (no fresh
-    fp32 copy per call: page faults included, 154 MB for GPT-2's head): whole when its fp32 copy
-    fits WHOLE_BYTES, and multiplied as F.linear; else a slab of rows at a time (SLAB_BYTES, so it
-    stays in cache), multiplied transposed, W x^T, as MKL runs that faster. AMD EPYC, 512 rows,
-    2026-12-02: the 50,257-row head (scoring) 720 -> 472 ms in slabs; GPT-2's block layers
-    together 79.3 ms in slabs, 70.5 converted whole, 66.7 for fp32 weights. From PROMPT_GEMM_ROWS
-    rows, where bf16_prompt_gemm_choice() gives gptlab, gptlab's GEMM multiplies the bf16 weight
-    itself, widening it as it reads it (sgemm_linear; no fp32 copy: a 512-token bf16 GPT-2 prefill
-    457 -> 440 ms on the Zen 5 held to AVX2), and x too (gl_sgemm_bf16_ab: no fp32 copy of the
-    activations, 461 -> 455 ms, medians of 7 alternating runs, where fp32's took 460), and up to
-    NT_ROWS rows gl_sgemm_nt rounds y to bf16 as it writes it (no fp32 y to round afterwards: on
-    the Intel Xeon 6/207 held to AVX-512 VNNI 260.0-264.2 -> 252.9-253.8 ms, held to AVX2
-    443.5-447.3 -> 435.3-436.5)."""
-    K, N = weight.size(1), weight.size(0)
-    if x.numel() >= PROMPT_GEMM_ROWS * K and bf16_prompt_gemm_choice() == "gptlab" and _library().float_ok:
-        return sgemm_linear(x, weight, bias, torch.bfloat16)  # (..., N): widened as read, rounded once
-    xf = x.reshape(-1, K).float()  # (M, K)
-    if N * K * 4 <= WHOLE_BYTES:
-        w = _buffer(N * K)[: N * K].view(N, K)
-        w.copy_(weight)  # bf16 -> fp32, exact
-        y = F.linear(xf, w, None if bias is None else bias.float())  # (M, N)
-        return y.to(torch.bfloat16).view(*x.shape[:-1], N)  # rounded once
-    rows = max(16, SLAB_BYTES // (4 * K))
-    slab = _buffer(rows * K)
-    yt = torch.empty(N, xf.size(0))  # y^T (N, M)
-    for n0 in range(0, N, rows):
-        n1 = min(N, n0 + rows)
-        w = slab[: (n1 - n0) * K].view(n1 - n0, K)
-        w.copy_(weight[n0:n1])  # bf16 -> fp32, exact
-        if bias is None:
-            torch.mm(w, xf.t(), out=yt[n0:n1])
-        else:
-            torch.addmm(bias[n0:n1, None].float(), w, xf.t(), out=yt[n0:n1])
-    y = torch.empty(xf.size(0), N, dtype=torch.bfloat16).copy_(yt.t())  # row-major, rounded once
-    return y.view(*x.shape[:-1], N)
-
-
-class Linear(nn.Linear):
-    """nn.Linear whose inference forward on CPU runs gptlab's kernels (see `linear`)."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
-
-
 def describe() -> str:
     """One line for logs and benchmarks: the variant that runs on this CPU, or why none does."""
     float_ok, _, why = available()
@@ -1351,10 +910,12 @@ def main() -> int:
         print(
             f"  auto takes {auto_variant()}: this CPU's AVX-512 is half width (family {cpu_family()}, see HALF_WIDTH_AVX512)"
         )
-    prompts = ", ".join(f"{rows} rows {prompt_gemm_choice(rows)}" for rows in gemm_probe.PROMPT_ROWS)
-    print(f"  GEMM of prompts: {prompts}; of the training head: {gemm_choice()} "
+    from gptlab import gemm  # which imports this module
+
+    prompts = ", ".join(f"{rows} rows {gemm.prompt_gemm_choice(rows)}" for rows in gemm_probe.PROMPT_ROWS)
+    print(f"  GEMM of prompts: {prompts}; of the training head: {gemm.gemm_choice()} "
           "(gptlab: gl_sgemm_nt, gl_sgemm; torch: PyTorch's BLAS; GPTLAB_GEMM)")  # fmt: skip
-    print(f"  its bf16 products (bf16 autocast): {gemm_bf16_choice()}")
+    print(f"  its bf16 products (bf16 autocast): {gemm.gemm_bf16_choice()}")
     if lib.lib is not None:
         hint = "non-temporally" if prefetch_nta() else "into every cache level"
         print(f"  decoding: {decode_rows()} weight row(s) per block per thread ({cpu_vendor() or 'unknown vendor'}),"

@@ -151,7 +151,7 @@ def lora_layers(model: nn.Module) -> dict[str, LoRALinear]:
 def merge(model: nn.Module) -> nn.Module:
     """Fold every adapter into its base weight and unwrap it (in place; returns model). A quantized
     base is replaced by its dequantized float layer first, so the merge is exact."""
-    from gptlab.kernels import Linear
+    from gptlab.linear import Linear
 
     for name, layer in lora_layers(model).items():
         base = layer.base

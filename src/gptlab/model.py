@@ -18,7 +18,7 @@ from gptlab import fused_step, hooks, kernels
 from gptlab.chunked_loss import linear_cross_entropy
 from gptlab.config import GPTConfig
 from gptlab.hooks import HookPoint
-from gptlab.kernels import Linear
+from gptlab.linear import Linear
 
 
 class _HookedNorm:

@@ -48,6 +48,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from gptlab import gemm_probe, kernels
+from gptlab import linear as linear_layer
 from gptlab.checkpoint import META_FILE, WEIGHTS_FILE, atomic_write, atomic_write_text, load_state_strict, read_meta
 from gptlab.config import GPTConfig
 from gptlab.machine_cache import cached, machine_key
@@ -449,9 +450,11 @@ class Int4Linear(QuantizedLinear):
             self._kernel_weights = ("gptlab",)
             self._decode = kernels.int4_decoder(self.weight, self.scales, self.zeros, self.group_size, self.bias)
             self._decode_rows = kernels.int4_kernel_rows()
-            self._prompts_in_bf16 = kernels.int4_prompts_in_bf16(kernels.INT4_BF16_ROWS, self.weight.numel() * 2)
+            self._prompts_in_bf16 = linear_layer.int4_prompts_in_bf16(
+                linear_layer.INT4_BF16_ROWS, self.weight.numel() * 2
+            )
             if self._prompts_in_bf16:  # long prompts: bf16 on AMX (_kernel)
-                self._decode_rows = min(self._decode_rows, kernels.INT4_BF16_ROWS - 1)
+                self._decode_rows = min(self._decode_rows, linear_layer.INT4_BF16_ROWS - 1)
             return
         # PyTorch's kernel wants a multiple of 16 output rows: pad (GPT-2's head has 50257) and slice after.
         pad = -self.out_features % 16
@@ -464,12 +467,14 @@ class Int4Linear(QuantizedLinear):
 
     def _kernel(self, x2d):
         if self._kernel_weights[0] == "gptlab":
-            if self._prompts_in_bf16 and x2d.size(0) >= kernels.INT4_BF16_ROWS:  # a long prompt on AMX
-                return kernels.int4_bf16_linear(x2d, self.weight, self.scales, self.zeros, self.group_size, self.bias)
+            if self._prompts_in_bf16 and x2d.size(0) >= linear_layer.INT4_BF16_ROWS:  # a long prompt on AMX
+                return linear_layer.int4_bf16_linear(
+                    x2d, self.weight, self.scales, self.zeros, self.group_size, self.bias
+                )
             # A prompt or a batch: dequantize this layer and run the GEMM (compute-bound, so the
             # matrix's bytes matter less than the GEMM's speed).
             weight = kernels.dequantize_int4(self.weight, self.scales, self.zeros, self.group_size)  # (N, K)
-            return kernels.linear(x2d.float(), weight, self.bias)
+            return linear_layer.linear(x2d.float(), weight, self.bias)
         _, tinygemm_weight, scales_and_zeros = self._kernel_weights
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(
             x2d.to(torch.bfloat16).contiguous(), tinygemm_weight, self.group_size, scales_and_zeros

@@ -20,11 +20,11 @@ CORPUS = str(Path(__file__).resolve().parents[3] / RELATIVE)
 def machine() -> dict:
     """The facts a reader needs to compare a result: CPU (name, family and model, the features
     the kernels choose by), cores, memory, torch build, the gptlab kernel variant that runs and whose
-    GEMM runs the training head (kernels.gemm_choice), and the settings holding the libraries below
+    GEMM runs the training head (gemm.gemm_choice), and the settings holding the libraries below
     the CPU's level (machine_cache.held_settings)."""
     import torch
 
-    from gptlab import kernels
+    from gptlab import gemm, kernels
 
     cpu = kernels.cpuinfo("model name") or platform.processor() or platform.machine()
     family_model = "/".join(kernels.cpuinfo(k) or "?" for k in ("cpu family", "model"))
@@ -38,8 +38,8 @@ def machine() -> dict:
         "cpu_family_model": family_model,
         "cpu_features": " ".join(sorted(kernels.cpu_features())),
         "gptlab_kernels": kernels.variant() or f"none ({kernels.available()[2]})",
-        "head_gemm": kernels.gemm_choice(),
-        "head_gemm_bf16": kernels.gemm_bf16_choice(),
+        "head_gemm": gemm.gemm_choice(),
+        "head_gemm_bf16": gemm.gemm_bf16_choice(),
         "cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "memory_gib": mem_gib,

@@ -4,17 +4,17 @@ A small model's training step is mostly its head: logits W x^T (V, n), then the 
 inputs e^T W (n, C) and of the weight e x (V, C), with e the (V, n) softmax chunk. This times each
 product with gl_sgemm (csrc/gemm.c) and with torch.mm (Intel's MKL in PyTorch's x86 builds) on the
 same operands, alternating the two round by round (this machine's speed drifts by 20% within
-minutes), and prints the medians, GFLOP/s and the ratios; `kernels.gemm_choice` says which one
+minutes), and prints the medians, GFLOP/s and the ratios; `gemm.gemm_choice` says which one
 training takes here (auto: gptlab's on AMD CPUs, on Intel ones whichever a probe measured faster,
 `gptlab.gemm_probe`). Defaults: the demo's shape (GPT-2's vocabulary, B8xT128 = 1,024 rows, 128 wide).
-Where gl_gemm_bf16 runs (AVX512-BF16, `kernels.gemm_bf16_runs`) it also times the bf16 products
-of bf16 autocast both ways: `kernels.mm(..., bf16=True)`, gl_gemm_bf16 against torch's bf16 product
+Where gl_gemm_bf16 runs (AVX512-BF16, `gemm.gemm_bf16_runs`) it also times the bf16 products
+of bf16 autocast both ways: `gemm.mm(..., bf16=True)`, gl_gemm_bf16 against torch's bf16 product
 (oneDNN), each from the same fp32 operands.
 
-Then prompts' products, which `kernels.prompt_gemm_choice` decides: GPT-2 small's four block layers
-at --layer-rows rows of x, fp32 weights through `kernels.sgemm_linear` (gl_sgemm_nt reading the
-weights in place up to `kernels.NT_ROWS` rows, else gl_sgemm) against F.linear, and bf16 weights
-through `kernels.bf16_linear_in_fp32` both ways (gptlab's GEMM widening the weight as it reads it,
+Then prompts' products, which `gemm.prompt_gemm_choice` decides: GPT-2 small's four block layers
+at --layer-rows rows of x, fp32 weights through `gemm.sgemm_linear` (gl_sgemm_nt reading the
+weights in place up to `gemm.NT_ROWS` rows, else gl_sgemm) against F.linear, and bf16 weights
+through `linear.bf16_linear_in_fp32` both ways (gptlab's GEMM widening the weight as it reads it,
 against converting it for F.linear). These rows and the head's are the probe's measurement at
 length, over more rounds and shapes.
 """
@@ -68,36 +68,36 @@ def operands(V: int, n: int, C: int):
 
 
 def time_products(choice: str, bf16: bool, w, x, e, logits, grad_x, grad_w) -> list[float]:
-    """Seconds of each of the three products through kernels.mm(bf16=bf16) with GPTLAB_GEMM=choice."""
-    from gptlab import kernels
+    """Seconds of each of the three products through gemm.mm(bf16=bf16) with GPTLAB_GEMM=choice."""
+    from gptlab import gemm
 
     os.environ["GPTLAB_GEMM"] = choice
     seconds = []
     for a, b, out in ((w, x.t(), logits), (e.t(), w, grad_x), (e, x, grad_w)):
         t0 = time.perf_counter()
-        kernels.mm(a, b, out, bf16=bf16)
+        gemm.mm(a, b, out, bf16=bf16)
         seconds.append(time.perf_counter() - t0)
     return seconds
 
 
 def time_layers(choice: str, dtype, xs: dict, weights: dict, reps: int) -> float:
     """Seconds of `reps` forwards of the four block layers (x fp32 or bf16 as the weights), with
-    GPTLAB_GEMM=choice: fp32 through kernels.sgemm_linear or F.linear, bf16 through
-    kernels.bf16_linear_in_fp32 (which takes gptlab's GEMM or converts for F.linear by the choice)."""
+    GPTLAB_GEMM=choice: fp32 through gemm.sgemm_linear or F.linear, bf16 through
+    linear.bf16_linear_in_fp32 (which takes gptlab's GEMM or converts for F.linear by the choice)."""
     import torch
     import torch.nn.functional as F
 
-    from gptlab import kernels
+    from gptlab import gemm, linear
 
     os.environ["GPTLAB_GEMM"] = choice
     if dtype is torch.float32:
-        linear = kernels.sgemm_linear if choice == "gptlab" else F.linear
+        forward = gemm.sgemm_linear if choice == "gptlab" else F.linear
     else:
-        linear = kernels.bf16_linear_in_fp32
+        forward = linear.bf16_linear_in_fp32
     t0 = time.perf_counter()
     for _ in range(reps):
         for name, w in weights.items():
-            linear(xs[name], w, None)
+            forward(xs[name], w, None)
     return time.perf_counter() - t0
 
 
@@ -131,13 +131,13 @@ def layer_rows(rows_list: list[int], rounds: int) -> list[dict]:
 def main(argv=None) -> int:
     import torch
 
-    from gptlab import gemm_probe, kernels
+    from gptlab import gemm, gemm_probe, kernels
 
     args = parse_args(argv or [])
     if not kernels.available()[0]:
         raise SystemExit(f"gptlab's kernels are not available here: {kernels.available()[2]}")
-    chosen, bf16_runs = kernels.gemm_choice(), kernels.gemm_bf16_runs()
-    prompts = {rows: kernels.prompt_gemm_choice(rows) for rows in gemm_probe.PROMPT_ROWS}
+    chosen, bf16_runs = gemm.gemm_choice(), gemm.gemm_bf16_runs()
+    prompts = {rows: gemm.prompt_gemm_choice(rows) for rows in gemm_probe.PROMPT_ROWS}
     V, n, C = args.vocab, args.rows, args.width
     tensors = operands(V, n, C)
     flop = 2.0 * V * n * C
@@ -148,7 +148,7 @@ def main(argv=None) -> int:
         "config": vars(args),
         "chosen": chosen,
         "prompts_take": {str(rows): c for rows, c in prompts.items()},
-        "bf16_products": kernels.gemm_bf16_choice(),
+        "bf16_products": gemm.gemm_bf16_choice(),
     }
     for dtype in ("float32", "bfloat16") if bf16_runs else ("float32",):
         bf16 = dtype == "bfloat16"
@@ -178,7 +178,7 @@ def main(argv=None) -> int:
         print(" GPT-2's four block layers, prompts (fp32: sgemm_linear against F.linear; bf16: gptlab's GEMM widening the weight against converting it for F.linear):")  # fmt: skip
         for r in results["block_layers"]:
             print(f"  {r['rows']:4d} rows, {r['weights']:8s} weights  gptlab {r['gptlab_ms']:7.2f} ms   torch {r['torch_ms']:7.2f} ms   {r['speedup']:.2f}x"
-                  f"   (takes {kernels.prompt_gemm_choice(r['rows'])})")  # fmt: skip
+                  f"   (takes {gemm.prompt_gemm_choice(r['rows'])})")  # fmt: skip
     path = write_results("gemm", results, args.out)
     print(f"results: {path}")
     return 0

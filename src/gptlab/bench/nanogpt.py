@@ -142,9 +142,9 @@ def main(argv=None) -> int:
     if not (data / "train.bin").is_file():
         raise ValueError(f"--data {data}: no train.bin (run `gptlab demo` or `gptlab prepare` first)")
     recipe = demo_recipe()
-    from gptlab import kernels
+    from gptlab import gemm, kernels
 
-    print(f"gptlab kernels: {kernels.describe()}; the training head's GEMM: {kernels.head_gemm()}")
+    print(f"gptlab kernels: {kernels.describe()}; the training head's GEMM: {gemm.head_gemm()}")
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(args.work or tmp)
         calib = run_nanogpt(nanogpt, data, work, args.calibrate_iters, recipe)

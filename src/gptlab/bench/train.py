@@ -153,10 +153,10 @@ def main(argv=None) -> int:
 
     args = parse_args(argv or [])
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    from gptlab import kernels
+    from gptlab import gemm, kernels
 
     print(f"training B{args.batch_size}xT{args.block_size}, {args.n_layer} layers x {args.n_embd} wide, on {device}"
-          f" (gptlab kernels: {kernels.describe()}; head GEMM: {kernels.head_gemm()})")  # fmt: skip
+          f" (gptlab kernels: {kernels.describe()}; head GEMM: {gemm.head_gemm()})")  # fmt: skip
     results = []
     for dtype_name in args.dtypes:
         if dtype_name == "bfloat16" and device.type == "cpu" and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
