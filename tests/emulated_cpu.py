@@ -35,6 +35,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -96,18 +97,31 @@ def emulated_env(cpu: str, cache: Path) -> dict:
     }
 
 
-def run(cpu: str, args: list[str], cache: Path) -> subprocess.CompletedProcess:
-    """`python args...` under qemu-x86_64 as `cpu`, its output captured, qemu's notes on the host
-    features TCG lacks left out."""
-    proc = subprocess.run(
-        ["qemu-x86_64", sys.executable, *args], env=emulated_env(cpu, cache), cwd=ROOT, capture_output=True, text=True
-    )
-    proc.stderr = "".join(line for line in proc.stderr.splitlines(True) if "TCG doesn't support" not in line)
-    return proc
+def _noted_by_qemu(line: str) -> bool:
+    return "TCG doesn't support" in line  # qemu's notes on the host features TCG lacks
 
 
-def check(cpu: str, pytest_args: list[str]) -> tuple[bool, str]:
-    """(passed, report) for one emulated CPU: its probe, then the tests."""
+def run(cpu: str, args: list[str], cache: Path, echo: str | None = None) -> subprocess.CompletedProcess:
+    """`python args...` under qemu-x86_64 as `cpu`, its output captured, qemu's notes left out.
+    With `echo`, stdout and stderr are captured together and each line is also printed as it comes,
+    after that prefix: the tests take minutes to hours under emulation."""
+    command, env = ["qemu-x86_64", sys.executable, *args], emulated_env(cpu, cache)
+    if echo is None:
+        proc = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True)
+        proc.stderr = "".join(line for line in proc.stderr.splitlines(True) if not _noted_by_qemu(line))
+        return proc
+    lines = []
+    with subprocess.Popen(command, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as p:
+        for line in p.stdout:
+            if not _noted_by_qemu(line):
+                lines.append(line)
+                print(f"{echo}{line}", end="", flush=True)
+    return subprocess.CompletedProcess(command, p.returncode, "".join(lines), "")
+
+
+def check(cpu: str, pytest_args: list[str], echo: bool = False) -> tuple[bool, str]:
+    """(passed, report) for one emulated CPU: its probe, then the tests (their output printed as
+    it comes, each line after "[cpu] ", with `echo`)."""
     with tempfile.TemporaryDirectory() as tmp:
         probe = run(cpu, ["-c", PROBE], Path(tmp))
         if probe.returncode:
@@ -117,7 +131,10 @@ def check(cpu: str, pytest_args: list[str]) -> tuple[bool, str]:
         head += f", features {' '.join(seen['features']) or 'none'}"
         if seen["auto"] != CPUS[cpu][2]:
             return False, f"{head}\nFAILED: auto must take {CPUS[cpu][2]} here"
-        tests = run(cpu, ["-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *pytest_args], Path(tmp))
+        if echo:
+            print(head, flush=True)
+        pytest = ["-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *pytest_args]
+        tests = run(cpu, pytest, Path(tmp), echo=f"[{cpu}] " if echo else None)
         return tests.returncode == 0, f"{head}\n{tests.stdout}{tests.stderr}"
 
 
@@ -137,10 +154,20 @@ def main(argv=None) -> int:
     if why := unavailable():
         raise SystemExit(why)
     cpus = args.cpu or list(CPUS)
+    start = time.monotonic()
+
+    def timed_check(cpu: str) -> tuple[bool, str]:
+        passed, report = check(cpu, pytest_args or TESTS, echo=True)
+        return (
+            passed,
+            f"{report.splitlines()[0]}\n{report.rstrip().splitlines()[-1]} ({(time.monotonic() - start) / 60:.0f} min)",
+        )
+
     with ThreadPoolExecutor(len(cpus)) as pool:  # qemu runs each on about one core
-        results = list(pool.map(lambda c: check(c, pytest_args or TESTS), cpus))
-    for passed, report in results:
-        print(report.rstrip())
+        results = list(pool.map(timed_check, cpus))
+    print()
+    for passed, summary in results:  # each CPU's tests' last line again, after the interleaved output
+        print(summary)
         print("passed" if passed else "FAILED", end="\n\n")
     return 0 if all(passed for passed, _ in results) else 1
 
