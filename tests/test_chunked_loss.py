@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import tiny_model
-from gptlab import kernels
+from gptlab import kernels, ops
 from gptlab.chunked_loss import _LinearCrossEntropy, linear_cross_entropy, token_logprobs
 from gptlab.quantize import Int8Linear
 
@@ -77,8 +77,8 @@ def test_the_c_softmax_given_the_maxima_reads_the_logits_once_to_the_same_bits()
     t = torch.randint(0, 1000, (37,))
     t[3] = -100
     found, given = logits.clone(), logits.clone()
-    a = kernels.softmax_exp_(found, t)
-    b = kernels.softmax_exp_(given, t, logits.amax(dim=0))
+    a = ops.softmax_exp_(found, t)
+    b = ops.softmax_exp_(given, t, logits.amax(dim=0))
     assert a is not None and b is not None  # the C softmax ran, on every variant
     assert torch.equal(found, given) and all(torch.equal(u, v) for u, v in zip(a, b, strict=True))
 
@@ -156,13 +156,13 @@ def test_bf16_products_in_pytorch_reuse_their_buffers_and_compute_as_fresh_ones(
 @pytest.mark.usefixtures("kernel_variant")
 @pytest.mark.skipif(not kernels.available()[0], reason=f"gptlab's kernels are not built here: {kernels.available()[2]}")
 def test_the_c_softmax_runs_and_agrees_with_pytorchs(monkeypatch):
-    """On CPU the chunk's softmax and loss are one C call (kernels.softmax_exp_); the
+    """On CPU the chunk's softmax and loss are one C call (ops.softmax_exp_); the
     PyTorch ops it replaces give the same numbers (measured: the loss equal, gradients within
     2.4e-7 of their largest value; a softmax that forgets the one-hot, the max, the masked tail or
     the ignored rows fails here or in the test above)."""
     calls = []
-    real = kernels.softmax_exp_
-    monkeypatch.setattr(kernels, "softmax_exp_", lambda *a: calls.append(1) or real(*a))
+    real = ops.softmax_exp_
+    monkeypatch.setattr(ops, "softmax_exp_", lambda *a: calls.append(1) or real(*a))
     x, w, t = head_inputs(seed=1, ignored=[5])
     got = loss_and_grads(lambda: linear_cross_entropy(x, w, t, chunk_rows=16), x, w)
     assert len(calls) == 3  # chunks of 16, 16 and 5 rows
@@ -209,7 +209,7 @@ def test_a_target_outside_the_vocabulary_is_refused(c_kernels):
 def test_the_c_softmax_refuses_a_target_outside_the_vocabulary():
     """Called directly (linear_cross_entropy checks first), the kernel never writes past a row."""
     with pytest.raises(ValueError, match="target 10 outside the vocabulary"):
-        kernels.softmax_xent_(torch.randn(10, 3), torch.tensor([1, 10, -100]))  # (V, n)
+        ops.softmax_xent_(torch.randn(10, 3), torch.tensor([1, 10, -100]))  # (V, n)
 
 
 @pytest.mark.usefixtures("kernel_variant")
@@ -259,14 +259,14 @@ def test_the_c_softmax_keeps_a_long_tail_of_tiny_probabilities(grad):
     targets = torch.randint(0, 3, (n,))
     exact = -torch.log_softmax(logits.double(), -1).gather(1, targets[:, None]).squeeze(1)  # (n,)
     z = logits.t().contiguous()  # (V, n)
-    loss = kernels.softmax_xent_(z, targets) if grad else kernels.cross_entropy_t(z, targets)[0]
+    loss = ops.softmax_xent_(z, targets) if grad else ops.cross_entropy_t(z, targets)[0]
     assert (loss.double() - exact).abs().max() < 1e-6
 
 
 @pytest.mark.usefixtures("kernel_variant")
 @pytest.mark.skipif(not kernels.available()[0], reason=f"gptlab's kernels are not built here: {kernels.available()[2]}")
 def test_the_c_softmax_gradient_is_softmax_minus_one_hot_and_zero_where_ignored():
-    """kernels.softmax_xent_ (softmax_exp_ finished): the logits become softmax - onehot, an
+    """ops.softmax_xent_ (softmax_exp_ finished): the logits become softmax - onehot, an
     ignored row's column all zeros, and the losses are cross_entropy's (measured: gradients 6e-8
     apart, losses 1.9e-6 on values ~10)."""
     torch.manual_seed(5)
@@ -275,7 +275,7 @@ def test_the_c_softmax_gradient_is_softmax_minus_one_hot_and_zero_where_ignored(
     t = torch.randint(0, V, (n,))
     t[[2, 30]] = -100
     z = logits.t().contiguous()  # (V, n)
-    loss = kernels.softmax_xent_(z, t)
+    loss = ops.softmax_xent_(z, t)
     ref = torch.softmax(logits, -1) - F.one_hot(t.clamp_min(0), V)  # (n, V)
     ref[t == -100] = 0.0
     torch.testing.assert_close(z.t(), ref, rtol=0, atol=1e-6)

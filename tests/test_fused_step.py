@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 
 from conftest import VARIANTS, tiny_model
-from gptlab import fused_step, gemm, kernels
+from gptlab import fused_step, gemm, kernels, ops
 from gptlab.generation import decode_step, generate, left_pad, new_cache, prefill
 from gptlab.quantize import quantize_model
 
@@ -175,7 +175,7 @@ def test_quantized_steps_of_many_rows_match_the_modules(rows, mode, steps, monke
     Zen 3); their prompts, and an int8 model's steps of more than MAX_ROWS with VNNI, do not."""
     with monkeypatch.context() as patch:
         if mode == "int8-no-vnni":
-            patch.setattr(kernels, "fbgemm_int8_is_exact", lambda: False)
+            patch.setattr(ops, "fbgemm_int8_is_exact", lambda: False)
         model = with_norms_shaken(tiny_model(n_embd=128, n_head=4))
         quantize_model(model, mode[:4], group_size=32)
         g = torch.Generator().manual_seed(rows)
@@ -191,7 +191,7 @@ def test_quantized_steps_of_many_rows_match_the_modules(rows, mode, steps, monke
         decode_logits(model, n=2, prompts=[[1, 2]] * (fused_step.INT_STEP_ROWS + 1))
     int8 = quantize_model(with_norms_shaken(tiny_model(n_embd=128, n_head=4)), "int8")
     decode_logits(int8, n=2, prompts=[[1, 2]] * rows)
-    assert steps["fused"] == (4 if kernels.fbgemm_int8_is_exact() else 6)
+    assert steps["fused"] == (4 if ops.fbgemm_int8_is_exact() else 6)
 
 
 @pytest.mark.parametrize(
@@ -231,7 +231,7 @@ def test_a_bf16_cache_of_fp32_activations_matches_the_modules(steps):
     # linear layers: MKL's fp32 sums can round a value to the neighbouring bf16 (Intel Xeon 6/207: one
     # value one bf16 step apart, the logits 1.6e-5 apart), which is not the attention's doing
     no_c_attention = dict(decode_attention_applies=lambda *a: False, prompt_attention_applies=lambda *a: False)
-    with mock.patch.multiple(kernels, **no_c_attention):
+    with mock.patch.multiple(ops, **no_c_attention):
         torch_attention = decode_logits(model, fused=False)
     # measured: 1.7e-7 and 1.3-1.7e-7 of the largest logit from the modules' and PyTorch's, 2.3e-4
     # from the fp32 cache's (the rounding is real); with the query rounded to bf16 in C as well,

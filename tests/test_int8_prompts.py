@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from gptlab import kernels, quantize
+from gptlab import kernels, ops, quantize
 from gptlab.quantize import Int8Linear
 
 INT_OK = kernels.available()[1]
@@ -45,7 +45,7 @@ def test_int8_prompts_through_onednn_are_gptlabs_per_row_quantization(monkeypatc
     x = torch.randn(40, 96) * torch.logspace(-1, 1, 40)[:, None]  # rows of different sizes
     monkeypatch.setenv("GPTLAB_INT8_GEMM", "onednn")
     layer = Int8Linear.from_linear(linear, "int8")
-    if kernels.fbgemm_int8_is_exact() and not quantize.onednn_int8_is_exact():  # ONEDNN_MAX_CPU_ISA below VNNI
+    if ops.fbgemm_int8_is_exact() and not quantize.onednn_int8_is_exact():  # ONEDNN_MAX_CPU_ISA below VNNI
         with pytest.raises(ValueError, match="saturates its 16-bit sums"):
             layer.prepare()
         monkeypatch.setenv("GPTLAB_INT8_GEMM", "auto")
@@ -59,7 +59,7 @@ def test_int8_prompts_through_onednn_are_gptlabs_per_row_quantization(monkeypatc
     # measured 3.9e-8 / 5.3e-8 (with / without bias; oneDNN, Intel Xeon 6/207 with AMX); gptlab's
     # avx2 kernel 6.5e-8 / 3.9e-8
     assert y.dtype is torch.float32 and relative(y, ref) < 1e-6
-    if not kernels.fbgemm_int8_is_exact():
+    if not ops.fbgemm_int8_is_exact():
         assert layer._prompts_gemm == "fbgemm" and layer._prompts_in_kernel
         return
     assert layer._prompts_gemm == "onednn" and not layer._prompts_in_kernel
@@ -105,7 +105,7 @@ def test_int8_prompts_take_the_product_measured_faster_once_per_machine(
     assert quantize.int8_prompts_gemm() == chosen and len(int8_probe) == 1
     layer = Int8Linear.from_linear(nn.Linear(32, 16), "int8")
     layer.prepare()  # a layer takes the choice as it binds its weights
-    assert layer._prompts_gemm == (chosen if kernels.fbgemm_int8_is_exact() else "fbgemm")
+    assert layer._prompts_gemm == (chosen if ops.fbgemm_int8_is_exact() else "fbgemm")
 
 
 def test_int8_prompts_forced_or_without_onednn_are_never_probed(int8_probe, monkeypatch):
@@ -154,8 +154,8 @@ def test_the_int8_probe_times_both_products_on_gpt2_block_layers(monkeypatch):
 
     monkeypatch.setattr(kernels, "wait_for_huge_pages", lambda timeout=10.0: True)
     monkeypatch.setattr(gemm_probe, "ROUNDS", 1)
-    if not kernels.fbgemm_int8_is_exact():  # the probe's layers bind their weights as on a VNNI CPU
-        monkeypatch.setattr(kernels, "fbgemm_int8_is_exact", lambda: True)
+    if not ops.fbgemm_int8_is_exact():  # the probe's layers bind their weights as on a VNNI CPU
+        monkeypatch.setattr(ops, "fbgemm_int8_is_exact", lambda: True)
     seen = []
     onednn_product = Int8Linear._onednn_product
     monkeypatch.setattr(

@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 from conftest import VARIANTS, tiny_model
-from gptlab import kernel_build, kernels
+from gptlab import kernel_build, kernels, ops
 from gptlab.generation import decode_step, generate, new_cache, prefill
 from gptlab.quantize import Int4Linear, Int8Linear, quantize_model
 
@@ -289,7 +289,7 @@ def test_both_prefetch_hints_give_the_same_bits(mode):
                 layer.prepare()
                 return [layer._decode(x[:m]) for m in (1, 2)]
             w, b = layer.weight, layer.bias
-            return [kernels.float_linear(x[:m].to(w.dtype), w, b) for m in (1, 2)]
+            return [ops.float_linear(x[:m].to(w.dtype), w, b) for m in (1, 2)]
 
     for nta in (False, True):
         with kernels.use_prefetch_nta(nta):
@@ -316,7 +316,7 @@ def on_each_rows(fn, rows: int):
 def test_float_linear_agrees_with_portable(dtype, M, rows):
     torch.manual_seed(0)
     x, w, b = (torch.randn(*s).to(dtype) for s in ((M, 203), (51, 203), (51,)))  # tails of rows and inputs
-    out = on_each_rows(lambda: kernels.float_linear(x, w, b), rows)
+    out = on_each_rows(lambda: ops.float_linear(x, w, b), rows)
     for variant in ["portable", *SIMD]:
         # fp32 sums in another order: measured <= 2.2e-7 (fp32); bf16 outputs: one ulp where a sum sits near a tie
         assert rel(out[variant], out["reference"]) <= (1e-6 if dtype == torch.float32 else 2**-8), variant
@@ -352,17 +352,17 @@ def test_attention_argmax_and_softmax_agree_with_portable(dtype):
     qkv = torch.randn(B, 1, 3 * nh * hs).to(dtype)
     mask = torch.ones(B, 1, 1, pos + 1, dtype=torch.bool)
     mask[0, ..., :3] = False
-    att = on_each(lambda: kernels.decode_attention(qkv, tuple(caches.clone()), pos, mask, nh))
+    att = on_each(lambda: ops.decode_attention(qkv, tuple(caches.clone()), pos, mask, nh))
     logits = torch.randn(5, 1003)
     targets = torch.tensor([0, 1002, -100, 7, 500])
 
     def softmax():
         z = logits.t().contiguous()  # (V, n)
-        return kernels.softmax_xent_(z, targets), z
+        return ops.softmax_xent_(z, targets), z
 
     soft = on_each(softmax)
-    scored = on_each(lambda: kernels.cross_entropy_t(logits.t().contiguous(), targets))  # (losses, peaks)
-    top = on_each(lambda: kernels.argmax(logits))
+    scored = on_each(lambda: ops.cross_entropy_t(logits.t().contiguous(), targets))  # (losses, peaks)
+    top = on_each(lambda: ops.argmax(logits))
     for variant in SIMD:
         assert rel(att[variant], att["portable"]) <= (1e-6 if dtype == torch.float32 else 2**-8), variant
         assert rel(soft[variant][0], soft["portable"][0]) <= 1e-6 and rel(soft[variant][1], soft["portable"][1]) <= 1e-6

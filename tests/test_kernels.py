@@ -7,7 +7,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from conftest import VARIANTS, tiny_model
-from gptlab import fused_step, gemm, kernel_build, kernels, linear
+from gptlab import fused_step, gemm, kernel_build, kernels, linear, ops
 from gptlab.generation import generate
 from gptlab.quantize import Int4Linear, Int8Linear, quantize_model
 
@@ -29,10 +29,10 @@ def test_fp32_kernel_matches_float64(shape, M):
     torch.manual_seed(0)
     x, w, b = torch.randn(M, K), torch.randn(N, K), torch.randn(N)
     ref = F.linear(x.double(), w.double(), b.double())
-    y = kernels.float_linear(x, w, b)
+    y = ops.float_linear(x, w, b)
     # measured: <= 3.5e-7 of the largest output (fp32 sums in another order)
     assert (y.double() - ref).abs().max() <= 1e-6 * ref.abs().max()
-    assert torch.allclose(kernels.float_linear(x, w, None), F.linear(x, w), rtol=0, atol=1e-5 * ref.abs().max())
+    assert torch.allclose(ops.float_linear(x, w, None), F.linear(x, w), rtol=0, atol=1e-5 * ref.abs().max())
 
 
 @needs_float
@@ -81,7 +81,7 @@ def test_bf16_kernel_is_the_fp32_sum_rounded_once(shape, M):
     torch.manual_seed(1)
     x, w, b = torch.randn(M, K).bfloat16(), torch.randn(N, K).bfloat16(), torch.randn(N).bfloat16()
     exact = F.linear(x.double(), w.double(), b.double())  # bf16 inputs are exact in float64
-    y = kernels.float_linear(x, w, b)
+    y = ops.float_linear(x, w, b)
     assert y.dtype == torch.bfloat16
     # One rounding to bf16 (relative 2^-9) plus fp32 summation: within 1 bf16 ulp of the exact value.
     ulp = exact.abs().clamp(min=1e-3) * 2**-7
@@ -144,8 +144,8 @@ def test_int4_prompt_path_dequantizes_exactly(calls, group_size):
     torch.manual_seed(4)
     layer = Int4Linear.from_linear(nn.Linear(256, 40), group_size)
     layer.prepare()
-    layer._decode_rows = kernels.INT4_KERNEL_ROWS  # as the portable and NEON variants have it
-    x = torch.randn(kernels.INT4_KERNEL_ROWS + 1, 256)  # more rows than the kernel takes
+    layer._decode_rows = ops.INT4_KERNEL_ROWS  # as the portable and NEON variants have it
+    x = torch.randn(ops.INT4_KERNEL_ROWS + 1, 256)  # more rows than the kernel takes
     y = layer(x)
     assert calls["gl_dequantize_i4"] == 1 and calls["gl_linear_i4"] == 0
     assert torch.allclose(y, F.linear(x, layer.dequantize(), layer.bias), rtol=1e-5, atol=1e-5)
@@ -159,16 +159,16 @@ def test_int4_dequantizes_to_bf16_as_torch_rounds_its_fp32_weight(group_size):
     torch.manual_seed(5)
     layer = Int4Linear.from_linear(nn.Linear(512, 37), group_size)
     args = (layer.weight, layer.scales, layer.zeros, group_size)
-    w32 = kernels.dequantize_int4(*args)  # (37, 512) fp32
+    w32 = ops.dequantize_int4(*args)  # (37, 512) fp32
     assert torch.equal(w32, layer.dequantize())
     out = torch.full((37 * 512,), float("nan"), dtype=torch.bfloat16)
-    w16 = kernels.dequantize_int4(*args, out, torch.bfloat16)
+    w16 = ops.dequantize_int4(*args, out, torch.bfloat16)
     assert w16.data_ptr() == out.data_ptr() and torch.equal(w16, w32.bfloat16())
     assert not torch.equal(w16.float(), w32)  # really rounded: 2^-8 relative steps, where fp32 has finer
     with pytest.raises(ValueError, match="out must be contiguous torch.bfloat16, not torch.float32"):
-        kernels.dequantize_int4(*args, torch.empty(37 * 512), torch.bfloat16)
+        ops.dequantize_int4(*args, torch.empty(37 * 512), torch.bfloat16)
     with pytest.raises(ValueError, match="dtype must be torch.float32 or torch.bfloat16"):
-        kernels.dequantize_int4(*args, dtype=torch.float16)
+        ops.dequantize_int4(*args, dtype=torch.float16)
 
 
 @needs_int
@@ -271,7 +271,7 @@ def test_decode_attention_writes_the_cache_and_matches_sdpa(dtype, cache, padded
     if padded:  # row 1 has its first 4 slots as padding
         mask = torch.ones(B, 1, 1, pos + 1, dtype=torch.bool)
         mask[1, ..., :4] = False
-    out = kernels.decode_attention(qkv, (k_cache, v_cache), pos, mask, nh)
+    out = ops.decode_attention(qkv, (k_cache, v_cache), pos, mask, nh)
     q, k, v = qkv.float().view(B, 1, 3, nh, hs).unbind(2)  # each (B, 1, nh, hs)
     # the new key and value rounded into the cache as torch rounds (bit for bit)
     assert torch.equal(k_cache[:, :, pos], k[:, 0].to(cache)) and torch.equal(v_cache[:, :, pos], v[:, 0].to(cache))
@@ -306,7 +306,7 @@ def test_prompt_attention_is_causal_sdpa(dtype, cached):
         k_cache[:, :, cached:S], v_cache[:, :, cached:S] = k, v
         k, v = k_cache[:, :, :S], v_cache[:, :, :S].contiguous()  # strides of their own
     with torch.no_grad():
-        y = kernels.prompt_attention(q, k, v)
+        y = ops.prompt_attention(q, k, v)
     mask = torch.ones(T, S, dtype=torch.bool).tril(S - T)
     ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask)
     assert y.shape == (B, nh, T, hs) and y.dtype == dtype
@@ -315,7 +315,7 @@ def test_prompt_attention_is_causal_sdpa(dtype, cached):
     else:  # one rounding to bf16 of an fp32 result: half an ulp plus fp32's error
         assert ((y.double() - ref).abs() <= ref.abs() * 2**-8 + 2e-6).all()
         with torch.no_grad():
-            y32 = kernels.prompt_attention(q.float(), k.float(), v.float())
+            y32 = ops.prompt_attention(q.float(), k.float(), v.float())
         assert torch.equal(y, y32.to(dtype))
 
 
@@ -371,10 +371,10 @@ def test_argmax_matches_torch_including_ties(dtype):
     logits[8, 50256] = 100.0  # in the last, partial block, past the last whole vector
     logits[9, :] = 0.0
     logits = logits.to(dtype)
-    assert torch.equal(kernels.argmax(logits), logits.argmax(dim=-1))
+    assert torch.equal(ops.argmax(logits), logits.argmax(dim=-1))
     for width in (1, 5, 17, 1024, 1031):  # rows shorter than a vector, a block, a block and a tail
         short = logits[:, -width:].contiguous()
-        assert torch.equal(kernels.argmax(short), short.argmax(dim=-1)), width
+        assert torch.equal(ops.argmax(short), short.argmax(dim=-1)), width
 
 
 @needs_float
@@ -404,26 +404,26 @@ def test_gelu_kernel_is_torchs_tanh_gelu(dtype):
 
 @needs_float
 def test_gelu_runs_the_kernel_for_the_tanh_form_only(calls, kernel_variant):
-    """kernels.gelu: C for the tanh form where the kernels have SIMD (portable C is slower than
+    """ops.gelu: C for the tanh form where the kernels have SIMD (portable C is slower than
     PyTorch's), in inference and under autograd in fp32 (forward and backward); the exact GELU,
     and bf16 under autograd, stay PyTorch's."""
     torch.manual_seed(8)
     x = torch.randn(4, 100)
     simd = kernel_variant != "portable"
     with torch.no_grad():
-        assert torch.allclose(kernels.gelu(x, "tanh"), F.gelu(x, approximate="tanh"), rtol=0, atol=1e-6)
+        assert torch.allclose(ops.gelu(x, "tanh"), F.gelu(x, approximate="tanh"), rtol=0, atol=1e-6)
         xb = x.bfloat16()
-        assert torch.allclose(kernels.gelu(xb, "tanh").float(), F.gelu(xb, approximate="tanh").float(), rtol=2**-8)
+        assert torch.allclose(ops.gelu(xb, "tanh").float(), F.gelu(xb, approximate="tanh").float(), rtol=2**-8)
         assert calls["gl_gelu_tanh"] == 2 * simd
-        assert torch.equal(kernels.gelu(x, "none"), F.gelu(x))
-        assert torch.equal(kernels.gelu(x.t(), "tanh"), F.gelu(x.t(), approximate="tanh"))  # not contiguous
+        assert torch.equal(ops.gelu(x, "none"), F.gelu(x))
+        assert torch.equal(ops.gelu(x.t(), "tanh"), F.gelu(x.t(), approximate="tanh"))  # not contiguous
     xg = x.clone().requires_grad_()
-    kernels.gelu(xg, "tanh").sum().backward()
+    ops.gelu(xg, "tanh").sum().backward()
     assert calls["gl_gelu_tanh"] == 3 * simd and calls["gl_gelu_tanh_backward"] == simd
     xr = x.clone().requires_grad_()
     F.gelu(xr, approximate="tanh").sum().backward()
     torch.testing.assert_close(xg.grad, xr.grad, rtol=0, atol=1e-6)
-    kernels.gelu(xb.clone().requires_grad_(), "tanh").sum().backward()  # bf16 under autograd: PyTorch's
+    ops.gelu(xb.clone().requires_grad_(), "tanh").sum().backward()  # bf16 under autograd: PyTorch's
     assert calls["gl_gelu_tanh"] == 3 * simd and calls["gl_gelu_tanh_backward"] == simd
     with torch.no_grad():
         tiny_model(mlp="gelu")(torch.tensor([[1, 2, 3]]))
@@ -441,13 +441,13 @@ def test_the_gelu_gradient_is_the_tanh_gelus_derivative(kernel_variant):
     with torch.no_grad():
         x[0, :4] = torch.tensor([0.0, 30.0, -30.0, 1e-3])
     dy = torch.randn(3, 4099)
-    y = kernels.gelu(x, "tanh")
+    y = ops.gelu(x, "tanh")
     (dx,) = torch.autograd.grad(y, x, dy)
     x64 = x.detach().double().requires_grad_()
     (want,) = torch.autograd.grad(F.gelu(x64, approximate="tanh"), x64, dy.double())
     assert ((dx.double() - want).abs() / dy.double().abs().clamp(min=1)).max() <= 2e-6
     with torch.no_grad():
-        assert torch.equal(y, kernels.gelu(x.detach(), "tanh"))
+        assert torch.equal(y, ops.gelu(x.detach(), "tanh"))
 
 
 @pytest.mark.parametrize("bias", [False, True])

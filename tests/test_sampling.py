@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gptlab import kernels, sampling
+from gptlab import kernels, ops, sampling
 from gptlab.sampling import (
     SamplingParams,
     apply_repetition_penalty,
@@ -188,7 +188,7 @@ def test_top_p_takes_any_leading_dimensions(nucleus_path):
 
 
 def test_draw_in_c_gives_the_ids_of_the_pytorch_arithmetic():
-    """gl_draw (kernels.draw), on every kernel variant: the first id whose float64 cumulative sum
+    """gl_draw (ops.draw), on every kernel variant: the first id whose float64 cumulative sum
     exceeds u x the row's sum, as torch's cumsum and searchsorted find it, at u on the sums'
     boundaries (exact binary fractions), and through draw() the same ids for the same seed."""
     if not kernels.available()[0]:
@@ -207,9 +207,9 @@ def test_draw_in_c_gives_the_ids_of_the_pytorch_arithmetic():
         plain = sampling.draw(rows, torch.Generator().manual_seed(9))
     for variant in kernels.runnable_variants():
         with kernels.use_variant(variant):
-            assert kernels.draw(probs, u).tolist() == expected.tolist(), variant
+            assert ops.draw(probs, u).tolist() == expected.tolist(), variant
             assert torch.equal(sampling.draw(rows, torch.Generator().manual_seed(9)), plain), variant
-            assert kernels.draw(torch.tensor([[0.5, float("nan")]]), u[:1]) is None  # the caller raises
+            assert ops.draw(torch.tensor([[0.5, float("nan")]]), u[:1]) is None  # the caller raises
 
 
 def test_draw_never_takes_a_zero_and_follows_each_rows_probabilities():

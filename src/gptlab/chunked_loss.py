@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from gptlab import gemm, kernels
+from gptlab import gemm, ops
 
 IGNORE_INDEX = -100
 # Rows per chunk: larger chunks multiply faster, up to a batch of the demo's size. Measured on the
@@ -49,7 +49,7 @@ def _chunk_grad(x_c, w, t_c, out: torch.Tensor, bf16: bool = False):
     else:
         product = _workspace(x_c.size(0), w.size(0), out.device, w.dtype)  # (V, n) bf16/fp16, kept
         logits = out.copy_(torch.mm(w, x_c.t().contiguous(), out=product))  # (V, n) fp32
-    scored = kernels.softmax_exp_(logits, t_c, peak)  # in C on CPU: 1-2 passes over the logits, not 5
+    scored = ops.softmax_exp_(logits, t_c, peak)  # in C on CPU: 1-2 passes over the logits, not 5
     if scored is not None:
         row_loss, inv = scored
         return row_loss.sum(), logits, inv
@@ -210,7 +210,7 @@ def token_logprobs(x: torch.Tensor, head: torch.nn.Module, targets: torch.Tensor
         x_c, t_c = x[s : s + chunk_rows], targets[s : s + chunk_rows]  # (n, C), (n,)
         logits = _head_t(head, x_c)  # (V, n) fp32
         target = logits.gather(0, t_c[None, :]).squeeze(0)  # (n,)
-        scored = kernels.cross_entropy_t(logits, t_c)
+        scored = ops.cross_entropy_t(logits, t_c)
         if scored is None:  # PyTorch: another device, or no kernels
             scored = torch.logsumexp(logits, dim=0) - target, logits.amax(dim=0)
         loss, peak = scored

@@ -35,7 +35,7 @@ import torch
 import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
-from gptlab import gemm, kernels, linear
+from gptlab import gemm, kernels, linear, ops
 
 _P, _I = ctypes.c_void_p, ctypes.c_int
 F32, BF16, I8, I4 = 0, 1, 2, 3  # gl_linear_t.kind
@@ -183,11 +183,11 @@ class Plan:
         decode = self._get(layer, "_decode")
         if decode is None or self._get(layer, "use_kernel") is not True:
             raise Unsupported(f"{type(layer).__name__} without gptlab's decoding kernel")
-        kind, N, K, g, tensors = decode.layer  # see kernels.int8_decoder / int4_decoder
+        kind, N, K, g, tensors = decode.layer  # see ops.int8_decoder / int4_decoder
         w, a, b, bias = tensors
         self.tensors += [t for t in tensors if t is not None]  # kept alive and checked, as the rest
         ptrs = kernels.stream(w), a.data_ptr(), b.data_ptr(), kernels.ptr(bias)
-        return _Linear({"i8": I8, "i4": I4}[kind], N, K, g, 0, *ptrs)  # an fp32 bias (kernels._decoder)
+        return _Linear({"i8": I8, "i4": I4}[kind], N, K, g, 0, *ptrs)  # an fp32 bias (ops._decoder)
 
     def _embedding(self, wte: nn.Module, config) -> _Linear:
         """The token embedding as C reads it: an nn.Embedding's table, or the quantized head a
@@ -304,7 +304,7 @@ def _rows_fit(model, idx: torch.Tensor) -> bool:
     if idx.dim() == 2 and idx.size(-1) != 1:  # a prompt: the modules (their last layer runs its last position only)
         return False
     mode = (getattr(model, "quantization", None) or {}).get("mode")
-    if mode == "int4" or (mode == "int8" and not kernels.fbgemm_int8_is_exact()):
+    if mode == "int4" or (mode == "int8" and not ops.fbgemm_int8_is_exact()):
         return rows <= INT_STEP_ROWS
     return (
         mode is None

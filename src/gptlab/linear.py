@@ -3,7 +3,7 @@
 `Linear` is an nn.Linear (same parameters, same state dict, training unchanged) whose forward
 without autograd on the CPU goes through `linear`, which picks by the number of rows of x:
 - a few rows (decoding: up to float_kernel_rows): gptlab's matrix-vector kernel, each weight row
-  read once for all of them (kernels.float_linear);
+  read once for all of them (ops.float_linear);
 - more (a prompt), where gemm.prompt_gemm_choice() gives gptlab: gptlab's GEMM, the weights read
   in place up to gemm.NT_ROWS rows (gemm.sgemm_linear);
 - a bf16 layer on a CPU whose bf16 GEMM is emulated (bf16_matmul_is_fast): computed in fp32 and
@@ -25,7 +25,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from gptlab import gemm, kernels
+from gptlab import gemm, kernels, ops
 from gptlab.kernels import MAX_ROWS
 
 log = logging.getLogger(__name__)
@@ -196,7 +196,7 @@ def bf16_linear_in_fp32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, through the fastest kernel this CPU has for the case (see the module docstring)."""
     if kernel_applies(x, weight):
-        return kernels.float_linear(x, weight, bias)
+        return ops.float_linear(x, weight, bias)
     if prompt_gemm_applies(x, weight):
         return gemm.sgemm_linear(x, weight, bias)
     if (
@@ -251,6 +251,6 @@ def int4_bf16_linear(x: torch.Tensor, weight, scales, zeros, group_size: int, bi
     AMX), the bf16 result widened to fp32 (M, N) and the fp32 bias (N,) or None added."""
     N, K = weight.size(0), weight.size(1) * 2
     buffer = _buffer(N * K, torch.bfloat16)[: N * K]
-    w16 = kernels.dequantize_int4(weight, scales, zeros, group_size, buffer, torch.bfloat16)  # (N, K)
+    w16 = ops.dequantize_int4(weight, scales, zeros, group_size, buffer, torch.bfloat16)  # (N, K)
     y = F.linear(x.to(torch.bfloat16), w16).float()  # (M, N); w16 (N, K)
     return y if bias is None else y.add_(bias)

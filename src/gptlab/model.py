@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from gptlab import fused_step, hooks, kernels
+from gptlab import fused_step, hooks, ops
 from gptlab.chunked_loss import linear_cross_entropy
 from gptlab.config import GPTConfig
 from gptlab.hooks import HookPoint
@@ -288,8 +288,8 @@ class CausalSelfAttention(nn.Module):
         B, T, C = x.size()
         qkv = self.c_attn(x)  # (B, T, 3C)
         one_step = rope is None and kv is not None and probs_out is None and not self.hooked()
-        if one_step and kernels.decode_attention_applies(qkv, kv, cache_pos):
-            y = kernels.decode_attention(qkv, kv, cache_pos, mask, self.n_head)  # (B, 1, C): one step, in C
+        if one_step and ops.decode_attention_applies(qkv, kv, cache_pos):
+            y = ops.decode_attention(qkv, kv, cache_pos, mask, self.n_head)  # (B, 1, C): one step, in C
             return self.resid_dropout(self.c_proj(y))
         hs = C // self.n_head
         q, k, v = (t.view(B, T, self.n_head, hs) for t in qkv.split(self.n_embd, dim=2))  # (B, T, nh, hs)
@@ -310,8 +310,8 @@ class CausalSelfAttention(nn.Module):
                 probs_out.append(probs)
         elif T == 1 and q.dtype != torch.float32 and q.device.type == "cpu":
             y = single_query_attention(q, k, v, mask)  # (B, nh, 1, hs)
-        elif kernels.prompt_attention_applies(q, k, v, mask, self.dropout if self.training else 0.0):
-            y = kernels.prompt_attention(q, k, v)  # (B, nh, T, hs): a prompt's causal attention in C
+        elif ops.prompt_attention_applies(q, k, v, mask, self.dropout if self.training else 0.0):
+            y = ops.prompt_attention(q, k, v)  # (B, nh, T, hs): a prompt's causal attention in C
         else:
             y = attention(q, k, v, mask, self.dropout if self.training else 0.0)  # (B, nh, T, hs)
         y = self.hook_z(y.transpose(1, 2)).contiguous().view(B, T, C)  # (B, T, nh, hs): heads side by side
@@ -341,7 +341,7 @@ class MLP(nn.Module):
             h = F.silu(self.hook_pre(gate)) * self.hook_pre_linear(up)
         else:
             h = self.hook_pre(h)  # c_fc's fresh output: the GELU may overwrite it unless a hook sees it
-            h = kernels.gelu(h, approximate=self.gelu_approximate, inplace=not self.hook_pre.active)
+            h = ops.gelu(h, approximate=self.gelu_approximate, inplace=not self.hook_pre.active)
         return self.dropout(self.c_proj(self.hook_post(h)))  # (B, T, C)
 
 

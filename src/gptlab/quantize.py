@@ -47,7 +47,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from gptlab import gemm_probe, kernels
+from gptlab import gemm_probe, kernels, ops
 from gptlab import linear as linear_layer
 from gptlab.checkpoint import META_FILE, WEIGHTS_FILE, atomic_write, atomic_write_text, load_state_strict, read_meta
 from gptlab.config import GPTConfig
@@ -183,7 +183,7 @@ class QuantizedLinear(nn.Module):
             self.prepare()
 
     def _infer(self, x: torch.Tensor) -> torch.Tensor:
-        if self._decode is not None and self.use_kernel and kernels.int_kernels_apply(x, self._decode_rows):
+        if self._decode is not None and self.use_kernel and ops.int_kernels_apply(x, self._decode_rows):
             y = self._decode(x)  # decoding: gptlab's kernel, fp32 (..., N), bias included
             return y if x.dtype is torch.float32 else y.to(x.dtype)
         if self.use_kernel and self._kernel_weights is not None and x.device.type == "cpu":
@@ -267,7 +267,7 @@ class Int8Linear(QuantizedLinear):
         prompt_weight, row_sums, self._prompts_gemm = None, None, "fbgemm"
         if self.activations == "int8":
             row_sums = self.weight.sum(dim=1, dtype=torch.int32)  # (N,) for gptlab's kernel (kernels.c)
-            exact = kernels.available()[1] and kernels.fbgemm_int8_is_exact()
+            exact = kernels.available()[1] and ops.fbgemm_int8_is_exact()
             self._prompts_gemm = (prompts_gemm or int8_prompts_gemm()) if exact else "fbgemm"
             if self._prompts_gemm == "onednn":
                 prompt_weight = OnednnInt8Weight(self.weight, self.scales)
@@ -281,8 +281,8 @@ class Int8Linear(QuantizedLinear):
         self._kernel_weights = (self.weight, self.scales, prompt_weight)
         if prompt_weight is not None and kernels.available()[1]:
             # Decoding (a few rows): gptlab's kernel, the same int8 x int8 product as fbgemm's.
-            self._decode = kernels.int8_decoder(self.weight, self.scales, row_sums, self.bias)
-            self._prompts_in_kernel = not kernels.fbgemm_int8_is_exact()  # fbgemm would saturate its 16-bit sums
+            self._decode = ops.int8_decoder(self.weight, self.scales, row_sums, self.bias)
+            self._prompts_in_kernel = not ops.fbgemm_int8_is_exact()  # fbgemm would saturate its 16-bit sums
             if self._prompts_in_kernel:
                 self._decode_rows = sys.maxsize
 
@@ -303,7 +303,7 @@ class Int8Linear(QuantizedLinear):
         """x2d (M, K) -> (M, N) fp32 through oneDNN's int8 x int8 product (AMX where the CPU has it),
         x quantized per row as gptlab's kernel quantizes it: oneDNN takes one scale for all of x, so
         it multiplies the quantized rows, and each output row is then scaled by its own s."""
-        xq, s = kernels.quantize_rows_u8(x2d)  # (M, K) uint8 = round(x / s) + 128, (M,)
+        xq, s = ops.quantize_rows_u8(x2d)  # (M, K) uint8 = round(x / s) + 128, (M,)
         y = onednn_weight.scaled_sums(xq)  # (M, N)
         s = s[:, None]  # (M, 1)
         return y.mul_(s) if self.bias is None else torch.addcmul(self.bias, y, s)
@@ -444,12 +444,12 @@ class Int4Linear(QuantizedLinear):
         self._prompts_in_bf16 = False  # long prompts dequantized to bf16 for AMX (set below)
         if self.weight.device.type != "cpu":
             return
-        if kernels.available()[1] and kernels.int4_fits(self.in_features, self.group_size):
+        if kernels.available()[1] and ops.int4_fits(self.in_features, self.group_size):
             # gptlab's kernels read the stored buffers as they are: no second copy of the weights.
             self.weight, self.scales, self.zeros = _aligned(self.weight), _aligned(self.scales), _aligned(self.zeros)
             self._kernel_weights = ("gptlab",)
-            self._decode = kernels.int4_decoder(self.weight, self.scales, self.zeros, self.group_size, self.bias)
-            self._decode_rows = kernels.int4_kernel_rows()
+            self._decode = ops.int4_decoder(self.weight, self.scales, self.zeros, self.group_size, self.bias)
+            self._decode_rows = ops.int4_kernel_rows()
             self._prompts_in_bf16 = linear_layer.int4_prompts_in_bf16(
                 linear_layer.INT4_BF16_ROWS, self.weight.numel() * 2
             )
@@ -473,7 +473,7 @@ class Int4Linear(QuantizedLinear):
                 )
             # A prompt or a batch: dequantize this layer and run the GEMM (compute-bound, so the
             # matrix's bytes matter less than the GEMM's speed).
-            weight = kernels.dequantize_int4(self.weight, self.scales, self.zeros, self.group_size)  # (N, K)
+            weight = ops.dequantize_int4(self.weight, self.scales, self.zeros, self.group_size)  # (N, K)
             return linear_layer.linear(x2d.float(), weight, self.bias)
         _, tinygemm_weight, scales_and_zeros = self._kernel_weights
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(

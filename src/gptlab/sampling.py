@@ -20,7 +20,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from gptlab import kernels
+from gptlab import ops
 
 SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed takes
 
@@ -121,7 +121,7 @@ def top_p_mask(logits: torch.Tensor, p: float) -> torch.Tensor:
     if p >= 1.0:
         return logits
     probs = F.softmax(logits.float(), dim=-1)  # (B, V)
-    keep = kernels.top_p_keep(probs, p)  # in C, where it runs: no sort
+    keep = ops.top_p_keep(probs, p)  # in C, where it runs: no sort
     if keep is not None:
         return logits.masked_fill(~keep, float("-inf"))
     top, order = torch.topk(probs, min(probs.size(-1), TOP_P_FIRST), dim=-1)  # (B, k), most likely first
@@ -220,7 +220,7 @@ def probabilities(logits: torch.Tensor, params: SamplingParams, seen: torch.Tens
     argmax at temperature 0."""
     logits = _penalised(logits, params, seen)
     if params.greedy:
-        return F.one_hot(kernels.argmax(logits), logits.size(-1)).float()  # (B, V)
+        return F.one_hot(ops.argmax(logits), logits.size(-1)).float()  # (B, V)
     return F.softmax(_warped(logits, params), dim=-1)
 
 
@@ -236,7 +236,7 @@ def sample_next(
     temperature 0, without building the one-hot."""
     logits = _penalised(logits, params, seen)
     if params.greedy:
-        return kernels.argmax(logits)
+        return ops.argmax(logits)
     probs = F.softmax(_warped(logits, params), dim=-1)  # (B, V)
     return draw(probs, generator).to(logits.device)  # (B,)
 
@@ -249,7 +249,7 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch
     if generator is not None and generator.device != probs.device:
         probs = probs.to(generator.device)
     u = torch.rand(probs.size(0), 1, generator=generator, dtype=torch.float64, device=probs.device)  # (B, 1)
-    ids = kernels.draw(probs, u)  # in C where it runs, with the arithmetic below: the same ids
+    ids = ops.draw(probs, u)  # in C where it runs, with the arithmetic below: the same ids
     if ids is not None:
         return ids
     cdf = probs.double().cumsum(dim=-1)  # (B, V); float64, so a token's share is its probability to ~1e-16
