@@ -11,7 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from conftest import tiny_config, tiny_model
-from gptlab import kernels
+from gptlab import kernels, ops
 from gptlab import linear as linear_layer
 from gptlab.checkpoint import load_native, save_model
 from gptlab.cli import main
@@ -156,11 +156,13 @@ def test_a_copy_of_a_quantized_model_runs_on_its_own_buffers(mode, how):
 @pytest.mark.skipif(
     not kernels.available()[1], reason=f"gptlab's int kernels are not built here: {kernels.available()[2]}"
 )
-def test_long_int4_prompts_on_amx_multiply_in_bf16(monkeypatch):
+def test_long_int4_prompts_on_amx_multiply_in_bf16(monkeypatch, kernel_variant):
     """From INT4_BF16_ROWS rows where the CPU has AMX (taken as so here, on any CPU), an int4 layer
     multiplies x and its dequantized weight rounded to bf16 (fp32 sums, a bf16 result) and adds
     the fp32 bias: within the result's bf16 rounding of F.linear of the same bf16 operands. Fewer
-    rows run the int4 kernel (x quantized to int8), as before."""
+    rows run as they did without that path: the int4 kernel (x quantized to int8) up to
+    int4_kernel_rows (every row count on x86 SIMD), more dequantized for the GEMM (the portable
+    variant past 128 rows: the emulated CPU without AVX found this test assuming the first)."""
     torch.manual_seed(0)
     layer = Int4Linear.from_linear(nn.Linear(256, 96), 64)
     monkeypatch.setattr(linear_layer, "int4_prompts_in_bf16", lambda rows, weights: rows >= linear_layer.INT4_BF16_ROWS)
@@ -175,7 +177,12 @@ def test_long_int4_prompts_on_amx_multiply_in_bf16(monkeypatch):
         assert not torch.equal(y, layer._decode(x))  # not the int4 kernel's product
     x = torch.randn(linear_layer.INT4_BF16_ROWS - 1, 256)
     with torch.no_grad():
-        assert torch.equal(layer(x), layer._decode(x))
+        y = layer(x)
+        if x.size(0) <= ops.int4_kernel_rows():
+            assert torch.equal(y, layer._decode(x))
+        monkeypatch.setattr(linear_layer, "int4_prompts_in_bf16", lambda rows, weights: False)
+        layer.prepare()
+        assert torch.equal(y, layer(x))
 
 
 def test_int4_prompts_take_bf16_only_on_amx_where_bf16_is_fast(monkeypatch):
