@@ -86,7 +86,8 @@ neon-check: $(STAMP)
 		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq gcc-aarch64-linux-gnu qemu-user >/dev/null; }
 	$(PY) tests/c/run_check.py --arch aarch64 --mutants
 
-# The CPU-dependent tests on emulated x86-64 CPUs (not part of `make test`; ~30 min on 2 cores):
+# The CPU-dependent tests on emulated x86-64 CPUs (not part of `make test`; ~30 min on 2 cores of an
+# AMD host, hours on an Intel one, whose qemu runs the AVX2 model's code far slower):
 # qemu-user's AVX2 CPU of this host's vendor without AVX-512 or VNNI (EPYC-Milan, Zen 3, on an AMD
 # host) and one without AVX (Westmere), each checked to get the variant it must (tests/emulated_cpu.py).
 emulated-check: $(STAMP) qemu

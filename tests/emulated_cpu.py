@@ -3,7 +3,9 @@
     python tests/emulated_cpu.py                                # every CPU in CPUS, the TESTS
     python tests/emulated_cpu.py --cpu avx2 tests/test_quantize.py -k int8
 
-`make emulated-check` runs it (not part of `make test`: ~30 min on 2 cores). qemu-user runs this
+`make emulated-check` runs it (not part of `make test`: ~30 min on 2 cores of an AMD EPYC host;
+on an Intel Xeon host its Haswell takes hours, TCG running AVX2 code several times slower there,
+while Westmere takes ~20 min). qemu-user runs this
 Python, PyTorch and gptlab's kernels on a CPU whose cpuid is a qemu CPU model's, so everything
 that chooses by cpuid chooses as on that CPU: gptlab's variant, PyTorch's ATen level, oneDNN,
 MKL, and fbgemm's int8 path (without VNNI it quantizes activations to 7 bits, the failure issue
