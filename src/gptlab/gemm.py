@@ -45,7 +45,7 @@ _measured_gemm: dict[tuple[int, str], dict[str, str]] = {}  # (threads, variant)
 
 def bf16_prompt_gemm_choice() -> str:
     """Who multiplies a bf16 model's prompts (more than MAX_ROWS rows) on a CPU whose bf16 GEMM is
-    emulated (bf16_linear_in_fp32): "gptlab", wherever its GEMM runs at all (x86 with SIMD), or
+    emulated (linear.bf16_linear_in_fp32): "gptlab", wherever its GEMM runs at all (x86 with SIMD), or
     "torch" (the weight widened into a reused fp32 buffer for PyTorch's BLAS); GPTLAB_GEMM forces
     either. Not the probe's choice: that times fp32 operands, and here PyTorch's side would also
     pay for widening the weight and converting x and y, where gptlab's GEMM widens them as it reads
@@ -133,7 +133,7 @@ def run_gemm(fn, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate
 
 def mm_colmax(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, bf16: bool = False) -> torch.Tensor | None:
     """out = a @ b as mm(a, b, out, bf16=bf16), and the largest value of each of out's columns
-    (N,), found as gptlab's GEMM writes out's tiles (the training head's W x^T: softmax_exp_ then
+    (N,), found as gptlab's GEMM writes out's tiles (the training head's W x^T: ops.softmax_exp_ then
     reads the logits once instead of twice). None, with out untouched, where gptlab's GEMM does
     not run the product."""
     runs = gemm_bf16_runs(out.device) if bf16 else b.dtype is torch.float32

@@ -87,7 +87,7 @@ PROMPT_GEMM_ROWS = MAX_ROWS + 1
 
 def prompt_gemm_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether an fp32 inference forward of at least PROMPT_GEMM_ROWS rows runs in gptlab's GEMM
-    (sgemm_linear): where gemm.prompt_gemm_choice() gives gptlab."""
+    (gemm.sgemm_linear): where gemm.prompt_gemm_choice() gives gptlab."""
     return (
         x.numel() >= PROMPT_GEMM_ROWS * x.size(-1)
         and x.dtype is torch.float32
@@ -102,7 +102,7 @@ def prompt_gemm_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
 @functools.cache
 def bf16_matmul_is_fast() -> bool:
     """Whether a bf16 GEMM beats converting to fp32 and running the fp32 one: False unmeasured on
-    an x86 CPU without bf16 instructions (may_have_native_bf16), else measured once.
+    an x86 CPU without bf16 instructions (kernels.may_have_native_bf16), else measured once.
 
     CPUs with native bf16 (AVX-512 BF16, AMX) run bf16 GEMMs 2-3x faster than fp32; without
     them PyTorch's bf16 GEMM is emulated and ~5x slower than fp32 (e.g. 63 vs 337 GFLOP/s on
@@ -159,7 +159,7 @@ def bf16_linear_in_fp32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     2026-12-02: the 50,257-row head (scoring) 720 -> 472 ms in slabs; GPT-2's block layers
     together 79.3 ms in slabs, 70.5 converted whole, 66.7 for fp32 weights. From PROMPT_GEMM_ROWS
     rows, where gemm.bf16_prompt_gemm_choice() gives gptlab, gptlab's GEMM multiplies the bf16 weight
-    itself, widening it as it reads it (sgemm_linear; no fp32 copy: a 512-token bf16 GPT-2 prefill
+    itself, widening it as it reads it (gemm.sgemm_linear; no fp32 copy: a 512-token bf16 GPT-2 prefill
     457 -> 440 ms on the Zen 5 held to AVX2), and x too (gl_sgemm_bf16_ab: no fp32 copy of the
     activations, 461 -> 455 ms, medians of 7 alternating runs, where fp32's took 460), and up to
     NT_ROWS rows gl_sgemm_nt rounds y to bf16 as it writes it (no fp32 y to round afterwards: on

@@ -28,7 +28,7 @@ def _f32(bias: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def float_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x (..., K) W (N, K)^T + b through the C kernel, in x's dtype; the caller checked kernel_applies.
+    """x (..., K) W (N, K)^T + b through the C kernel, in x's dtype; the caller checked linear.kernel_applies.
     (Every microsecond here is paid ~50 times per token: no reshapes, one allocation.)"""
     N, K = weight.shape
     x = x if x.is_contiguous() else x.contiguous()
@@ -207,7 +207,7 @@ def softmax_exp_(
     inv = 1 / sum of the column's exps, 0 where the target is IGNORE_INDEX (-100; loss 0 there).
     d(sum of losses)/d(logits) is then inv * logits_t - onehot: gptlab.chunked_loss folds inv and
     the one-hot into the products after it, so the logits take two passes (max; exp and sum) and
-    are written once; one pass when peak (n,), each column's largest logit (mm_colmax's), is
+    are written once; one pass when peak (n,), each column's largest logit (gemm.mm_colmax's), is
     given. None where the kernel does not run (not built, off, not CPU fp32): the caller computes
     it with PyTorch. Raises ValueError for a target outside [0, V)."""
     out = _softmax_xent(logits_t, targets, grad=True, peak=peak)
