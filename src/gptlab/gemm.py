@@ -186,7 +186,7 @@ def _sgemm_runs(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> bool:
         return False
     if out.dim() != 2 or out.stride(1) != 1 or a.shape[1] != b.shape[0] or out.shape != (a.shape[0], b.shape[1]):
         return False
-    if torch.compiler.is_compiling() or not kernels.library() is not None:
+    if torch.compiler.is_compiling() or kernels.library() is None:
         return False
     return gemm_choice() == "gptlab"
 
@@ -201,7 +201,7 @@ def gemm_bf16_runs(device: torch.device | str = "cpu") -> bool:
         return False
     if kernels.cpu_vendor() == "GenuineIntel" and _gemm_env() != "gptlab":  # before gemm_choice: no probe for nothing
         return False
-    if torch.compiler.is_compiling() or gemm_choice() != "gptlab" or not kernels.library() is not None:
+    if torch.compiler.is_compiling() or gemm_choice() != "gptlab" or kernels.library() is None:
         return False
     return bool(kernels.library().gl_has_gemm_bf16())
 

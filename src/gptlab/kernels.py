@@ -471,7 +471,8 @@ def ptr(t: torch.Tensor | None) -> int | None:
 
 
 def library():
-    """The loaded ctypes library (callers checked available())."""
+    """The active variant's loaded ctypes library, or None where there is none (GPTLAB_KERNELS=0,
+    or it could not be loaded: see available()). use_kernels(False) is checked apart (enabled)."""
     return _library().lib
 
 

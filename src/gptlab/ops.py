@@ -250,7 +250,7 @@ def _softmax_xent(logits_t: torch.Tensor, targets: torch.Tensor, grad: bool, pea
         and _rows_dense(logits_t)
     ):
         return None
-    if torch.compiler.is_compiling() or not kernels.library() is not None:  # compiled graphs cannot trace ctypes
+    if torch.compiler.is_compiling() or kernels.library() is None:  # compiled graphs cannot trace ctypes
         return None
     V, n = logits_t.shape
     t = targets.to(torch.int64).contiguous()
