@@ -45,7 +45,7 @@ static void gelu_tanh_backward(const float *x, const float *dy, float *dx, int n
 
 /* y = gelu_tanh(x) over n values, fp32, or bf16 (computed in fp32, rounded once, as PyTorch's
  * bf16 GELU) when bf16; split over nthreads. A prompt's MLP activations in the PyTorch forward
- * (gptlab.kernels.gelu): 3.5x faster than PyTorch's tanh GELU at AVX2. */
+ * (gptlab.ops.gelu): 3.5x faster than PyTorch's tanh GELU at AVX2. */
 int gl_gelu_tanh(const void *x, void *y, long n, int bf16, int nthreads) {
     const long chunks = (n + GELU_CHUNK - 1) / GELU_CHUNK;
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (chunks > 1)
@@ -67,7 +67,7 @@ int gl_gelu_tanh(const void *x, void *y, long n, int bf16, int nthreads) {
 }
 
 /* dx = dy gelu_tanh'(x) over n fp32 values, split over nthreads: the backward of the training
- * MLP's GELU (gptlab.kernels.gelu under autograd; PyTorch's takes ~0.6 ms of a ~250 ms demo step
+ * MLP's GELU (gptlab.ops.gelu under autograd; PyTorch's takes ~0.6 ms of a ~250 ms demo step
  * per layer at AVX2). */
 int gl_gelu_tanh_backward(const float *x, const float *dy, float *dx, long n, int nthreads) {
     const long chunks = (n + GELU_CHUNK - 1) / GELU_CHUNK;

@@ -150,7 +150,7 @@ static void dot_span_rm(const void *w, int bf16, const float *x, const void *bia
 #if GL_VARIANT == GL_AVX2
 #define F32_GEMM_ROWS (DECODE_MAX_M + 1)
 #elif GL_VARIANT == GL_AVX512
-#define F32_GEMM_ROWS (VW + 1) /* past half gl_sgemm_nt's tile (2 VW columns), as kernels.float_kernel_rows */
+#define F32_GEMM_ROWS (VW + 1) /* past half gl_sgemm_nt's tile (2 VW columns), as linear.float_kernel_rows */
 #else
 #define F32_GEMM_ROWS INT_MAX
 #endif

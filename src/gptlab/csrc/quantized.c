@@ -576,7 +576,7 @@ int gl_linear_i4(const float *x, const uint8_t *w, const uint16_t *scales, const
 
 /* The weight (N, K) an int4 layer stands for, w = (q - 8) * scale + zero, into out: fp32 for
  * prefill's GEMM, or rounded to bf16 (to nearest even, as torch rounds) when bf16, for a bf16 GEMM
- * (kernels.int4_bf16_linear; no fp32 copy to round afterwards). */
+ * (linear.int4_bf16_linear; no fp32 copy to round afterwards). */
 void gl_dequantize_i4(const uint8_t *w, const uint16_t *scales, const uint16_t *zeros, void *out, int N, int K, int g,
                       int bf16, int nthreads) {
     const int G = K / g;
