@@ -150,7 +150,7 @@ NT_SHAPES = [
 
 
 def split_panel(M: int) -> bool:
-    """Whether gl_sgemm_nt splits x^T's last panel (csrc/gemm.c's split_panel): its rows past one
+    """Whether gl_sgemm_nt splits x^T's last panel (csrc/gemm_f32.c's split_panel): its rows past one
     vector (VW = half the tile's columns), at most VW / 2 of them, are dot products along k."""
     columns = kernels.gemm_columns()
     rest = (M - 1) % columns + 1

@@ -15,11 +15,14 @@
  *                  gl_gelu_tanh_backward, for training's
  *   loss.c         gl_softmax_xent: softmax cross-entropy, with what its gradient needs (training) or without (scoring)
  *   sampling.c     gl_top_p_keep: the top-p nucleus without sorting the vocabulary; gl_draw
- *   gemm.c         gl_sgemm, gl_gemm_bf16: blocked matrix products in fp32, and in bf16 with vdpbf16ps
- *                  (AVX512-BF16), for the training head's three products and long prompts;
- *                  gl_sgemm_bf16_b, gl_sgemm_bf16_ab: fp32 products of bf16-stored weights (and
- *                  activations); gl_sgemm_colmax: with the maxima of C's columns (the head's logits);
- *                  gl_sgemm_nt: a prompt's fp32 layer with the weights read in place, never packed
+ *   gemm.c         the blocked matrix product (Goto's loop nest) that the kinds below share, for
+ *                  the training head's three products, long prompts and a prompt's attention
+ *   gemm_f32.c     gl_sgemm: fp32 tiles and packing; gl_sgemm_bf16_b, gl_sgemm_bf16_ab: fp32
+ *                  products of bf16-stored weights (and activations), widened as they are packed
+ *   gemm_bf16.c    gl_gemm_bf16: products of bf16 pairs with vdpbf16ps (AVX512-BF16);
+ *                  gl_sgemm_colmax: with the maxima of C's columns (the head's logits)
+ *   gemm_nt.c      gl_sgemm_nt: a prompt's fp32 or bf16 layer with the weights read in place, never
+ *                  packed
  *
  * Shapes are checked on the Python side.
  */
@@ -27,6 +30,9 @@
 #include "linear.c"
 #include "quantized.c"
 #include "gemm.c"
+#include "gemm_f32.c"
+#include "gemm_bf16.c"
+#include "gemm_nt.c"
 #include "attention.c"
 #include "decode_step.c"
 #include "loss.c"
