@@ -4,7 +4,8 @@ AVX-512 or VNNI (qemu-user; tests/emulated_cpu.py, whose `make emulated-check` r
 On a CPU with AVX-512 VNNI, as the machines this runs on mostly are, fbgemm's int8 product is
 exact and auto takes an AVX-512 variant, so nothing else here sees the AVX2-only path: auto's
 `avx2`, and int8 prompts through gptlab's kernel because fbgemm would saturate there (issue 22's
-four failures on the AMD EPYC Zen 3). ~45 s on the Zen 4, nearly all of it emulated Python.
+four failures on the AMD EPYC Zen 3), or without gptlab's kernels through PyTorch's weight-only
+int8 product. ~45 s on the Zen 4, nearly all of it emulated Python.
 """
 
 import pytest
@@ -14,6 +15,7 @@ import emulated_cpu
 QUICK = [
     "tests/test_quantize.py::test_quantized_linear_equals_dequantized_matmul",
     "tests/test_fused_step.py::test_quantized_step_matches_the_modules",
+    "tests/test_int8_prompts.py::test_without_vnni_no_prompt_takes_fbgemms_saturating_product",
 ]
 
 

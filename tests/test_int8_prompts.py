@@ -75,6 +75,37 @@ def test_int8_prompts_through_onednn_are_gptlabs_per_row_quantization(monkeypatc
     assert layer._prompts_gemm == "fbgemm" and relative(y_fbgemm, ref) > 1e-3  # measured 1.7e-2 / 1.0e-2: x's one scale
 
 
+def row_relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The largest error of a row of a against b (M, N), relative to that row's largest value."""
+    return ((a.double() - b).abs().amax(-1) / b.abs().amax(-1)).max().item()
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["gptlab-kernel", "no-kernels"])
+def test_without_vnni_no_prompt_takes_fbgemms_saturating_product(monkeypatch, kernel):
+    """Without AVX-512 VNNI fbgemm's int8 sums saturate (issue 22: +1.08% perplexity on the AMD
+    EPYC Zen 3), so an int8 layer never runs or holds it (its packed copy of the weight took
+    130-150 MB more for GPT-2 small): prompts take gptlab's kernel, or without gptlab's kernels
+    (GPTLAB_KERNELS=0, no C compiler) PyTorch's weight-only int8 product on bf16 activations.
+    Rows 10^4 apart in size tell them apart from fbgemm, which quantizes x with one scale for all
+    of them, even on a CPU where fbgemm is exact."""
+    if kernel and not INT_OK:
+        pytest.skip(f"gptlab's int kernels are not built here: {kernels.available()[2]}")
+    monkeypatch.setattr(ops, "fbgemm_int8_is_exact", lambda: False)
+    torch.manual_seed(0)
+    linear = nn.Linear(96, 70)
+    x = torch.randn(40, 96) * torch.logspace(-2, 2, 40)[:, None]  # (M, K), rows of very different sizes
+    layer = Int8Linear.from_linear(linear, "int8")
+    with kernels.use_kernels(kernel):
+        layer.prepare()
+        with torch.no_grad():
+            y = layer(x)  # (M, N)
+    assert layer._kernel_weights[2] is None  # no fbgemm (or oneDNN) copy of the weight
+    if kernel:  # measured 6.5e-8 (avx512, Intel Xeon 6/207)
+        assert relative(y, per_row_reference(x, layer)) < 1e-6
+    else:  # bf16 activations and output: measured 4.3e-3 (fbgemm's one scale: 1.2, the small rows lost)
+        assert row_relative(y, x.double() @ layer.dequantize().double().t() + linear.bias.double()) < 1e-2
+
+
 @pytest.fixture
 def int8_probe(monkeypatch, tmp_path):
     """gptlab's cache in tmp_path, no choice made yet in this process, oneDNN's int8 product

@@ -22,10 +22,11 @@ int8 x int8 product (`onednn::qlinear_pointwise`, AMX where the CPU has it) on x
 by gptlab's kernel, or fbgemm's dynamic `quantized::linear_dynamic` (x quantized with one scale for
 all rows), whichever was measured faster on the machine (`int8_prompts_gemm`); gptlab's int8
 kernel elsewhere (without VNNI fbgemm's 16-bit intermediate sums saturate: a 1.08% perplexity rise
-measured on an AMD EPYC). int4 prompts dequantize, then multiply in a GEMM. Without gptlab's kernels (no C compiler, or
-`kernels.use_kernels(False)`), PyTorch's int kernels stand in (`_weight_int8pack_mm`,
-`_weight_int4pack_mm_for_cpu`); `activations="float"` (int8) always takes `_weight_int8pack_mm`
-with bf16 activations. Off the CPU, layers dequantize the weight and call `F.linear`.
+measured on an AMD EPYC). int4 prompts dequantize, then multiply in a GEMM. Without gptlab's kernels (no C compiler,
+`GPTLAB_KERNELS=0` or `kernels.use_kernels(False)`), PyTorch's int kernels stand in: fbgemm's for
+int8 where it is exact (VNNI), else `_weight_int8pack_mm` with bf16 activations, and
+`_weight_int4pack_mm_for_cpu`; `activations="float"` (int8) always takes `_weight_int8pack_mm`.
+Off the CPU, layers dequantize the weight and call `F.linear`.
 
 The head is tied to the token embedding in GPT-2; after quantization the embedding lookup reads
 its rows from the quantized head table (`QuantizedEmbedding`), so the checkpoint stores the matrix
@@ -264,27 +265,29 @@ class Int8Linear(QuantizedLinear):
         if self.weight.device.type != "cpu":
             return
         self.weight, self.scales = _aligned(self.weight), _aligned(self.scales)
-        prompt_weight, row_sums, self._prompts_gemm = None, None, "fbgemm"
+        prompt_weight, self._prompts_gemm = None, "fbgemm"
         if self.activations == "int8":
-            row_sums = self.weight.sum(dim=1, dtype=torch.int32)  # (N,) for gptlab's kernel (kernels.c)
-            exact = kernels.available()[1] and ops.fbgemm_int8_is_exact()
-            self._prompts_gemm = (prompts_gemm or int8_prompts_gemm()) if exact else "fbgemm"
-            if self._prompts_gemm == "onednn":
-                prompt_weight = OnednnInt8Weight(self.weight, self.scales)
-            else:  # fbgemm quantizes each input to uint8 on the fly (one scale for all rows), int8 x int8 (VNNI)
-                with warnings.catch_warnings():  # torch.ao's deprecation notice; the kernel itself stays
-                    warnings.simplefilter("ignore")
-                    qweight = torch._make_per_channel_quantized_tensor(
-                        self.weight, self.scales.double(), torch.zeros(self.out_features, dtype=torch.long), 0
-                    )
-                prompt_weight = torch.ops.quantized.linear_prepack(qweight, None)  # fbgemm's own layout
+            kernel, exact = kernels.available()[1], ops.fbgemm_int8_is_exact()
+            if kernel:  # decoding (a few rows): gptlab's kernel, the same int8 x int8 product as fbgemm's
+                row_sums = self.weight.sum(dim=1, dtype=torch.int32)  # (N,) for gptlab's kernel (kernels.c)
+                self._decode = ops.int8_decoder(self.weight, self.scales, row_sums, self.bias)
+            if kernel and not exact:  # fbgemm would saturate its 16-bit sums: gptlab's kernel takes prompts too
+                self._prompts_in_kernel, self._decode_rows = True, sys.maxsize
+            elif exact:  # else no kernel and no exact int8 product: weight-only int8 below
+                self._prompts_gemm = (prompts_gemm or int8_prompts_gemm()) if kernel else "fbgemm"
+                prompt_weight = self._prompt_weight()
         self._kernel_weights = (self.weight, self.scales, prompt_weight)
-        if prompt_weight is not None and kernels.available()[1]:
-            # Decoding (a few rows): gptlab's kernel, the same int8 x int8 product as fbgemm's.
-            self._decode = ops.int8_decoder(self.weight, self.scales, row_sums, self.bias)
-            self._prompts_in_kernel = not ops.fbgemm_int8_is_exact()  # fbgemm would saturate its 16-bit sums
-            if self._prompts_in_kernel:
-                self._decode_rows = sys.maxsize
+
+    def _prompt_weight(self):
+        """The weight in the layout of the int8 x int8 product that takes prompts (_prompts_gemm)."""
+        if self._prompts_gemm == "onednn":
+            return OnednnInt8Weight(self.weight, self.scales)
+        with warnings.catch_warnings():  # torch.ao's deprecation notice; the kernel itself stays
+            warnings.simplefilter("ignore")
+            qweight = torch._make_per_channel_quantized_tensor(
+                self.weight, self.scales.double(), torch.zeros(self.out_features, dtype=torch.long), 0
+            )
+        return torch.ops.quantized.linear_prepack(qweight, None)  # fbgemm's own layout: x quantized on the fly
 
     def _kernel(self, x2d):
         weight, scales, prompt_weight = self._kernel_weights
