@@ -351,6 +351,9 @@ LLAMA_BENCH_SAMPLE = """[
 def test_bench_variants_runs_each_variant_and_rates_it_against_autos(tmp_path, capsys, monkeypatch):
     from gptlab.bench import variants
 
+    if not kernels.available()[0]:
+        pytest.skip(f"no kernels built: {kernels.available()[2]}")
+
     seen = []  # the variant each timed generate call ran under
     engine = variants.gptlab_engine
 
@@ -389,6 +392,9 @@ def test_bench_variants_times_each_prefetch_hint_it_is_given(tmp_path, capsys, m
     """NAME:nta and NAME:t0 run the variant with decoding's prefetch hint set, rated against the
     first when auto's variant is not among them."""
     from gptlab.bench import variants
+
+    if not kernels.available()[0]:
+        pytest.skip(f"no kernels built: {kernels.available()[2]}")
 
     seen = []  # (variant, hint) of each timed generate call
     engine = variants.gptlab_engine
@@ -486,8 +492,9 @@ def test_bench_serve_times_the_server_against_generate_and_checks_its_tokens(tmp
         "3 clients at once",
     ]
     for row in results["rows"]:
-        ratio = row["server_tok_s"] / row["generate_tok_s"]
-        assert row["server_tok_s"] > 0 and row["ratio"] == pytest.approx(ratio, abs=1e-3)  # rounded to 3 places
+        server, generate = row["server_tok_s"], row["generate_tok_s"]  # rounded to 0.1, the ratio to 0.001
+        rounding = 5e-4 + server / generate * (0.05 / server + 0.05 / generate)  # 2,483.0 / 312.0: 1.4e-3
+        assert server > 0 and row["ratio"] == pytest.approx(server / generate, abs=rounding)
     assert results["mismatches"] == {} and "1 decoding thread" in results["settings"]["server"]
     assert "token ids: as generate() gives them" in capsys.readouterr().out
 
