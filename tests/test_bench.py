@@ -13,6 +13,11 @@ from conftest import tiny_model
 from gptlab import kernels
 from gptlab.bench.generate import BandwidthProbe, cpu_has_native_bf16, main, weight_bytes_per_token
 
+# the variants and gemm benches time gptlab's kernels: nothing to time where they are off or not built
+needs_kernels = pytest.mark.skipif(
+    not kernels.available()[0], reason=f"gptlab's kernels are off or not built here: {kernels.available()[2]}"
+)
+
 
 def test_bench_generate_writes_both_engines_and_the_bandwidth_shares(tmp_path, capsys):
     args = ["--preset", "gpt2-tiny", "--modes", "fp32", "--batch", "1", "--prompt-len", "5", "--new-tokens", "6",
@@ -348,11 +353,9 @@ LLAMA_BENCH_SAMPLE = """[
 """
 
 
+@needs_kernels
 def test_bench_variants_runs_each_variant_and_rates_it_against_autos(tmp_path, capsys, monkeypatch):
     from gptlab.bench import variants
-
-    if not kernels.available()[0]:
-        pytest.skip(f"no kernels built: {kernels.available()[2]}")
 
     seen = []  # the variant each timed generate call ran under
     engine = variants.gptlab_engine
@@ -388,13 +391,11 @@ def test_bench_variants_runs_each_variant_and_rates_it_against_autos(tmp_path, c
         variants.main(["--variants", "avx2"])
 
 
+@needs_kernels
 def test_bench_variants_times_each_prefetch_hint_it_is_given(tmp_path, capsys, monkeypatch):
     """NAME:nta and NAME:t0 run the variant with decoding's prefetch hint set, rated against the
     first when auto's variant is not among them."""
     from gptlab.bench import variants
-
-    if not kernels.available()[0]:
-        pytest.skip(f"no kernels built: {kernels.available()[2]}")
 
     seen = []  # (variant, hint) of each timed generate call
     engine = variants.gptlab_engine
@@ -426,12 +427,11 @@ def test_bench_variants_times_each_prefetch_hint_it_is_given(tmp_path, capsys, m
         variants.main(["--variants", f"{name}:l2"])
 
 
+@needs_kernels
 def test_bench_gemm_times_both_sides_and_the_bf16_products_where_they_run(tmp_path, capsys, monkeypatch):
     from gptlab import gemm
     from gptlab.bench import gemm as bench_gemm
 
-    if not kernels.available()[0]:
-        pytest.skip(f"no kernels built: {kernels.available()[2]}")
     calls, sgemm_linear = [], gemm.sgemm_linear
     monkeypatch.setattr(gemm, "sgemm_linear", lambda *a: calls.append(1) or sgemm_linear(*a))
     argv = ["--vocab", "300", "--rows", "16", "--width", "8", "--rounds", "1", "--layer-rows", "9",
