@@ -62,15 +62,19 @@ def test_an_intel_cpu_takes_the_gemm_its_probe_measured_faster(intel, monkeypatc
     assert len(caplog.records) == 1  # and said once, not once per kind of work
 
 
-def test_the_timings_are_cached_per_machine(intel, monkeypatch, tmp_path):
+def test_the_timings_are_cached_per_machine(intel, monkeypatch, tmp_path, caplog):
     fake_probe(monkeypatch, intel, timings(1.3, 1.1, 0.8))
-    assert gemm.prompt_gemm_choice(64) == "gptlab"
+    with caplog.at_level("DEBUG", logger="gptlab.gemm_probe"):
+        assert gemm.prompt_gemm_choice(64) == "gptlab"
     (key, cached), *others = json.loads((tmp_path / "cache" / gemm_probe.CACHE_FILE).read_text()).items()
     assert not others and cached == timings(1.3, 1.1, 0.8)
     assert kernels.cpu_name() in key and f"torch {torch.__version__}" in key and f"kernels {kernels.variant()}" in key
     monkeypatch.setattr(gemm, "_measured_gemm", {})  # a new process on the same machine reads the file
     fake_probe(monkeypatch, intel, timings(0.5, 0.5, 0.5))
-    assert gemm.prompt_gemm_choice(64) == "gptlab" and gemm.gemm_choice() == "torch" and len(intel) == 1
+    with caplog.at_level("DEBUG", logger="gptlab.gemm_probe"):
+        assert gemm.prompt_gemm_choice(64) == "gptlab" and gemm.gemm_choice() == "torch" and len(intel) == 1
+    # measured: said (INFO); read back: said only with -v (DEBUG), not amid every `gptlab generate`'s output
+    assert [(r.levelname, "measured now" in r.message) for r in caplog.records] == [("INFO", True), ("DEBUG", False)]
     threads = torch.get_num_threads()
     torch.set_num_threads(threads + 1)  # another thread count is another machine: measured again
     try:

@@ -129,16 +129,21 @@ def fake_probe(monkeypatch, probes: list, fbgemm: float, onednn: float) -> None:
     ("fbgemm", "onednn", "chosen"), [(2.0, 1.0, "onednn"), (1.0, 2.0, "fbgemm"), (1.0, 1.0, "fbgemm")]
 )
 def test_int8_prompts_take_the_product_measured_faster_once_per_machine(
-    int8_probe, monkeypatch, tmp_path, fbgemm, onednn, chosen
+    int8_probe, monkeypatch, tmp_path, caplog, fbgemm, onednn, chosen
 ):
     fake_probe(monkeypatch, int8_probe, fbgemm, onednn)
-    assert quantize.int8_prompts_gemm() == chosen and quantize.int8_prompts_gemm() == chosen
+    with caplog.at_level("DEBUG", logger="gptlab.quantize"):
+        assert quantize.int8_prompts_gemm() == chosen and quantize.int8_prompts_gemm() == chosen
     assert len(int8_probe) == 1  # measured once
     (key, timings), *others = json.loads((tmp_path / "cache" / quantize.INT8_CACHE_FILE).read_text()).items()
     assert not others and "int8 prompts" in key and timings["prompts 512 rows"] == {"fbgemm": fbgemm, "onednn": onednn}
     monkeypatch.setattr(quantize, "_int8_gemm", {})  # a new process on the same machine reads the file
     fake_probe(monkeypatch, int8_probe, onednn, fbgemm)  # timings that would choose the other
-    assert quantize.int8_prompts_gemm() == chosen and len(int8_probe) == 1
+    with caplog.at_level("DEBUG", logger="gptlab.quantize"):
+        assert quantize.int8_prompts_gemm() == chosen and len(int8_probe) == 1
+    # measured: said (INFO); read back: said only with -v (DEBUG), as gemm_probe's timings
+    said = [(r.levelname, "measured now" in r.message) for r in caplog.records if "int8 prompts" in r.message]
+    assert said == [("INFO", True), ("DEBUG", False)]
     layer = Int8Linear.from_linear(nn.Linear(32, 16), "int8")
     layer.prepare()  # a layer takes the choice as it binds its weights
     assert layer._prompts_gemm == (chosen if ops.fbgemm_int8_is_exact() else "fbgemm")

@@ -68,9 +68,11 @@ def prompt_work(rows: int) -> str:
 
 def timings(key: str, measure: Callable[[], dict]) -> dict:
     """The timings of this machine (`key`, gptlab.machine_cache.machine_key): the cache file's, or
-    measure() now (gemm.measure_gemms), logged."""
-    result, source = cached(CACHE_FILE, key, measure)
-    log.info("gptlab's GEMM against PyTorch's on this CPU (%s): %s", source, describe(result))
+    measure() now (gemm.measure_gemms), logged (at DEBUG when cached: `gptlab generate` would
+    print it amid its output in every process)."""
+    result, source, fresh = cached(CACHE_FILE, key, measure)
+    level = logging.INFO if fresh else logging.DEBUG
+    log.log(level, "gptlab's GEMM against PyTorch's on this CPU (%s): %s", source, describe(result))
     return result
 
 

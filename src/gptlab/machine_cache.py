@@ -59,13 +59,14 @@ def machine_key(cpu: str, *parts: str) -> str:
     return " | ".join(fields) + isa_settings()
 
 
-def cached(file: str, key: str, measure: Callable[[], dict]) -> tuple[dict, str]:
-    """(timings, where they came from): the entry `key` of `file` in cache_dir(), or measure() now,
-    stored there (a temporary file renamed: a crash never leaves half a file)."""
+def cached(file: str, key: str, measure: Callable[[], dict]) -> tuple[dict, str, bool]:
+    """(timings, where they came from, whether measured now): the entry `key` of `file` in
+    cache_dir(), or measure() now, stored there (a temporary file renamed: a crash never leaves half
+    a file)."""
     path = cache_dir() / file
     cache = _read(path)
     if key in cache:
-        return cache[key], f"measured earlier on this machine, cached in {path}"
+        return cache[key], f"measured earlier on this machine, cached in {path}", False
     timings = measure()
     cache = _read(path)  # as it is now: another process may have added an entry meanwhile
     cache[key] = timings
@@ -76,7 +77,7 @@ def cached(file: str, key: str, measure: Callable[[], dict]) -> tuple[dict, str]
         tmp.replace(path)
     except OSError as e:
         log.warning("could not cache the timings in %s: %s", path, e)
-    return timings, f"measured now, cached in {path}"
+    return timings, f"measured now, cached in {path}", True
 
 
 def _read(path: Path) -> dict:

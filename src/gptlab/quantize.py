@@ -380,12 +380,14 @@ def int8_prompts_gemm() -> str:
     at = (torch.get_num_threads(), kernels.variant())
     if at not in _int8_gemm:
         key = machine_key(kernels.cpu_description(), f"kernels {at[1]}", "int8 prompts")
-        timings, source = cached(INT8_CACHE_FILE, key, measure_int8_prompts)
+        timings, source, fresh = cached(INT8_CACHE_FILE, key, measure_int8_prompts)
         total = {side: sum(t[side] for t in timings.values()) for side in ("fbgemm", "onednn")}
         _int8_gemm[at] = "onednn" if total["onednn"] < total["fbgemm"] else "fbgemm"
-        log.info("int8 prompts, fbgemm against oneDNN on this CPU (%s): %s; taking %s", source,
-                 "; ".join(f"{n} {t['fbgemm'] * 1e3:.2f} ms against {t['onednn'] * 1e3:.2f}" for n, t in timings.items()),
-                 _int8_gemm[at])  # fmt: skip
+        said = "; ".join(f"{n} {t['fbgemm'] * 1e3:.2f} ms against {t['onednn'] * 1e3:.2f}" for n, t in timings.items())
+        level = logging.INFO if fresh else logging.DEBUG  # cached: DEBUG, as gemm_probe.timings
+        log.log(
+            level, "int8 prompts, fbgemm against oneDNN on this CPU (%s): %s; taking %s", source, said, _int8_gemm[at]
+        )
     return _int8_gemm[at]
 
 

@@ -77,7 +77,8 @@ def cached_probe(model, device: torch.device, rows: tuple[int, int]) -> tuple[di
     cfg = model.config
     shape = f"L{cfg.n_layer} C{cfg.n_embd} H{cfg.n_head} V{cfg.vocab_size}"
     key = machine_key(kernels.cpu_description(), shape, f"{batch}x{block}")
-    return cached(CACHE_FILE, key, lambda: probe(model, device, batch, block))
+    timings, source, _ = cached(CACHE_FILE, key, lambda: probe(model, device, batch, block))
+    return timings, source
 
 
 def _probe_shape(batch: int, block: int) -> tuple[int, int]:
