@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SAMPLING_TESTS = ("tests/test_sampling_semantics.py", "tests/test_generate.py", "tests/test_sampling*.py")
 TRAIN_TESTS = ("tests/test_train*.py",)
 KV_TESTS = ("tests/test_model.py", "tests/test_generate.py")
-LOSS_TESTS = ("tests/test_model.py", "tests/test_chunked_loss.py", "tests/test_fused_loss.py", "tests/test_data.py")
+LOSS_TESTS = ("tests/test_model.py", "tests/test_chunked_loss.py", "tests/test_data.py")
 HF_TESTS = ("tests/test_hf.py", "-k", "parity or round_trip or layouts or to_gptlab")
 QUANTIZE_TESTS = ("tests/test_quantize.py",)
 INT8_PROMPT_TESTS = ("tests/test_int8_prompts.py", "tests/test_quantize.py")
@@ -575,8 +575,8 @@ MUTANTS = [
            '"onednn" if total["onednn"] < total["fbgemm"] else "fbgemm"',
            '"onednn" if total["onednn"] > total["fbgemm"] else "fbgemm"', INT8_PROMPT_TESTS),
     Mutant("int8-prompts/timings-never-cached", "quantize.py",
-           "timings, source = cached(INT8_CACHE_FILE, key, measure_int8_prompts)",
-           'timings, source = measure_int8_prompts(), "measured now"', INT8_PROMPT_TESTS),
+           "timings, source, fresh = cached(INT8_CACHE_FILE, key, measure_int8_prompts)",
+           'timings, source, fresh = measure_int8_prompts(), "measured now", True', INT8_PROMPT_TESTS),
     Mutant("int8-prompts/forced-choice-ignored", "quantize.py",
            "    if want != \"auto\":\n        return want\n    if not (onednn_int8_available()",
            "    if not (onednn_int8_available()", INT8_PROMPT_TESTS),
@@ -845,6 +845,19 @@ def cpu_features() -> list[str]:
     return out.stdout.split()
 
 
+def staleness(m: Mutant, root: Path = ROOT) -> str:
+    """Why `m` cannot be planted in the tree at root ("" when it can): its file is gone, its
+    snippet is not found exactly once there, or a test file it names matches nothing."""
+    path = root / "src" / "gptlab" / m.file
+    if not path.is_file():
+        return f"src/gptlab/{m.file} does not exist"
+    count = path.read_text().count(m.old)
+    if count != 1:
+        return f"snippet found {count} times in src/gptlab/{m.file}: {m.old!r}"
+    missing = [t for t in m.tests if t.startswith("tests/") and not glob.glob(str(root / t))]
+    return f"no test file matches {', '.join(missing)}" if missing else ""
+
+
 def run_mutant(m: Mutant, root: Path, timeout: int) -> tuple[str, str]:
     """(status, detail) for one mutant planted in the copy at root; the file is restored after."""
     path = root / "src" / "gptlab" / m.file
@@ -852,12 +865,9 @@ def run_mutant(m: Mutant, root: Path, timeout: int) -> tuple[str, str]:
         return "n/a", f"this CPU cannot run the {m.variant} kernels"
     if m.feature and m.feature not in cpu_features():
         return "n/a", f"this CPU has no {m.feature}"
-    if not path.is_file():
-        return "stale", f"src/gptlab/{m.file} does not exist"
+    if stale := staleness(m, root):
+        return "stale", stale
     original = path.read_text()
-    count = original.count(m.old)
-    if count != 1:
-        return "stale", f"snippet found {count} times in src/gptlab/{m.file}: {m.old!r}"
     try:
         path.write_text(original.replace(m.old, m.new) + EXTRA.get(m.name, ""))
         args = pytest_args(m.tests, root)
