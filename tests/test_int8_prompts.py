@@ -1,5 +1,5 @@
 """int8 prompts: oneDNN's int8 product on x quantized per row, or fbgemm's, chosen by timing both
-once per machine (gptlab.quantize.int8_prompts_gemm)."""
+once per machine (gptlab.int8_prompts)."""
 
 import json
 import os
@@ -10,15 +10,15 @@ import pytest
 import torch
 import torch.nn as nn
 
-from gptlab import kernels, ops, quantize
+from gptlab import int8_prompts, kernels, ops
 from gptlab.quantize import Int8Linear
 
 INT_OK = kernels.available()[1]
 needs_int = pytest.mark.skipif(not INT_OK, reason=f"gptlab's int kernels are not built here: {kernels.available()[2]}")
 # PyTorch's x86 builds have oneDNN's int8 linear; its ARM builds may not (nor fbgemm's)
-needs_onednn = pytest.mark.skipif(not quantize.onednn_int8_available(), reason="this PyTorch has no oneDNN int8 linear")
+needs_onednn = pytest.mark.skipif(not int8_prompts.onednn_available(), reason="this PyTorch has no oneDNN int8 linear")
 # oneDNN held below VNNI (make masquerade-check's Zen 3 holds it to AVX2): its int8 sums saturate;
-# told from the setting, not from quantize.onednn_int8_is_exact, the function under test
+# told from the setting, not from int8_prompts.onednn_is_exact, the function under test
 ONEDNN_BELOW_VNNI = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper() in ("SSE41", "AVX", "AVX2", "AVX512_CORE")
 
 
@@ -49,7 +49,7 @@ def test_int8_prompts_through_onednn_are_gptlabs_per_row_quantization(monkeypatc
     monkeypatch.setenv("GPTLAB_INT8_GEMM", "onednn")
     layer = Int8Linear.from_linear(linear, "int8")
     if ops.fbgemm_int8_is_exact():  # AVX-512 VNNI: oneDNN's sums are exact too, unless held below it
-        assert quantize.onednn_int8_is_exact() == (not ONEDNN_BELOW_VNNI)
+        assert int8_prompts.onednn_is_exact() == (not ONEDNN_BELOW_VNNI)
     if ops.fbgemm_int8_is_exact() and ONEDNN_BELOW_VNNI:
         with pytest.raises(ValueError, match="saturates its 16-bit sums"):
             layer.prepare()
@@ -112,16 +112,16 @@ def int8_probe(monkeypatch, tmp_path):
     present; returns the list of probes run (fake_probe sets their timings)."""
     monkeypatch.setenv("GPTLAB_CACHE", str(tmp_path / "cache"))
     monkeypatch.delenv("GPTLAB_INT8_GEMM", raising=False)
-    monkeypatch.setattr(quantize, "_int8_gemm", {})
-    monkeypatch.setattr(quantize, "onednn_int8_available", lambda: True)
-    monkeypatch.setattr(quantize, "onednn_int8_is_exact", lambda: True)
+    monkeypatch.setattr(int8_prompts, "_chosen", {})
+    monkeypatch.setattr(int8_prompts, "onednn_available", lambda: True)
+    monkeypatch.setattr(int8_prompts, "onednn_is_exact", lambda: True)
     return []
 
 
 def fake_probe(monkeypatch, probes: list, fbgemm: float, onednn: float) -> None:
-    """measure_int8_prompts gives these seconds at each row count (and counts its calls)."""
+    """int8_prompts.measure gives these seconds at each row count (and counts its calls)."""
     timings = {f"prompts {rows} rows": {"fbgemm": fbgemm, "onednn": onednn} for rows in (64, 512)}
-    monkeypatch.setattr(quantize, "measure_int8_prompts", lambda: probes.append(1) or timings)
+    monkeypatch.setattr(int8_prompts, "measure", lambda: probes.append(1) or timings)
 
 
 @needs_int
@@ -132,15 +132,15 @@ def test_int8_prompts_take_the_product_measured_faster_once_per_machine(
     int8_probe, monkeypatch, tmp_path, caplog, fbgemm, onednn, chosen
 ):
     fake_probe(monkeypatch, int8_probe, fbgemm, onednn)
-    with caplog.at_level("DEBUG", logger="gptlab.quantize"):
-        assert quantize.int8_prompts_gemm() == chosen and quantize.int8_prompts_gemm() == chosen
+    with caplog.at_level("DEBUG", logger="gptlab.int8_prompts"):
+        assert int8_prompts.gemm_choice() == chosen and int8_prompts.gemm_choice() == chosen
     assert len(int8_probe) == 1  # measured once
-    (key, timings), *others = json.loads((tmp_path / "cache" / quantize.INT8_CACHE_FILE).read_text()).items()
+    (key, timings), *others = json.loads((tmp_path / "cache" / int8_prompts.CACHE_FILE).read_text()).items()
     assert not others and "int8 prompts" in key and timings["prompts 512 rows"] == {"fbgemm": fbgemm, "onednn": onednn}
-    monkeypatch.setattr(quantize, "_int8_gemm", {})  # a new process on the same machine reads the file
+    monkeypatch.setattr(int8_prompts, "_chosen", {})  # a new process on the same machine reads the file
     fake_probe(monkeypatch, int8_probe, onednn, fbgemm)  # timings that would choose the other
-    with caplog.at_level("DEBUG", logger="gptlab.quantize"):
-        assert quantize.int8_prompts_gemm() == chosen and len(int8_probe) == 1
+    with caplog.at_level("DEBUG", logger="gptlab.int8_prompts"):
+        assert int8_prompts.gemm_choice() == chosen and len(int8_probe) == 1
     # measured: said (INFO); read back: said only with -v (DEBUG), as gemm_probe's timings
     said = [(r.levelname, "measured now" in r.message) for r in caplog.records if "int8 prompts" in r.message]
     assert said == [("INFO", True), ("DEBUG", False)]
@@ -150,25 +150,25 @@ def test_int8_prompts_take_the_product_measured_faster_once_per_machine(
 
 
 def test_int8_prompts_forced_or_without_onednn_are_never_probed(int8_probe, monkeypatch):
-    monkeypatch.setattr(quantize, "measure_int8_prompts", lambda: pytest.fail("probed"))
+    monkeypatch.setattr(int8_prompts, "measure", lambda: pytest.fail("probed"))
     for forced in ("fbgemm", "onednn", " FBGEMM "):
         monkeypatch.setenv("GPTLAB_INT8_GEMM", forced)
-        assert quantize.int8_prompts_gemm() == forced.strip().lower()
+        assert int8_prompts.gemm_choice() == forced.strip().lower()
     monkeypatch.setenv("GPTLAB_INT8_GEMM", "mkl")
     with pytest.raises(ValueError, match="GPTLAB_INT8_GEMM='mkl': expected one of auto, fbgemm, onednn"):
-        quantize.int8_prompts_gemm()
-    monkeypatch.setattr(quantize, "onednn_int8_is_exact", lambda: False)  # saturating: refused, never timed
+        int8_prompts.gemm_choice()
+    monkeypatch.setattr(int8_prompts, "onednn_is_exact", lambda: False)  # saturating: refused, never timed
     monkeypatch.setenv("GPTLAB_INT8_GEMM", "onednn")
     with pytest.raises(ValueError, match="saturates its 16-bit sums"):
-        quantize.int8_prompts_gemm()
+        int8_prompts.gemm_choice()
     monkeypatch.setenv("GPTLAB_INT8_GEMM", "auto")
-    assert quantize.int8_prompts_gemm() == "fbgemm"
-    monkeypatch.setattr(quantize, "onednn_int8_available", lambda: False)
+    assert int8_prompts.gemm_choice() == "fbgemm"
+    monkeypatch.setattr(int8_prompts, "onednn_available", lambda: False)
     monkeypatch.setenv("GPTLAB_INT8_GEMM", "onednn")
     with pytest.raises(ValueError, match="no oneDNN int8 linear"):
-        quantize.int8_prompts_gemm()
+        int8_prompts.gemm_choice()
     monkeypatch.setenv("GPTLAB_INT8_GEMM", "auto")
-    assert quantize.int8_prompts_gemm() == "fbgemm"
+    assert int8_prompts.gemm_choice() == "fbgemm"
 
 
 @needs_onednn
@@ -178,9 +178,9 @@ def test_onednn_held_below_vnni_is_found_inexact_and_not_taken(tmp_path):
     so int8 prompts keep fbgemm without timing oneDNN. In a child process: oneDNN reads its ISA
     setting once."""
     code = (
-        "from gptlab import quantize\n"
-        "quantize.measure_int8_prompts = None  # timing it would fail\n"
-        "print(quantize.onednn_int8_is_exact(), quantize.int8_prompts_gemm())"
+        "from gptlab import int8_prompts\n"
+        "int8_prompts.measure = None  # timing it would fail\n"
+        "print(int8_prompts.onednn_is_exact(), int8_prompts.gemm_choice())"
     )
     env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2", "GPTLAB_CACHE": str(tmp_path)}
     env.pop("GPTLAB_INT8_GEMM", None)
@@ -202,7 +202,7 @@ def test_the_int8_probe_times_both_products_on_gpt2_block_layers(monkeypatch):
     monkeypatch.setattr(
         Int8Linear, "_onednn_product", lambda self, *a: seen.append(self.out_features) or onednn_product(self, *a)
     )
-    result = quantize.measure_int8_prompts()
+    result = int8_prompts.measure()
     assert list(result) == ["prompts 64 rows", "prompts 512 rows"]
     assert all(set(t) == {"fbgemm", "onednn"} and min(t.values()) > 0 for t in result.values())
     # oneDNN's side ran GPT-2's four block layers, warm-up and timed round, at both row counts
@@ -221,7 +221,7 @@ def test_a_copy_of_an_int8_model_multiplies_its_own_weights(monkeypatch, how):
     from conftest import tiny_model
     from gptlab.quantize import quantize_model
 
-    if quantize.onednn_int8_is_exact():  # else refused (ONEDNN_MAX_CPU_ISA below VNNI)
+    if int8_prompts.onednn_is_exact():  # else refused (ONEDNN_MAX_CPU_ISA below VNNI)
         monkeypatch.setenv("GPTLAB_INT8_GEMM", "onednn")
     model = quantize_model(tiny_model(), "int8")
     twin = copy.deepcopy(model) if how == "deepcopy" else pickle.loads(pickle.dumps(model))

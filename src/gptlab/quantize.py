@@ -20,7 +20,7 @@ and int4 weights alike), integer dot products, one scale per row or group of the
 Prompts and batches (many rows) of int8 layers take, on CPUs with AVX-512 VNNI, PyTorch's oneDNN
 int8 x int8 product (`onednn::qlinear_pointwise`, AMX where the CPU has it) on x quantized per row
 by gptlab's kernel, or fbgemm's dynamic `quantized::linear_dynamic` (x quantized with one scale for
-all rows), whichever was measured faster on the machine (`int8_prompts_gemm`); gptlab's int8
+all rows), whichever was measured faster on the machine (gptlab.int8_prompts); gptlab's int8
 kernel elsewhere (without VNNI fbgemm's 16-bit intermediate sums saturate: a 1.08% perplexity rise
 measured on an AMD EPYC). int4 prompts dequantize, then multiply in a GEMM. Without gptlab's kernels (no C compiler,
 `GPTLAB_KERNELS=0` or `kernels.use_kernels(False)`), PyTorch's int kernels stand in: fbgemm's for
@@ -35,7 +35,6 @@ once, quantized. An untied model keeps its float embedding.
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import os
@@ -48,11 +47,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from gptlab import gemm_probe, kernels, ops
+from gptlab import int8_prompts, kernels, ops
 from gptlab import linear as linear_layer
 from gptlab.checkpoint import META_FILE, WEIGHTS_FILE, atomic_write, atomic_write_text, load_state_strict, read_meta
 from gptlab.config import GPTConfig
-from gptlab.machine_cache import cached, machine_key
 from gptlab.model import GPT, meta_device
 
 log = logging.getLogger(__name__)
@@ -259,7 +257,7 @@ class Int8Linear(QuantizedLinear):
 
     def prepare(self, prompts_gemm: str | None = None) -> None:
         """Bind the CPU kernels to the stored buffers. prompts_gemm: whose int8 product takes prompts
-        where fbgemm would keep full precision, "fbgemm" or "onednn" (None: int8_prompts_gemm())."""
+        where fbgemm would keep full precision, "fbgemm" or "onednn" (None: int8_prompts.gemm_choice())."""
         self._kernel_weights = self._decode = None
         self._prompts_in_kernel, self._decode_rows = False, kernels.MAX_ROWS  # prompts: fbgemm unless set below
         if self.weight.device.type != "cpu":
@@ -274,14 +272,14 @@ class Int8Linear(QuantizedLinear):
             if kernel and not exact:  # fbgemm would saturate its 16-bit sums: gptlab's kernel takes prompts too
                 self._prompts_in_kernel, self._decode_rows = True, sys.maxsize
             elif exact:  # else no kernel and no exact int8 product: weight-only int8 below
-                self._prompts_gemm = (prompts_gemm or int8_prompts_gemm()) if kernel else "fbgemm"
+                self._prompts_gemm = (prompts_gemm or int8_prompts.gemm_choice()) if kernel else "fbgemm"
                 prompt_weight = self._prompt_weight()
         self._kernel_weights = (self.weight, self.scales, prompt_weight)
 
     def _prompt_weight(self):
         """The weight in the layout of the int8 x int8 product that takes prompts (_prompts_gemm)."""
         if self._prompts_gemm == "onednn":
-            return OnednnInt8Weight(self.weight, self.scales)
+            return int8_prompts.OnednnInt8Weight(self.weight, self.scales)
         with warnings.catch_warnings():  # torch.ao's deprecation notice; the kernel itself stays
             warnings.simplefilter("ignore")
             qweight = torch._make_per_channel_quantized_tensor(
@@ -302,7 +300,7 @@ class Int8Linear(QuantizedLinear):
         y = torch.ops.aten._weight_int8pack_mm(x2d.to(torch.bfloat16).contiguous(), weight, scales)  # (M, N)
         return self._add_bias(y)
 
-    def _onednn_product(self, x2d: torch.Tensor, onednn_weight: OnednnInt8Weight) -> torch.Tensor:
+    def _onednn_product(self, x2d: torch.Tensor, onednn_weight: int8_prompts.OnednnInt8Weight) -> torch.Tensor:
         """x2d (M, K) -> (M, N) fp32 through oneDNN's int8 x int8 product (AMX where the CPU has it),
         x quantized per row as gptlab's kernel quantizes it: oneDNN takes one scale for all of x, so
         it multiplies the quantized rows, and each output row is then scaled by its own s."""
@@ -310,112 +308,6 @@ class Int8Linear(QuantizedLinear):
         y = onednn_weight.scaled_sums(xq)  # (M, N)
         s = s[:, None]  # (M, 1)
         return y.mul_(s) if self.bias is None else torch.addcmul(self.bias, y, s)
-
-
-# ---------------------------------------------------------------- int8 prompts: fbgemm or oneDNN
-
-
-class OnednnInt8Weight:
-    """An int8 weight (N, K) with its row scales (N,) in oneDNN's own layout (qlinear_prepack), for
-    qlinear_pointwise. The packed weight is an opaque tensor, with no storage to copy: a copied or
-    pickled layer packs its own weight again (QuantizedLinear.__getstate__)."""
-
-    def __init__(self, weight: torch.Tensor, scales: torch.Tensor):
-        self.weight, self.scales = weight, scales  # the layer's buffers, not copies: int8 (N, K), bf16 (N,)
-        self.packed = torch.ops.onednn.qlinear_prepack(weight, None)
-        self.scales_f32 = scales.float()  # (N,)
-        self.zero_points = torch.zeros(weight.size(0), dtype=torch.long)  # symmetric: none
-
-    def scaled_sums(self, xq: torch.Tensor) -> torch.Tensor:
-        """(M, N) fp32: sum_k (xq[m, k] - 128) w[n, k] times w's row scale, for xq (M, K) uint8
-        stored + 128 (oneDNN's zero point for x, whose scale is given as 1)."""
-        return torch.ops.onednn.qlinear_pointwise(xq, 1.0, 128, self.packed, self.scales_f32, self.zero_points, None, 1.0, 0, torch.float32, "none", [], "")  # fmt: skip
-
-
-INT8_GEMMS = ("auto", "fbgemm", "onednn")
-INT8_CACHE_FILE = "int8.json"
-_int8_gemm: dict[tuple[int, str | None], str] = {}  # (threads, kernel variant) -> this process's choice
-
-
-def onednn_int8_available() -> bool:
-    """Whether this PyTorch has oneDNN's int8 linear layer (torch.ops.onednn.qlinear_pointwise: x86 builds)."""
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_pointwise")
-
-
-@functools.cache
-def onednn_int8_is_exact() -> bool:
-    """Whether oneDNN's int8 product sums exactly here. Without VNNI, or held below it by
-    ONEDNN_MAX_CPU_ISA, it multiplies u8 x s8 pairs into 16-bit sums, which saturate (this Xeon
-    6/207 under ONEDNN_MAX_CPU_ISA=AVX2: 0.29 of the largest output off). Checked on the worst
-    case: every activation byte 255 (x quantized to 127) against every weight 127."""
-    K, N = 256, 16
-    weight = OnednnInt8Weight(torch.full((N, K), 127, dtype=torch.int8), torch.ones(N, dtype=torch.bfloat16))
-    y = weight.scaled_sums(torch.full((8, K), 255, dtype=torch.uint8))  # (8, N)
-    return bool((y == 127 * 127 * K).all())  # exact in fp32 (< 2**24)
-
-
-def int8_prompts_gemm() -> str:
-    """Whose int8 x int8 product multiplies int8 prompts (more rows than the decoding kernel takes)
-    on a CPU where fbgemm's keeps full precision (AVX-512 VNNI): "onednn", PyTorch's oneDNN
-    (qlinear_pointwise: AMX where the CPU has it) on x quantized per row by gptlab's kernel, or
-    "fbgemm" (quantized::linear_dynamic, x quantized with one scale for all its rows).
-    GPTLAB_INT8_GEMM=fbgemm|onednn forces one; auto (the default) takes fbgemm where oneDNN's
-    sums would saturate (onednn_int8_is_exact), else times both on GPT-2 small's block layers the
-    first time a machine asks (measure_int8_prompts), caches the timings (gptlab.machine_cache),
-    and takes the faster (a tie keeps fbgemm)."""
-    want = os.environ.get("GPTLAB_INT8_GEMM", "auto").strip().lower() or "auto"
-    if want not in INT8_GEMMS:
-        raise ValueError(f"GPTLAB_INT8_GEMM={want!r}: expected one of {', '.join(INT8_GEMMS)}")
-    if want == "onednn" and not onednn_int8_available():
-        raise ValueError("GPTLAB_INT8_GEMM=onednn: this PyTorch has no oneDNN int8 linear (qlinear_pointwise)")
-    if want == "onednn" and not onednn_int8_is_exact():
-        raise ValueError(
-            "GPTLAB_INT8_GEMM=onednn: oneDNN's int8 product saturates its 16-bit sums here (no VNNI, or "
-            "ONEDNN_MAX_CPU_ISA holds it below); use fbgemm"
-        )
-    if want != "auto":
-        return want
-    if not (onednn_int8_available() and kernels.available()[1] and onednn_int8_is_exact()):
-        return "fbgemm"
-    at = (torch.get_num_threads(), kernels.variant())
-    if at not in _int8_gemm:
-        key = machine_key(kernels.cpu_description(), f"kernels {at[1]}", "int8 prompts")
-        timings, source, fresh = cached(INT8_CACHE_FILE, key, measure_int8_prompts)
-        total = {side: sum(t[side] for t in timings.values()) for side in ("fbgemm", "onednn")}
-        _int8_gemm[at] = "onednn" if total["onednn"] < total["fbgemm"] else "fbgemm"
-        said = "; ".join(f"{n} {t['fbgemm'] * 1e3:.2f} ms against {t['onednn'] * 1e3:.2f}" for n, t in timings.items())
-        level = logging.INFO if fresh else logging.DEBUG  # cached: DEBUG, as gemm_probe.timings
-        log.log(
-            level, "int8 prompts, fbgemm against oneDNN on this CPU (%s): %s; taking %s", source, said, _int8_gemm[at]
-        )
-    return _int8_gemm[at]
-
-
-def measure_int8_prompts() -> dict[str, dict[str, float]]:
-    """Seconds of GPT-2 small's four block layers in int8 (gemm_probe.LAYERS) at each of
-    gemm_probe.PROMPT_ROWS rows, through each side's Int8Linear (quantizing x included): the
-    fastest of gemm_probe.ROUNDS alternating rounds after a warm-up."""
-    kernels.wait_for_huge_pages()  # a timing taken while Linux copies a model's pages runs slow, and this one is cached
-    g = torch.Generator().manual_seed(0)
-    sides = {"fbgemm": [], "onednn": []}  # side -> its Int8Linear of each of LAYERS
-    for N, K in gemm_probe.LAYERS.values():
-        linear = nn.Linear(K, N)
-        with torch.no_grad():
-            linear.weight.copy_(torch.randn(N, K, generator=g) * 0.02)
-        for side, layers in sides.items():
-            layer = Int8Linear.from_linear(linear, "int8")
-            layer.prepare(prompts_gemm=side)
-            layers.append(layer)
-    result = {}
-    for rows in gemm_probe.PROMPT_ROWS:
-        xs = [torch.randn(rows, layer.in_features, generator=g) for layer in sides["fbgemm"]]
-
-        def run(layers, xs=xs):
-            with torch.no_grad():
-                return [layer(x) for layer, x in zip(layers, xs, strict=True)]
-
-        result[f"prompts {rows} rows"] = gemm_probe.fastest({side: lambda ls=ls: run(ls) for side, ls in sides.items()})
-    return result
 
 
 class Int4Linear(QuantizedLinear):
