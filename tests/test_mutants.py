@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from gptlab import kernels
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -27,6 +29,8 @@ mutants = load_mutants()
 def test_every_mutant_can_be_planted(mutant):
     assert mutants.staleness(mutant) == ""
     assert mutant.new != mutant.old
+    # a misspelt requirement would make the mutant n/a on every CPU, never run
+    assert mutant.variant in ("", *kernels.VARIANTS) and mutant.feature in ("", *kernels.FEATURES)
 
 
 def test_mutant_names_are_unique():
