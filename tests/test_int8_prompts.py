@@ -142,7 +142,7 @@ def test_int8_prompts_take_the_product_measured_faster_once_per_machine(
     with caplog.at_level("DEBUG", logger="gptlab.int8_prompts"):
         assert int8_prompts.gemm_choice() == chosen and len(int8_probe) == 1
     # measured: said (INFO); read back: said only with -v (DEBUG), as gemm_probe's timings
-    said = [(r.levelname, "measured now" in r.message) for r in caplog.records if "int8 prompts" in r.message]
+    said = [(r.levelname, "measured now" in r.message) for r in caplog.records if r.name == "gptlab.int8_prompts"]
     assert said == [("INFO", True), ("DEBUG", False)]
     layer = Int8Linear.from_linear(nn.Linear(32, 16), "int8")
     layer.prepare()  # a layer takes the choice as it binds its weights
