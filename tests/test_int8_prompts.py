@@ -121,7 +121,7 @@ def int8_probe(monkeypatch, tmp_path):
 def fake_probe(monkeypatch, probes: list, fbgemm: float, onednn: float) -> None:
     """int8_prompts.measure gives these seconds at each row count (and counts its calls)."""
     timings = {f"prompts {rows} rows": {"fbgemm": fbgemm, "onednn": onednn} for rows in (64, 512)}
-    monkeypatch.setattr(int8_prompts, "measure", lambda: probes.append(1) or timings)
+    monkeypatch.setattr(int8_prompts, "measure", lambda layer_class: probes.append(1) or timings)
 
 
 @needs_int
@@ -133,14 +133,14 @@ def test_int8_prompts_take_the_product_measured_faster_once_per_machine(
 ):
     fake_probe(monkeypatch, int8_probe, fbgemm, onednn)
     with caplog.at_level("DEBUG", logger="gptlab.int8_prompts"):
-        assert int8_prompts.gemm_choice() == chosen and int8_prompts.gemm_choice() == chosen
+        assert int8_prompts.gemm_choice(Int8Linear) == chosen and int8_prompts.gemm_choice(Int8Linear) == chosen
     assert len(int8_probe) == 1  # measured once
     (key, timings), *others = json.loads((tmp_path / "cache" / int8_prompts.CACHE_FILE).read_text()).items()
     assert not others and "int8 prompts" in key and timings["prompts 512 rows"] == {"fbgemm": fbgemm, "onednn": onednn}
     monkeypatch.setattr(int8_prompts, "_chosen", {})  # a new process on the same machine reads the file
     fake_probe(monkeypatch, int8_probe, onednn, fbgemm)  # timings that would choose the other
     with caplog.at_level("DEBUG", logger="gptlab.int8_prompts"):
-        assert int8_prompts.gemm_choice() == chosen and len(int8_probe) == 1
+        assert int8_prompts.gemm_choice(Int8Linear) == chosen and len(int8_probe) == 1
     # measured: said (INFO); read back: said only with -v (DEBUG), as gemm_probe's timings
     said = [(r.levelname, "measured now" in r.message) for r in caplog.records if r.name == "gptlab.int8_prompts"]
     assert said == [("INFO", True), ("DEBUG", False)]
@@ -150,25 +150,25 @@ def test_int8_prompts_take_the_product_measured_faster_once_per_machine(
 
 
 def test_int8_prompts_forced_or_without_onednn_are_never_probed(int8_probe, monkeypatch):
-    monkeypatch.setattr(int8_prompts, "measure", lambda: pytest.fail("probed"))
+    monkeypatch.setattr(int8_prompts, "measure", lambda layer_class: pytest.fail("probed"))
     for forced in ("fbgemm", "onednn", " FBGEMM "):
         monkeypatch.setenv("GPTLAB_INT8_GEMM", forced)
-        assert int8_prompts.gemm_choice() == forced.strip().lower()
+        assert int8_prompts.gemm_choice(Int8Linear) == forced.strip().lower()
     monkeypatch.setenv("GPTLAB_INT8_GEMM", "mkl")
     with pytest.raises(ValueError, match="GPTLAB_INT8_GEMM='mkl': expected one of auto, fbgemm, onednn"):
-        int8_prompts.gemm_choice()
+        int8_prompts.gemm_choice(Int8Linear)
     monkeypatch.setattr(int8_prompts, "onednn_is_exact", lambda: False)  # saturating: refused, never timed
     monkeypatch.setenv("GPTLAB_INT8_GEMM", "onednn")
     with pytest.raises(ValueError, match="saturates its 16-bit sums"):
-        int8_prompts.gemm_choice()
+        int8_prompts.gemm_choice(Int8Linear)
     monkeypatch.setenv("GPTLAB_INT8_GEMM", "auto")
-    assert int8_prompts.gemm_choice() == "fbgemm"
+    assert int8_prompts.gemm_choice(Int8Linear) == "fbgemm"
     monkeypatch.setattr(int8_prompts, "onednn_available", lambda: False)
     monkeypatch.setenv("GPTLAB_INT8_GEMM", "onednn")
     with pytest.raises(ValueError, match="no oneDNN int8 linear"):
-        int8_prompts.gemm_choice()
+        int8_prompts.gemm_choice(Int8Linear)
     monkeypatch.setenv("GPTLAB_INT8_GEMM", "auto")
-    assert int8_prompts.gemm_choice() == "fbgemm"
+    assert int8_prompts.gemm_choice(Int8Linear) == "fbgemm"
 
 
 @needs_onednn
@@ -179,8 +179,9 @@ def test_onednn_held_below_vnni_is_found_inexact_and_not_taken(tmp_path):
     setting once."""
     code = (
         "from gptlab import int8_prompts\n"
+        "from gptlab.quantize import Int8Linear\n"
         "int8_prompts.measure = None  # timing it would fail\n"
-        "print(int8_prompts.onednn_is_exact(), int8_prompts.gemm_choice())"
+        "print(int8_prompts.onednn_is_exact(), int8_prompts.gemm_choice(Int8Linear))"
     )
     env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2", "GPTLAB_CACHE": str(tmp_path)}
     env.pop("GPTLAB_INT8_GEMM", None)
@@ -202,7 +203,7 @@ def test_the_int8_probe_times_both_products_on_gpt2_block_layers(monkeypatch):
     monkeypatch.setattr(
         Int8Linear, "_onednn_product", lambda self, *a: seen.append(self.out_features) or onednn_product(self, *a)
     )
-    result = int8_prompts.measure()
+    result = int8_prompts.measure(Int8Linear)
     assert list(result) == ["prompts 64 rows", "prompts 512 rows"]
     assert all(set(t) == {"fbgemm", "onednn"} and min(t.values()) > 0 for t in result.values())
     # oneDNN's side ran GPT-2's four block layers, warm-up and timed round, at both row counts

@@ -66,12 +66,13 @@ def onednn_is_exact() -> bool:
     return bool((y == 127 * 127 * K).all())  # exact in fp32 (< 2**24)
 
 
-def gemm_choice() -> str:
+def gemm_choice(layer_class: type) -> str:
     """Whose int8 x int8 product multiplies int8 prompts (more rows than the decoding kernel takes)
     on a CPU where fbgemm's keeps full precision: "onednn" or "fbgemm" (the module's docstring).
     GPTLAB_INT8_GEMM=fbgemm|onednn forces one; auto (the default) takes fbgemm where oneDNN's
     sums would saturate (onednn_is_exact), else times both the first time a machine asks
-    (measure), caches the timings, and takes the faster (a tie keeps fbgemm)."""
+    (measure(layer_class)), caches the timings, and takes the faster (a tie keeps fbgemm).
+    layer_class: gptlab.quantize.Int8Linear, passed in as quantize imports this module."""
     want = os.environ.get("GPTLAB_INT8_GEMM", "auto").strip().lower() or "auto"
     if want not in GEMMS:
         raise ValueError(f"GPTLAB_INT8_GEMM={want!r}: expected one of {', '.join(GEMMS)}")
@@ -89,7 +90,7 @@ def gemm_choice() -> str:
     at = (torch.get_num_threads(), kernels.variant())
     if at not in _chosen:
         key = machine_key(kernels.cpu_description(), f"kernels {at[1]}", "int8 prompts")
-        timings, source, fresh = cached(CACHE_FILE, key, measure)
+        timings, source, fresh = cached(CACHE_FILE, key, lambda: measure(layer_class))
         total = {side: sum(t[side] for t in timings.values()) for side in ("fbgemm", "onednn")}
         _chosen[at] = "onednn" if total["onednn"] < total["fbgemm"] else "fbgemm"
         said = "; ".join(f"{n} {t['fbgemm'] * 1e3:.2f} ms against {t['onednn'] * 1e3:.2f}" for n, t in timings.items())
@@ -98,12 +99,10 @@ def gemm_choice() -> str:
     return _chosen[at]
 
 
-def measure() -> dict[str, dict[str, float]]:
+def measure(layer_class: type) -> dict[str, dict[str, float]]:
     """Seconds of GPT-2 small's four block layers in int8 (gemm_probe.LAYERS) at each of
-    gemm_probe.PROMPT_ROWS rows, through each side's Int8Linear (quantizing x included): the
-    fastest of gemm_probe.ROUNDS alternating rounds after a warm-up."""
-    from gptlab.quantize import Int8Linear  # which imports this module
-
+    gemm_probe.PROMPT_ROWS rows, through each side's `layer_class` (Int8Linear; quantizing x
+    included): the fastest of gemm_probe.ROUNDS alternating rounds after a warm-up."""
     kernels.wait_for_huge_pages()  # a timing taken while Linux copies a model's pages runs slow, and this one is cached
     g = torch.Generator().manual_seed(0)
     sides = {"fbgemm": [], "onednn": []}  # side -> its Int8Linear of each of LAYERS
@@ -112,7 +111,7 @@ def measure() -> dict[str, dict[str, float]]:
         with torch.no_grad():
             linear.weight.copy_(torch.randn(N, K, generator=g) * 0.02)
         for side, layers in sides.items():
-            layer = Int8Linear.from_linear(linear, "int8")
+            layer = layer_class.from_linear(linear, "int8")
             layer.prepare(prompts_gemm=side)
             layers.append(layer)
     result = {}

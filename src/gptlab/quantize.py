@@ -257,7 +257,7 @@ class Int8Linear(QuantizedLinear):
 
     def prepare(self, prompts_gemm: str | None = None) -> None:
         """Bind the CPU kernels to the stored buffers. prompts_gemm: whose int8 product takes prompts
-        where fbgemm would keep full precision, "fbgemm" or "onednn" (None: int8_prompts.gemm_choice())."""
+        where fbgemm would keep full precision, "fbgemm" or "onednn" (None: int8_prompts.gemm_choice)."""
         self._kernel_weights = self._decode = None
         self._prompts_in_kernel, self._decode_rows = False, kernels.MAX_ROWS  # prompts: fbgemm unless set below
         if self.weight.device.type != "cpu":
@@ -272,7 +272,7 @@ class Int8Linear(QuantizedLinear):
             if kernel and not exact:  # fbgemm would saturate its 16-bit sums: gptlab's kernel takes prompts too
                 self._prompts_in_kernel, self._decode_rows = True, sys.maxsize
             elif exact:  # else no kernel and no exact int8 product: weight-only int8 below
-                self._prompts_gemm = (prompts_gemm or int8_prompts.gemm_choice()) if kernel else "fbgemm"
+                self._prompts_gemm = (prompts_gemm or int8_prompts.gemm_choice(Int8Linear)) if kernel else "fbgemm"
                 prompt_weight = self._prompt_weight()
         self._kernel_weights = (self.weight, self.scales, prompt_weight)
 
