@@ -788,7 +788,9 @@ EXTRA = {
 
 def copy_tree(dest: Path) -> Path:
     """src/ and tests/ (and pyproject.toml, for pytest's settings; the Makefile, which tests read)
-    into dest/main, without caches;
+    into dest/main, without caches, with the kernel libraries built there as `make install` builds
+    them (kept when the checkout's were copied current; a git worktree has none, and its tests
+    would otherwise build them at first use in every run, a server test's request timing out);
     dest/shared links to the checkout's ../shared (the tests find tiny-shakespeare there). Returns dest/main."""
     root = dest / "main"
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc", ".pytest_cache")
@@ -798,6 +800,7 @@ def copy_tree(dest: Path) -> Path:
         shutil.copy2(ROOT / name, root / name)
     if (ROOT.parent / "shared").is_dir():
         (dest / "shared").symlink_to(ROOT.parent / "shared")
+    subprocess.run([sys.executable, str(root / "src" / "gptlab" / "kernel_build.py")], check=True, capture_output=True)
     return root
 
 
