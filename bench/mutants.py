@@ -49,6 +49,7 @@ PROBE_TESTS = ("tests/test_gemm_probe.py",)
 PREFETCH_TESTS = ("tests/test_kernel_variants.py", "-k", "prefetch")
 COMPILE_CACHE_TESTS = ("tests/test_compile_cache.py",)
 LLAMACPP_BUILD_TESTS = ("tests/test_bench.py", "-k", "llamacpp")
+INSTRUCTION_TESTS = ("tests/test_kernel_variants.py", "-k", "instructions")  # objdump of each library
 C_CHECK_TESTS = ("tests/test_kernel_variants.py", "-k", "c_check")  # tests/c/kernel_check.c, make neon-check's
 SERVE_LMEVAL_TESTS = ("tests/test_serve_tokenize.py", "tests/test_serve.py", "-k", "offset or logprobs or echo")
 
@@ -345,6 +346,10 @@ MUTANTS = [
     Mutant("install/a-library-of-other-sources-counts-as-current", "kernel_build.py",
            "return source_digest().encode() in Path(path).read_bytes()", "return bool(Path(path).read_bytes())",
            ("tests/test_kernel_variants.py", "-k", "build_all or stale")),
+    Mutant("install/avx2-vnni-built-with-avx512-vnni", "kernel_build.py",
+           '"-mf16c", "-mavxvnni")', '"-mf16c", "-mavx512vnni")', INSTRUCTION_TESTS),
+    Mutant("install/loss-compiled-for-avx2-in-every-variant", "csrc/loss.c",
+           "\nint gl_softmax_xent(", '\n__attribute__((target("avx2,fma"))) int gl_softmax_xent(', INSTRUCTION_TESTS),
     Mutant("kv-cache/query-read-in-the-caches-dtype", "csrc/attention.c",
            "vf_load_any_n(qp + (size_t)VW * v * (qb ? 2 : 4), qb, hs - VW * v)",
            "vf_load_any_n(qp + (size_t)VW * v * (qb ? 2 : 4), kb, hs - VW * v)", FUSED_TESTS),

@@ -2,8 +2,11 @@
 GPTLAB_KERNELS, refused clearly where the CPU cannot run them, rebuilt when stale; and every
 variant this CPU runs computes what the portable C reference computes."""
 
+import re
+import shutil
 import subprocess
 import sys
+from collections import defaultdict
 from pathlib import Path
 
 import pytest
@@ -149,6 +152,97 @@ def test_builds_name_their_instructions_not_the_machine():
         assert set(kernel_build.VARIANTS[variant][1]) <= set(cmd)
         assert kernels.cpu_name() not in str(kernels.cached_path(variant))
     assert "-mavx512f" not in kernel_build.command("avx2", "out.so", cc="cc")
+
+
+# What a library's machine code needs, read from objdump's disassembly, never run: a variant that
+# holds an instruction its CPUs lack dies of SIGILL on them (a Zen 3 given EVEX, an Alder Lake given
+# AVX-512 VNNI), and neither machine is here to run it. The first byte after any segment or
+# address-size prefix says the encoding: 0x62 is EVEX (AVX-512) and 0xc4/0xc5 VEX (AVX) in 64-bit
+# mode; the mnemonic says the rest.
+LEGACY_PREFIXES = {"26", "2e", "36", "3e", "64", "65", "67"}
+X86_64_V2 = re.compile(  # SSSE3, SSE4.1/4.2 and POPCNT/LZCNT: beyond the portable variant's x86-64 baseline
+    r"(pshufb|palignr|ph(add|sub)\w*|pabs[bwd]|pmaddubsw|pmulhrsw|psign[bwd]|pmulld|pm(in|ax)(s[bd]|u[wd])|pblend\w*"
+    r"|blendv?p[sd]|ptest|pmov[sz]x\w+|pextr[bdq]|pinsr[bdq]|round[ps][sd]|dpp[sd]|insertps|extractps|packusdw"
+    r"|pcmp(eq|gt)q|pcmp[ei]str[im]|mpsadbw|phminposuw|movntdqa|crc32\w*|popcnt|lzcnt)"
+)
+RUNTIME_CHECKED = {"tile_bf16": {"avx512bf16"}}  # gemm_bf16.c's vdpbf16ps: runs after gl_has_gemm_bf16's cpuid
+
+
+def instruction_features(raw: str, text: str) -> set[str]:
+    """The kernels.FEATURES (and "x86-64-v2") one instruction needs, from objdump's bytes and text."""
+    octets = raw.split()
+    while octets and octets[0] in LEGACY_PREFIXES:
+        octets = octets[1:]
+    evex, vex = octets[:1] == ["62"], octets[:1] in (["c4"], ["c5"])
+    mnemonic = next((t for t in text.split() if not t.startswith("{")), "")  # past "{vex}"
+    needs = {"avx512f"} if evex else {"avx2"} if vex else set()  # AVX and AVX2 are one level here
+    if re.fullmatch(r"vpdp(bus|wss)ds?", mnemonic):
+        needs.add("avx512vnni" if evex else "avxvnni")
+    if re.fullmatch(r"vdpbf16ps|vcvtne2?ps2bf16", mnemonic):
+        needs.add("avx512bf16")
+    if re.match(r"vf(n?m(add|sub)|maddsub|msubadd)", mnemonic):
+        needs.add("fma")
+    if vex and mnemonic in ("vcvtph2ps", "vcvtps2ph"):
+        needs.add("f16c")
+    if re.match(r"tile|tdp|ldtilecfg|sttilecfg", mnemonic):
+        needs.add("amx")
+    if not (vex or evex) and X86_64_V2.fullmatch(mnemonic):
+        needs.add("x86-64-v2")
+    return needs
+
+
+def features_by_function(library: Path) -> dict[str, set[str]]:
+    """Each function's instructions' features, from `objdump -d` of the library."""
+    text = subprocess.run(["objdump", "-d", "--no-addresses", str(library)], capture_output=True, text=True, check=True)
+    needs, function = defaultdict(set), None
+    for line in text.stdout.splitlines():
+        if m := re.fullmatch(r"<(.+)>:", line):
+            function = m.group(1)
+        elif line.startswith("\t") and function is not None:
+            _, raw, *rest = line.split("\t") + [""]
+            needs[function] |= instruction_features(raw, rest[0])
+    return needs
+
+
+def current_library(variant: str, tmp_path: Path) -> Path:
+    """The variant's library from these sources, without loading it: installed, cached, or built now."""
+    for path in (kernels.installed_path(variant), kernels.cached_path(variant)):
+        if kernel_build.is_current(path):
+            return path
+    return kernel_build.build(variant, tmp_path / kernel_build.library_name(variant))
+
+
+def test_the_disassembly_reads_each_encoding():
+    """The audit below can fail: objdump lines of each kind, as `as` + `objdump -d` print them."""
+    assert instruction_features("c4 e2 75 50 c1", "{vex} vpdpbusd %ymm1,%ymm1,%ymm0") == {"avx2", "avxvnni"}
+    assert instruction_features("62 f2 75 28 50 c1", "vpdpbusd %ymm1,%ymm1,%ymm0") == {"avx512f", "avx512vnni"}
+    assert instruction_features("62 f2 76 48 52 c2", "vdpbf16ps %zmm2,%zmm1,%zmm0") == {"avx512f", "avx512bf16"}
+    assert instruction_features("c4 e2 f1 b8 c2", "vfmadd231pd %xmm2,%xmm1,%xmm0") == {"avx2", "fma"}
+    assert instruction_features("c4 e2 7d 13 00", "vcvtph2ps (%rax),%ymm0") == {"avx2", "f16c"}
+    assert instruction_features("67 62 f1 7c 48 28 00", "vmovaps (%eax),%zmm0") == {"avx512f"}
+    assert instruction_features("c4 e2 78 49 00", "ldtilecfg (%rax)") == {"amx", "avx2"}  # VEX
+    assert instruction_features("f3 48 0f b8 c0", "popcnt %rax,%rax") == {"x86-64-v2"}
+    assert instruction_features("66 0f 38 00 c1", "pshufb %xmm1,%xmm0") == {"x86-64-v2"}
+    assert instruction_features("66 0f fe c1", "paddd %xmm1,%xmm0") == set()  # SSE2: every x86-64
+    assert instruction_features("f3 48 0f bc c0", "tzcnt %rax,%rax") == set()  # gcc's rep bsf: runs as bsf
+
+
+@pytest.mark.skipif(not kernel_build.is_x86(), reason="audits x86-64 encodings; this is not an x86-64 CPU")
+@pytest.mark.skipif(shutil.which("objdump") is None, reason="needs objdump (binutils, which gcc brings)")
+@pytest.mark.parametrize("variant", kernel_build.ARCHES["x86-64"] + ("portable",))
+def test_each_library_holds_only_its_variants_instructions(variant, tmp_path):
+    """Every x86-64 variant's library, disassembled: no function holds an instruction its variant's
+    CPUs may lack (kernel_build.VARIANTS' features; portable: none past x86-64's baseline), but the
+    few that run only after a cpuid check (RUNTIME_CHECKED). On this CPU that covers the variants it
+    cannot run too: an avx2 library with one EVEX instruction would crash a Zen 3."""
+    allowed = set(kernel_build.VARIANTS[variant][2]) | ({"x86-64-v2"} if variant != "portable" else set())
+    used = features_by_function(current_library(variant, tmp_path))
+    assert used, "objdump found no functions"
+    extra = {fn: needs - allowed for fn, needs in used.items()}
+    for fn in extra:
+        checked = next((f for prefix, f in RUNTIME_CHECKED.items() if fn.startswith(prefix)), set())
+        extra[fn] -= checked if "avx512f" in allowed else set()
+    assert not {fn: sorted(needs) for fn, needs in extra.items() if needs}
 
 
 def test_build_all_compiles_only_what_is_not_current(tmp_path, monkeypatch):
