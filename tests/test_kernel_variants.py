@@ -296,6 +296,19 @@ def test_a_stale_library_is_not_loaded_but_built_afresh(tmp_path, monkeypatch):
     assert lib.gl_source_digest() == b"0123456789abcdef" and lib.gl_variant() == b"portable"
 
 
+def test_each_library_is_the_variant_it_is_loaded_as(monkeypatch):
+    """The variant the log and benchmarks name is the one that runs: each library this CPU runs
+    says so itself (gl_variant, from its build flags), and one that names another is refused."""
+    for variant in kernels.runnable_variants():
+        assert kernels._load(variant).gl_variant() == variant.encode()
+    portable = kernels.library_path("portable")
+    monkeypatch.setattr(kernels, "installed_path", lambda variant: portable)
+    with pytest.raises(
+        RuntimeError, match="built as the portable variant, not avx2: its flags and csrc/cpu.c disagree"
+    ):
+        kernels._load("avx2")
+
+
 def test_a_first_use_build_removes_only_its_own_variants_older_builds(tmp_path):
     """A new build deletes its variant's builds of older sources, and no other variant's: the
     pattern of avx512's also matches avx512-256's files (and avx2's avx2-vnni's)."""

@@ -194,7 +194,8 @@ def library_path(variant: str) -> Path:
 
 def _load(variant: str) -> ctypes.CDLL:
     """The variant's library: the installed one when current, else a first-use build in the cache
-    (built now if missing); its path is `lib.path`. RuntimeError or OSError saying why it cannot be had."""
+    (built now if missing); its path is `lib.path`. RuntimeError or OSError saying why it cannot be
+    had, also for a library that names itself another variant (gl_variant)."""
     path = installed_path(variant)
     lib = _open(path)
     if lib is None:
@@ -207,11 +208,15 @@ def _load(variant: str) -> ctypes.CDLL:
             lib = _open(path)
             if lib is None:  # csrc/common.h's GL_ABI is not _ABI
                 raise RuntimeError(f"the {variant} kernels just built at {path} are not of this gptlab's ABI ({_ABI})")
+    lib.gl_variant.restype = ctypes.c_char_p
+    if (built_as := lib.gl_variant().decode()) != variant:  # the log and benchmarks name what runs
+        raise RuntimeError(
+            f"{path} was built as the {built_as} variant, not {variant}: its flags and csrc/cpu.c disagree"
+        )
     for name, argtypes in _SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, ctypes.c_int
     lib.gl_huge_pages.argtypes, lib.gl_huge_pages.restype = [_P, ctypes.c_size_t], ctypes.c_int
-    lib.gl_variant.restype = ctypes.c_char_p
     lib.path = path
     return lib
 
