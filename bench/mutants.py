@@ -118,6 +118,11 @@ MUTANTS = [
            "return torch.where(seen, penalised.clamp(-big, big), logits)", "return penalised.clamp(-big, big)",
            SAMPLING_TESTS),
     # the trainer
+    Mutant("train/auto-probes-bf16-with-onednn-held-below-it", "train/precision.py",
+           "return torch.ops.mkldnn._is_mkldnn_bf16_supported()", "return True",
+           ("tests/test_train_semantics.py", "-k", "auto")),
+    Mutant("train/auto-probes-cpus-without-bf16", "train/precision.py",
+           "    if not may_have_native_bf16():\n", "    if False:\n", ("tests/test_train_semantics.py", "-k", "auto")),
     Mutant("train/weight-decay-off", "train/setup.py",
            '{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay}',
            '{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.0}', TRAIN_TESTS),

@@ -3,6 +3,9 @@ the precision a run reports is the one its matmuls run in, gradient accumulation
 weight decay reaches matrices only, and compiled training saves a plain checkpoint."""
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -40,6 +43,7 @@ def test_auto_runs_what_it_measured_and_reports(byte_data, tmp_path, monkeypatch
     for name in machine_cache.ISA_SETTINGS:  # as run plainly, even under settings that stand in for another CPU
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(precision, "may_have_native_bf16", lambda: True)  # a CPU whose flags name bf16: measured
+    monkeypatch.setattr(precision, "onednn_runs_bf16", lambda: True)  # and oneDNN not held below them
     calls = []
 
     def fake_probe(model, device, batch, block):
@@ -72,6 +76,29 @@ def test_auto_takes_fp32_unmeasured_where_the_cpu_has_no_bf16(byte_data, tmp_pat
     with caplog.at_level("INFO"):
         trainer = Trainer(config(byte_data, tmp_path / "run", precision="auto"))
     assert trainer.precision == torch.float32 and "this CPU has no bf16 instructions" in caplog.text
+
+
+def test_auto_takes_fp32_unmeasured_where_onednn_is_held_below_bf16(tmp_path):
+    """ONEDNN_MAX_CPU_ISA=AVX2 on a CPU whose flags name bf16 (how an Intel Xeon 6/207 or a Zen 5
+    stands in for a Zen 3): oneDNN has no bf16 instructions then, and the probe's bf16 step took
+    41.6 s against fp32's 0.29. Real oneDNN, in a fresh process: it reads the setting once."""
+    code = (
+        "import sys, torch\n"
+        "from gptlab.config import GPTConfig\n"
+        "from gptlab.model import GPT\n"
+        "from gptlab.train import precision\n"
+        "precision.may_have_native_bf16 = lambda: True\n"
+        "precision.probe = lambda *a: sys.exit('probed bf16 with oneDNN held to AVX2')\n"
+        "model = GPT(GPTConfig(vocab_size=97, block_size=32, n_layer=1, n_head=2, n_embd=32))\n"
+        "print(*precision.resolve_precision('auto', torch.device('cpu'), model, (4, 32)), sep='|')\n"
+    )
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2", "GPTLAB_CACHE": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert (
+        out.stdout.strip()
+        == "torch.float32|auto: oneDNN is held below bf16's instructions (ONEDNN_MAX_CPU_ISA): emulated"
+    )
 
 
 def test_native_bf16_is_read_from_the_cpu_flags():

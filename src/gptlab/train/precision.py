@@ -4,11 +4,12 @@
 (AMX, AVX512-BF16); elsewhere oneDNN emulates them and a bf16 step is slower than fp32 (issue 13:
 0.85-0.95 s against 0.66 s per demo step on an Intel Xeon without native bf16). An x86 CPU whose
 flags name no bf16 instructions therefore trains in fp32 without measuring (the probe cost 20 s
-on an AMD EPYC, issue 22). Where they are named the flags are not trusted further: auto times one
-forward + backward of the model being trained, on its own shapes, in fp32 and under bf16
-autocast, takes bf16 only if clearly faster (BF16_MARGIN), and caches the timings per machine
-(gptlab.machine_cache: CPU model and features, torch version, threads, model shape) in gptlab's
-cache directory. On CUDA auto is bf16 where supported.
+on an AMD EPYC, issue 22), as does one where oneDNN is held below AVX-512 (ONEDNN_MAX_CPU_ISA).
+Where they are named the flags are not trusted further: auto times one forward + backward of the
+model being trained, on its own shapes, in fp32 and under bf16 autocast, takes bf16 only if
+clearly faster (BF16_MARGIN), and caches the timings per machine (gptlab.machine_cache: CPU model
+and features, torch version, threads, model shape) in gptlab's cache directory. On CUDA auto is
+bf16 where supported.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def resolve_precision(name: str, device: torch.device, model=None, rows: tuple[i
     if name == "float16" and device.type != "cuda":
         raise ValueError("precision float16 needs CUDA (a GradScaler on CPU buys nothing); use bfloat16 or float32")
     if name != "auto":
-        if name == "bfloat16" and device.type == "cpu" and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        if name == "bfloat16" and device.type == "cpu" and not onednn_runs_bf16():
             log.warning("precision bfloat16: this CPU has no native bf16, its matmuls are emulated and usually slower "
                         "than float32 (precision=auto measures)")  # fmt: skip
         return getattr(torch, name), "as configured"
@@ -64,11 +65,20 @@ def resolve_precision(name: str, device: torch.device, model=None, rows: tuple[i
         return torch.float32, "auto: no model to measure"
     if not may_have_native_bf16():
         return torch.float32, "auto: this CPU has no bf16 instructions (no AVX512-BF16 or AMX), bf16 would be emulated"
+    if not onednn_runs_bf16():
+        return torch.float32, "auto: oneDNN is held below bf16's instructions (ONEDNN_MAX_CPU_ISA): emulated"
     timings, source = cached_probe(model, device, rows)
     choice = torch.bfloat16 if timings["bfloat16"] < BF16_MARGIN * timings["float32"] else torch.float32
     why = (f"auto: one forward + backward of this model took {timings['float32'] * 1e3:.0f} ms in float32 and "
            f"{timings['bfloat16'] * 1e3:.0f} ms in bfloat16 autocast ({source})")  # fmt: skip
     return choice, why
+
+
+def onednn_runs_bf16() -> bool:
+    """Whether oneDNN may use bf16 instructions at all: not below AVX-512, which ONEDNN_MAX_CPU_ISA
+    can impose on a CPU whose flags name bf16. Held to AVX2 so, the Intel Xeon 6/207's probe took
+    41.6 s per bf16 step against 0.29 s in fp32 (2026-12-07): its three bf16 runs cost two minutes."""
+    return torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 def cached_probe(model, device: torch.device, rows: tuple[int, int]) -> tuple[dict, str]:
