@@ -77,8 +77,12 @@ def resolve_precision(name: str, device: torch.device, model=None, rows: tuple[i
 def onednn_runs_bf16() -> bool:
     """Whether oneDNN may use bf16 instructions at all: not below AVX-512, which ONEDNN_MAX_CPU_ISA
     can impose on a CPU whose flags name bf16. Held to AVX2 so, the Intel Xeon 6/207's probe took
-    41.6 s per bf16 step against 0.29 s in fp32 (2026-12-07): its three bf16 runs cost two minutes."""
-    return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    41.6 s per bf16 step against 0.29 s in fp32 (2026-12-07): its three bf16 runs cost two minutes.
+    True where PyTorch cannot say (a build without oneDNN): the probe then measures."""
+    try:
+        return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    except (AttributeError, RuntimeError):
+        return True
 
 
 def cached_probe(model, device: torch.device, rows: tuple[int, int]) -> tuple[dict, str]:
