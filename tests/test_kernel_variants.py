@@ -192,15 +192,17 @@ def instruction_features(raw: str, text: str) -> set[str]:
 
 
 def features_by_function(library: Path) -> dict[str, set[str]]:
-    """Each function's instructions' features, from `objdump -d` of the library."""
-    text = subprocess.run(["objdump", "-d", "--no-addresses", str(library)], capture_output=True, text=True, check=True)
+    """Each function's instructions' features, from `objdump -d` of the library (one line per
+    instruction: --insn-width fits the longest, so no line holds only the tail of one's bytes)."""
+    text = subprocess.run(
+        ["objdump", "-d", "--insn-width=16", str(library)], capture_output=True, text=True, check=True
+    )
     needs, function = defaultdict(set), None
     for line in text.stdout.splitlines():
-        if m := re.fullmatch(r"<(.+)>:", line):
+        if m := re.fullmatch(r"[0-9a-f]+ <(.+)>:", line):
             function = m.group(1)
-        elif line.startswith("\t") and function is not None:
-            _, raw, *rest = line.split("\t") + [""]
-            needs[function] |= instruction_features(raw, rest[0])
+        elif (m := re.fullmatch(r"\s*[0-9a-f]+:\t([0-9a-f ]+)\t(.+)", line)) and function is not None:
+            needs[function] |= instruction_features(m.group(1), m.group(2))
     return needs
 
 
