@@ -97,7 +97,7 @@ def test_auto_takes_fp32_unmeasured_where_onednn_is_held_below_bf16(tmp_path):
     assert out.returncode == 0, out.stderr
     assert (
         out.stdout.strip()
-        == "torch.float32|auto: oneDNN is held below bf16's instructions (ONEDNN_MAX_CPU_ISA): emulated"
+        == "torch.float32|auto: oneDNN runs no bf16 instructions here (the CPU, or ONEDNN_MAX_CPU_ISA): emulated"
     )
 
 
@@ -113,6 +113,7 @@ def test_native_bf16_is_read_from_the_cpu_flags():
 def test_auto_probe_measures_this_model(byte_data, tmp_path, monkeypatch):  # noqa: F811
     monkeypatch.setenv("GPTLAB_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(precision, "may_have_native_bf16", lambda: True)
+    monkeypatch.setattr(precision, "onednn_runs_bf16", lambda: True)  # measured even where it would be emulated
     trainer = Trainer(config(byte_data, tmp_path / "run", precision="auto"))
     timings = next(iter(json.loads((tmp_path / "cache" / precision.CACHE_FILE).read_text()).values()))
     assert set(timings) == {"float32", "bfloat16"} and all(t > 0 for t in timings.values())
@@ -138,6 +139,7 @@ def test_auto_takes_bf16_only_when_clearly_faster(monkeypatch, bf16_ms, expected
     """BF16_MARGIN: a bf16 step probed at 95% of fp32's (AMD EPYC Zen 4) trained the demo to a
     worse loss than fp32 in the same time; 85% takes bf16."""
     monkeypatch.setattr(precision, "may_have_native_bf16", lambda: True)
+    monkeypatch.setattr(precision, "onednn_runs_bf16", lambda: True)
     monkeypatch.setattr(precision, "cached_probe", lambda *a: ({"float32": 0.1, "bfloat16": bf16_ms / 1000}, "test"))
     choice, why = precision.resolve_precision("auto", torch.device("cpu"), model=object())
     assert choice == expected and "100 ms in float32" in why

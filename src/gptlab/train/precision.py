@@ -66,7 +66,7 @@ def resolve_precision(name: str, device: torch.device, model=None, rows: tuple[i
     if not may_have_native_bf16():
         return torch.float32, "auto: this CPU has no bf16 instructions (no AVX512-BF16 or AMX), bf16 would be emulated"
     if not onednn_runs_bf16():
-        return torch.float32, "auto: oneDNN is held below bf16's instructions (ONEDNN_MAX_CPU_ISA): emulated"
+        return torch.float32, "auto: oneDNN runs no bf16 instructions here (the CPU, or ONEDNN_MAX_CPU_ISA): emulated"
     timings, source = cached_probe(model, device, rows)
     choice = torch.bfloat16 if timings["bfloat16"] < BF16_MARGIN * timings["float32"] else torch.float32
     why = (f"auto: one forward + backward of this model took {timings['float32'] * 1e3:.0f} ms in float32 and "
@@ -75,10 +75,11 @@ def resolve_precision(name: str, device: torch.device, model=None, rows: tuple[i
 
 
 def onednn_runs_bf16() -> bool:
-    """Whether oneDNN may use bf16 instructions at all: not below AVX-512, which ONEDNN_MAX_CPU_ISA
-    can impose on a CPU whose flags name bf16. Held to AVX2 so, the Intel Xeon 6/207's probe took
-    41.6 s per bf16 step against 0.29 s in fp32 (2026-12-07): its three bf16 runs cost two minutes.
-    True where PyTorch cannot say (a build without oneDNN): the probe then measures."""
+    """Whether oneDNN may use bf16 instructions at all: not on a CPU without them (an aarch64 one),
+    nor below AVX-512, which ONEDNN_MAX_CPU_ISA can impose on a CPU whose flags name bf16. Held to
+    AVX2 so, the Intel Xeon 6/207's probe took 41.6 s per bf16 step against 0.29 s in fp32
+    (2026-12-07): its three bf16 runs cost two minutes. True where PyTorch cannot say (a build
+    without oneDNN): the probe then measures."""
     try:
         return torch.ops.mkldnn._is_mkldnn_bf16_supported()
     except (AttributeError, RuntimeError):
