@@ -5,7 +5,8 @@
     python tests/c/run_check.py --arch aarch64 --mutants   # and plant bugs, which must fail it
 
 For aarch64 (`make neon-check`) it needs Debian's gcc-aarch64-linux-gnu and qemu-user; the
-libraries go to a temporary directory, never into the package. Natively, a variant the CPU lacks
+libraries go to a temporary directory, never into the package, and are also disassembled: none may
+hold an instruction past its variant's level (AARCH64_EXTENSIONS). Natively, a variant the CPU lacks
 one instruction for runs with that instruction emulated (EMULATED): avx2-vnni's vpdpbusd on the
 CPUs without AVX-VNNI, so its code is checked on every AVX2 machine. Exit status 0 when every
 check passes (and, with --mutants, every planted bug is caught).
@@ -14,6 +15,7 @@ check passes (and, with --mutants, every planted bug is caught).
 from __future__ import annotations
 
 import argparse
+import re
 import shutil
 import subprocess
 import sys
@@ -25,6 +27,19 @@ from gptlab import kernel_build, kernels
 
 CHECK = Path(__file__).with_name("kernel_check.c")
 CROSS = {"aarch64": ("aarch64-linux-gnu-gcc", ["qemu-aarch64", "-L", "/usr/aarch64-linux-gnu"])}
+OBJDUMP = {"aarch64": "aarch64-linux-gnu-objdump"}
+
+# aarch64 instructions past Armv8.0's NEON (an instruction matches by its objdump mnemonic, or SVE's
+# by a z register among its operands), and the variants that may hold each: an Armv8.0 core (a
+# Cortex-A53, a Raspberry Pi 3/4) dies of SIGILL on the others. The x86 variants' counterpart is
+# tests/test_kernel_variants.py's audit, in `make test`.
+AARCH64_EXTENSIONS = [  # (extension, mnemonic, variants that may hold it)
+    ("DotProd", re.compile(r"[su]dot"), {"neon-dotprod"}),
+    ("I8MM", re.compile(r"usdot|sudot|[su]mmla|usmmla"), set()),
+    ("BF16", re.compile(r"bfdot|bfmmla|bfmlal[bt]|bfcvtn?2?"), set()),
+    ("SVE", re.compile(r"ptrue|whilel[ot]|[a-z0-9.]+ .*\bz[0-9]+\..*"), set()),
+]
+
 
 # variant: (the variant the CPU must run, the flag that emulates what the variant adds to it)
 EMULATED = {"avx2-vnni": ("avx2", "-DGL_EMULATE_AVXVNNI")}
@@ -122,6 +137,8 @@ def main(argv=None) -> int:
         names = ["portable", *variants]
         libs = list(pool.map(lambda v: library(v, tmp, cc, native), names))
         status = check(runner, program, libs)
+        if not native:
+            status |= audit(args.arch, names, libs)
         if status or not args.mutants:
             return status
         mutants = []
@@ -137,6 +154,34 @@ def main(argv=None) -> int:
             missed += not caught
             print(f"{'caught' if caught else 'MISSED' if lib else 'stale '}   {variant}: {name}")
         return 1 if missed else 0
+
+
+def foreign_instructions(arch: str, variant: str, library: Path) -> list[str]:
+    """'function: instruction (extension)' for each instruction of `library` past `variant`'s level."""
+    text = subprocess.run([OBJDUMP[arch], "-d", str(library)], capture_output=True, text=True, check=True).stdout
+    found, function = [], None
+    for line in text.splitlines():
+        if m := re.fullmatch(r"[0-9a-f]+ <(.+)>:", line):
+            function = m.group(1)
+        elif (m := re.fullmatch(r"\s*[0-9a-f]+:\t[0-9a-f ]+\t(.+)", line)) and function is not None:
+            instruction = " ".join(m.group(1).split())  # "sdot v0.4s, v1.16b, v2.16b"
+            for extension, pattern, variants in AARCH64_EXTENSIONS:
+                if variant not in variants and (
+                    pattern.fullmatch(instruction.split()[0]) or pattern.fullmatch(instruction)
+                ):
+                    found.append(f"{function}: {instruction} ({extension})")
+    return found
+
+
+def audit(arch: str, names: list[str], libs: list[Path]) -> int:
+    """Each library disassembled: 1 when one holds an instruction past its variant's, else 0."""
+    bad = 0
+    for variant, library in zip(names, libs, strict=True):
+        foreign = foreign_instructions(arch, variant, library)
+        print(f"{'FOREIGN' if foreign else 'ok     '}  {variant}: instructions past its level"
+              + "".join(f"\n    {f}" for f in foreign[:10]))  # fmt: skip
+        bad |= bool(foreign)
+    return bad
 
 
 def plant(name: str, variant: str, old: str, new: str, tmp: Path, cc: str, native: bool) -> Path | None:
