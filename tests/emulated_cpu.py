@@ -25,8 +25,8 @@ CPU's x86-64 level (TORCHINDUCTOR_CPP_MARCH), not -march=native, in a cache of i
 emulation can be wrong: qemu 7.2 runs NumPy's AVX2 argsort wrongly (below), and a test that
 fails here only is to be checked natively before it is believed (tests/test_kernel_variants.py's
 tests of cpuid against /proc/cpuinfo, the vendor's included, fail here by design and are left out:
-/proc/cpuinfo is the host's). Exit status 0 when, on every CPU,
-the variant is the expected one and every test passes.
+/proc/cpuinfo is the host's). Exit status 0 when, on every CPU, the variant is the expected one
+and every test passes.
 """
 
 from __future__ import annotations
