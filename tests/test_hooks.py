@@ -7,7 +7,8 @@ import torch
 from conftest import VARIANTS, tiny_model
 from gptlab import fused_step, kernels
 from gptlab.config import GPTConfig
-from gptlab.model import GPT, KVCache
+from gptlab.kv_cache import KVCache
+from gptlab.model import GPT
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 GPT2_POINTS = {"hook_embed", "hook_pos_embed", "ln_final.hook_scale", "ln_final.hook_normalized"} | {

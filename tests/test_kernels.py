@@ -562,7 +562,7 @@ def test_bf16_matmul_choice_is_timed_after_the_huge_pages_where_the_cpu_has_bf16
 def _forwards(model) -> list[torch.Tensor]:
     """Logits of a 21-token prompt (the prompts' kernels), then of a 13-token prompt and 4 one-token
     steps over a KV cache (the fused decoding step), 2 rows each."""
-    from gptlab.model import KVCache
+    from gptlab.kv_cache import KVCache
 
     prompt = torch.randint(0, model.config.vocab_size, (2, 21), generator=torch.Generator().manual_seed(0))
     cache = KVCache.for_model(model, 2, 40)

@@ -264,14 +264,15 @@ def test_models_built_on_meta_skip_random_init_and_never_import_dynamo(tmp_path)
     tensors, whose torch._refs path imports torch._dynamo (~0.8 s of every command that loads a
     model); tensors on a real device are initialized as usual, and the initializers come back."""
     from gptlab.checkpoint import save_model
-    from gptlab.model import meta_device
+    from gptlab.meta import meta_device
 
     save_model(GPT(tiny_config()), tmp_path / "m")
     code = (
         "import sys, torch\n"
         "from gptlab import load_model\n"
         "from gptlab.config import GPTConfig\n"
-        "from gptlab.model import GPT, meta_device\n"
+        "from gptlab.meta import meta_device\n"
+        "from gptlab.model import GPT\n"
         "with meta_device():\n"
         "    GPT(GPTConfig.from_name('gpt2'))\n"
         f"load_model({str(tmp_path / 'm')!r})\n"

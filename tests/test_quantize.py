@@ -275,7 +275,7 @@ def test_quantized_models_keep_a_bf16_kv_cache(tmp_path):
     """A quantized model with fp32 activations caches its keys and values in bf16 by default, also
     after a round trip through its files; model.kv_cache_dtype overrides it, for any model."""
     from gptlab.generation import new_cache
-    from gptlab.model import cache_dtype
+    from gptlab.kv_cache import cache_dtype
 
     model = tiny_model(n_embd=64)
     assert cache_dtype(model) is torch.float32 and cache_dtype(copy.deepcopy(model).bfloat16()) is torch.bfloat16

@@ -10,7 +10,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "GPTConfig": "gptlab.config",
     "GPT": "gptlab.model",
-    "KVCache": "gptlab.model",
+    "KVCache": "gptlab.kv_cache",
     "get_tokenizer": "gptlab.tokenizer",
     "generate": "gptlab.generation",
     "SamplingParams": "gptlab.sampling",

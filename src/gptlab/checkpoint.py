@@ -23,7 +23,8 @@ from safetensors.torch import load_file, save_file
 
 from gptlab.classifier import model_for
 from gptlab.config import GPTConfig
-from gptlab.model import GPT, meta_device
+from gptlab.meta import meta_device
+from gptlab.model import GPT
 
 log = logging.getLogger(__name__)
 META_FILE = "gptlab.json"

@@ -17,7 +17,8 @@ import torch.nn.functional as F
 
 from gptlab.config import GPTConfig
 from gptlab.linear import Linear
-from gptlab.model import GPT, meta_device
+from gptlab.meta import meta_device
+from gptlab.model import GPT
 
 
 class GPTForSequenceClassification(GPT):

@@ -29,7 +29,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from gptlab import compile_cache, fused_step, hooks, speculative
-from gptlab.model import KVCache, model_device_dtype
+from gptlab.kv_cache import KVCache, model_device_dtype
 from gptlab.sampling import SamplingParams, sample_next, seen_tokens
 
 log = logging.getLogger(__name__)
@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 
 def new_cache(model, batch_size: int, max_len: int) -> KVCache:
     """A KV cache for `batch_size` rows of up to `max_len` tokens, on the model's device, in
-    gptlab.model.cache_dtype(model)."""
+    gptlab.kv_cache.cache_dtype(model)."""
     if max_len > model.config.block_size:
         raise ValueError(f"cache length {max_len} exceeds block_size {model.config.block_size}")
     return KVCache.for_model(model, batch_size, max_len)

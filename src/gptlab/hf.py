@@ -31,7 +31,8 @@ from safetensors.torch import save_file
 from gptlab.checkpoint import atomic_write, atomic_write_text
 from gptlab.classifier import model_for
 from gptlab.config import GPTConfig
-from gptlab.model import GPT, meta_device
+from gptlab.meta import meta_device
+from gptlab.model import GPT
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ mlp.c_fc/c_proj, lm_head), so Hugging Face conversion is a name table plus trans
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 
 import torch
 import torch.nn as nn
@@ -18,7 +18,9 @@ from gptlab import fused_step, hooks, ops
 from gptlab.chunked_loss import linear_cross_entropy
 from gptlab.config import GPTConfig
 from gptlab.hooks import HookPoint
+from gptlab.kv_cache import write_kv
 from gptlab.linear import Linear
+from gptlab.meta import meta_device
 
 
 class _HookedNorm:
@@ -139,73 +141,6 @@ def segment_positions(segments: torch.Tensor) -> torch.Tensor:
     return t - torch.cummax(torch.where(starts, t, 0), dim=1).values
 
 
-class KVCache:
-    """Preallocated keys and values, one (k, v) pair of tensors per layer, (B, nh, max_len, hs).
-
-    The model writes the keys of new tokens at slots pos..pos+T; the caller advances `pos`.
-    `pos` is a Python int, or a 0-dim LongTensor for compiled decoding: then writes use
-    index_copy_ and attention spans all max_len slots with the unwritten ones masked, so one
-    compiled graph serves every position (a Python int would be specialised on).
-    Separate tensors per layer, not views of one big tensor: a compiled step would copy it whole.
-    """
-
-    def __init__(self, config: GPTConfig, batch_size: int, max_len: int, *, device=None, dtype=None):
-        shape = (batch_size, config.n_head, max_len, config.head_size)
-        self.layers = [
-            (torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype))
-            for _ in range(config.n_layer)
-        ]
-        self.pos = 0
-        self.max_len = max_len
-        self.checked_plan = None  # the model's gptlab.fused_step plan, as checked at this cache's last prompt
-
-    @classmethod
-    def for_model(cls, model, batch_size: int, max_len: int) -> KVCache:
-        """A cache for `model`'s activations: on its device, in cache_dtype(model)."""
-        device, _ = model_device_dtype(model)
-        return cls(model.config, batch_size, max_len, device=device, dtype=cache_dtype(model))
-
-    def advance(self, n: int) -> None:
-        """Move the write position past n newly written slots."""
-        if int(self.pos) + n > self.max_len:
-            raise ValueError(f"KV cache overflow: {int(self.pos)} + {n} > {self.max_len}")
-        self.pos = self.pos + n
-
-    @property
-    def nbytes(self) -> int:
-        return sum(k.nbytes + v.nbytes for k, v in self.layers)
-
-
-# torch.nn.init's random initializers: on meta tensors they run torch._refs, whose first call
-# imports torch._dynamo (~0.8 s of a command's start, for weights that are about to be loaded).
-_RANDOM_INITS = ("normal_", "uniform_", "trunc_normal_", "kaiming_normal_", "kaiming_uniform_",
-                 "xavier_normal_", "xavier_uniform_", "orthogonal_", "sparse_")  # fmt: skip
-
-
-def _skip_on_meta(init):
-    def skipped(tensor, *args, **kwargs):
-        return tensor if tensor.is_meta else init(tensor, *args, **kwargs)
-
-    skipped.original = init
-    return skipped
-
-
-@contextmanager
-def meta_device():
-    """Build modules on the meta device (shapes, no memory), for weights loaded afterwards, without
-    running random initializers on meta tensors (building GPT-2 so took ~1 s, now ~0.01). A real
-    tensor initialized meanwhile, in this thread or another, is initialized as usual."""
-    saved = {name: getattr(nn.init, name) for name in _RANDOM_INITS}
-    for name, init in saved.items():
-        setattr(nn.init, name, _skip_on_meta(getattr(init, "original", init)))
-    try:
-        with torch.device("meta"):
-            yield
-    finally:
-        for name, init in saved.items():
-            setattr(nn.init, name, init)
-
-
 def _extremes(t: torch.Tensor) -> tuple[int, int]:
     """(min, max) of an integer tensor's values: a decoding step's few ids through one tolist (a
     min and a max cost two reductions and two syncs, ~20 us a step right after the C step has
@@ -222,44 +157,6 @@ def _rows_dtype(wte: nn.Module) -> torch.dtype:
     if type(wte) is nn.Embedding:
         return wte.weight.dtype
     return getattr(wte, "dtype", None) or wte.weight.dtype
-
-
-def model_device_dtype(model) -> tuple[torch.device, torch.dtype]:
-    """Where activations live and their dtype: those of the token embedding (float32 if it is not float)."""
-    weight = model.transformer.wte.weight
-    dtype = weight.dtype if weight.dtype.is_floating_point else torch.float32
-    return weight.device, dtype
-
-
-def cache_dtype(model) -> torch.dtype:
-    """The dtype of the model's KV caches: `model.kv_cache_dtype` when set; else bf16 for a
-    quantized model with fp32 activations (its keys and values rounded to bf16, an error far below
-    its weights': half the bytes decoding reads from the cache at every token, as llama.cpp's F16
-    cache); else the activations' dtype."""
-    dtype = getattr(model, "kv_cache_dtype", None)
-    if dtype is not None:
-        if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-            raise ValueError(f"kv_cache_dtype must be a floating-point torch.dtype, got {dtype!r}")
-        return dtype
-    _, dtype = model_device_dtype(model)
-    quantized = getattr(model, "quantization", None) is not None
-    return torch.bfloat16 if quantized and dtype is torch.float32 else dtype
-
-
-def write_kv(kv, start, k, v):
-    """Write k, v (B, nh, T, hs) into one layer's cache at slots start..start+T (rounded to the
-    cache's dtype); return the keys and values to attend over, in k's dtype: slots 0..start+T, or
-    all max_len slots when start is a tensor."""
-    k_cache, v_cache = kv
-    T = k.size(2)
-    if isinstance(start, torch.Tensor):
-        slots = start + torch.arange(T, device=k.device)  # (T,)
-        k_cache.index_copy_(2, slots, k.to(k_cache.dtype))
-        v_cache.index_copy_(2, slots, v.to(v_cache.dtype))
-        return k_cache.to(k.dtype), v_cache.to(v.dtype)
-    k_cache[:, :, start : start + T] = k
-    v_cache[:, :, start : start + T] = v
-    return k_cache[:, :, : start + T].to(k.dtype), v_cache[:, :, : start + T].to(v.dtype)
 
 
 class CausalSelfAttention(nn.Module):
@@ -376,7 +273,7 @@ class GPT(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.config = config
-        self.kv_cache_dtype = None  # the KV caches' dtype; None: gptlab.model.cache_dtype's choice
+        self.kv_cache_dtype = None  # the KV caches' dtype; None: gptlab.kv_cache.cache_dtype's choice
         modules = dict(wte=nn.Embedding(config.vocab_size, config.n_embd))
         if config.pos_embedding == "learned":
             modules["wpe"] = nn.Embedding(config.block_size, config.n_embd)

@@ -51,7 +51,8 @@ from gptlab import int8_prompts, kernels, ops
 from gptlab import linear as linear_layer
 from gptlab.checkpoint import META_FILE, WEIGHTS_FILE, atomic_write, atomic_write_text, load_state_strict, read_meta
 from gptlab.config import GPTConfig
-from gptlab.model import GPT, meta_device
+from gptlab.meta import meta_device
+from gptlab.model import GPT
 
 log = logging.getLogger(__name__)
 
@@ -393,7 +394,7 @@ class QuantizedEmbedding(nn.Module):
     @property
     def weight(self) -> torch.Tensor:
         """The quantized table itself (int8, or int4 nibbles as uint8): its device is the model's,
-        and its non-float dtype tells callers such as gptlab.model.model_device_dtype to use float32."""
+        and its non-float dtype tells callers such as gptlab.kv_cache.model_device_dtype to use float32."""
         return self.head.weight
 
     @property

@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 import torch
 
 from gptlab import kernels
-from gptlab.model import KVCache, model_device_dtype
+from gptlab.kv_cache import KVCache, model_device_dtype
 from gptlab.sampling import SamplingParams, draw, probabilities, sample_next, seen_tokens
 
 log = logging.getLogger(__name__)

@@ -31,7 +31,9 @@ import torch
 from gptlab import kernels
 from gptlab.bench.common import machine, repeat_seconds, write_results
 from gptlab.config import GPTConfig
-from gptlab.model import GPT, cache_dtype, meta_device
+from gptlab.kv_cache import cache_dtype
+from gptlab.meta import meta_device
+from gptlab.model import GPT
 
 log = logging.getLogger(__name__)
 

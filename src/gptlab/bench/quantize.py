@@ -116,8 +116,8 @@ def decode_perplexity(model, ids: list[int], window: int) -> float:
 def perplexity_rows(args, text: str) -> dict:
     """Validation perplexity of --model under each scheme that fits its widths."""
     from gptlab.evaluate import perplexity
+    from gptlab.kv_cache import cache_dtype
     from gptlab.loading import load_model, tokenizer_name
-    from gptlab.model import cache_dtype
     from gptlab.quantize import quantize_model
     from gptlab.tokenizer import get_tokenizer
 

@@ -33,7 +33,8 @@ from gptlab import speculative as spec
 from gptlab.bench.common import write_results
 from gptlab.generation import generate
 from gptlab.loading import load_model
-from gptlab.model import GPT, meta_device
+from gptlab.meta import meta_device
+from gptlab.model import GPT
 from gptlab.sampling import SamplingParams
 
 

@@ -19,7 +19,8 @@ def run(args):
     from gptlab.config import PRESETS, GPTConfig
     from gptlab.inspect import model_info
     from gptlab.loading import load_config
-    from gptlab.model import GPT, meta_device
+    from gptlab.meta import meta_device
+    from gptlab.model import GPT
 
     spec = args.model_opt or args.model or "gpt2"
     if args.context is not None and args.context < 1:

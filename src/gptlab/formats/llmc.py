@@ -24,7 +24,8 @@ import torch
 
 from gptlab.checkpoint import atomic_write, load_state_strict
 from gptlab.config import GPTConfig
-from gptlab.model import GPT, meta_device
+from gptlab.meta import meta_device
+from gptlab.model import GPT
 
 log = logging.getLogger(__name__)
 

@@ -27,7 +27,8 @@ import torch
 
 from gptlab.checkpoint import load_state_strict
 from gptlab.config import GPTConfig
-from gptlab.model import GPT, meta_device
+from gptlab.meta import meta_device
+from gptlab.model import GPT
 
 log = logging.getLogger(__name__)
 

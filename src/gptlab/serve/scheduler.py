@@ -6,7 +6,7 @@ that is admitted, decoded and retired as a unit, sampled by its own `gptlab.gene
 `generate(model, [prompt], sampling=params, eos_id=...)` whatever else is in the batch (up to
 float32 noise in the logits).
 
-The KV cache (`BatchCache`) has one write position `pos` shared by all rows, as `gptlab.model.KVCache`
+The KV cache (`BatchCache`) has one write position `pos` shared by all rows, as `gptlab.kv_cache.KVCache`
 wants. Every row's keys are right-aligned: row r occupies slots [pos - length_r, pos), and
 `key_mask` is True exactly there, so rows of different lengths decode together with per-row
 position ids. A joining prompt of T tokens is prefilled straight into its slots [pos - T, pos)
@@ -33,7 +33,7 @@ import torch
 
 from gptlab import speculative
 from gptlab.generation import TokenSampler, decode_step, model_device_dtype
-from gptlab.model import KVCache
+from gptlab.kv_cache import KVCache
 from gptlab.sampling import SamplingParams
 
 log = logging.getLogger(__name__)

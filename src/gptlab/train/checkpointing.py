@@ -18,7 +18,7 @@ import torch
 from gptlab import run_files
 from gptlab.checkpoint import load_state_strict, save_model
 from gptlab.classifier import model_for
-from gptlab.model import meta_device
+from gptlab.meta import meta_device
 
 log = logging.getLogger(__name__)
 LORA_FILE = "lora.safetensors"  # a LoRA run's trained tensors, exactly, for resuming
