@@ -81,10 +81,10 @@ print(json.dumps({"auto": kernels.auto_variant(), "runs": kernels.runnable_varia
 
 def qemu_model(cpu: str) -> str:
     """The qemu CPU model that stands in for `cpu` on this host."""
-    from gptlab import kernels
+    from gptlab.cpu import vendor as host_vendor
 
     models = CPUS[cpu][0]
-    vendor = kernels.cpu_vendor()
+    vendor = host_vendor()
     if vendor not in models:
         raise SystemExit(f"no {cpu} CPU model for a host made by {vendor or 'an unknown vendor'}")
     return models[vendor]

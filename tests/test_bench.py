@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from gptlab import kernels
+from gptlab import cpu, kernels
 from gptlab.bench.generate import BandwidthProbe, cpu_has_native_bf16, main, weight_bytes_per_token
 
 # the variants and gemm benches time gptlab's kernels: nothing to time where they are off or not built
@@ -619,14 +619,14 @@ def test_bench_summary_keeps_a_run_with_its_libraries_held_apart(tmp_path, monke
 
 
 @pytest.mark.parametrize("flags", ["fpu sse2 avx2", "fpu sse2 avx2 avx_ne_convert", "fpu sse2 avx512_bf16 amx_bf16"])
-def test_bench_generate_asks_the_kernels_whether_bf16_is_native(flags, monkeypatch):
+def test_bench_generate_asks_gptlab_cpu_whether_bf16_is_native(flags, monkeypatch):
     """The bench's bf16 rows against transformers run where training's precision choice and the
-    prompts' GEMM would see native bf16 (kernels.BF16_FLAGS, AVX-NE-CONVERT included), and the
+    prompts' GEMM would see native bf16 (cpu.BF16_FLAGS, AVX-NE-CONVERT included), and the
     skip names the flags it looked for."""
-    monkeypatch.setattr(kernels, "cpuinfo", lambda field: flags if field == "flags" else "")
+    monkeypatch.setattr(cpu, "cpuinfo", lambda field: flags if field == "flags" else "")
     native, why = cpu_has_native_bf16()
-    assert native == kernels.may_have_native_bf16() == (flags != "fpu sse2 avx2")
+    assert native == cpu.may_have_native_bf16() == (flags != "fpu sse2 avx2")
     if native:
-        assert all(f in why for f in flags.split() if f in kernels.BF16_FLAGS)
+        assert all(f in why for f in flags.split() if f in cpu.BF16_FLAGS)
     else:
         assert "avx512_bf16/amx_bf16/avx_ne_convert" in why

@@ -10,7 +10,7 @@ import pytest
 from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
 from conftest import tiny_model
-from gptlab import compile_cache, kernels, machine_cache
+from gptlab import compile_cache, cpu, kernels, machine_cache
 from gptlab.generation import compile_decode
 from gptlab.train import Trainer
 from test_train import byte_data, config  # noqa: F401 (byte_data is a fixture)
@@ -25,7 +25,7 @@ def plain(monkeypatch):
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     for name in machine_cache.ISA_SETTINGS:
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(kernels, "cpuinfo", lambda field: ZEN4.get(field, ""))
+    monkeypatch.setattr(cpu, "cpuinfo", lambda field: ZEN4.get(field, ""))
     return monkeypatch
 
 
@@ -33,9 +33,9 @@ def test_each_cpu_and_isa_setting_compiles_into_a_directory_of_its_own(plain):
     zen4 = compile_cache.directory()
     assert zen4.parent == Path(default_cache_dir()) and zen4.name.startswith("cpu-")
     assert compile_cache.directory() == zen4  # the same CPU: the same builds, reused
-    plain.setattr(kernels, "cpuinfo", lambda field: ZEN3.get(field, ""))  # the same model name, without AVX-512
+    plain.setattr(cpu, "cpuinfo", lambda field: ZEN3.get(field, ""))  # the same model name, without AVX-512
     zen3 = compile_cache.directory()
-    plain.setattr(kernels, "cpuinfo", lambda field: ZEN4.get(field, ""))
+    plain.setattr(cpu, "cpuinfo", lambda field: ZEN4.get(field, ""))
     plain.setenv("ATEN_CPU_CAPABILITY", "avx2")  # a Zen 4 standing in for an AVX2 CPU
     held = compile_cache.directory()
     plain.delenv("ATEN_CPU_CAPABILITY")

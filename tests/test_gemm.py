@@ -4,7 +4,7 @@ kernel variant this CPU runs, against float64; which GEMM runs; and the chunked 
 import pytest
 import torch
 
-from gptlab import gemm, kernels
+from gptlab import cpu, gemm, kernels
 from gptlab.chunked_loss import linear_cross_entropy
 
 pytestmark = pytest.mark.skipif(not kernels.available()[0], reason=f"no kernels built: {kernels.available()[2]}")
@@ -261,7 +261,7 @@ def test_gemm_choice(monkeypatch):
     monkeypatch.delenv("GPTLAB_GEMM")
     monkeypatch.setattr(kernels, "variant", lambda: "avx2")
     monkeypatch.setattr(kernels.kernel_build, "is_x86", lambda: True)
-    monkeypatch.setattr(kernels, "cpu_vendor", lambda: "AuthenticAMD")
+    monkeypatch.setattr(cpu, "vendor", lambda: "AuthenticAMD")
     assert gemm.gemm_choice() == "gptlab"  # MKL's slow products on AMD (module docstring)
     # Intel's CPUs: measured (test_gemm_probe.py)
     monkeypatch.setattr(kernels, "variant", lambda: "portable")

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gptlab import gemm, gemm_probe, kernels, linear
+from gptlab import cpu, gemm, gemm_probe, kernels, linear
 
 OK, _, WHY = kernels.available()
 needs_float = pytest.mark.skipif(not OK, reason=f"gptlab's float kernels are not built here: {WHY}")
@@ -30,7 +30,7 @@ def intel(monkeypatch, tmp_path):
     monkeypatch.delenv("GPTLAB_GEMM", raising=False)
     monkeypatch.setattr(kernels, "has_simd", lambda: True)
     monkeypatch.setattr(kernels.kernel_build, "is_x86", lambda: True)
-    monkeypatch.setattr(kernels, "cpu_vendor", lambda: "GenuineIntel")
+    monkeypatch.setattr(cpu, "vendor", lambda: "GenuineIntel")
     monkeypatch.setattr(gemm, "_measured_gemm", {})
     return []
 
@@ -69,7 +69,7 @@ def test_the_timings_are_cached_per_machine(intel, monkeypatch, tmp_path, caplog
         assert gemm.prompt_gemm_choice(64) == "gptlab"
     (key, cached), *others = json.loads((tmp_path / "cache" / gemm_probe.CACHE_FILE).read_text()).items()
     assert not others and cached == timings(1.3, 1.1, 0.8)
-    assert kernels.cpu_name() in key and f"torch {torch.__version__}" in key and f"kernels {kernels.variant()}" in key
+    assert cpu.name() in key and f"torch {torch.__version__}" in key and f"kernels {kernels.variant()}" in key
     monkeypatch.setattr(gemm, "_measured_gemm", {})  # a new process on the same machine reads the file
     fake_probe(monkeypatch, intel, timings(0.5, 0.5, 0.5))
     with caplog.at_level("DEBUG", logger="gptlab.gemm_probe"):
@@ -104,7 +104,7 @@ def test_other_cpus_and_forced_choices_are_never_probed(intel, monkeypatch):
     with monkeypatch.context() as tracing:  # inside torch.compile's trace nothing is timed (it runs PyTorch's)
         tracing.setattr(torch.compiler, "is_compiling", lambda: True)
         assert gemm.gemm_choice() == gemm.prompt_gemm_choice(64) == gemm.prompt_gemm_choice(512) == "torch"
-    monkeypatch.setattr(kernels, "cpu_vendor", lambda: "AuthenticAMD")
+    monkeypatch.setattr(cpu, "vendor", lambda: "AuthenticAMD")
     assert (
         gemm.gemm_choice() == gemm.prompt_gemm_choice(64) == gemm.prompt_gemm_choice(512) == "gptlab"
     )  # MKL's slow products on AMD
@@ -187,7 +187,7 @@ def test_an_intel_cpus_bf16_products_keep_onednn_unless_forced(intel, monkeypatc
     with monkeypatch.context() as tracing:  # inside torch.compile's trace nothing is timed (it runs PyTorch's)
         tracing.setattr(torch.compiler, "is_compiling", lambda: True)
         assert gemm.gemm_choice() == gemm.prompt_gemm_choice(64) == gemm.prompt_gemm_choice(512) == "torch"
-    monkeypatch.setattr(kernels, "cpu_vendor", lambda: "AuthenticAMD")
+    monkeypatch.setattr(cpu, "vendor", lambda: "AuthenticAMD")
     assert gemm.gemm_bf16_runs()  # where the CPU has AVX512-BF16 (a stand-in library here says so)
 
 

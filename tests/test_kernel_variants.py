@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 from conftest import VARIANTS, tiny_model
-from gptlab import kernel_build, kernels, ops
+from gptlab import cpu, kernel_build, kernels, ops
 from gptlab.generation import decode_step, generate, new_cache, prefill
 from gptlab.quantize import Int4Linear, Int8Linear, quantize_model
 
@@ -41,7 +41,7 @@ def test_cpuid_reads_what_linux_reports():
 
 def test_auto_picks_the_best_variant_the_cpu_runs(monkeypatch):
     monkeypatch.delenv("GPTLAB_KERNELS", raising=False)
-    monkeypatch.setattr(kernels, "cpu_vendor", lambda: "GenuineIntel")  # not a half-width AVX-512 (below)
+    monkeypatch.setattr(cpu, "vendor", lambda: "GenuineIntel")  # not a half-width AVX-512 (below)
     assert kernels.requested_variant() == kernels.runnable_variants()[0]
     assert kernels.runnable_variants()[-1] == "portable"
     zen3 = frozenset({"avx2", "fma", "f16c"})  # AMD Zen 3: no AVX-512, no VNNI
@@ -66,13 +66,13 @@ def test_auto_passes_over_half_width_avx512(monkeypatch):
     monkeypatch.setattr(kernels, "cpu_features", lambda: zen4)
     for vendor, family, expected in [("AuthenticAMD", 25, "avx512-256"), ("AuthenticAMD", 26, "avx512"),
                                      ("GenuineIntel", 6, "avx512"), ("", None, "avx512")]:  # fmt: skip
-        monkeypatch.setattr(kernels, "cpu_vendor", lambda v=vendor: v)
-        monkeypatch.setattr(kernels, "cpu_family", lambda f=family: f)
+        monkeypatch.setattr(cpu, "vendor", lambda v=vendor: v)
+        monkeypatch.setattr(cpu, "family", lambda f=family: f)
         assert kernels.auto_variant() == kernels.requested_variant() == expected, (vendor, family)
         assert kernels.runnable_variants()[0] == "avx512"  # still run by the tests and `use_variant`
     monkeypatch.setattr(kernels, "cpu_features", lambda: zen4 | {"avxvnni"})  # the next best, whatever it is
-    monkeypatch.setattr(kernels, "cpu_vendor", lambda: "AuthenticAMD")
-    monkeypatch.setattr(kernels, "cpu_family", lambda: 25)
+    monkeypatch.setattr(cpu, "vendor", lambda: "AuthenticAMD")
+    monkeypatch.setattr(cpu, "family", lambda: 25)
     assert kernels.runnable_variants() == ["avx512", "avx512-256", "avx2-vnni", "avx2", "portable"]
     assert kernels.auto_variant() == "avx512-256"
     monkeypatch.setattr(kernels, "cpu_features", lambda: zen4 - {"avx512vnni"} | {"avxvnni"})  # no AVX-512 VNNI
@@ -82,9 +82,9 @@ def test_auto_passes_over_half_width_avx512(monkeypatch):
 @pytest.mark.skipif(not Path("/proc/cpuinfo").exists(), reason="compares with Linux's /proc/cpuinfo, absent here")
 def test_cpu_family_and_vendor_are_cpuinfos():
     info = Path("/proc/cpuinfo").read_text()
-    assert f"vendor_id\t: {kernels.cpu_vendor()}\n" in info or not kernel_build.is_x86()
+    assert f"vendor_id\t: {cpu.vendor()}\n" in info or not kernel_build.is_x86()
     if kernel_build.is_x86():
-        assert f"cpu family\t: {kernels.cpu_family()}\n" in info
+        assert f"cpu family\t: {cpu.family()}\n" in info
 
 
 def test_each_architecture_gets_its_own_variants(monkeypatch):
@@ -150,7 +150,7 @@ def test_builds_name_their_instructions_not_the_machine():
         cmd = kernel_build.command(variant, "out.so", cc="cc")
         assert not any("native" in c for c in cmd)
         assert set(kernel_build.VARIANTS[variant][1]) <= set(cmd)
-        assert kernels.cpu_name() not in str(kernels.cached_path(variant))
+        assert cpu.name() not in str(kernels.cached_path(variant))
     assert "-mavx512f" not in kernel_build.command("avx2", "out.so", cc="cc")
 
 
@@ -355,7 +355,7 @@ def test_decoding_takes_one_weight_stream_per_thread_but_on_intels_avx512():
     an Intel Xeon), else 1 (AMD Zen 3 and Zen 4, measured); use_decode_rows overrides it."""
     for variant in kernels.runnable_variants():
         with kernels.use_variant(variant):
-            amd = kernels.cpu_vendor() == "AuthenticAMD"
+            amd = cpu.vendor() == "AuthenticAMD"
             assert kernels.decode_rows() == (4 if variant == "avx512" and not amd else 1), variant
             with kernels.use_decode_rows(4):
                 assert kernels.decode_rows() == 4
@@ -368,7 +368,7 @@ def test_decoding_prefetches_non_temporally_on_amd_cpus_only():
     """csrc/cpu.c's gl_default_prefetch_nta: non-temporal (L1 only) on AMD CPUs, into every cache
     level elsewhere (on an Intel Xeon non-temporal decoded 2-3.6x slower on every variant), whatever
     the rows per block; use_prefetch_nta overrides it either way, and the default comes back."""
-    amd = kernels.cpu_vendor() == "AuthenticAMD"
+    amd = cpu.vendor() == "AuthenticAMD"
     for variant in kernels.runnable_variants():
         with kernels.use_variant(variant):
             assert kernels.prefetch_nta() is amd, variant

@@ -7,7 +7,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from conftest import VARIANTS, tiny_model
-from gptlab import fused_step, gemm, kernel_build, kernels, linear, ops
+from gptlab import cpu, fused_step, gemm, kernel_build, kernels, linear, ops
 from gptlab.generation import generate
 from gptlab.quantize import Int4Linear, Int8Linear, quantize_model
 
@@ -549,10 +549,10 @@ def test_bf16_matmul_choice_is_timed_after_the_huge_pages_where_the_cpu_has_bf16
     monkeypatch.setattr(kernels, "wait_for_huge_pages", lambda timeout=10.0: events.append("wait") or True)
     linear.bf16_matmul_is_fast.cache_clear()
     try:
-        monkeypatch.setattr(kernels, "may_have_native_bf16", lambda: False)
+        monkeypatch.setattr(cpu, "may_have_native_bf16", lambda: False)
         assert linear.bf16_matmul_is_fast() is False and events == []
         linear.bf16_matmul_is_fast.cache_clear()
-        monkeypatch.setattr(kernels, "may_have_native_bf16", lambda: True)
+        monkeypatch.setattr(cpu, "may_have_native_bf16", lambda: True)
         assert linear.bf16_matmul_is_fast() is expected
         assert events[0] == "wait" and events.count("native") == events.count("fp32") == 4
     finally:

@@ -1,6 +1,6 @@
 """tests/masquerade_cpu.py's rewrite: another machine kind's /proc/cpuinfo, as gptlab reads it."""
 
-from gptlab import kernels
+from gptlab import cpu
 from masquerade_cpu import rewrite
 
 ZEN4 = (
@@ -23,5 +23,5 @@ def test_every_processor_reads_as_the_kind(monkeypatch):
         assert fields(xeon, p)["flags"] == "fpu sse2 avx2 fma f16c avx512f avx512vl avx512_vnni gfni vaes"
         assert fields(zen3, p)["model"] == "1" and fields(zen3, p)["model name"] == "AMD EPYC"
         assert fields(zen3, p)["flags"] == "fpu sse2 avx2 fma f16c vaes"
-    monkeypatch.setattr(kernels, "cpuinfo", lambda field: fields(xeon, 0).get(field, ""))
-    assert not kernels.may_have_native_bf16()  # what gptlab's Python then takes for this CPU
+    monkeypatch.setattr(cpu, "cpuinfo", lambda field: fields(xeon, 0).get(field, ""))
+    assert not cpu.may_have_native_bf16()  # what gptlab's Python then takes for this CPU

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from gptlab import kernels, machine_cache
+from gptlab import cpu, kernels, machine_cache
 from gptlab.checkpoint import load_native
 from gptlab.train import TrainConfig, Trainer, precision
 from gptlab.train.muon import Muon
@@ -104,10 +104,10 @@ def test_auto_takes_fp32_unmeasured_where_onednn_is_held_below_bf16(tmp_path):
 def test_native_bf16_is_read_from_the_cpu_flags():
     flags = next((ln.split(":", 1)[1].split() for ln in open("/proc/cpuinfo") if ln.startswith("flags")), [])
     if "sse2" in flags:  # x86 Linux: the flags decide
-        assert kernels.may_have_native_bf16() == any(f in flags for f in kernels.BF16_FLAGS)
+        assert cpu.may_have_native_bf16() == any(f in flags for f in cpu.BF16_FLAGS)
     else:
-        assert kernels.may_have_native_bf16()
-    assert precision.may_have_native_bf16 is kernels.may_have_native_bf16  # training asks the same
+        assert cpu.may_have_native_bf16()
+    assert precision.may_have_native_bf16 is cpu.may_have_native_bf16  # training asks the same
 
 
 def test_auto_probe_measures_this_model(byte_data, tmp_path, monkeypatch):  # noqa: F811

@@ -17,7 +17,7 @@ import os
 import platform
 from pathlib import Path
 
-from gptlab import kernels
+from gptlab import cpu, kernels
 from gptlab.machine_cache import isa_settings
 
 
@@ -47,7 +47,7 @@ def _cpu_digest() -> str:
     model name and every flag /proc/cpuinfo lists (-march=native may use any), the features this
     process reads by cpuid (an emulated CPU's under qemu-user, which passes the host's
     /proc/cpuinfo through), isa_settings() and TORCHINDUCTOR_CPP_MARCH."""
-    flags = kernels.cpuinfo("flags") or kernels.cpuinfo("Features")  # x86, aarch64
-    parts = [platform.machine(), kernels.cpuinfo("model name"), " ".join(sorted(set(flags.split())))]
+    flags = cpu.cpuinfo("flags") or cpu.cpuinfo("Features")  # x86, aarch64
+    parts = [platform.machine(), cpu.cpuinfo("model name"), " ".join(sorted(set(flags.split())))]
     parts += [kernels.cpu_description(), isa_settings(), os.environ.get("TORCHINDUCTOR_CPP_MARCH", "")]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:12]

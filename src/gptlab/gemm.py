@@ -15,7 +15,7 @@ import os
 
 import torch
 
-from gptlab import gemm_probe, kernel_build, kernels
+from gptlab import cpu, gemm_probe, kernel_build, kernels
 from gptlab.kernels import check, ptr
 from gptlab.machine_cache import machine_key
 
@@ -72,7 +72,7 @@ def _gemm_choice(work: str) -> str:
         return want
     if not (kernels.has_simd() and kernel_build.is_x86()):
         return "torch"
-    if kernels.cpu_vendor() != "GenuineIntel":
+    if cpu.vendor() != "GenuineIntel":
         return "gptlab"
     if torch.compiler.is_compiling():  # nothing is timed inside a traced graph, which runs PyTorch's GEMM anyway
         return "torch"
@@ -199,7 +199,7 @@ def gemm_bf16_runs(device: torch.device | str = "cpu") -> bool:
     Intel's bf16 CPUs have oneDNN's native bf16 products (AMX on the newer), never timed against it."""
     if not (kernels.enabled() and torch.device(device).type == "cpu" and kernel_build.is_x86()):
         return False
-    if kernels.cpu_vendor() == "GenuineIntel" and _gemm_env() != "gptlab":  # before gemm_choice: no probe for nothing
+    if cpu.vendor() == "GenuineIntel" and _gemm_env() != "gptlab":  # before gemm_choice: no probe for nothing
         return False
     if torch.compiler.is_compiling() or gemm_choice() != "gptlab" or kernels.library() is None:
         return False

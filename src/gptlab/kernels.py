@@ -43,7 +43,7 @@ from pathlib import Path
 
 import torch
 
-from gptlab import gemm_probe, kernel_build
+from gptlab import cpu, gemm_probe, kernel_build
 from gptlab.machine_cache import cache_dir
 
 log = logging.getLogger(__name__)
@@ -103,54 +103,10 @@ _huge_paged: dict[int, tuple[weakref.ref, int]] = {}
 # Building, choosing and loading a variant
 
 
-def cpu_name() -> str:
-    """The CPU model name (/proc/cpuinfo), or the platform's machine type."""
-    return cpuinfo("model name") or platform.machine() or "unknown"
-
-
-def cpuinfo(field: str) -> str:
-    """The first value of `field` in /proc/cpuinfo, or "" where there is none (or no such file)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == field:
-                return value.strip()
-    except OSError:
-        pass
-    return ""
-
-
-BF16_FLAGS = ("avx512_bf16", "amx_bf16", "avx_ne_convert")  # /proc/cpuinfo names of x86's bf16 instructions
-
-
-def may_have_native_bf16() -> bool:
-    """False for an x86 Linux CPU whose flags name none of BF16_FLAGS (bf16 matmuls are then
-    emulated, slower than fp32); True where that cannot be told (other CPUs, no /proc/cpuinfo)."""
-    flags = cpuinfo("flags").split()
-    if "sse2" not in flags:  # not x86, or no /proc/cpuinfo
-        return True
-    return any(f in flags for f in BF16_FLAGS)
-
-
-@functools.cache
-def cpu_vendor() -> str:
-    """The CPU's vendor as cpuid names it (/proc/cpuinfo's vendor_id: GenuineIntel, AuthenticAMD,
-    ...), or "" where that cannot be read."""
-    return cpuinfo("vendor_id")
-
-
-@functools.cache
-def cpu_family() -> int | None:
-    """The CPU's family as cpuid reports it (/proc/cpuinfo's cpu family: 25 for AMD Zen 3 and 4,
-    26 for Zen 5, 6 for most Intel CPUs), or None where that cannot be read."""
-    family = cpuinfo("cpu family")
-    return int(family) if family.isdigit() else None
-
-
 @functools.cache
 def cpu_description() -> str:
     """The CPU's model name and the features of FEATURES it has, e.g. for a per-machine cache key."""
-    return f"{cpu_name()} {' '.join(sorted(cpu_features()))}"
+    return f"{cpu.name()} {' '.join(sorted(cpu_features()))}"
 
 
 def installed_path(variant: str) -> Path:
@@ -266,7 +222,7 @@ def auto_variant() -> str:
     """The variant GPTLAB_KERNELS=auto runs: the best this CPU runs, except that a CPU whose AVX-512
     is half width (HALF_WIDTH_AVX512) takes the next best (avx512-256) instead of avx512."""
     runnable = runnable_variants()
-    if runnable[0] == "avx512" and (cpu_vendor(), cpu_family()) in HALF_WIDTH_AVX512:
+    if runnable[0] == "avx512" and (cpu.vendor(), cpu.family()) in HALF_WIDTH_AVX512:
         return runnable[1]
     return runnable[0]
 
@@ -283,7 +239,7 @@ def requested_variant() -> str | None:
         raise ValueError(f"GPTLAB_KERNELS={want!r}: expected auto, 0 or one of {', '.join(VARIANTS)}")
     if missing_features(want):
         raise RuntimeError(
-            f"GPTLAB_KERNELS={want}: this CPU ({cpu_name()}) cannot run it, it lacks {', '.join(missing_features(want))}"
+            f"GPTLAB_KERNELS={want}: this CPU ({cpu.name()}) cannot run it, it lacks {', '.join(missing_features(want))}"
             f" (it can run {', '.join(runnable_variants())})"
         )
     return want
@@ -547,7 +503,7 @@ def check(status: int) -> None:
 def describe() -> str:
     """One line for logs and benchmarks: the variant that runs on this CPU, or why none does."""
     float_ok, _, why = available()
-    return f"{variant()} on {cpu_name()}" if float_ok else f"none on {cpu_name()} ({why})"
+    return f"{variant()} on {cpu.name()}" if float_ok else f"none on {cpu.name()} ({why})"
 
 
 def main() -> int:
@@ -558,12 +514,12 @@ def main() -> int:
     except (ValueError, RuntimeError) as e:
         print(f"gptlab kernels: error: {e}", file=sys.stderr)
         return 2
-    print(f"gptlab kernels for {cpu_name()}: {describe().split(' on ')[0]}")
+    print(f"gptlab kernels for {cpu.name()}: {describe().split(' on ')[0]}")
     print(f"  CPU features: {' '.join(sorted(cpu_features())) or 'none of ' + ', '.join(FEATURES)}")
     print(f"  variants this CPU runs: {', '.join(runnable_variants())}")
     if auto_variant() != runnable_variants()[0]:
         print(
-            f"  auto takes {auto_variant()}: this CPU's AVX-512 is half width (family {cpu_family()}, see HALF_WIDTH_AVX512)"
+            f"  auto takes {auto_variant()}: this CPU's AVX-512 is half width (family {cpu.family()}, see HALF_WIDTH_AVX512)"
         )
     from gptlab import gemm  # which imports this module
 
@@ -573,7 +529,7 @@ def main() -> int:
     print(f"  its bf16 products (bf16 autocast): {gemm.gemm_bf16_choice()}")
     if lib.lib is not None:
         hint = "non-temporally" if prefetch_nta() else "into every cache level"
-        print(f"  decoding: {decode_rows()} weight row(s) per block per thread ({cpu_vendor() or 'unknown vendor'}),"
+        print(f"  decoding: {decode_rows()} weight row(s) per block per thread ({cpu.vendor() or 'unknown vendor'}),"
               f" prefetched {hint}")  # fmt: skip
         print(f"  {lib.lib.path}")
     return 0

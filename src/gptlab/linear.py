@@ -25,7 +25,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from gptlab import gemm, kernels, ops
+from gptlab import cpu, gemm, kernels, ops
 from gptlab.kernels import MAX_ROWS
 
 log = logging.getLogger(__name__)
@@ -102,7 +102,7 @@ def prompt_gemm_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
 @functools.cache
 def bf16_matmul_is_fast() -> bool:
     """Whether a bf16 GEMM beats converting to fp32 and running the fp32 one: False unmeasured on
-    an x86 CPU without bf16 instructions (kernels.may_have_native_bf16), else measured once.
+    an x86 CPU without bf16 instructions (cpu.may_have_native_bf16), else measured once.
 
     CPUs with native bf16 (AVX-512 BF16, AMX) run bf16 GEMMs 2-3x faster than fp32; without
     them PyTorch's bf16 GEMM is emulated and ~5x slower than fp32 (e.g. 63 vs 337 GFLOP/s on
@@ -112,7 +112,7 @@ def bf16_matmul_is_fast() -> bool:
     ran PyTorch's emulated GEMM, 4x slower (AMD EPYC Zen 4 held to AVX2, 2026-12-05: 512-token
     bf16 prefill 225-239 tok/s against 860-992 in fp32).
     """
-    if not kernels.may_have_native_bf16():
+    if not cpu.may_have_native_bf16():
         log.info("no bf16 instructions on this CPU: multiplying bf16 weights in fp32")
         return False
     kernels.wait_for_huge_pages()

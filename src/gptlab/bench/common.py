@@ -24,17 +24,17 @@ def machine() -> dict:
     the CPU's level (machine_cache.held_settings)."""
     import torch
 
-    from gptlab import gemm, kernels
+    from gptlab import cpu, gemm, kernels
 
-    cpu = kernels.cpuinfo("model name") or platform.processor() or platform.machine()
-    family_model = "/".join(kernels.cpuinfo(k) or "?" for k in ("cpu family", "model"))
+    name = cpu.cpuinfo("model name") or platform.processor() or platform.machine()
+    family_model = "/".join(cpu.cpuinfo(k) or "?" for k in ("cpu family", "model"))
     mem_gib = None
     try:
         mem_gib = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
     except (ValueError, OSError):
         pass
     info = {
-        "cpu": cpu,
+        "cpu": name,
         "cpu_family_model": family_model,
         "cpu_features": " ".join(sorted(kernels.cpu_features())),
         "gptlab_kernels": kernels.variant() or f"none ({kernels.available()[2]})",

@@ -28,7 +28,7 @@ import time
 
 import torch
 
-from gptlab import kernels
+from gptlab import cpu, kernels
 from gptlab.bench.common import machine, repeat_seconds, write_results
 from gptlab.config import GPTConfig
 from gptlab.kv_cache import cache_dtype
@@ -96,13 +96,13 @@ def weight_bytes_per_token(model: torch.nn.Module, buffers: bool = True) -> int:
 
 
 def cpu_has_native_bf16() -> tuple[bool, str]:
-    """Whether bf16 matmuls may have hardware support here (kernels.may_have_native_bf16: one of
-    kernels.BF16_FLAGS, or a CPU whose flags cannot be read), and why not if not."""
+    """Whether bf16 matmuls may have hardware support here (cpu.may_have_native_bf16: one of
+    cpu.BF16_FLAGS, or a CPU whose flags cannot be read), and why not if not."""
     capability = torch.backends.cpu.get_cpu_capability()
-    if kernels.may_have_native_bf16():
-        named = [f for f in kernels.BF16_FLAGS if f in kernels.cpuinfo("flags").split()]
+    if cpu.may_have_native_bf16():
+        named = [f for f in cpu.BF16_FLAGS if f in cpu.cpuinfo("flags").split()]
         return True, f"{capability}, {' + '.join(named) or 'no x86 flags to read'}"
-    return False, f"no native bf16 on this CPU (capability {capability}, no {'/'.join(kernels.BF16_FLAGS)} flag)"
+    return False, f"no native bf16 on this CPU (capability {capability}, no {'/'.join(cpu.BF16_FLAGS)} flag)"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from gptlab import kernels
+from gptlab import cpu, kernels
 from gptlab.bench.common import write_results
 from gptlab.bench.gemm import gemm_env_kept, operands, time_products
 from gptlab.bench.generate import build_mode, gptlab_engine
@@ -120,7 +120,7 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     config = GPTConfig.from_name(args.preset)
     state = GPT(config).eval().state_dict()
-    print(f"kernel variants on {kernels.cpu_name()} (family {kernels.cpu_family()}), {torch.get_num_threads()} threads;"
+    print(f"kernel variants on {cpu.name()} (family {cpu.family()}), {torch.get_num_threads()} threads;"
           f" auto takes {auto}; medians of {args.rounds} interleaved rounds")  # fmt: skip
     rows = []
     for mode in args.modes.split(","):

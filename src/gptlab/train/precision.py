@@ -21,7 +21,7 @@ from contextlib import nullcontext
 import torch
 
 from gptlab import kernels
-from gptlab.kernels import may_have_native_bf16
+from gptlab.cpu import may_have_native_bf16
 from gptlab.machine_cache import cached, machine_key
 
 log = logging.getLogger(__name__)
