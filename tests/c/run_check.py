@@ -44,7 +44,7 @@ AARCH64_EXTENSIONS = [  # (extension, mnemonic, variants that may hold it)
 # variant: (the variant the CPU must run, the flag that emulates what the variant adds to it)
 EMULATED = {"avx2-vnni": ("avx2", "-DGL_EMULATE_AVXVNNI")}
 
-# (name, the variant it is built into, the snippet of csrc/simd.h, its replacement)
+# (name, the variant it is built into, a snippet of one of csrc/simd*.h, its replacement)
 MUTANTS = {
     "x86-64": [
         ("vpdpbusd's operands swapped", "avx2-vnni",
@@ -185,15 +185,14 @@ def audit(arch: str, names: list[str], libs: list[Path]) -> int:
 
 
 def plant(name: str, variant: str, old: str, new: str, tmp: Path, cc: str, native: bool) -> Path | None:
-    """`variant` built from a copy of the sources with `old` replaced by `new` in simd.h, or None
-    when `old` is not in simd.h exactly once (a stale mutant)."""
+    """`variant` built from a copy of the sources with `old` replaced by `new` in the csrc/simd*.h
+    that holds it, or None when `old` is not in exactly one of them, once (a stale mutant)."""
     csrc = tmp / "csrc"
     shutil.copytree(kernel_build.CSRC, csrc)
-    simd = csrc / "simd.h"
-    text = simd.read_text()
-    if text.count(old) != 1:
+    headers = [h for h in sorted(csrc.glob("simd*.h")) if old in h.read_text()]
+    if len(headers) != 1 or headers[0].read_text().count(old) != 1:
         return None
-    simd.write_text(text.replace(old, new))
+    headers[0].write_text(headers[0].read_text().replace(old, new))
     return build(variant, tmp / "mutant.so", cc, csrc, native=native, quick=True)
 
 

@@ -2,7 +2,8 @@
  * (gptlab/kernel_build.py: -DGL_VARIANT=... with that variant's target flags, -O3 -fopenmp) into
  * its own shared library; gptlab/kernels.py loads the best one this CPU can run, through ctypes.
  *
- *   simd.h         the vector primitives, per variant (AVX-512, AVX2, NEON, portable C)
+ *   simd.h         the vector primitives, one header per instruction set (simd_avx512.h,
+ *                  simd_avx2.h, simd_neon.h, simd_portable.h) and what is written once above them
  *   common.h       bf16 conversions, scratch memory, the model description, shared prototypes
  *   cpu.c          gl_abi, gl_variant, gl_cpu_features (cpuid, HWCAP), scratch, huge pages,
  *                  gl_release_threads
