@@ -3,7 +3,8 @@
 Each mutant names a file under src/gptlab, an exact snippet and its replacement. The source and
 tests are copied to a temporary directory once; each mutant is written into that copy, only the
 test files relevant to it run there (PYTHONPATH points at the copy), and the file is restored.
-The working tree is never touched, so this runs while others edit it.
+The working tree is never touched, so this runs while others edit it, nor is the user's
+gptlab cache (the copy has its own), so it runs beside `make test` too.
 
 A mutant is "caught" when a test fails (the first failing test is named), "MISSED" when every
 test passes, and "stale" when its snippet is not found exactly once (the code moved: update the
@@ -838,7 +839,11 @@ def pytest_args(tests: tuple[str, ...], root: Path) -> list[str]:
 
 
 def run_pytest(root: Path, args: list[str], timeout: int) -> tuple[int, str]:
-    env = {**os.environ, "PYTHONPATH": str(root / "src"), "PYTHONDONTWRITEBYTECODE": "1"}
+    """pytest on the copy at root, with a gptlab cache of its own beside it: a planted bug's
+    first-use kernel build removes the cache's builds of other sources (kernels._remove_older_builds),
+    which in the user's cache would be those a `make test` running meanwhile is loading."""
+    env = {**os.environ, "PYTHONPATH": str(root / "src"), "PYTHONDONTWRITEBYTECODE": "1",
+           "GPTLAB_CACHE": str(root.parent / "cache")}  # fmt: skip
     cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-rf", "-p", "no:cacheprovider", *args]
     try:
         proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
