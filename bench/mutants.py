@@ -654,6 +654,13 @@ MUTANTS = [
     Mutant("kernels/half-width-avx512-kept", "kernels.py",
            'if runnable[0] == "avx512" and (cpu.vendor(), cpu.family()) in HALF_WIDTH_AVX512:', "if False:",
            ("tests/test_kernel_variants.py", "-k", "half_width")),
+    # first-use builds in a cache shared by several gptlab versions (kernels.py)
+    Mutant("kernels/newest-builds-deleted-oldest-kept", "kernels.py",
+           "sorted(others, key=_mtime, reverse=True)", "sorted(others, key=_mtime)",
+           ("tests/test_kernel_variants.py", "-k", "keeps_its_variants")),
+    Mutant("kernels/a-build-removed-while-opened-fails-the-load", "kernels.py",
+           "        return None  # removed since", "        raise  # removed since",
+           ("tests/test_kernel_variants.py", "-k", "removed_while")),
     Mutant("kernels/bf16-probe-while-pages-move", "linear.py",
            "    kernels.wait_for_huge_pages()\n    x = torch.randn(128, 768)", "    x = torch.randn(128, 768)",
            ("tests/test_kernels.py", "-k", "huge or bf16_matmul")),

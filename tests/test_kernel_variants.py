@@ -2,6 +2,7 @@
 GPTLAB_KERNELS, refused clearly where the CPU cannot run them, rebuilt when stale; and every
 variant this CPU runs computes what the portable C reference computes."""
 
+import os
 import re
 import shutil
 import subprocess
@@ -313,21 +314,38 @@ def test_each_library_is_the_variant_it_is_loaded_as(monkeypatch):
         kernels._load("avx2")
 
 
-def test_a_first_use_build_removes_only_its_own_variants_older_builds(tmp_path):
-    """A new build deletes its variant's builds of older sources, and no other variant's: the
-    pattern of avx512's also matches avx512-256's files (and avx2's avx2-vnni's)."""
-    names = [
-        "libgptlab-avx512-0123456789abcdef.so",
-        "libgptlab-avx512-fedcba9876543210.so",
-        "libgptlab-avx512-256-0123456789abcdef.so",
-        "libgptlab-avx512-256-fedcba9876543210.so",
-        "libgptlab-avx2-vnni-0123456789abcdef.so",
-    ]
-    for name in names:
+def test_a_first_use_build_keeps_its_variants_newest_builds_and_no_other_variants(tmp_path):
+    """A new build deletes its variant's builds of other sources but the KEPT_BUILDS - 1 newest
+    (another gptlab version's, sharing the cache), and no other variant's: the pattern of
+    avx512's also matches avx512-256's files (and avx2's avx2-vnni's)."""
+    avx512 = [f"libgptlab-avx512-{i:016x}.so" for i in range(4)]  # oldest first
+    others = ["libgptlab-avx512-256-0123456789abcdef.so", "libgptlab-avx2-vnni-0123456789abcdef.so"]
+    for age, name in enumerate(reversed(avx512 + others)):
         (tmp_path / name).write_bytes(b"")
-    kernels._remove_older_builds("avx512", tmp_path / names[1])
+        os.utime(tmp_path / name, (1e9 - age, 1e9 - age))
+    kernels._remove_older_builds("avx512", tmp_path / avx512[-1])
     kernels._remove_older_builds("avx2", tmp_path / "libgptlab-avx2-fedcba9876543210.so")
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names[1:])
+    kept = avx512[-kernels.KEPT_BUILDS :] + others
+    assert kernels.KEPT_BUILDS == 3 and sorted(p.name for p in tmp_path.iterdir()) == sorted(kept)
+
+
+def test_a_library_removed_while_it_is_opened_is_built_again(tmp_path, monkeypatch):
+    """Another gptlab's first-use build may delete a build between the check that it is there and
+    its dlopen: that reads as missing (None: built again), not as a failure to load the kernels;
+    a library that is there and cannot be opened still raises."""
+    path = tmp_path / "libgptlab-portable-0123456789abcdef.so"
+    path.write_bytes(b"")
+
+    def removed_meanwhile(name):
+        path.unlink()
+        raise OSError(f"{name}: cannot open shared object file: No such file or directory")
+
+    monkeypatch.setattr(kernels.ctypes, "CDLL", removed_meanwhile)
+    assert kernels._open(path) is None
+    path.write_bytes(b"not a library")
+    monkeypatch.undo()
+    with pytest.raises(OSError, match="invalid ELF header|file too short"):
+        kernels._open(path)
 
 
 # ---------------------------------------------------------------------------------------------

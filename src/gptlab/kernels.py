@@ -121,21 +121,41 @@ def cached_path(variant: str) -> Path:
     return cache_dir() / "kernels" / name
 
 
+# First-use builds kept per variant, the one just built included: checkouts of a few gptlab versions
+# sharing a cache directory (a cluster's home) keep theirs rather than each deleting the other's
+# and building its own again at its next start.
+KEPT_BUILDS = 3
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:  # removed meanwhile
+        return 0.0
+
+
 def _remove_older_builds(variant: str, path: Path) -> None:
-    """Delete the cache's builds of `variant` from other sources than `path`'s. Only this variant's:
-    "libgptlab-avx512-*.so" also names every avx512-256 build, which a process checking both
-    variants (tests/c/run_check.py) would otherwise delete while it loads it."""
+    """Delete the cache's builds of `variant` from other sources than `path`'s, all but the
+    KEPT_BUILDS - 1 newest. Only this variant's: "libgptlab-avx512-*.so" also names every
+    avx512-256 build, which a process checking both variants (tests/c/run_check.py) would
+    otherwise delete while it loads it."""
     stem = kernel_build.library_name(variant).removesuffix(".so")
-    for old in path.parent.glob(f"{stem}-*.so"):
-        if old != path and re.fullmatch(rf"{re.escape(stem)}-[0-9a-f]{{16}}\.so", old.name):
-            old.unlink(missing_ok=True)
+    pattern = rf"{re.escape(stem)}-[0-9a-f]{{16}}\.so"
+    others = [old for old in path.parent.glob(f"{stem}-*.so") if old != path and re.fullmatch(pattern, old.name)]
+    for old in sorted(others, key=_mtime, reverse=True)[KEPT_BUILDS - 1 :]:
+        old.unlink(missing_ok=True)
 
 
 def _open(path: Path) -> ctypes.CDLL | None:
     """The library at path when it is current (this ABI, built from these sources), else None."""
     if not path.is_file():
         return None
-    lib = ctypes.CDLL(str(path))
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError:
+        if path.is_file():
+            raise
+        return None  # removed since (another gptlab's first-use build): built again
     lib.gl_source_digest.restype = ctypes.c_char_p
     if lib.gl_abi() != _ABI or lib.gl_source_digest().decode() != kernel_build.source_digest():
         log.info("%s was built from other sources; not using it", path)
