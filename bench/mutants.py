@@ -649,7 +649,7 @@ MUTANTS = [
     # what the CPU is (cpu.py) and the variant auto takes for it (kernels.py)
     Mutant("cpu/bf16-flags-not-read", "cpu.py", "    return any(f in flags for f in BF16_FLAGS)", "    return True",
            ("tests/test_bench.py", "tests/test_masquerade_cpu.py", "-k", "bf16_is_native or as_the_kind")),
-    Mutant("cpu/family-read-from-the-model-field", "cpu.py", 'family = cpuinfo("cpu family")', 'family = cpuinfo("model")',
+    Mutant("cpu/family-read-from-the-model-field", "cpu.py", 'value = cpuinfo("cpu family")', 'value = cpuinfo("model")',
            ("tests/test_kernel_variants.py", "-k", "cpuinfos")),
     Mutant("kernels/half-width-avx512-kept", "kernels.py",
            'if runnable[0] == "avx512" and (cpu.vendor(), cpu.family()) in HALF_WIDTH_AVX512:', "if False:",

@@ -3,7 +3,8 @@
 gptlab chooses a few paths by them: the GEMM by vendor (gptlab.gemm), the kernels' variant on a
 half-width AVX-512 by vendor and family (gptlab.kernels.auto_variant), bf16 by the flags
 (training's precision, linear's bf16 products). The instruction sets the kernels need come from
-cpuid instead (gptlab.kernels.cpu_features), which a hypervisor or qemu reports the same way.
+cpuid instead (gptlab.kernels.cpu_features), as the library sees it run: under qemu-user the two
+differ, /proc/cpuinfo being the host's (tests/emulated_cpu.py).
 """
 
 from __future__ import annotations
@@ -53,5 +54,5 @@ def vendor() -> str:
 def family() -> int | None:
     """The CPU's family as cpuid reports it (/proc/cpuinfo's cpu family: 25 for AMD Zen 3 and 4,
     26 for Zen 5, 6 for most Intel CPUs), or None where that cannot be read."""
-    family = cpuinfo("cpu family")
-    return int(family) if family.isdigit() else None
+    value = cpuinfo("cpu family")
+    return int(value) if value.isdigit() else None

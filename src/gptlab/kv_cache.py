@@ -1,5 +1,6 @@
-"""The KV cache decoding attends over: preallocated keys and values per layer, in the dtype the
-model's caches take (`cache_dtype`), and the write each attention layer makes into it (`write_kv`).
+"""The KV cache decoding attends over: preallocated keys and values per layer, on the device of the
+model's activations (`model_device_dtype`), in the dtype its caches take (`cache_dtype`), and the
+write each attention layer makes into it (`write_kv`).
 """
 
 from __future__ import annotations
