@@ -272,7 +272,7 @@ def plan(model, dtype: torch.dtype) -> Plan | NoPlan:
 
 
 # An int4 model's one-token decoding steps run in C up to this many rows, not MAX_ROWS: its kernel
-# takes any number of rows (quantized.c), as in the modules, so C saves their Python and PyTorch
+# takes any number of rows (quantized_i4.c), as in the modules, so C saves their Python and PyTorch
 # overhead at every batch size. GPT-2 int4 batches decoding 16 tokens, fused against the modules
 # alternating (AMD EPYC Zen 4, 2 threads, 2026-12-05, medians of 4): avx512-256 at 9 / 16 / 24 /
 # 32 / 64 rows 1.21 / 1.15 / 1.09 / 1.08 / 1.03x, avx2 1.20 / 1.13 / 1.02 (32) / 1.03 (64),

@@ -45,7 +45,7 @@ def float_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 # Up to this many rows, the int4 kernel beats dequantizing the layer and running the fp32 GEMM:
 # measured on an Intel Xeon (avx512), 3072x768 layer, 0.34 vs 1.69 ms at 16 rows, 1.35 vs 2.55 at
 # 64, 9.9 vs 6.4 at 256, before prompts put rows of x in the lanes (linear_i4_lanes in
-# csrc/quantized.c). The x86 SIMD variants' lanes kernel beats it at any size since (INT4_KERNEL_ROWS_X86);
+# csrc/quantized_i4.c). The x86 SIMD variants' lanes kernel beats it at any size since (INT4_KERNEL_ROWS_X86);
 # this crossover stays for the portable variant (400 ms for 512 rows of GPT-2's four block layers on a
 # Zen 5 EPYC, against 37 dequantized) and the NEON ones (not measured).
 INT4_KERNEL_ROWS = 128

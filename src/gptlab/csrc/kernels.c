@@ -8,7 +8,9 @@
  *   cpu.c          gl_abi, gl_variant, gl_cpu_features (cpuid, HWCAP), scratch, huge pages,
  *                  gl_release_threads
  *   linear.c       gl_linear_f32, gl_linear_bf16: fp32 and bf16 weights
- *   quantized.c    gl_linear_i8, gl_linear_i4 with 8-bit activations; gl_dequantize_i4/_i8
+ *   quantized.c    gl_linear_i8 with 8-bit activations, and the activation quantizing both
+ *                  quantized layers share; gl_quantize_rows_u8, gl_dequantize_i8
+ *   quantized_i4.c gl_linear_i4: decoding's kernel and a prompt's; gl_dequantize_i4
  *   attention.c    gl_attend_one (a decoding step's attention over the KV cache), gl_attend_prompt
  *                  (a prompt's causal attention, on gemm.c's products), gl_argmax_f32
  *   decode_step.c  gl_decode_step: a whole model's forward of a few new tokens over its KV cache;
@@ -30,6 +32,7 @@
 #include "cpu.c"
 #include "linear.c"
 #include "quantized.c"
+#include "quantized_i4.c"
 #include "gemm.c"
 #include "gemm_f32.c"
 #include "gemm_bf16.c"
