@@ -49,8 +49,12 @@ def test_auto_picks_the_best_variant_the_cpu_runs(monkeypatch):
     monkeypatch.setattr(kernels, "cpu_features", lambda: zen3)
     if kernel_build.is_x86():
         assert kernels.runnable_variants() == ["avx2", "portable"]
-        monkeypatch.setattr(kernels, "cpu_features", lambda: zen3 | {"avxvnni"})  # Alder Lake, Zen 5 client
+        monkeypatch.setattr(kernels, "cpu_features", lambda: zen3 | {"avxvnni"})  # Alder Lake and later clients
         assert kernels.runnable_variants() == ["avx2-vnni", "avx2", "portable"]
+        skylake = zen3 | {"avx512f", "avx512bw", "avx512vl", "avx512dq"}  # Skylake Xeons: AVX-512 without VNNI
+        monkeypatch.setattr(kernels, "cpu_features", lambda: skylake)
+        assert kernels.runnable_variants() == ["avx2", "portable"]
+        assert kernels.requested_variant() == "avx2"
         monkeypatch.setattr(kernels, "cpu_features", lambda: frozenset(kernels.FEATURES))
         assert kernels.requested_variant() == "avx512"
         monkeypatch.setattr(kernels, "cpu_features", lambda: frozenset())  # an x86-64 without AVX2
