@@ -189,11 +189,14 @@ def test_llamacpp_builds_with_its_amx_tile_config_fixed_and_rebuilds_a_build_mad
 
 def test_decoding_at_depth_times_the_steps_after_the_context_as_llama_bench_d(monkeypatch):
     """--depth: gptlab's decoding timed from the prefill's token to the last of DECODE_TOKENS steps
-    after it (each clock read here one tick), llama-bench given -d; a depth past the model's is refused."""
+    after it (each clock read here one tick), llama-bench given -d; a depth past the model's, or a model
+    shorter than the prefill's prompt, is refused."""
     from gptlab.bench import llamacpp
 
     with pytest.raises(ValueError, match=r"--depth must be in \[0, 895\] for gpt2"):
         main(["--peer", "llama.cpp", "--depth", "896"])  # before building or converting anything
+    with pytest.raises(ValueError, match="a 512-token prompt, longer than gpt2-mini's 256 positions"):
+        main(["--peer", "llama.cpp", "--preset", "gpt2-mini"])  # not llama.cpp's assertion, after building it
     monkeypatch.setattr(llamacpp, "DECODE_TOKENS", 5)
     ticks = iter(range(1000))
     monkeypatch.setattr(llamacpp.time, "perf_counter", lambda: float(next(ticks)))

@@ -420,6 +420,9 @@ def run_llamacpp(args) -> int:
         if mode not in llamacpp.GGUF_TYPES:
             raise ValueError(f"--peer llama.cpp runs modes {', '.join(llamacpp.GGUF_TYPES)}; got {mode!r}")
     config = GPTConfig.from_name(args.preset)
+    if config.block_size < llamacpp.PREFILL_TOKENS:  # llama.cpp would die on an assertion at position block_size
+        raise ValueError(f"--peer llama.cpp times a {llamacpp.PREFILL_TOKENS}-token prompt, longer than {args.preset}'s "
+                         f"{config.block_size} positions (block_size): choose a preset of GPT-2's shapes")  # fmt: skip
     if not 0 <= args.depth <= config.block_size - llamacpp.DECODE_TOKENS - 1:
         raise ValueError(f"--depth must be in [0, {config.block_size - llamacpp.DECODE_TOKENS - 1}] for {args.preset}")
     threads = args.threads or os.cpu_count()
