@@ -8,6 +8,7 @@ PY := $(VENV)/bin/python
 # ~45 s of installing a fresh clone's `make demo` does not wait for.
 CORE := $(VENV)/.installed-core
 STAMP := $(VENV)/.installed
+KERNELS := $(VENV)/.kernels-current
 
 .PHONY: test demo lint bench install browser qemu mutants neon-check emulated-check masquerade-check
 
@@ -26,8 +27,15 @@ $(STAMP): $(CORE)
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $@
 
-test: $(STAMP) browser qemu
+test: $(STAMP) $(KERNELS) browser qemu
 	$(PY) -m pytest -q
+
+# The kernels in the source tree, built again when csrc changes (a pull, an edit; nothing to do
+# when they are current), so that `make test` tests the libraries an install ships rather than
+# first use's build into the cache.
+$(KERNELS): $(CORE) $(wildcard src/gptlab/csrc/*.c src/gptlab/csrc/*.h)
+	$(PY) src/gptlab/kernel_build.py
+	touch $@
 
 # Headless Chromium (Debian's package) for the explorer's browser test; best effort: the test
 # skips, saying why, only when it cannot be installed (no apt-get, not root, no network).
