@@ -43,6 +43,28 @@ def test_bench_generate_writes_both_engines_and_the_bandwidth_shares(tmp_path, c
     assert "of limit" in capsys.readouterr().out
 
 
+def test_bench_generate_refuses_what_transformers_cannot_run_before_any_work(monkeypatch):
+    """transformers stops at the model's positions and runs only GPT-2's architecture: such a run
+    is refused up front, saying what to change, not with transformers' IndexError after gptlab's rows."""
+    import gptlab.bench.generate as bench
+
+    monkeypatch.setattr(bench, "GPT", None)  # nothing is built before the checks
+    with pytest.raises(ValueError, match="--prompt-len 64 \\+ --new-tokens 256 is past gpt2-tiny's 128 positions"):
+        main(["--preset", "gpt2-tiny"])
+    with pytest.raises(ValueError, match="--prompt-len 100 \\+ --new-tokens 29 is past gpt2-tiny's 128 positions"):
+        main(["--preset", "gpt2-tiny", "--prompt-len", "100", "--new-tokens", "29"])
+    with pytest.raises(
+        ValueError, match="llama-tiny uses RoPE positions, RMSNorm, SwiGLU MLP, no biases, an untied head"
+    ):
+        main(["--preset", "llama-tiny", "--prompt-len", "8", "--new-tokens", "8"])
+    with pytest.raises(ValueError, match="--new-tokens must be at least 1"):
+        main(["--preset", "gpt2-tiny", "--new-tokens", "0"])
+    with pytest.raises(TypeError):  # past the checks: the run starts (with --no-hf, gptlab slides its window)
+        main(["--preset", "llama-tiny", "--prompt-len", "200", "--new-tokens", "8", "--no-hf"])
+    with pytest.raises(TypeError):  # the longest run transformers takes
+        main(["--preset", "gpt2-tiny", "--prompt-len", "100", "--new-tokens", "28"])
+
+
 def test_probe_reports_its_best_reading():
     out = BandwidthProbe(8 * 2**20).measure(repeats=2)
     assert out["bandwidth_gbs"] == max(out["read_gbs"], out["gemv_gbs"]) > 0

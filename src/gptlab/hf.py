@@ -476,7 +476,9 @@ def save_pretrained(model: GPT, directory: str | os.PathLike, *, tokenizer: str 
     log.info("wrote %s (Hugging Face GPT2LMHeadModel layout)", directory)
 
 
-def _check_exportable(config: GPTConfig) -> None:
+def not_gpt2(config: GPTConfig) -> list[str]:
+    """The variant switches of `config` that transformers' GPT2LMHeadModel cannot represent (none:
+    the model exports to it)."""
     variants = {  # the exact GELU (nanoGPT's) is GPT2LMHeadModel's activation_function="gelu"
         "RoPE positions": config.pos_embedding != "learned",
         "RMSNorm": config.norm != "layernorm",
@@ -484,7 +486,11 @@ def _check_exportable(config: GPTConfig) -> None:
         "no biases": not config.bias,
         "an untied head": not config.tie_weights,
     }
-    used = ", ".join(name for name, on in variants.items() if on)
+    return [name for name, on in variants.items() if on]
+
+
+def _check_exportable(config: GPTConfig) -> None:
+    used = ", ".join(not_gpt2(config))
     if not used:
         return
     raise ValueError(

@@ -28,7 +28,7 @@ import time
 
 import torch
 
-from gptlab import cpu, kernels
+from gptlab import cpu, hf, kernels
 from gptlab.bench.common import machine, repeat_seconds, write_results
 from gptlab.config import GPTConfig
 from gptlab.kv_cache import cache_dtype
@@ -349,6 +349,24 @@ def run_row(row, models, hf_models, idx_by_batch, args, probe) -> dict:
     return row
 
 
+def check_run(args, config: GPTConfig) -> None:
+    """Refuse, before any work, a run the preset cannot take: transformers' GPT2LMHeadModel (unless
+    --no-hf) stops at the model's block_size positions, where gptlab slides its window, and runs
+    only GPT-2's own architecture."""
+    for flag in ("prompt_len", "new_tokens", "repeats"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be at least 1")
+    if args.no_hf:
+        return
+    if args.prompt_len + args.new_tokens > config.block_size:
+        raise ValueError(f"--prompt-len {args.prompt_len} + --new-tokens {args.new_tokens} is past {args.preset}'s "
+                         f"{config.block_size} positions, where transformers stops: shorten them, or add --no-hf")  # fmt: skip
+    if used := hf.not_gpt2(config):
+        raise ValueError(
+            f"{args.preset} uses {', '.join(used)}, which transformers' GPT2LMHeadModel cannot run: add --no-hf"
+        )
+
+
 def main(argv=None) -> int:
     args = parse_args(argv or [])
     if args.peer == "llama.cpp":
@@ -358,6 +376,7 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     config = GPTConfig.from_name(args.preset)
+    check_run(args, config)
     fp32 = GPT(config).eval()
     state = fp32.state_dict()
     modes, skipped = [], {}
