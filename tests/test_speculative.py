@@ -110,6 +110,19 @@ def test_greedy_equals_plain_past_block_size(proposer, pos):
         assert out == plain
 
 
+@pytest.mark.parametrize("proposer", ["lookup", "draft"])
+def test_greedy_equals_plain_from_a_prompt_longer_than_block_size(proposer):
+    """A prompt past block_size keeps its last block_size tokens in decode, as in generate (decode
+    took its last window_keep: other tokens, as gptlab bench speculative showed)."""
+    model, draft = tiny_model(0), tiny_model(1, block_size=16)
+    block = model.config.block_size
+    rows = prompts(1, lengths=(block + 7,))
+    plain = generate(model, rows, 12, temperature=0)
+    out, _ = run(model, rows, SamplingParams(temperature=0, max_new_tokens=12), adaptive=False,
+                 **PROPOSERS[proposer](model, draft))  # fmt: skip
+    assert out == plain
+
+
 def test_verification_logits_match_decode_steps():
     """Why greedy identity holds: the k+1-token verification forward and one-token steps give
     the same logits up to float32 rounding (measured max difference 1.4e-6 on logits of size ~1)."""

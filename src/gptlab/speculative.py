@@ -425,8 +425,8 @@ def decode(
     adaptive: bool = True,
     stats: SpeculationStats | None = None,
 ) -> Iterator[list[list[int]]]:
-    """Speculative decoding of prompts `rows` (id lists, each fitting block_size; not modified),
-    params.max_new_tokens new tokens each.
+    """Speculative decoding of prompts `rows` (id lists; not modified; one longer than block_size
+    keeps its last block_size tokens, as in generation), params.max_new_tokens new tokens each.
 
     Yields, per verification, each row's new tokens (1 to k+1 of them; [] once a row has ended
     at eos_id or max_new_tokens). `generator` draws (default: one seeded with params.seed);
@@ -435,7 +435,7 @@ def decode(
     """
     check_speculation(model, draft_model, prompt_lookup, num_draft_tokens)
     B, V, block = len(rows), model.config.vocab_size, model.config.block_size
-    max_new, rows = params.max_new_tokens, [list(r) for r in rows]
+    max_new, rows = params.max_new_tokens, [list(r[-block:]) for r in rows]  # generation's _prepare_prompts
     keep = window_keep or block * 3 // 4
     stats = stats if stats is not None else SpeculationStats()
     target = RowCache(model, B, min(block, max(map(len, rows)) + max_new))
