@@ -65,6 +65,19 @@ def test_bench_generate_refuses_what_transformers_cannot_run_before_any_work(mon
         main(["--preset", "gpt2-tiny", "--prompt-len", "100", "--new-tokens", "28"])
 
 
+def test_results_are_written_and_named_or_with_out_empty_not_written(tmp_path, monkeypatch, capsys):
+    """Every bench writes through write_results: a JSON file whose path it prints, or with `--out ''`
+    nothing at all (gemm, nanogpt, recipes, serve, speculative and train wrote into the working
+    directory then)."""
+    from gptlab.bench.common import write_results
+
+    path = write_results("unit", {"rows": [1]}, tmp_path / "out")
+    assert json.loads(path.read_text())["rows"] == [1] and f"results: {path}" in capsys.readouterr().out
+    monkeypatch.chdir(tmp_path)
+    assert write_results("unit", {"rows": [1]}, "") is None
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"] and capsys.readouterr().out == ""
+
+
 def test_probe_reports_its_best_reading():
     out = BandwidthProbe(8 * 2**20).measure(repeats=2)
     assert out["bandwidth_gbs"] == max(out["read_gbs"], out["gemv_gbs"]) > 0

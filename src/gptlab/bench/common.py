@@ -75,10 +75,14 @@ def repeat_seconds(fn, repeats: int) -> list[float]:
     return times
 
 
-def write_results(name: str, results: dict, out_dir: str | os.PathLike = "bench/results") -> Path:
-    """Write results (with the machine and a timestamp) to out_dir/NAME-YYYYmmdd-HHMMSS.json."""
+def write_results(name: str, results: dict, out_dir: str | os.PathLike = "bench/results") -> Path | None:
+    """Write results (with the machine and a timestamp) to out_dir/NAME-YYYYmmdd-HHMMSS.json and
+    print its path; an empty out_dir (every bench's `--out ''`) writes nothing and returns None."""
+    if not str(out_dir):
+        return None
     stamp = datetime.now(timezone.utc)
     payload = {"benchmark": name, "time": stamp.isoformat(timespec="seconds"), "machine": machine(), **results}
     path = Path(out_dir) / f"{name}-{stamp:%Y%m%d-%H%M%S}.json"
     atomic_write_text(path, json.dumps(payload, indent=2))
+    print(f"results: {path}", flush=True)
     return path

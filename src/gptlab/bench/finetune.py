@@ -232,4 +232,4 @@ def main(argv=None) -> None:
         results["instruct"] = instruct_recipe(args, work)
     if "layouts" in args.recipes:
         results["layouts_varied_lengths"] = layout_speed(args, work)
-    print(f"results: {write_results('finetune', results)}")
+    write_results("finetune", results)

@@ -329,6 +329,5 @@ def main(argv=None) -> int:
     if not args.no_llama_cpp:
         with tempfile.TemporaryDirectory() as tmp:
             results.update(llama_rows(args, Path(tmp)))
-    if args.out:
-        print(f"results: {write_results('formats', results, args.out)}")
+    write_results("formats", results, args.out)
     return 0

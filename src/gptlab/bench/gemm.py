@@ -40,7 +40,7 @@ def parse_args(argv):
     p.add_argument("--rounds", type=int, default=9, help="timed rounds per side, alternating")
     p.add_argument("--layer-rows", type=int, nargs="*", default=[16, 64, 512],
                    help="rows of x for the block layers' products (none: skip them)")  # fmt: skip
-    p.add_argument("--out", default="bench/results", help="results directory")
+    p.add_argument("--out", default="bench/results", help="results directory ('' to skip writing)")
     return p.parse_args(argv)
 
 
@@ -179,6 +179,5 @@ def main(argv=None) -> int:
         for r in results["block_layers"]:
             print(f"  {r['rows']:4d} rows, {r['weights']:8s} weights  gptlab {r['gptlab_ms']:7.2f} ms   torch {r['torch_ms']:7.2f} ms   {r['speedup']:.2f}x"
                   f"   (takes {gemm.prompt_gemm_choice(r['rows'])})")  # fmt: skip
-    path = write_results("gemm", results, args.out)
-    print(f"results: {path}")
+    write_results("gemm", results, args.out)
     return 0

@@ -425,8 +425,7 @@ def main(argv=None) -> int:
             ),
             "bandwidth": bandwidth, "skipped": skipped, "rows": rows, "summary": summary,
         }  # fmt: skip
-        path = write_results("generate", results, args.out)
-        print(f"results: {path}")
+        write_results("generate", results, args.out)
     return 0
 
 
@@ -495,7 +494,7 @@ def run_llamacpp(args) -> int:
             "llama_cpp": {**llama.info, "q4_0": "llama-quantize --pure from the F32 file", "gguf_bytes": gguf_bytes},
             "rows": rows,
         }  # fmt: skip
-        print(f"results: {write_results('generate-llamacpp', results, args.out)}")
+        write_results("generate-llamacpp", results, args.out)
     return 0
 
 

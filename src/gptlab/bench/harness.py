@@ -166,8 +166,7 @@ def main(argv=None) -> int:
     results["int8_accuracy_change_points"] = round(
         100 * (rows["gptlab-int8"]["bench_choice"]["metric"] - rows["gptlab"]["bench_choice"]["metric"]), 2
     )
-    if args.out:
-        print(f"results: {write_results('harness', results, args.out)}")
+    write_results("harness", results, args.out)
     return 0
 
 

@@ -170,8 +170,7 @@ def main(argv=None) -> int:
         rows["run_with_cache_memory"] = peak_memory(args)
     for name, row in rows.items():
         print(f"{name}: " + ", ".join(f"{k} {v}" for k, v in row.items()))
-    if args.out:
-        print(f"results: {write_results('hooks', {'settings': vars(args), 'rows': rows}, args.out)}")
+    write_results("hooks", {"settings": vars(args), "rows": rows}, args.out)
     return 0
 
 

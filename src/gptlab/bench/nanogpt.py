@@ -38,7 +38,7 @@ def parse_args(argv):
     p.add_argument("--seconds", type=float, default=120.0, help="training wall time for each side")
     p.add_argument("--calibrate-iters", type=int, default=15, help="nanoGPT iterations timed to size its run")
     p.add_argument("--work", default=None, help="working directory (default: a temporary one)")
-    p.add_argument("--out", default="bench/results", help="results directory")
+    p.add_argument("--out", default="bench/results", help="results directory ('' to skip writing)")
     return p.parse_args(argv)
 
 
@@ -157,6 +157,5 @@ def main(argv=None) -> int:
     ratio = results["gptlab"]["tok_per_s"] / results["nanogpt"]["tok_per_s"]
     print(f"gptlab / nanoGPT tokens/s: {ratio:.2f}x; val loss {results['gptlab']['val_loss']:.4f} vs "
           f"{results['nanogpt']['val_loss']:.4f} after ~{args.seconds:.0f} s each")  # fmt: skip
-    path = write_results("nanogpt", {"config": vars(args), "recipe": recipe, "ratio": ratio, **results}, args.out)
-    print(f"results: {path}")
+    write_results("nanogpt", {"config": vars(args), "recipe": recipe, "ratio": ratio, **results}, args.out)
     return 0

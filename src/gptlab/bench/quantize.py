@@ -163,6 +163,5 @@ def main(argv=None) -> int:
         results["random_gpt2"] = random_gpt2_rows(args, text)
     if args.model:
         results["perplexity"] = perplexity_rows(args, text)
-    if args.out:
-        print(f"results: {write_results('quantize', results, args.out)}")
+    write_results("quantize", results, args.out)
     return 0

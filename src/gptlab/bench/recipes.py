@@ -64,7 +64,7 @@ def parse_args(argv):
     p.add_argument("--work", default="runs/recipes", help="where the runs go")
     p.add_argument("--plot", default="docs/demo-loss.png")
     p.add_argument("--title", default=None, help="plot title (default: the CPU)")
-    p.add_argument("--out", default="bench/results", help="results directory")
+    p.add_argument("--out", default="bench/results", help="results directory ('' to skip writing)")
     return p.parse_args(argv)
 
 
@@ -131,6 +131,6 @@ def main(argv=None) -> int:
         print(f"{name}: " + ", ".join(f"{s:.0f}s {v:.3f}" for s, v in points))
     xlabel = "seconds of training" + (" (steps x the step time given)" if seconds else " (evaluations included)")
     plot(curves, Path(args.plot), args.title or f"gptlab demo recipes, {machine()['cpu']}", xlabel)
-    path = write_results("recipes", {"config": vars(args), "curves": curves}, args.out)
-    print(f"plot: {args.plot}\nresults: {path}")
+    print(f"plot: {args.plot}")
+    write_results("recipes", {"config": vars(args), "curves": curves}, args.out)
     return 0

@@ -53,7 +53,7 @@ def parse_args(argv) -> argparse.Namespace:
     p.add_argument("--clients", type=int, default=16, help="clients at once in the batched row (default 16)")
     p.add_argument("--rounds", type=int, default=3, help="rounds; the best of each row counts (default 3)")
     p.add_argument("--threads", type=int, default=None, help="the server's --threads (default: its own default)")
-    p.add_argument("--out", default="bench/results", help="directory for the JSON results")
+    p.add_argument("--out", default="bench/results", help="directory for the JSON results ('' to skip writing)")
     args = p.parse_args(argv)
     for flag in ("new_tokens", "prompt_len", "clients", "rounds"):
         if getattr(args, flag) < 1:
@@ -225,8 +225,5 @@ def main(argv=None) -> int:
     print(f"token ids: {f'DIFFER: {mismatches}' if mismatches else 'as generate() gives them'}{ties}")
     settings = dict(model=args.model, mode=args.mode, new_tokens=n, prompt_len=args.prompt_len, clients=args.clients,
                     rounds=args.rounds, server=startup, server_threads=args.threads)  # fmt: skip
-    path = write_results(
-        "serve", dict(settings=settings, rows=results, mismatches=mismatches, near_ties=near_ties), args.out
-    )
-    print(f"results: {path}")
+    write_results("serve", dict(settings=settings, rows=results, mismatches=mismatches, near_ties=near_ties), args.out)
     return 1 if mismatches else 0

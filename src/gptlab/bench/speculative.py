@@ -53,7 +53,7 @@ def parse_args(argv) -> argparse.Namespace:
     p.add_argument("--rates", type=float, nargs="+", default=[0.0, 0.5, 0.7, 0.8, 0.9, 1.0], help="sweep's rates")
     p.add_argument("--repeats", type=int, default=3, help="runs per row; the best counts (default 3)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    p.add_argument("--out", default="bench/results", help="directory for the JSON results")
+    p.add_argument("--out", default="bench/results", help="directory for the JSON results ('' to skip writing)")
     return p.parse_args(argv)
 
 
@@ -225,6 +225,5 @@ def main(argv=None) -> int:
         if "sweep" in args.parts:
             parts["sweep"] = part_sweep(model, args, g)
     config = dict(vars(args), draft=args.draft_model or f"first {args.draft_layers} blocks of the target")
-    path = write_results("speculative", {"config": config, **parts}, args.out)
-    print(f"results: {path}")
+    write_results("speculative", {"config": config, **parts}, args.out)
     return 0

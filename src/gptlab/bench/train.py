@@ -32,7 +32,7 @@ def parse_args(argv):
     p.add_argument("--rounds", type=int, default=5, help="timed rounds per model and dtype")
     p.add_argument("--steps", type=int, default=3, help="optimizer steps per round")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
-    p.add_argument("--out", default="bench/results", help="results directory")
+    p.add_argument("--out", default="bench/results", help="results directory ('' to skip writing)")
     p.add_argument("--profile", action="store_true",
                    help="also profile two gptlab steps per dtype (torch.profiler) and print the top ops")  # fmt: skip
     return p.parse_args(argv)
@@ -174,6 +174,5 @@ def main(argv=None) -> int:
         if "mfu" in r:
             line += f"   MFU {r['mfu']['gptlab']:.1%} vs {r['mfu']['transformers']:.1%}"
         print(line)
-    path = write_results("train", {"config": vars(args), "device": str(device), "results": results}, args.out)
-    print(f"results: {path}")
+    write_results("train", {"config": vars(args), "device": str(device), "results": results}, args.out)
     return 0

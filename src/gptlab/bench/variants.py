@@ -131,9 +131,7 @@ def main(argv=None) -> int:
         for v, gflops in time_gemm(variants, args).items():
             rows.append({"mode": "head GEMM", "variant": v, "gflop_s": round(statistics.median(gflops), 1)})
     print_rows(rows, auto if auto in variants else variants[0], auto)
-    if args.out:
-        path = write_results("variants", {"config": vars(args), "auto": auto, "rows": rows}, args.out)
-        print(f"results: {path}")
+    write_results("variants", {"config": vars(args), "auto": auto, "rows": rows}, args.out)
     return 0
 
 
