@@ -537,6 +537,35 @@ def test_bench_serve_times_the_server_against_generate_and_checks_its_tokens(tmp
     assert "token ids: as generate() gives them" in capsys.readouterr().out
 
 
+def test_bench_serve_says_why_the_server_refused_a_completion():
+    """A 4xx from the server is a ValueError with the message of its OpenAI-style body (it was
+    urllib's bare "HTTP Error 400: Bad Request" for a prompt past the model's positions)."""
+    import http.server
+    import threading
+
+    from gptlab.bench import serve
+
+    class Refusing(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = json.dumps({"error": {"message": "maximum context length is 128 tokens", "type": "x"}}).encode()
+            self.send_response(400)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.HTTPServer(("127.0.0.1", 0), Refusing)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{httpd.server_port}"
+        with pytest.raises(ValueError, match=r"refused the completion \(HTTP 400\): maximum context length is 128"):
+            serve.complete(url, [1, 2], 200, stream=False)
+    finally:
+        httpd.shutdown()
+
+
 def test_bench_serve_tells_a_near_tie_from_a_wrong_token():
     """Where a completion leaves generate()'s greedy tokens, the margin is how much generate()'s
     logits prefer its own token there: ~0 at a tie, large for a token the model ranks low."""

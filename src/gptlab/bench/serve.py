@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
@@ -131,7 +132,12 @@ def complete(url: str, prompt: list[int], new_tokens: int, stream: bool) -> list
     request = urllib.request.Request(
         f"{url}/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
     )
-    with urllib.request.urlopen(request, timeout=600) as response:
+    try:
+        response = urllib.request.urlopen(request, timeout=600)
+    except urllib.error.HTTPError as e:  # a 4xx: the server's OpenAI-style body says why
+        message = json.loads(e.read() or b"{}").get("error", {}).get("message", "")
+        raise ValueError(f"the server refused the completion (HTTP {e.code}): {message}") from None
+    with response:
         if not stream:
             return json.load(response)["choices"][0]["token_ids"]
         count = None
