@@ -58,6 +58,19 @@ def model_from_args(args):
     ).eval()
 
 
+def check_out_is_not_read(args) -> None:
+    """Refuse an --out that is the --model (or --adapter) it reads, however spelled (a checkpoint's
+    `latest` link, a relative path): writing there would replace the weights it was made from."""
+    from pathlib import Path
+
+    out = Path(args.out).resolve()
+    for flag in ("model", "adapter"):
+        source = getattr(args, flag, None)
+        if source and Path(source).exists() and Path(source).resolve() == out:
+            raise ValueError(f"--out {args.out} is the --{flag} it reads: writing there would replace those weights; "
+                             "choose another path")  # fmt: skip
+
+
 def load(args):
     """(model, tokenizer) for args.model on the requested device and dtype, in eval mode."""
     from gptlab.loading import tokenizer_name

@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from gptlab.commands._model_args import add_model_arguments, model_from_args
+from gptlab.commands._model_args import add_model_arguments, check_out_is_not_read, model_from_args
 
 
 def add_arguments(parser):
@@ -24,6 +24,7 @@ def run(args):
 
     if args.activations is not None and args.mode != "int8":
         raise ValueError("--activations applies to --mode int8 only")
+    check_out_is_not_read(args)
     model = model_from_args(args)
     if args.adapter:  # a quantized file holds plain weights: the adapter is folded in first
         from gptlab.lora import merge
