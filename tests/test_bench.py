@@ -57,8 +57,8 @@ def test_bench_generate_refuses_what_transformers_cannot_run_before_any_work(mon
         ValueError, match="llama-tiny uses RoPE positions, RMSNorm, SwiGLU MLP, no biases, an untied head"
     ):
         main(["--preset", "llama-tiny", "--prompt-len", "8", "--new-tokens", "8"])
-    with pytest.raises(ValueError, match="--new-tokens must be at least 1"):
-        main(["--preset", "gpt2-tiny", "--new-tokens", "0"])
+    with pytest.raises(ValueError, match="--batch 1,0: every batch size must be at least 1"):
+        main(["--preset", "gpt2-tiny", "--prompt-len", "4", "--new-tokens", "4", "--batch", "1,0"])
     with pytest.raises(TypeError):  # past the checks: the run starts (with --no-hf, gptlab slides its window)
         main(["--preset", "llama-tiny", "--prompt-len", "200", "--new-tokens", "8", "--no-hf"])
     with pytest.raises(TypeError):  # the longest run transformers takes
@@ -76,6 +76,21 @@ def test_results_are_written_and_named_or_with_out_empty_not_written(tmp_path, m
     monkeypatch.chdir(tmp_path)
     assert write_results("unit", {"rows": [1]}, "") is None
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"] and capsys.readouterr().out == ""
+
+
+@pytest.mark.parametrize(
+    "bench, flag",
+    [("gemm", "--rounds"), ("variants", "--rounds"), ("train", "--steps"), ("generate", "--repeats"),
+     ("speculative", "--prompt-len"), ("serve", "--clients"), ("hooks", "--tokens"), ("quantize", "--threads")],
+)  # fmt: skip
+def test_bench_counts_below_one_are_refused_as_the_flag_is_read(bench, flag, capsys):
+    """`--rounds 0` was "no median for empty data" after the models were built; now argparse's error."""
+    from gptlab.cli import main as cli
+
+    for value, message in (("0", "must be at least 1, got 0"), ("two", "expected an integer, got 'two'")):
+        with pytest.raises(SystemExit) as exit:
+            cli(["bench", bench, flag, value])
+        assert exit.value.code == 2 and f"argument {flag}: {message}" in capsys.readouterr().err
 
 
 def test_probe_reports_its_best_reading():

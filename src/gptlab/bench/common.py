@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -15,6 +16,18 @@ from gptlab.machine_cache import held_settings
 
 # tiny-shakespeare beside the repository, where this workplace keeps it (`make demo` reads it too)
 CORPUS = str(Path(__file__).resolve().parents[3] / RELATIVE)
+
+
+def positive(text: str) -> int:
+    """argparse's type for a count (rounds, tokens, threads, sizes): an integer of at least 1, so
+    that 0 is refused as the flag is read, not by what it breaks later ("no median for empty data")."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def machine() -> dict:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from gptlab.bench.common import write_results
+from gptlab.bench.common import positive, write_results
 
 DEFAULT_BASE = "runs/demo/run/latest"  # what `make demo` trains
 CLS_MODES = {  # name: (TrainConfig overrides, lr)
@@ -54,11 +54,11 @@ def parse_args(argv):
     p.add_argument("--work", default="runs/finetune", help="data and runs (default runs/finetune)")
     p.add_argument("--recipes", nargs="+", default=["classify", "instruct", "layouts"],
                    choices=["classify", "instruct", "layouts"])  # fmt: skip
-    p.add_argument("--cls-steps", type=int, default=200)
+    p.add_argument("--cls-steps", type=positive, default=200)
     p.add_argument("--sft-epochs", type=float, default=4.0)
     p.add_argument("--sft-lr", type=float, default=2e-3)
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--batch-size", type=positive, default=16)
+    p.add_argument("--threads", type=positive, default=2)
     return p.parse_args(argv)
 
 

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from gptlab.bench.common import CORPUS, write_results
+from gptlab.bench.common import CORPUS, positive, write_results
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ def parse_args(argv):
     p.add_argument("--ppl-model", default=None, help="a trained model (any --model spec) for the perplexity row")
     p.add_argument("--data", default=CORPUS, help="text for the perplexity row")
     p.add_argument("--val-fraction", type=float, default=0.1, help="the last part of --data is scored")
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=positive, default=2)
     p.add_argument("--out", default="bench/results", help="results directory ('' to skip writing)")
     return p.parse_args(argv)
 

@@ -27,18 +27,18 @@ import os
 import statistics
 import time
 
-from gptlab.bench.common import write_results
+from gptlab.bench.common import positive, write_results
 
 PRODUCTS = ("W x^T", "e^T W", "e x")
 
 
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="gptlab bench gemm", description=__doc__.split("\n\n")[0])
-    p.add_argument("--vocab", type=int, default=50257)
-    p.add_argument("--rows", type=int, default=1024, help="rows of x (tokens per chunk)")
-    p.add_argument("--width", type=int, default=128, help="the model's width (n_embd)")
-    p.add_argument("--rounds", type=int, default=9, help="timed rounds per side, alternating")
-    p.add_argument("--layer-rows", type=int, nargs="*", default=[16, 64, 512],
+    p.add_argument("--vocab", type=positive, default=50257)
+    p.add_argument("--rows", type=positive, default=1024, help="rows of x (tokens per chunk)")
+    p.add_argument("--width", type=positive, default=128, help="the model's width (n_embd)")
+    p.add_argument("--rounds", type=positive, default=9, help="timed rounds per side, alternating")
+    p.add_argument("--layer-rows", type=positive, nargs="*", default=[16, 64, 512],
                    help="rows of x for the block layers' products (none: skip them)")  # fmt: skip
     p.add_argument("--out", default="bench/results", help="results directory ('' to skip writing)")
     return p.parse_args(argv)

@@ -29,7 +29,7 @@ import time
 import torch
 
 from gptlab import cpu, hf, kernels
-from gptlab.bench.common import machine, repeat_seconds, write_results
+from gptlab.bench.common import machine, positive, repeat_seconds, write_results
 from gptlab.config import GPTConfig
 from gptlab.kv_cache import cache_dtype
 from gptlab.meta import meta_device
@@ -252,8 +252,8 @@ def isa_env_missing(isa: str) -> dict:
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="gptlab bench generate", description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="gpt2", help="model shape (random weights, seeded)")
-    p.add_argument("--prompt-len", type=int, default=64)
-    p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--prompt-len", type=positive, default=64)
+    p.add_argument("--new-tokens", type=positive, default=256)
     p.add_argument("--batch", default="1,8", help="comma-separated batch sizes")
     p.add_argument("--peer", choices=("transformers", "llama.cpp"), default="transformers", help="what to compare with")
     p.add_argument(
@@ -285,14 +285,16 @@ def parse_args(argv):
     p.add_argument("--compile", action="store_true", help="also run gptlab with a torch.compile'd decode step")
     p.add_argument("--no-eager", action="store_true", help="with --compile, skip the eager gptlab rows")
     p.add_argument("--no-hf", action="store_true", help="skip transformers")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=positive, default=3)
     p.add_argument(
         "--threads",
-        type=int,
+        type=positive,
         default=None,
         help="torch threads (default: torch's choice; with --peer llama.cpp os.cpu_count(), for both engines)",
     )
-    p.add_argument("--probe-mib", type=int, default=512, help="bandwidth probe buffer (default 512 MiB, >> caches)")
+    p.add_argument(
+        "--probe-mib", type=positive, default=512, help="bandwidth probe buffer (default 512 MiB, >> caches)"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench/results", help="results directory ('' to skip writing)")
     return p.parse_args(argv)
@@ -353,9 +355,8 @@ def check_run(args, config: GPTConfig) -> None:
     """Refuse, before any work, a run the preset cannot take: transformers' GPT2LMHeadModel (unless
     --no-hf) stops at the model's block_size positions, where gptlab slides its window, and runs
     only GPT-2's own architecture."""
-    for flag in ("prompt_len", "new_tokens", "repeats"):
-        if getattr(args, flag) < 1:
-            raise ValueError(f"--{flag.replace('_', '-')} must be at least 1")
+    if min(int(b) for b in args.batch.split(",")) < 1:
+        raise ValueError(f"--batch {args.batch}: every batch size must be at least 1")
     if args.no_hf:
         return
     if args.prompt_len + args.new_tokens > config.block_size:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from gptlab.bench.common import CORPUS, write_results
+from gptlab.bench.common import CORPUS, positive, write_results
 
 DEFAULT_MODEL = "runs/demo/run/latest"  # what `make demo` trains
 TASK = """task: {name}
@@ -61,10 +61,10 @@ def parse_args(argv):
     p = argparse.ArgumentParser(prog="gptlab bench harness", description=__doc__.splitlines()[0])
     p.add_argument("--model", default=DEFAULT_MODEL, help="a trained model, any --model spec (default: make demo's)")
     p.add_argument("--data", default=CORPUS, help="text file")
-    p.add_argument("--choices", type=int, default=1000, help="multiple-choice documents (4 requests each)")
-    p.add_argument("--docs", type=int, default=40, help="rolling-perplexity texts")
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--choices", type=positive, default=1000, help="multiple-choice documents (4 requests each)")
+    p.add_argument("--docs", type=positive, default=40, help="rolling-perplexity texts")
+    p.add_argument("--batch-size", type=positive, default=16)
+    p.add_argument("--threads", type=positive, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench/results", help="results directory ('' to skip writing)")
     return p.parse_args(argv)

@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from gptlab.bench.common import repeat_seconds, write_results
+from gptlab.bench.common import positive, repeat_seconds, write_results
 
 CLEAN = "Then, Mary and John had a long and happy day at the beach. John gave a drink to"  # 20 tokens
 CORRUPT = "Then, Mary and John had a long and happy day at the beach. Mary gave a drink to"
@@ -29,9 +29,9 @@ CORRUPT = "Then, Mary and John had a long and happy day at the beach. Mary gave 
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="gptlab bench hooks", description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="gpt2", help="model shape (random weights)")
-    p.add_argument("--tokens", type=int, default=128, help="prompt length for run_with_cache")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--tokens", type=positive, default=128, help="prompt length for run_with_cache")
+    p.add_argument("--repeats", type=positive, default=3)
+    p.add_argument("--threads", type=positive, default=2)
     p.add_argument("--no-patching", action="store_true", help="skip the patching grid")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory processes")
     p.add_argument("--memory-side", choices=("gptlab", "bridge"), help=argparse.SUPPRESS)  # one side's process

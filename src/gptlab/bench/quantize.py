@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from gptlab.bench.common import CORPUS, write_results
+from gptlab.bench.common import CORPUS, positive, write_results
 
 log = logging.getLogger(__name__)
 
@@ -42,10 +42,12 @@ def parse_args(argv):
     p.add_argument("--model", default=None, help="a trained model for the perplexity rows (any --model spec)")
     p.add_argument("--data", default=CORPUS, help="text file")
     p.add_argument("--val-fraction", type=float, default=0.1, help="the last part of --data scored")
-    p.add_argument("--tokens", type=int, default=256, help="excerpt length for the logits comparison")
-    p.add_argument("--decode-tokens", type=int, default=2048, help="validation tokens scored one at a time (decoding)")
+    p.add_argument("--tokens", type=positive, default=256, help="excerpt length for the logits comparison")
+    p.add_argument(
+        "--decode-tokens", type=positive, default=2048, help="validation tokens scored one at a time (decoding)"
+    )
     p.add_argument("--no-random", action="store_true", help="skip the random gpt2 logits/size rows")
-    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--threads", type=positive, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench/results", help="results directory ('' to skip writing)")
     return p.parse_args(argv)

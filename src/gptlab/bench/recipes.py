@@ -20,7 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from gptlab.bench.common import write_results
+from gptlab.bench.common import positive, write_results
 
 CONFIG = Path(__file__).parents[1] / "configs" / "demo.toml"
 RECIPES = {
@@ -60,7 +60,7 @@ def parse_args(argv):
         help="place NAME's points at step x SECONDS (a quiet machine's step time) instead of "
         "the wall time the run logged: loss-at-step is robust to load, wall time is not",
     )
-    p.add_argument("--eval-interval", type=int, default=100)
+    p.add_argument("--eval-interval", type=positive, default=100)
     p.add_argument("--work", default="runs/recipes", help="where the runs go")
     p.add_argument("--plot", default="docs/demo-loss.png")
     p.add_argument("--title", default=None, help="plot title (default: the CPU)")

@@ -31,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from gptlab.bench.common import write_results
+from gptlab.bench.common import positive, write_results
 from gptlab.generation import generate
 from gptlab.loading import load_model, tokenizer_name
 
@@ -49,17 +49,13 @@ def parse_args(argv) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="gptlab bench serve", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="preset:gpt2", help="model spec (default: gpt2 shape, random weights)")
     p.add_argument("--mode", default="int4", choices=MODES, help="weights: fp32, bf16, int8 or int4 (default int4)")
-    p.add_argument("--new-tokens", type=int, default=128, help="tokens per completion (default 128)")
-    p.add_argument("--prompt-len", type=int, default=16, help="prompt tokens, random (default 16)")
-    p.add_argument("--clients", type=int, default=16, help="clients at once in the batched row (default 16)")
-    p.add_argument("--rounds", type=int, default=3, help="rounds; the best of each row counts (default 3)")
-    p.add_argument("--threads", type=int, default=None, help="the server's --threads (default: its own default)")
+    p.add_argument("--new-tokens", type=positive, default=128, help="tokens per completion (default 128)")
+    p.add_argument("--prompt-len", type=positive, default=16, help="prompt tokens, random (default 16)")
+    p.add_argument("--clients", type=positive, default=16, help="clients at once in the batched row (default 16)")
+    p.add_argument("--rounds", type=positive, default=3, help="rounds; the best of each row counts (default 3)")
+    p.add_argument("--threads", type=positive, default=None, help="the server's --threads (default: its own default)")
     p.add_argument("--out", default="bench/results", help="directory for the JSON results ('' to skip writing)")
-    args = p.parse_args(argv)
-    for flag in ("new_tokens", "prompt_len", "clients", "rounds"):
-        if getattr(args, flag) < 1:
-            raise ValueError(f"--{flag.replace('_', '-')} must be at least 1")
-    return args
+    return p.parse_args(argv)
 
 
 def model_in(spec: str, mode: str):

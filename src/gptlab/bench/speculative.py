@@ -30,7 +30,7 @@ from unittest import mock
 import torch
 
 from gptlab import speculative as spec
-from gptlab.bench.common import write_results
+from gptlab.bench.common import positive, write_results
 from gptlab.generation import generate
 from gptlab.loading import load_model
 from gptlab.meta import meta_device
@@ -42,17 +42,19 @@ def parse_args(argv) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="gptlab bench speculative", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="preset:gpt2", help="target model spec (default: gpt2 shape, random weights)")
     p.add_argument("--draft-model", default=None, help="draft model spec (default: the target's first blocks)")
-    p.add_argument("--draft-layers", type=int, default=2, help="blocks of the early-exit draft (default 2)")
+    p.add_argument("--draft-layers", type=positive, default=2, help="blocks of the early-exit draft (default 2)")
     p.add_argument("--parts", nargs="+", default=["lookup", "draft", "sweep"], choices=["lookup", "draft", "sweep"])
-    p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens (default 128)")
+    p.add_argument("--prompt-len", type=positive, default=128, help="prompt tokens (default 128)")
     p.add_argument(
         "--text", default=None, help="a text file whose opening the quoting context quotes (default: random tokens)"
     )
-    p.add_argument("--new-tokens", type=int, default=128, help="new tokens per run (default 128)")
-    p.add_argument("--num-draft-tokens", type=int, default=4, help="k, tokens proposed per verification (default 4)")
+    p.add_argument("--new-tokens", type=positive, default=128, help="new tokens per run (default 128)")
+    p.add_argument(
+        "--num-draft-tokens", type=positive, default=4, help="k, tokens proposed per verification (default 4)"
+    )
     p.add_argument("--rates", type=float, nargs="+", default=[0.0, 0.5, 0.7, 0.8, 0.9, 1.0], help="sweep's rates")
-    p.add_argument("--repeats", type=int, default=3, help="runs per row; the best counts (default 3)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--repeats", type=positive, default=3, help="runs per row; the best counts (default 3)")
+    p.add_argument("--threads", type=positive, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--out", default="bench/results", help="directory for the JSON results ('' to skip writing)")
     return p.parse_args(argv)
 

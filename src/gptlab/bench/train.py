@@ -15,7 +15,7 @@ import statistics
 import time
 from contextlib import nullcontext
 
-from gptlab.bench.common import write_results
+from gptlab.bench.common import positive, write_results
 
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L4": 121.0, "A10": 125.0, "4090": 165.0}  # bf16 dense
 
@@ -23,14 +23,16 @@ PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L4": 121.0, "A10": 
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="gptlab bench train", description=__doc__.split("\n\n")[0])
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--block-size", type=int, default=128)
-    p.add_argument("--n-layer", type=int, default=4)
-    p.add_argument("--n-embd", type=int, default=128)
-    p.add_argument("--n-head", type=int, default=4)
-    p.add_argument("--vocab-multiple", type=int, default=1, help="pad gptlab's vocabulary (a lever; 1 = same as HF)")
-    p.add_argument("--rounds", type=int, default=5, help="timed rounds per model and dtype")
-    p.add_argument("--steps", type=int, default=3, help="optimizer steps per round")
+    p.add_argument("--batch-size", type=positive, default=16)
+    p.add_argument("--block-size", type=positive, default=128)
+    p.add_argument("--n-layer", type=positive, default=4)
+    p.add_argument("--n-embd", type=positive, default=128)
+    p.add_argument("--n-head", type=positive, default=4)
+    p.add_argument(
+        "--vocab-multiple", type=positive, default=1, help="pad gptlab's vocabulary (a lever; 1 = same as HF)"
+    )
+    p.add_argument("--rounds", type=positive, default=5, help="timed rounds per model and dtype")
+    p.add_argument("--steps", type=positive, default=3, help="optimizer steps per round")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--out", default="bench/results", help="results directory ('' to skip writing)")
     p.add_argument("--profile", action="store_true",

@@ -20,7 +20,7 @@ import time
 import torch
 
 from gptlab import cpu, kernels
-from gptlab.bench.common import write_results
+from gptlab.bench.common import positive, write_results
 from gptlab.bench.gemm import gemm_env_kept, operands, time_products
 from gptlab.bench.generate import build_mode, gptlab_engine
 from gptlab.config import GPTConfig
@@ -37,11 +37,11 @@ def parse_args(argv):
         help="comma-separated NAME, NAME:nta or NAME:t0 (with decoding's prefetch hint set); "
         "default: every SIMD one this CPU runs",
     )
-    p.add_argument("--new-tokens", type=int, default=64, help="tokens decoded per timed run, batch 1")
+    p.add_argument("--new-tokens", type=positive, default=64, help="tokens decoded per timed run, batch 1")
     p.add_argument("--prompt-len", type=int, default=512, help="prompt tokens filled per timed run (0: skip)")
-    p.add_argument("--rounds", type=int, default=3, help="timed rounds, every variant once per round")
+    p.add_argument("--rounds", type=positive, default=3, help="timed rounds, every variant once per round")
     p.add_argument("--gemm-rows", type=int, default=1024, help="rows of the head GEMM's x (0: skip the GEMM)")
-    p.add_argument("--gemm-width", type=int, default=128, help="the head GEMM's width (the demo model's)")
+    p.add_argument("--gemm-width", type=positive, default=128, help="the head GEMM's width (the demo model's)")
     p.add_argument("--out", default="bench/results", help="results directory ('' to skip writing)")
     return p.parse_args(argv)
 
