@@ -127,6 +127,17 @@ def test_serve_on_a_port_in_use_is_a_one_line_error_before_loading(monkeypatch, 
     assert loaded == []
     assert main(["serve", "--model", "gpt2-tiny", "--host", "192.0.2.1"]) == 2  # not this machine's address
     assert "cannot listen on 192.0.2.1:8000" in one_line_error(capsys, "gptlab serve: error: ")
+    assert main(["serve", "--model", "gpt2-tiny", "--port", "99999"]) == 2  # was an OverflowError's traceback
+    assert "cannot listen on 127.0.0.1:99999: bind(): port must be 0-65535" in one_line_error(
+        capsys, "gptlab serve: error: "
+    )
+
+
+def test_demo_refuses_a_passage_of_no_tokens_before_training(tmp_path, capsys):
+    """--max-new-tokens 0 failed after the whole training budget (minutes), at the sample."""
+    assert main(["demo", "--out", str(tmp_path / "demo"), "--max-new-tokens", "0"]) == 2
+    assert "--max-new-tokens must be at least 1, got 0" in one_line_error(capsys, "gptlab demo: error: ")
+    assert not (tmp_path / "demo").exists()
 
 
 @pytest.mark.parametrize(

@@ -91,6 +91,16 @@ def test_perplexity_is_exp_of_the_direct_mean_loss():
     assert result["perplexity"] == pytest.approx(math.exp(loss.item()), rel=1e-5)
 
 
+def test_stride_zero_is_refused_not_taken_as_the_default():
+    """`gptlab eval --stride 0` ran the default stride (block_size / 2) without a word."""
+    tokens = torch.randint(0, 97, (40,), generator=torch.Generator().manual_seed(1))
+    with pytest.raises(ValueError, match=r"stride must be in \[1, block_size=32\], got 0"):
+        evaluate.perplexity(tiny_model(), tokens, get_tokenizer("byte"), stride=0)
+    with pytest.raises(ValueError, match="got 0"):
+        evaluate.sequence_nll(tiny_model(), tokens, stride=0)
+    assert evaluate.perplexity(tiny_model(), tokens, get_tokenizer("byte"))["stride"] == 16  # None: the default
+
+
 def test_sliding_window_with_stride_one_gives_each_token_the_longest_context():
     model = tiny_model()
     W = model.config.block_size

@@ -72,6 +72,11 @@ def _batches(windows: list, batch_size: int) -> Iterator[list]:
             yield same_length[i : i + batch_size]
 
 
+def default_stride(block_size: int) -> int:
+    """The windows' stride when none is given: half a window, so each scores with block_size / 2 of context."""
+    return max(block_size // 2, 1)
+
+
 @torch.no_grad()
 def sequence_nll(
     model: GPT, tokens: torch.Tensor, *, stride: int | None = None, batch_size: int = 4, progress: bool = False
@@ -84,7 +89,7 @@ def sequence_nll(
     from tqdm import tqdm
 
     block_size = model.config.block_size
-    windows = sliding_windows(len(tokens), block_size, stride or max(block_size // 2, 1))
+    windows = sliding_windows(len(tokens), block_size, default_stride(block_size) if stride is None else stride)
     device = next(model.parameters()).device
     total, count = 0.0, 0
     with tqdm(total=len(windows), unit="window", desc="perplexity", disable=not progress) as bar:
@@ -119,7 +124,7 @@ def perplexity(
     tokens = torch.as_tensor(np.asarray(tokens, dtype=np.int64))  # (N,)
     if tokens.numel() and int(tokens.max()) >= model.config.vocab_size:
         raise ValueError(f"token id {int(tokens.max())} is outside the model's vocabulary of {model.config.vocab_size}")
-    stride = stride or max(model.config.block_size // 2, 1)
+    stride = default_stride(model.config.block_size) if stride is None else stride  # 0 is refused, not the default
     nll, count = sequence_nll(model, tokens, stride=stride, batch_size=batch_size, progress=progress)
     targets = tokens[1:].tolist()
     n_bytes = len(tokenizer.decode_bytes([t for t in targets if t != tokenizer.eot_token]))

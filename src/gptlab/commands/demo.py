@@ -102,6 +102,8 @@ def run(args):
 
     from gptlab.train import TrainConfig, train
 
+    if args.max_new_tokens < 1:  # before minutes of training, not after
+        raise ValueError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
     t0 = time.perf_counter()
     out = Path(args.out)
     corpus = find_corpus(args.input, out)

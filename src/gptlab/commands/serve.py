@@ -28,8 +28,10 @@ def check_listen(host: str, port: int) -> None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
         try:
             sock.bind((host, port))
-        except OSError as e:
-            raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e} (--host, --port)") from None
+        except (OSError, OverflowError) as e:  # OverflowError: a port past 65535
+            raise ValueError(
+                f"cannot listen on {host}:{port}: {getattr(e, 'strerror', None) or e} (--host, --port)"
+            ) from None
 
 
 def run(args):
