@@ -331,6 +331,8 @@ def test_text_stops_at_the_tokenizers_end_of_text():
         (dict(idx=torch.tensor([[1, 97]])), "outside the vocabulary"),
         (dict(idx=[[1, 2], [-1]]), "outside the vocabulary"),
         (dict(idx=[[]]), "empty prompt"),
+        (dict(idx="hi"), "idx is text"),  # was "token id 'h' outside the vocabulary"
+        (dict(idx=["hi", "there"]), "generate_text"),
     ],
 )
 def test_bad_input_raises_value_error(kwargs, match):

@@ -30,6 +30,16 @@ def test_native_directory(tmp_path, variant):
     assert not loaded.training
 
 
+@pytest.mark.parametrize("device, match", [("cuda:99", "device cuda:99: (no CUDA device|this machine has)"),
+                                           ("warp9", "device warp9: not a device name")])  # fmt: skip
+def test_a_device_this_machine_lacks_is_named_before_loading(tmp_path, device, match):
+    """load_model's device is checked as --device is (a CPU-only torch asked for cuda raised from
+    inside safetensors: "pin_memory=True requires a CUDA or other accelerator backend")."""
+    save_model(tiny_model(), tmp_path / "m", tokenizer="byte")
+    with pytest.raises(ValueError, match=match):
+        load_model(str(tmp_path / "m"), device=device)
+
+
 def test_native_directory_in_another_dtype(tmp_path):
     save_model(tiny_model(), tmp_path)
     loaded = load_model(str(tmp_path), dtype=torch.bfloat16)

@@ -235,6 +235,9 @@ def _prepare_prompts(idx, num_samples: int, bos_id: int | None, vocab_size: int,
         if idx.dim() != 2 or idx.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"idx must be a (B, T) integer tensor, got {tuple(idx.shape)} {idx.dtype}")
         rows = idx.tolist()
+    elif isinstance(idx, str) or (isinstance(idx, Sequence) and any(isinstance(r, str) for r in idx)):
+        raise ValueError("idx is text, and generate takes token ids: encode it first (tokenizer.encode), "
+                         "or call generate_text(model, tokenizer, prompt, ...)")  # fmt: skip
     elif isinstance(idx, Sequence) and all(isinstance(r, Sequence) for r in idx) and len(idx) > 0:
         rows = [list(r) for r in idx]
     else:

@@ -39,12 +39,30 @@ def load_model(spec: str, *, device=None, dtype=None, adapter=None) -> GPT:
     a quantized model keeps its stored scheme. `adapter`, a PEFT LoRA directory (gptlab.lora),
     is applied on top. Raises ValueError for a spec that names no model.
     """
+    if device is not None:
+        check_device(device)
     model = _load_base(spec, device=device, dtype=dtype)
     if adapter:
         from gptlab.lora import load_adapter
 
         load_adapter(model, adapter)
     return model
+
+
+def check_device(device, label: str = "device") -> None:
+    """ValueError naming `device` (a name or a torch.device) when this machine does not have it, a
+    user's error, rather than what torch raises from deep inside loading (a CPU-only build asked
+    for cuda: "pin_memory=True requires a CUDA or other accelerator backend")."""
+    try:
+        d = torch.device(device)
+    except RuntimeError as e:
+        raise ValueError(f"{label} {device}: not a device name (cpu, cuda, cuda:1, mps, ...)") from e
+    if d.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"{label} {device}: no CUDA device is available (torch {torch.__version__})")
+    if d.type == "cuda" and d.index is not None and d.index >= torch.cuda.device_count():
+        raise ValueError(f"{label} {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    if d.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"{label} {device}: MPS is not available on this machine")
 
 
 def _load_base(spec: str, *, device=None, dtype=None) -> GPT:

@@ -31,18 +31,11 @@ def resolve_device(name: str) -> str:
     """
     import torch
 
+    from gptlab.loading import check_device
+
     if name == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        device = torch.device(name)
-    except RuntimeError as e:
-        raise ValueError(f"--device {name}: not a device name (cpu, cuda, cuda:1, mps, ...)") from e
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {name}: no CUDA device is available (torch {torch.__version__})")
-    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
-        raise ValueError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
-    if device.type == "mps" and not torch.backends.mps.is_available():
-        raise ValueError(f"--device {name}: MPS is not available on this machine")
+    check_device(name, "--device")
     return name
 
 
