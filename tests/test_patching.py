@@ -76,6 +76,16 @@ def test_zero_and_mean_ablation(setup):
     torch.testing.assert_close(meaned, replaced)
     with pytest.raises(ValueError, match="how must be zero or mean"):
         ablate(model, clean, "blocks.1.hook_mlp_out", how="median")
+    with pytest.raises(ValueError, match=r"head must be in \[0, 4\)"):  # was torch's IndexError
+        ablate(model, clean, "blocks.1.attn.hook_z", head=4)
+    with pytest.raises(ValueError, match="blocks.1.hook_mlp_out has no head axis"):  # zeroed channel 2 silently
+        ablate(model, clean, "blocks.1.hook_mlp_out", head=2)
+    torch.testing.assert_close(ablate(model, clean, "blocks.1.attn.hook_z", head=-2), zeroed)  # head 2 of 4
+    pattern = ablate(model, clean, "blocks.1.attn.hook_pattern", head=2)  # (B, nh, T, T): its head axis is 1
+    by_hand = model.run_with_hooks(
+        clean, fwd_hooks=[("blocks.1.attn.hook_pattern", lambda p, _: p.index_fill(1, torch.tensor([2]), 0.0))]
+    )
+    torch.testing.assert_close(pattern, by_hand)  # it zeroed query position 2 of every head
 
 
 def test_prompts_of_different_lengths_are_refused(setup):

@@ -151,19 +151,24 @@ def attribution_patching(model, clean: torch.Tensor, corrupt: torch.Tensor, metr
 
 @torch.no_grad()
 def ablate(model, idx: torch.Tensor, name: str, *, head: int | None = None, how: str = "zero", mean_over=None):
-    """Logits with the activation at hook point `name` (one head of a (B, T, nh, hs) point when
-    `head` is given) replaced by zeros, or by its mean over positions of `mean_over` (token ids,
-    default idx) for how="mean"."""
+    """Logits with the activation at hook point `name` replaced by zeros, or by its mean over
+    positions of `mean_over` (token ids, default idx) for how="mean". With `head`, only that head's
+    part: of a (B, T, nh, hs) point such as hook_z, or of hook_pattern's (B, nh, T, T)."""
     if how not in ("zero", "mean"):
         raise ValueError(f"how must be zero or mean, got {how!r}")
+    if head is not None and not -model.config.n_head <= head < model.config.n_head:
+        raise ValueError(f"head must be in [0, {model.config.n_head}) (or counted from the end), got {head}")
     mean = None
     if how == "mean":
         _, cache = model.run_with_cache(idx if mean_over is None else mean_over, names_filter=name)
         mean = cache[name].mean(dim=(0, 1), keepdim=True)  # (1, 1, ...)
 
     def hook(x, _):
+        if head is not None and x.dim() != 4:  # else `head` would pick a channel of a (B, T, C) point
+            raise ValueError(f"{name} has no head axis: head= takes a (B, T, n_head, head_size) point, e.g. hook_z")
         x = x.clone()
-        part = (slice(None), slice(None), head) if head is not None else (Ellipsis,)
+        axis = 1 if name.endswith(("hook_pattern", "hook_attn_scores")) else 2  # (B, nh, T, T); else (B, T, nh, hs)
+        part = (slice(None),) * axis + (head,) if head is not None else (Ellipsis,)
         x[part] = 0.0 if mean is None else mean.expand_as(x)[part]
         return x
 
