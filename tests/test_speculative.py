@@ -345,6 +345,8 @@ def test_prompt_lookup_proposes_what_followed_the_longest_match():
         (dict(num_draft_tokens=0), "num_draft_tokens"),
         (dict(prompt_lookup=2, draft_model="self"), "not both"),
         (dict(draft_model="other-vocab"), "vocabulary"),
+        (dict(prompt_lookup=2, window_keep=0), r"window_keep must be in \[1, block_size\], got 0"),  # was the default
+        (dict(prompt_lookup=2, window_keep=33), "got 33"),
     ],
 )
 def test_bad_settings_raise_value_error(kwargs, match):

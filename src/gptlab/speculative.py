@@ -436,7 +436,9 @@ def decode(
     check_speculation(model, draft_model, prompt_lookup, num_draft_tokens)
     B, V, block = len(rows), model.config.vocab_size, model.config.block_size
     max_new, rows = params.max_new_tokens, [list(r[-block:]) for r in rows]  # generation's _prepare_prompts
-    keep = window_keep or block * 3 // 4
+    keep = block * 3 // 4 if window_keep is None else window_keep
+    if not 1 <= keep <= block:  # as in generation (0 was taken as the default)
+        raise ValueError(f"window_keep must be in [1, block_size], got {keep}")
     stats = stats if stats is not None else SpeculationStats()
     target = RowCache(model, B, min(block, max(map(len, rows)) + max_new))
     generator = generator if generator is not None else params.generator(target.device)
