@@ -317,3 +317,15 @@ def test_classifier_adapters_in_peft_format_both_ways(tmp_path):
     with torch.no_grad():
         got = load_model(str(tmp_path / "base"), adapter=str(tmp_path / "theirs"))(x)[0]
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+def test_a_record_without_a_label_is_refused_not_given_one(tmp_path):
+    """A JSONL record with no `label` became a label named "None", a CSV row's empty cell one
+    named "": both are refused, naming the record (counted from 1)."""
+    (tmp_path / "a.jsonl").write_text('{"text": "hi", "label": "a"}\n{"text": "bye"}\n')
+    with pytest.raises(ValueError, match="record 2: its `label` is missing or empty"):
+        prepare_classify(tmp_path / "a.jsonl", tmp_path / "a")
+    (tmp_path / "b.csv").write_text("text,label\nhello,a\nbye, \n")
+    with pytest.raises(ValueError, match="record 2: its `label` is missing or empty"):
+        prepare_classify(tmp_path / "b.csv", tmp_path / "b")
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()

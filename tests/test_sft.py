@@ -161,10 +161,10 @@ def test_prepare_command_writes_and_shows_marked_examples(tmp_path, capsys):
 
 
 def test_bad_records_name_the_problem(tmp_path):
-    with pytest.raises(ValueError, match="record 1: record needs string fields output"):
+    with pytest.raises(ValueError, match="record 2: record needs string fields output"):  # counted from 1
         prepare_sft(write_jsonl(tmp_path / "a.jsonl", [alpaca()[0], {"instruction": "x"}]), tmp_path / "d")
-    (tmp_path / "b.jsonl").write_text('{"instruction": "x", "output": "y"}\nnot json\n')
-    with pytest.raises(ValueError, match="not valid JSON lines"):
+    (tmp_path / "b.jsonl").write_text('{"instruction": "x", "output": "y"}\n\nnot json\n')
+    with pytest.raises(ValueError, match="b.jsonl: line 3 is not valid JSON"):  # the file's line, not the record's
         prepare_sft(tmp_path / "b.jsonl", tmp_path / "d")
 
 

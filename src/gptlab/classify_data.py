@@ -29,11 +29,14 @@ def prepare_classify(inputs, out_dir, *, tokenizer: str = "gpt2", labels: list[s
     from gptlab.sft import read_records, split_mask
 
     records, tok = read_records(inputs), get_tokenizer(tokenizer)
-    names = list(labels) if labels else sorted({str(r.get("label")) for r in records})
+    for i, r in enumerate(records, start=1):  # a missing label was the label "None", an empty CSV cell ""
+        if r.get("label") is None or not str(r["label"]).strip():
+            raise ValueError(f"record {i}: its `label` is missing or empty, got {r!r}")
+    names = list(labels) if labels else sorted({str(r["label"]) for r in records})
     index = {name: i for i, name in enumerate(names)}
     ids, ys = [], []
-    for i, r in enumerate(records):
-        if not isinstance(r.get("text"), str) or str(r.get("label")) not in index:
+    for i, r in enumerate(records, start=1):
+        if not isinstance(r.get("text"), str) or str(r["label"]) not in index:
             raise ValueError(f"record {i}: needs a string `text` and a `label` among {names}, got {r!r}")
         ids.append(tok.encode(r["text"]) or [tok.eot_token])
         ys.append(index[str(r["label"])])

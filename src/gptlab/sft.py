@@ -103,8 +103,17 @@ class Template:
         return parts
 
 
+def _json_line(path, number: int, line: str):
+    """One JSONL line's value; a ValueError naming the file's line when it is not JSON."""
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: line {number} is not valid JSON ({e.msg}, column {e.colno})") from None
+
+
 def read_records(inputs) -> list[dict]:
-    """Every record of the JSON (a list), JSONL or CSV (with a header) files named by inputs, in order."""
+    """Every record of the JSON (a list), JSONL or CSV (with a header) files named by inputs, in
+    order. Error messages count records from 1, across the inputs (JSONL syntax errors name the line)."""
     records = []
     for path in resolve_inputs(inputs):
         text = path.read_text(encoding="utf-8")
@@ -118,10 +127,10 @@ def read_records(inputs) -> list[dict]:
                 data = json.loads(text)
                 rows = data if isinstance(data, list) else [data]
             else:
-                rows = [json.loads(line) for line in text.splitlines() if line.strip()]
+                rows = [_json_line(path, n, line) for n, line in enumerate(text.splitlines(), start=1) if line.strip()]
         except json.JSONDecodeError as e:
-            raise ValueError(f"{path}: not valid JSON{'' if path.suffix == '.json' else ' lines'} ({e})") from e
-        for i, row in enumerate(rows):
+            raise ValueError(f"{path}: not valid JSON ({e})") from e
+        for i, row in enumerate(rows, start=len(records) + 1):
             if not isinstance(row, dict):
                 raise ValueError(f"{path}: record {i} is not an object")
             records.append(row)
@@ -190,7 +199,7 @@ def prepare_sft(
         raise ValueError(f"train_on must be one of {TRAIN_ON}, got {train_on!r}")
     records, tmpl, tok = read_records(inputs), Template.load(template), get_tokenizer(tokenizer)
     examples = []
-    for i, record in enumerate(records):
+    for i, record in enumerate(records, start=1):
         try:
             examples.append(encode_example(tok, tmpl.render(record), train_on))
         except ValueError as e:
