@@ -87,6 +87,8 @@ MUTANTS = [
     Mutant("bench/summary-ignores-older-isa-env", "bench/summary.py",
            '    held = machine.get("isa_settings", (settings or {}).get("isa_env") or {})',
            '    held = machine.get("isa_settings", {})', ("tests/test_bench.py", "-k", "summary")),
+    Mutant("bench/out-empty-written-into-the-working-directory", "bench/common.py",
+           "    if not str(out_dir):\n        return None\n", "", ("tests/test_bench.py", "-k", "with_out_empty")),
     # the training head's bf16 products in PyTorch: kept buffers
     Mutant("loss/bf16-product-into-a-fresh-tensor", "chunked_loss.py",
            "logits = out.copy_(torch.mm(w, x_c.t().contiguous(), out=product))", "logits = out.copy_(w @ x_c.t().contiguous())",
@@ -479,6 +481,9 @@ MUTANTS = [
     Mutant("eval/perplexity-targets-not-shifted", "evaluate.py",
            "targets = torch.cat([tokens[f + 1 : e + 1] for b, e, f in batch])",
            "targets = torch.cat([tokens[f:e] for b, e, f in batch])", ("tests/test_evaluate.py",)),
+    Mutant("eval/stride-zero-taken-as-the-default", "evaluate.py",
+           "stride = default_stride(model.config.block_size) if stride is None else stride",
+           "stride = stride or default_stride(model.config.block_size)", ("tests/test_evaluate.py", "-k", "stride")),
     Mutant("loss/targets-not-shifted", "data.py", "return w[:, :-1], w[:, 1:]", "return w[:, :-1], w[:, :-1]",
            LOSS_TESTS),
     Mutant("loss/chunked-ignore-index-not-honoured", "chunked_loss.py",
@@ -693,6 +698,9 @@ MUTANTS = [
            ("tests/test_patching.py",)),
     Mutant("patching/attribution-sign", "patching.py",
            "(clean_cache[n] - acts[n].detach())", "(acts[n].detach() - clean_cache[n])", ("tests/test_patching.py",)),
+    Mutant("patching/ablated-head-of-the-pattern-on-its-query-axis", "patching.py",
+           'axis = 1 if name.endswith(("hook_pattern", "hook_attn_scores")) else 2', "axis = 2",
+           ("tests/test_patching.py", "-k", "ablation")),
     # LoRA (lora.py)
     Mutant("lora/qkv-blocks-misplaced", "lora.py",
            "B[start:end, j * rank : (j + 1) * rank] = layer.lora_B[s]", "B[start:end, 0:rank] = layer.lora_B[s]",
@@ -744,6 +752,9 @@ MUTANTS = [
            "return x, torch.from_numpy(self.labels[chosen]), {\"attention_mask\": mask}",
            "return x, torch.from_numpy(np.sort(self.labels[chosen])), {\"attention_mask\": mask}",
            ("tests/test_classifier.py",)),
+    Mutant("classify/empty-label-taken-as-a-label", "classify_data.py",
+           'if r.get("label") is None or not str(r["label"]).strip():', 'if r.get("label") is None:',
+           ("tests/test_classifier.py", "-k", "without_a_label")),
     # lm-eval: the backend (harness.py) and what local-completions reads from the server
     Mutant("harness/continuation-split-one-early", "harness.py",
            "torch.arange(fed - n, fed)", "torch.arange(fed - n - 1, fed - 1)", HARNESS_TESTS),
@@ -811,6 +822,16 @@ MUTANTS = [
     Mutant("fused/decode-step-records-autograd", "generation.py",
            "        with torch.no_grad():\n            logits = _next_logits(model, tokens, cache, positions, key_mask)",
            "        logits = _next_logits(model, tokens, cache, positions, key_mask)", FUSED_TESTS),
+    # inputs refused up front rather than run wrong (speculative decoding, the CLI's --out)
+    Mutant("speculative/long-prompt-cropped-to-window-keep", "speculative.py",
+           "[list(r[-block:]) for r in rows]", "[list(r) for r in rows]",
+           ("tests/test_speculative.py", "-k", "longer_than")),
+    Mutant("speculative/window-keep-zero-taken-as-the-default", "speculative.py",
+           "keep = block * 3 // 4 if window_keep is None else window_keep", "keep = window_keep or block * 3 // 4",
+           ("tests/test_speculative.py", "-k", "bad_settings")),
+    Mutant("cli/out-compared-with-the-model-unresolved", "commands/_model_args.py",
+           "Path(source).resolve() == out", "Path(source) == Path(args.out)",
+           ("tests/test_cli.py", "-k", "writing_over")),
 ]
 # fmt: on
 # The swapped-name mutant needs its table in the module: appended to hf.py with it.
