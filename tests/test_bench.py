@@ -619,8 +619,9 @@ def _llamacpp_rows(decode, prefill, tok_s, modes=("fp32", "bf16", "int8", "int4"
 
 
 def test_bench_summary_gives_each_machines_latest_figures(tmp_path, capsys, monkeypatch):
-    """Each machine's latest run of each kind, with its file: not an older run, not a run at depth
-    or with fewer precisions, and a run held to AVX2 on the same CPU as a machine of its own."""
+    """Each machine's latest run of each kind, with its file: not an older run, not a run at depth,
+    with fewer precisions or on fewer threads than cores, and a run held to AVX2 on the same CPU as
+    a machine of its own."""
     from gptlab.bench import common, summary
 
     zen5 = {"cpu": "AMD EPYC", "cpu_family_model": "26/2", "gptlab_kernels": "avx512", "cpu_capability": "AVX512"}
@@ -632,6 +633,15 @@ def test_bench_summary_gives_each_machines_latest_figures(tmp_path, capsys, monk
     _result(tmp_path, peer, "2026-12-02T00:00:00", zen5, settings={"depth": 0}, rows=full)
     _result(tmp_path, peer, "2026-12-03T00:00:00", zen5, settings={"depth": 895}, rows=_llamacpp_rows(same, same, same))
     _result(tmp_path, peer, "2026-12-04T00:00:00", zen5, rows=_llamacpp_rows((8.0,), (8.0,), (8.0,), ("fp32",)))
+    one_core = {**zen5, "cores": 2}  # a later full run on 1 of the 2 cores: not the table's setting
+    _result(
+        tmp_path,
+        peer,
+        "2026-12-04T06:00:00",
+        one_core,
+        settings={"threads": 1},
+        rows=_llamacpp_rows((9.0,) * 4, (9.0,) * 4, (90.0,) * 4),
+    )
     _result(tmp_path, peer, "2026-12-05T00:00:00", held, rows=_llamacpp_rows((2.0,) * 4, (2.1,) * 4, (50.0,) * 4))
     versus = {"fp32_eager_decode_vs_transformers": 2.5, "fp32_eager_prefill_vs_transformers": 1.75}
     _result(tmp_path, "generate", "2026-12-02T00:00:00", zen5, summary=versus)

@@ -9,7 +9,7 @@ group the latest run of each kind gives its rows:
 
 - decode and a 512-token prefill against llama.cpp at fp32 / bf16 / int8 / int4, and int4 and
   bf16 decoding against gptlab's own fp32: `gptlab bench generate --peer llama.cpp` without
-  --depth, the latest run with all four precisions;
+  --depth, on every core (its default --threads), the latest run with all four precisions;
 - the default path against transformers (fp32 decoding, a 64-token prefill): `gptlab bench
   generate`'s fp32 batch-1 rows;
 - training against nanoGPT (`gptlab bench nanogpt`) and transformers (`gptlab bench train`, fp32).
@@ -84,6 +84,9 @@ def _ratios(values) -> str:
 
 def _llamacpp_rows(runs: list[dict]) -> dict[str, tuple[str, str]]:
     runs = [r for r in runs if r["benchmark"] == "generate-llamacpp" and not r.get("settings", {}).get("depth")]
+    runs = [
+        r for r in runs if r.get("settings", {}).get("threads", r["machine"].get("cores")) == r["machine"].get("cores")
+    ]
     full = [r for r in runs if {row.get("mode") for row in r.get("rows", [])} >= set(MODES)]
     if not (full or runs):
         return {}
