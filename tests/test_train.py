@@ -128,6 +128,15 @@ def test_set_flag_in_train_and_demo():
     assert TrainConfig().with_overrides(["max_steps=5", "max-time=4m"]).max_time == "4m"
 
 
+def test_counts_of_zero_are_refused_not_read_as_another_setting():
+    """keep_checkpoints=0 kept one checkpoint, checkpoint_interval=0 checkpointed at eval_interval:
+    both now name the setting instead."""
+    for name in ("keep_checkpoints", "checkpoint_interval", "eval_interval", "grad_accum"):
+        with pytest.raises(ValueError, match=f"TrainConfig.{name} must be a positive integer, got 0"):
+            TrainConfig(**{name: 0})
+    assert TrainConfig(checkpoint_interval=None).save_every == TrainConfig().eval_interval  # None: the default
+
+
 def test_max_time_parsing():
     assert [parse_duration(v) for v in ("90", "90s", "4m", "1.5h", 30, 2.5, None)] == [90, 90, 240, 5400, 30, 2.5, None]
     for bad in ("4 minutes", "-5s", "0", "m"):
