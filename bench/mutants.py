@@ -829,6 +829,8 @@ MUTANTS = [
     Mutant("speculative/window-keep-zero-taken-as-the-default", "speculative.py",
            "keep = block * 3 // 4 if window_keep is None else window_keep", "keep = window_keep or block * 3 // 4",
            ("tests/test_speculative.py", "-k", "bad_settings")),
+    Mutant("train/keep-checkpoints-zero-accepted", "train_config.py",
+           'positive += ["keep_checkpoints"] + ', "positive += ", ("tests/test_train.py", "-k", "counts_of_zero")),
     Mutant("cli/out-compared-with-the-model-unresolved", "commands/_model_args.py",
            "Path(source).resolve() == out", "Path(source) == Path(args.out)",
            ("tests/test_cli.py", "-k", "writing_over")),

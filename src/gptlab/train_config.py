@@ -98,16 +98,9 @@ class TrainConfig:
     max_bad_steps: int = 5  # this many skipped updates in a row stop the run
 
     def __post_init__(self) -> None:
-        positive = (
-            "batch_size",
-            "block_size",
-            "grad_accum",
-            "max_steps",
-            "eval_interval",
-            "eval_steps",
-            "keep_checkpoints",
-        )
-        for name in positive + (("checkpoint_interval",) if self.checkpoint_interval is not None else ()):
+        positive = ["batch_size", "block_size", "grad_accum", "max_steps", "eval_interval", "eval_steps"]
+        positive += ["keep_checkpoints"] + (["checkpoint_interval"] if self.checkpoint_interval is not None else [])
+        for name in positive:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"TrainConfig.{name} must be a positive integer, got {value!r}")
