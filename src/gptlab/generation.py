@@ -30,6 +30,7 @@ import torch
 
 from gptlab import compile_cache, fused_step, hooks, speculative
 from gptlab.kv_cache import KVCache, model_device_dtype
+from gptlab.kv_cache import window_keep as window_keep_of
 from gptlab.sampling import SamplingParams, sample_next, seen_tokens
 
 log = logging.getLogger(__name__)
@@ -281,9 +282,7 @@ def generate_tokens(
     config = model.config
     bos_id = eos_id if bos_id is None else bos_id
     rows = _prepare_prompts(idx, params.num_samples, bos_id, config.vocab_size, config.block_size)
-    keep = config.block_size * 3 // 4 if window_keep is None else window_keep
-    if not 1 <= keep <= config.block_size:
-        raise ValueError(f"window_keep must be in [1, block_size], got {keep}")
+    keep = window_keep_of(config.block_size, window_keep)
     if draft_model is not None or prompt_lookup:  # speculative decoding: gptlab.speculative
         if compiled_step is not None:
             raise ValueError("compiled_step does not apply to speculative decoding (draft_model, prompt_lookup)")

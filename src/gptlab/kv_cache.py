@@ -32,6 +32,15 @@ def cache_dtype(model) -> torch.dtype:
     return torch.bfloat16 if quantized and dtype is torch.float32 else dtype
 
 
+def window_keep(block_size: int, keep: int | None) -> int:
+    """The tokens a full cache keeps when decoding slides its window (gptlab.generation): `keep`,
+    or 3/4 of block_size when None; ValueError outside [1, block_size]."""
+    keep = block_size * 3 // 4 if keep is None else keep
+    if not 1 <= keep <= block_size:
+        raise ValueError(f"window_keep must be in [1, block_size], got {keep}")
+    return keep
+
+
 class KVCache:
     """Preallocated keys and values, one (k, v) pair of tensors per layer, (B, nh, max_len, hs).
 

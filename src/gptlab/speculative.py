@@ -47,6 +47,7 @@ import torch
 
 from gptlab import kernels
 from gptlab.kv_cache import KVCache, model_device_dtype
+from gptlab.kv_cache import window_keep as window_keep_of
 from gptlab.sampling import SamplingParams, draw, probabilities, sample_next, seen_tokens
 
 log = logging.getLogger(__name__)
@@ -436,9 +437,7 @@ def decode(
     check_speculation(model, draft_model, prompt_lookup, num_draft_tokens)
     B, V, block = len(rows), model.config.vocab_size, model.config.block_size
     max_new, rows = params.max_new_tokens, [list(r[-block:]) for r in rows]  # generation's _prepare_prompts
-    keep = block * 3 // 4 if window_keep is None else window_keep
-    if not 1 <= keep <= block:  # as in generation (0 was taken as the default)
-        raise ValueError(f"window_keep must be in [1, block_size], got {keep}")
+    keep = window_keep_of(block, window_keep)  # as in generation (0 was taken as the default)
     stats = stats if stats is not None else SpeculationStats()
     target = RowCache(model, B, min(block, max(map(len, rows)) + max_new))
     generator = generator if generator is not None else params.generator(target.device)

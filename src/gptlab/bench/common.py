@@ -88,6 +88,11 @@ def repeat_seconds(fn, repeats: int) -> list[float]:
     return times
 
 
+def add_out_argument(parser: argparse.ArgumentParser) -> None:
+    """--out: where a bench writes its results (write_results; '' writes none)."""
+    parser.add_argument("--out", default="bench/results", help="results directory ('' to skip writing)")
+
+
 def write_results(name: str, results: dict, out_dir: str | os.PathLike = "bench/results") -> Path | None:
     """Write results (with the machine and a timestamp) to out_dir/NAME-YYYYmmdd-HHMMSS.json and
     print its path; an empty out_dir (every bench's `--out ''`) writes nothing and returns None."""

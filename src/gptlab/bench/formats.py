@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from gptlab.bench.common import CORPUS, positive, write_results
+from gptlab.bench.common import CORPUS, add_out_argument, positive, write_results
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ def parse_args(argv):
     p.add_argument("--data", default=CORPUS, help="text for the perplexity row")
     p.add_argument("--val-fraction", type=float, default=0.1, help="the last part of --data is scored")
     p.add_argument("--threads", type=positive, default=2)
-    p.add_argument("--out", default="bench/results", help="results directory ('' to skip writing)")
+    add_out_argument(p)
     return p.parse_args(argv)
 
 

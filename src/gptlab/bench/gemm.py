@@ -27,7 +27,7 @@ import os
 import statistics
 import time
 
-from gptlab.bench.common import positive, write_results
+from gptlab.bench.common import add_out_argument, positive, write_results
 
 PRODUCTS = ("W x^T", "e^T W", "e x")
 
@@ -40,7 +40,7 @@ def parse_args(argv):
     p.add_argument("--rounds", type=positive, default=9, help="timed rounds per side, alternating")
     p.add_argument("--layer-rows", type=positive, nargs="*", default=[16, 64, 512],
                    help="rows of x for the block layers' products (none: skip them)")  # fmt: skip
-    p.add_argument("--out", default="bench/results", help="results directory ('' to skip writing)")
+    add_out_argument(p)
     return p.parse_args(argv)
 
 

@@ -29,7 +29,7 @@ import time
 import torch
 
 from gptlab import cpu, hf, kernels
-from gptlab.bench.common import machine, positive, repeat_seconds, write_results
+from gptlab.bench.common import add_out_argument, machine, positive, repeat_seconds, write_results
 from gptlab.config import GPTConfig
 from gptlab.kv_cache import cache_dtype
 from gptlab.meta import meta_device
@@ -296,7 +296,7 @@ def parse_args(argv):
         "--probe-mib", type=positive, default=512, help="bandwidth probe buffer (default 512 MiB, >> caches)"
     )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="bench/results", help="results directory ('' to skip writing)")
+    add_out_argument(p)
     return p.parse_args(argv)
 
 
@@ -417,16 +417,15 @@ def main(argv=None) -> int:
         row["same_tokens_as_transformers"] = _same_tokens(row, rows)
     for row in rows:
         row.pop("tokens")
-    if args.out:
-        results = {
-            "settings": dict(
-                preset=args.preset, prompt_len=args.prompt_len, new_tokens=args.new_tokens, greedy=True,
-                repeats=args.repeats, threads=torch.get_num_threads(), load_average=os.getloadavg(),
-                rows_done=f"{len(rows)} of {len(planned)}",
-            ),
-            "bandwidth": bandwidth, "skipped": skipped, "rows": rows, "summary": summary,
-        }  # fmt: skip
-        write_results("generate", results, args.out)
+    results = {
+        "settings": dict(
+            preset=args.preset, prompt_len=args.prompt_len, new_tokens=args.new_tokens, greedy=True,
+            repeats=args.repeats, threads=torch.get_num_threads(), load_average=os.getloadavg(),
+            rows_done=f"{len(rows)} of {len(planned)}",
+        ),
+        "bandwidth": bandwidth, "skipped": skipped, "rows": rows, "summary": summary,
+    }  # fmt: skip
+    write_results("generate", results, args.out)
     return 0
 
 
@@ -482,20 +481,19 @@ def run_llamacpp(args) -> int:
             kv = str(cache_dtype(models[mode])).removeprefix("torch.")
             rows.append({**llamacpp.peer_row(mode, ours, theirs), "kv_cache": kv, "llamacpp_bench": theirs})
             print(llamacpp.format_peer_row(rows[-1]), flush=True)
-    if args.out:
-        results = {
-            "settings": dict(
-                peer="llama.cpp", preset=args.preset, seed=args.seed, decode_tokens=llamacpp.DECODE_TOKENS,
-                decode_from=f"{args.depth} random tokens" if args.depth else [[llamacpp.EOT]], depth=args.depth,
-                kv_cache=args.kv_cache, prefill_tokens=llamacpp.PREFILL_TOKENS, greedy=True,
-                repeats=args.repeats, best_of_repeats=True, modes_interleaved=True, threads=threads, native_bf16=native,
-                native_bf16_why=why, load_average=os.getloadavg(), rows_done=f"{len(rows)} of {len(modes)}",
-                peer_isa=args.peer_isa, isa_env={k: os.environ[k] for k in AVX2_ENV if k in os.environ},  # every level's names
-            ),
-            "llama_cpp": {**llama.info, "q4_0": "llama-quantize --pure from the F32 file", "gguf_bytes": gguf_bytes},
-            "rows": rows,
-        }  # fmt: skip
-        write_results("generate-llamacpp", results, args.out)
+    results = {
+        "settings": dict(
+            peer="llama.cpp", preset=args.preset, seed=args.seed, decode_tokens=llamacpp.DECODE_TOKENS,
+            decode_from=f"{args.depth} random tokens" if args.depth else [[llamacpp.EOT]], depth=args.depth,
+            kv_cache=args.kv_cache, prefill_tokens=llamacpp.PREFILL_TOKENS, greedy=True,
+            repeats=args.repeats, best_of_repeats=True, modes_interleaved=True, threads=threads, native_bf16=native,
+            native_bf16_why=why, load_average=os.getloadavg(), rows_done=f"{len(rows)} of {len(modes)}",
+            peer_isa=args.peer_isa, isa_env={k: os.environ[k] for k in AVX2_ENV if k in os.environ},  # every level's names
+        ),
+        "llama_cpp": {**llama.info, "q4_0": "llama-quantize --pure from the F32 file", "gguf_bytes": gguf_bytes},
+        "rows": rows,
+    }  # fmt: skip
+    write_results("generate-llamacpp", results, args.out)
     return 0
 
 

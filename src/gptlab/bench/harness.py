@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from gptlab.bench.common import CORPUS, positive, write_results
+from gptlab.bench.common import CORPUS, add_out_argument, positive, write_results
 
 DEFAULT_MODEL = "runs/demo/run/latest"  # what `make demo` trains
 TASK = """task: {name}
@@ -66,7 +66,7 @@ def parse_args(argv):
     p.add_argument("--batch-size", type=positive, default=16)
     p.add_argument("--threads", type=positive, default=2)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="bench/results", help="results directory ('' to skip writing)")
+    add_out_argument(p)
     return p.parse_args(argv)
 
 

@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from gptlab.bench.common import positive, repeat_seconds, write_results
+from gptlab.bench.common import add_out_argument, positive, repeat_seconds, write_results
 
 CLEAN = "Then, Mary and John had a long and happy day at the beach. John gave a drink to"  # 20 tokens
 CORRUPT = "Then, Mary and John had a long and happy day at the beach. Mary gave a drink to"
@@ -35,7 +35,7 @@ def parse_args(argv):
     p.add_argument("--no-patching", action="store_true", help="skip the patching grid")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory processes")
     p.add_argument("--memory-side", choices=("gptlab", "bridge"), help=argparse.SUPPRESS)  # one side's process
-    p.add_argument("--out", default="bench/results", help="results directory ('' to skip writing)")
+    add_out_argument(p)
     return p.parse_args(argv)
 
 

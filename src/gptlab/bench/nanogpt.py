@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from gptlab.bench.common import positive, write_results
+from gptlab.bench.common import add_out_argument, positive, write_results
 
 MODEL = dict(n_layer=4, n_head=4, n_embd=128, block_size=128, batch_size=8)
 
@@ -38,7 +38,7 @@ def parse_args(argv):
     p.add_argument("--seconds", type=float, default=120.0, help="training wall time for each side")
     p.add_argument("--calibrate-iters", type=positive, default=15, help="nanoGPT iterations timed to size its run")
     p.add_argument("--work", default=None, help="working directory (default: a temporary one)")
-    p.add_argument("--out", default="bench/results", help="results directory ('' to skip writing)")
+    add_out_argument(p)
     return p.parse_args(argv)
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from gptlab.bench.common import CORPUS, positive, write_results
+from gptlab.bench.common import CORPUS, add_out_argument, positive, write_results
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ def parse_args(argv):
     p.add_argument("--no-random", action="store_true", help="skip the random gpt2 logits/size rows")
     p.add_argument("--threads", type=positive, default=None)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="bench/results", help="results directory ('' to skip writing)")
+    add_out_argument(p)
     return p.parse_args(argv)
 
 

@@ -20,7 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from gptlab.bench.common import positive, write_results
+from gptlab.bench.common import add_out_argument, positive, write_results
 
 CONFIG = Path(__file__).parents[1] / "configs" / "demo.toml"
 RECIPES = {
@@ -64,7 +64,7 @@ def parse_args(argv):
     p.add_argument("--work", default="runs/recipes", help="where the runs go")
     p.add_argument("--plot", default="docs/demo-loss.png")
     p.add_argument("--title", default=None, help="plot title (default: the CPU)")
-    p.add_argument("--out", default="bench/results", help="results directory ('' to skip writing)")
+    add_out_argument(p)
     return p.parse_args(argv)
 
 

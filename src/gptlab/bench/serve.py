@@ -31,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from gptlab.bench.common import positive, write_results
+from gptlab.bench.common import add_out_argument, positive, write_results
 from gptlab.generation import generate
 from gptlab.loading import load_model, tokenizer_name
 
@@ -54,7 +54,7 @@ def parse_args(argv) -> argparse.Namespace:
     p.add_argument("--clients", type=positive, default=16, help="clients at once in the batched row (default 16)")
     p.add_argument("--rounds", type=positive, default=3, help="rounds; the best of each row counts (default 3)")
     p.add_argument("--threads", type=positive, default=None, help="the server's --threads (default: its own default)")
-    p.add_argument("--out", default="bench/results", help="directory for the JSON results ('' to skip writing)")
+    add_out_argument(p)
     return p.parse_args(argv)
 
 

@@ -30,7 +30,7 @@ from unittest import mock
 import torch
 
 from gptlab import speculative as spec
-from gptlab.bench.common import positive, write_results
+from gptlab.bench.common import add_out_argument, positive, write_results
 from gptlab.generation import generate
 from gptlab.loading import load_model
 from gptlab.meta import meta_device
@@ -55,7 +55,7 @@ def parse_args(argv) -> argparse.Namespace:
     p.add_argument("--rates", type=float, nargs="+", default=[0.0, 0.5, 0.7, 0.8, 0.9, 1.0], help="sweep's rates")
     p.add_argument("--repeats", type=positive, default=3, help="runs per row; the best counts (default 3)")
     p.add_argument("--threads", type=positive, default=None, help="torch CPU threads (default: torch's choice)")
-    p.add_argument("--out", default="bench/results", help="directory for the JSON results ('' to skip writing)")
+    add_out_argument(p)
     return p.parse_args(argv)
 
 

@@ -15,7 +15,7 @@ import statistics
 import time
 from contextlib import nullcontext
 
-from gptlab.bench.common import positive, write_results
+from gptlab.bench.common import add_out_argument, positive, write_results
 
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L4": 121.0, "A10": 125.0, "4090": 165.0}  # bf16 dense
 
@@ -34,7 +34,7 @@ def parse_args(argv):
     p.add_argument("--rounds", type=positive, default=5, help="timed rounds per model and dtype")
     p.add_argument("--steps", type=positive, default=3, help="optimizer steps per round")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
-    p.add_argument("--out", default="bench/results", help="results directory ('' to skip writing)")
+    add_out_argument(p)
     p.add_argument("--profile", action="store_true",
                    help="also profile two gptlab steps per dtype (torch.profiler) and print the top ops")  # fmt: skip
     return p.parse_args(argv)

@@ -20,7 +20,7 @@ import time
 import torch
 
 from gptlab import cpu, kernels
-from gptlab.bench.common import positive, write_results
+from gptlab.bench.common import add_out_argument, positive, write_results
 from gptlab.bench.gemm import gemm_env_kept, operands, time_products
 from gptlab.bench.generate import build_mode, gptlab_engine
 from gptlab.config import GPTConfig
@@ -42,7 +42,7 @@ def parse_args(argv):
     p.add_argument("--rounds", type=positive, default=3, help="timed rounds, every variant once per round")
     p.add_argument("--gemm-rows", type=int, default=1024, help="rows of the head GEMM's x (0: skip the GEMM)")
     p.add_argument("--gemm-width", type=positive, default=128, help="the head GEMM's width (the demo model's)")
-    p.add_argument("--out", default="bench/results", help="results directory ('' to skip writing)")
+    add_out_argument(p)
     return p.parse_args(argv)
 
 
