@@ -188,8 +188,17 @@ def test_scheduler_queue_bound(model):
 
 def test_models_and_health(client, url):
     assert [m.id for m in client.models.list().data] == [NAME]
+    assert client.models.retrieve(NAME).id == NAME
     health = httpx.get(f"{url}/health").json()
     assert health["status"] == "ok" and health["model"] == NAME
+
+
+def test_a_model_named_like_a_hub_repository_can_be_retrieved(model, tok):
+    with running(create_app(model, tok, name="org/tiny-byte", max_batch=2, max_queue=2)) as base:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=30)
+        assert client.models.retrieve("org/tiny-byte").id == "org/tiny-byte"
+        with pytest.raises(openai.NotFoundError):
+            client.models.retrieve("org/other")
 
 
 @pytest.mark.parametrize("ends", ["length", "stop"])
@@ -202,13 +211,15 @@ def test_completion_equals_generate(client, model, tok, ends):
         if (len(expected) == max_tokens) == (ends == "length"):
             break
     out = client.completions.create(
-        model=NAME, prompt="Hello there", max_tokens=max_tokens, temperature=0.9, seed=seed,
+        model=NAME, prompt="Hello there", max_tokens=max_tokens, temperature=0.9, seed=seed, logprobs=1,
         extra_body={"return_token_ids": True},
     )  # fmt: skip
     choice = out.choices[0]
     assert choice.token_ids == expected
     assert choice.text == tok.decode(expected)
     assert choice.finish_reason == ends
+    assert choice.logprobs.tokens[-1] == tok.decode([EOS] if ends == "stop" else expected[-1:])
+    assert len(choice.logprobs.tokens) == out.usage.completion_tokens  # every counted token is scored
     assert out.object == "text_completion" and out.model == NAME
     assert out.usage.prompt_tokens == len(ids)
     assert out.usage.completion_tokens == len(expected) + (ends == "stop")  # the end-of-text token counts
@@ -248,7 +259,12 @@ def test_streaming(client, url, model, tok):
     assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
     assert [c.choices[0].finish_reason for c in chunks][-1] == "length"
     assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
-    assert chunks[-1].usage.completion_tokens == 40
+    assert all(c.usage is None for c in chunks)  # no usage unless stream_options asks for it
+    # include_usage: OpenAI's usage-only last chunk, and usage null on every other one.
+    counted = list(client.completions.create(**kwargs, stream=True, stream_options={"include_usage": True},
+                                             extra_body={"ignore_eos": True}))  # fmt: skip
+    assert counted[-1].choices == [] and counted[-1].usage.completion_tokens == 40
+    assert all(c.usage is None for c in counted[:-1])
     # n > 1 streams the samples interleaved, each chunk naming its choice.
     both = client.completions.create(**kwargs, n=2, extra_body={"ignore_eos": True})
     chunks = list(client.completions.create(**kwargs, n=2, stream=True, extra_body={"ignore_eos": True}))
@@ -397,6 +413,10 @@ BAD_REQUESTS = {
     "seed too large": (dict(model=NAME, prompt="hi", seed=2**64), 400, "seed"),
     "too many prompts": (dict(model=NAME, prompt=["a"] * 33), 400, "prompt"),
     "unsupported penalty": (dict(model=NAME, prompt="hi", presence_penalty=1), 400, "presence_penalty"),
+    "best_of below n": (dict(model=NAME, prompt="hi", n=2, best_of=1), 400, "best_of"),
+    "best_of above n": (dict(model=NAME, prompt="hi", best_of=3), 400, "best_of"),
+    "stream_options without stream": (dict(model=NAME, prompt="hi", stream_options={"include_usage": True}), 400, "stream_options"),  # fmt: skip
+    "include_usage not a boolean": (dict(model=NAME, prompt="hi", stream=True, stream_options={"include_usage": "yes"}), 400, "stream_options"),  # fmt: skip
 }
 
 

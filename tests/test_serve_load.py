@@ -62,7 +62,7 @@ def server(tmp_path_factory):
 async def stream_one(client: httpx.AsyncClient, url: str, i: int) -> tuple[int, str | None]:
     """One streaming request; returns (tokens received, error or None)."""
     body = dict(model=NAME, prompt=f"client {i}: ", max_tokens=TOKENS, temperature=1.0, seed=i, stream=True,
-                ignore_eos=True)  # fmt: skip
+                stream_options={"include_usage": True}, ignore_eos=True)  # fmt: skip
     chunks, done, usage = 0, False, None
     try:
         async with client.stream("POST", f"{url}/v1/completions", json=body) as r:

@@ -28,7 +28,7 @@ MAX_BODY_BYTES = 1 << 20
 # document; tests/test_openapi.py checks the server against it.
 ERRORS = {
     "/v1/completions": (400, 404, 429),
-    "/v1/models/{model_id}": (404,),
+    "/v1/models/{model_id}": (404,),  # the OpenAPI path (the route takes a "/" in it)
     "/api/next": (400,),
     "/api/tokens": (400,),
     "/api/attention": (400,),
@@ -95,7 +95,7 @@ def create_app(
     async def models():
         return {"object": "list", "data": [dict(id=name, object="model", created=state.created, owned_by="gptlab")]}
 
-    @app.get("/v1/models/{model_id}")
+    @app.get("/v1/models/{model_id:path}")  # hub-style names hold a "/"
     async def model_card(model_id: str):
         if model_id != name:
             raise APIError(404, f"The model `{model_id}` does not exist", param="model", code="model_not_found")

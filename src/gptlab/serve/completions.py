@@ -40,6 +40,14 @@ MAX_STOPS = 4
 Prompt = str | list[str] | list[int] | list[list[int]]
 
 
+class StreamOptions(BaseModel):
+    """OpenAI's `stream_options`: only with `stream: true`."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    include_usage: bool = False
+
+
 class CompletionRequest(BaseModel):
     """The body of POST /v1/completions (OpenAI's fields, then gptlab's extras)."""
 
@@ -52,7 +60,7 @@ class CompletionRequest(BaseModel):
     top_p: float | None = Field(1.0, gt=0, le=1)
     n: int = Field(1, ge=1)
     stream: bool = False
-    stream_options: dict | None = None
+    stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=-(2**63), lt=2**64)  # what torch.Generator.manual_seed takes
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
@@ -94,6 +102,14 @@ class ChoiceText:
             self.finish_reason = "stop"
         return self._take(piece)
 
+    def end_of_text(self, token: int, logprob=None, top=None) -> tuple[str, list]:
+        """Take <|endoftext|>: it ends the choice, is counted and has its logprob entry (as in
+        OpenAI's completions), but adds no text."""
+        self.token_ids.append(token)
+        if self.want_logprobs:
+            self.entries.append(self.entry(token, logprob, top, self.offset + len(self.text.text)))
+        return self.finish("stop")
+
     def finish(self, reason: str) -> tuple[str, list]:
         """End the choice (if no stop string ended it first); returns what is left to send."""
         if self.finish_reason is not None:
@@ -133,8 +149,12 @@ def _stops(stop) -> list[str]:
 
 
 def _check_unsupported(body: CompletionRequest) -> None:
-    if body.best_of not in (None, 1, body.n):
+    if body.best_of is not None and body.best_of < body.n:
+        raise APIError(400, f"best_of ({body.best_of}) must be at least n ({body.n})", param="best_of", code="invalid_value")  # fmt: skip
+    if body.best_of not in (None, body.n):
         raise APIError(400, "best_of is not supported (only best_of == n)", param="best_of", code="unsupported")
+    if body.stream_options is not None and not body.stream:
+        raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options", code="invalid_value")  # fmt: skip
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(body, name):
             raise APIError(400, f"{name} is not supported; use repetition_penalty", param=name, code="unsupported")
@@ -303,9 +323,8 @@ class CompletionRun:
                     if row is None or choice.finish_reason is not None:
                         continue
                     token, lp, top = row
-                    if token == self.eos_id:  # counted in usage, never shown as text
-                        choice.token_ids.append(token)
-                        yield (i * n + j, *choice.finish("stop"), "stop")
+                    if token == self.eos_id:  # counted in usage and logprobs, never shown as text
+                        yield (i * n + j, *choice.end_of_text(token, lp, top), "stop")
                     else:
                         text, entries = choice.add(token, lp, top)
                         if choice.finish_reason is not None:
@@ -363,19 +382,20 @@ class CompletionRun:
         return f"data: {json.dumps(data)}\n\n"
 
     async def stream(self, watcher: asyncio.Task) -> AsyncIterator[str]:
-        """Server-sent events: one chunk per piece of text, usage on the last, then [DONE]."""
+        """Server-sent events: one chunk per piece of text, then [DONE]. With stream_options'
+        include_usage, as OpenAI: every chunk has `usage: null` and a last chunk with no choices
+        carries the request's usage (so a client that adds up usage counts it once)."""
+        include_usage = self.body.stream_options is not None and self.body.stream_options.include_usage
+        extra = {"usage": None} if include_usage else {}
         try:
             started: set[int] = set()
-            open_choices = len(self.choices)
             async for index, text, entries, finish in self.pieces():
                 if self.body.echo and index not in started:
                     started.add(index)
                     echo_text, echo_entries = self._echo_piece(index // self.n)
                     text, entries = echo_text + text, echo_entries + entries
-                open_choices -= finish is not None
-                extra = {"usage": self.usage()} if open_choices == 0 else {}
                 yield self._chunk(index, text, entries, finish, **extra)
-            if (self.body.stream_options or {}).get("include_usage"):
+            if include_usage:
                 data = dict(id=self.id, object="text_completion", created=self.created, model=self.state.name, choices=[], usage=self.usage())  # fmt: skip
                 yield f"data: {json.dumps(data)}\n\n"
         except APIError as e:
