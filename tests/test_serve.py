@@ -394,6 +394,7 @@ def post(url, body=None, content=None, headers=None):
     return httpx.post(f"{url}/v1/completions", json=body, content=content, headers=headers, timeout=30)
 
 
+USAGE, YES = {"include_usage": True}, {"include_usage": "yes"}
 BAD_REQUESTS = {
     "unknown model": (dict(model="nope", prompt="hi"), 404, "model"),
     "prompt too long": (dict(model=NAME, prompt="x" * 600), 400, "prompt"),
@@ -415,8 +416,8 @@ BAD_REQUESTS = {
     "unsupported penalty": (dict(model=NAME, prompt="hi", presence_penalty=1), 400, "presence_penalty"),
     "best_of below n": (dict(model=NAME, prompt="hi", n=2, best_of=1), 400, "best_of"),
     "best_of above n": (dict(model=NAME, prompt="hi", best_of=3), 400, "best_of"),
-    "stream_options without stream": (dict(model=NAME, prompt="hi", stream_options={"include_usage": True}), 400, "stream_options"),  # fmt: skip
-    "include_usage not a boolean": (dict(model=NAME, prompt="hi", stream=True, stream_options={"include_usage": "yes"}), 400, "stream_options"),  # fmt: skip
+    "stream_options without stream": (dict(model=NAME, prompt="hi", stream_options=USAGE), 400, "stream_options"),
+    "include_usage not boolean": (dict(model=NAME, prompt="", stream=True, stream_options=YES), 400, "stream_options"),
 }
 
 
