@@ -831,9 +831,11 @@ MUTANTS = [
            ("tests/test_speculative.py", "-k", "bad_settings")),
     Mutant("train/keep-checkpoints-zero-accepted", "train_config.py",
            'positive += ["keep_checkpoints"] + ', "positive += ", ("tests/test_train.py", "-k", "counts_of_zero")),
-    Mutant("cli/out-compared-with-the-model-unresolved", "commands/_model_args.py",
-           "Path(source).resolve() == out", "Path(source) == Path(args.out)",
+    Mutant("cli/out-compared-with-the-run-not-the-checkpoint-it-reads", "commands/_model_args.py",
+           'read = checkpoint_path(source).resolve() if flag == "model" else', "read =",
            ("tests/test_cli.py", "-k", "writing_over")),
+    Mutant("cli/out-over-another-training-checkpoint-written", "commands/_model_args.py",
+           "if (out / STATE_FILE).is_file() or", "if", ("tests/test_cli.py", "-k", "writing_over")),
 ]
 # fmt: on
 # The swapped-name mutant needs its table in the module: appended to hf.py with it.

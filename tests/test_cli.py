@@ -245,17 +245,25 @@ def test_a_real_missing_package_through_the_command_line(tmp_path):
 
 @pytest.mark.parametrize("command", [["quantize", "--mode", "int8"], ["export"], ["export", "--format", "llmc"]])
 def test_writing_over_the_model_read_is_refused_and_keeps_it(tmp_path, capsys, command):
-    """--out naming the --model it reads (here through a checkpoint's `latest` link) is refused
+    """--out naming the --model it reads (through a checkpoint's `latest` link, or the run directory
+    that resolves to it), a directory around or inside it, or another training checkpoint, is refused
     before anything is written: `gptlab quantize` replaced a training checkpoint's fp32 weights with
     int8 ones."""
     from conftest import tiny_model
     from gptlab.checkpoint import save_model
 
     save_model(tiny_model(), tmp_path / "ckpt-000010", tokenizer="byte")
+    (tmp_path / "ckpt-000010" / "train_state.json").write_text("{}")  # a training checkpoint's own file
     (tmp_path / "latest").symlink_to("ckpt-000010")
     before = {p.name: p.read_bytes() for p in (tmp_path / "ckpt-000010").iterdir()}
-    argv = [command[0], "--model", str(tmp_path / "latest"), "--out", str(tmp_path / "ckpt-000010"), *command[1:]]
-    assert main(argv) == 2
-    assert "is the --model it reads" in capsys.readouterr().err
-    assert {p.name: p.read_bytes() for p in (tmp_path / "ckpt-000010").iterdir()} == before
+    (tmp_path / "ckpt-000005").mkdir()
+    (tmp_path / "ckpt-000005" / "train_state.json").write_text("{}")
+    read = {"ckpt-000010": "is (or holds) the --model", "latest": "is (or holds) the --model", ".": "is (or holds)",
+            "ckpt-000010/hf": "is (or holds)", "ckpt-000005": "is a training checkpoint or run"}  # fmt: skip
+    for model in ("latest", "."):  # the checkpoint itself, and the run directory that resolves to it
+        for out, message in read.items():
+            argv = [command[0], "--model", str(tmp_path / model), "--out", str(tmp_path / out), *command[1:]]
+            assert main(argv) == 2, (model, out)
+            assert message in capsys.readouterr().err
+            assert {p.name: p.read_bytes() for p in (tmp_path / "ckpt-000010").iterdir()} == before
     assert main([*argv[:3], "--out", str(tmp_path / "copy"), *command[1:]]) == 0  # anywhere else is written

@@ -52,16 +52,26 @@ def model_from_args(args):
 
 
 def check_out_is_not_read(args) -> None:
-    """Refuse an --out that is the --model (or --adapter) it reads, however spelled (a checkpoint's
-    `latest` link, a relative path): writing there would replace the weights it was made from."""
+    """Refuse an --out that would replace weights: the --model (or --adapter) it reads however
+    spelled (a run directory, a checkpoint's `latest` link, a relative path), a directory inside or
+    around the checkpoint read, or any training run or checkpoint (its optimizer state beside them)."""
     from pathlib import Path
+
+    from gptlab.loading import checkpoint_path
+    from gptlab.run_files import LATEST, STATE_FILE
 
     out = Path(args.out).resolve()
     for flag in ("model", "adapter"):
         source = getattr(args, flag, None)
-        if source and Path(source).exists() and Path(source).resolve() == out:
-            raise ValueError(f"--out {args.out} is the --{flag} it reads: writing there would replace those weights; "
-                             "choose another path")  # fmt: skip
+        if not source or not Path(source).exists():
+            continue
+        read = checkpoint_path(source).resolve() if flag == "model" else Path(source).resolve()
+        if out in (Path(source).resolve(), read) or read in out.parents or out in read.parents:
+            raise ValueError(f"--out {args.out} is (or holds) the --{flag} it reads: writing there would replace "
+                             "those weights; choose another path")  # fmt: skip
+    if (out / STATE_FILE).is_file() or (out / LATEST).is_symlink():
+        raise ValueError(f"--out {args.out} is a training checkpoint or run: writing there would replace its "
+                         "weights; choose another path")  # fmt: skip
 
 
 def load(args):
