@@ -124,6 +124,18 @@ def test_bad_settings_are_refused(tmp_path):
         load_adapter(base_model(), tmp_path)
 
 
+def test_an_adapter_on_a_tied_head_loads_but_is_not_merged(tmp_path, idx):
+    """PEFT's adapter on lm_head runs on a tied model, but merging it would change the token
+    embedding too (export --merge wrote logits 22.5 away from the adapted model's): refused."""
+    untied = GPT(GPTConfig(vocab_size=50257, block_size=32, n_layer=2, n_head=2, n_embd=32, tie_weights=False))
+    apply_lora(untied, LoRASettings(rank=4, alpha=8, targets=("lm_head",)))
+    randomize(untied)
+    save_adapter(untied, tmp_path / "head")
+    model = load_adapter(base_model(), tmp_path / "head")
+    with pytest.raises(ValueError, match="tied to the token embedding"):
+        merge(model)
+
+
 def test_every_command_takes_adapter_and_export_merges_it(tmp_path, idx):
     """`--adapter DIR` on the commands that load a model (load_model(spec, adapter=DIR)), and
     `gptlab export --adapter A --merge` writes the merged model: transformers reads it and gives
@@ -210,6 +222,13 @@ def test_lora_training_trains_adapters_only_and_resumes_exactly(tmp_path, precis
         torch.testing.assert_close(load_model(str(ckpt))(idx)[0], resumed.raw_model.eval()(idx)[0], rtol=0, atol=1e-6)
     with pytest.raises(ValueError, match="set init_from"):
         TrainConfig(lora_rank=4)
+    if precision == "fp32":  # gptlab quantize folds a LoRA run's adapters in (it wrote a directory that did not load)
+        from gptlab.cli import main
+
+        assert main(["quantize", "--model", str(tmp_path / "cut"), "--mode", "int8", "--out", str(tmp_path / "q")]) == 0
+        expected = quantize_model(merge(load_model(str(ckpt))), "int8")
+        with torch.no_grad():
+            torch.testing.assert_close(load_model(str(tmp_path / "q"))(idx)[0], expected(idx)[0], rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])

@@ -153,7 +153,11 @@ def merge(model: nn.Module) -> nn.Module:
     base is replaced by its dequantized float layer first, so the merge is exact."""
     from gptlab.linear import Linear
 
-    for name, layer in lora_layers(model).items():
+    layers = lora_layers(model)
+    if "lm_head" in layers and model.config.ties_head:
+        raise ValueError("cannot merge an adapter on lm_head into a head tied to the token embedding: the merged "
+                         "weight would change the embedding too (load the model with its adapter instead)")  # fmt: skip
+    for name, layer in layers.items():
         base = layer.base
         if not isinstance(base, nn.Linear):  # a quantized layer: its float equivalent
             weight = base.dequantize()

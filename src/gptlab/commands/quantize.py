@@ -20,16 +20,17 @@ def add_arguments(parser):
 
 def run(args):
     from gptlab.loading import tokenizer_name
+    from gptlab.lora import lora_layers, merge
     from gptlab.quantize import DEFAULT_ACTIVATIONS, quantize_model, save_quantized, weight_bytes
 
     if args.activations is not None and args.mode != "int8":
         raise ValueError("--activations applies to --mode int8 only")
     check_out_is_not_read(args)
     model = model_from_args(args)
-    if args.adapter:  # a quantized file holds plain weights: the adapter is folded in first
-        from gptlab.lora import merge
-
+    if lora_layers(model):  # a quantized file holds plain weights: --adapter's (or a LoRA run's) is folded in
         merge(model)
+    if model.config.num_labels:
+        raise ValueError(f"{args.model} is a classifier: quantize holds language models")
     if getattr(model, "quantization", None):
         raise ValueError(f"{args.model} is already quantized ({model.quantization['mode']}); quantize a float model")
     float_bytes = weight_bytes(model)
