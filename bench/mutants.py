@@ -834,6 +834,8 @@ MUTANTS = [
     Mutant("cli/out-compared-with-the-run-not-the-checkpoint-it-reads", "commands/_model_args.py",
            'read = checkpoint_path(source).resolve() if flag == "model" else', "read =",
            ("tests/test_cli.py", "-k", "writing_over")),
+    Mutant("hf/exact-gelu-read-as-tanh", "hf.py", '"gelu": "gelu_erf"}', '"gelu": "gelu"}',
+           ("tests/test_hf.py", "-k", "parity")),
     Mutant("cli/out-over-another-training-checkpoint-written", "commands/_model_args.py",
            "if (out / STATE_FILE).is_file() or", "if", ("tests/test_cli.py", "-k", "writing_over")),
 ]

@@ -67,7 +67,9 @@ CLASSIFIER = "GPT2ForSequenceClassification"
 MASK_BUFFER = re.compile(r"^(transformer\.)?h\.\d+\.attn\.(bias|masked_bias)$")
 
 # Config options gptlab's model cannot represent: option -> (the value it needs, why).
-ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")  # both are GELU's tanh approximation
+# activation_function -> GPTConfig.mlp: GELU's tanh approximation (GPT-2's, two spellings), or the
+# exact erf GELU (nanoGPT's, and what export writes for such a model)
+ACTIVATIONS = {"gelu_new": "gelu", "gelu_pytorch_tanh": "gelu", "gelu": "gelu_erf"}
 REQUIRED_OPTIONS = {
     "scale_attn_weights": (True, "gptlab always scales attention scores by 1/sqrt(head_size)"),
     "scale_attn_by_inverse_layer_idx": (False, "gptlab does not scale attention by 1/(layer+1)"),
@@ -134,7 +136,7 @@ def config_from_hf(hf: dict, source: str) -> GPTConfig:
     activation = hf.get("activation_function", "gelu_new")
     if activation not in ACTIVATIONS:
         raise ValueError(
-            f"{source}: activation_function {activation!r} is not supported; gptlab implements {' and '.join(ACTIVATIONS)} (GELU, tanh approximation)"
+            f"{source}: activation_function {activation!r} is not supported; gptlab implements {', '.join(ACTIVATIONS)} (GELU: tanh approximation or exact)"
         )
     for option, (needed, why) in REQUIRED_OPTIONS.items():
         if option in hf and bool(hf[option]) != needed:
@@ -148,6 +150,7 @@ def config_from_hf(hf: dict, source: str) -> GPTConfig:
             n_head=hf.get("n_head", defaults.n_head),
             n_embd=hf.get("n_embd", defaults.n_embd),
             n_inner=hf.get("n_inner"),
+            mlp=ACTIVATIONS[activation],
             layer_norm_eps=hf.get("layer_norm_epsilon", defaults.layer_norm_eps),
             tie_weights=hf.get("tie_word_embeddings", True),
             dropout=0.0,  # HF's *_pdrop are training settings; gptlab loads for inference
@@ -464,6 +467,9 @@ def save_pretrained(model: GPT, directory: str | os.PathLike, *, tokenizer: str 
     directory = Path(directory)
     state = _hf_state(model)
     dtype = state[PREFIX + "wte.weight"].dtype
+    # A config.json of an earlier export goes first: a write that fails midway must not leave the
+    # new weights beside the old config (a directory that loads, wrongly), but no config.json.
+    (directory / CONFIG_FILE).unlink(missing_ok=True)
     atomic_write(directory / SAFETENSORS_FILE, lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
     if tokenizer == "gpt2" and config.vocab_size >= 50257:
         write_tokenizer_files(directory, config.block_size)
