@@ -124,6 +124,53 @@ def test_bad_settings_are_refused(tmp_path):
         load_adapter(base_model(), tmp_path)
 
 
+def test_an_adapter_for_another_model_is_refused_before_the_model_changes(tmp_path, idx):
+    """Another width, a module the model lacks, a missing B, a damaged file, a config that is not an
+    object, an adapter over a LoRA layer: each a ValueError naming it (they were RuntimeError,
+    AttributeError, KeyError, SafetensorError tracebacks), and the model is left as it was."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    wide = GPT(GPTConfig(vocab_size=50257, block_size=32, n_layer=3, n_head=2, n_embd=64))
+    apply_lora(wide, LoRASettings(rank=4, alpha=8, targets=TARGETS))
+    save_adapter(wide, tmp_path / "wide")
+    good = tmp_path / "good"
+    model = base_model()
+    apply_lora(model, LoRASettings(rank=4, alpha=8, targets=TARGETS))
+    save_adapter(model, good)
+    tensors = load_file(good / "adapter_model.safetensors")
+
+    def variant(name, config=None, drop=None, rename=None, raw=None):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "adapter_config.json").write_text(json.dumps(config) if config is not None else (good / "adapter_config.json").read_text())  # fmt: skip
+        if raw is not None:
+            (d / "adapter_model.safetensors").write_bytes(raw)
+            return d
+        t = {(k.replace(*rename) if rename else k): v for k, v in tensors.items() if not (drop and drop in k)}
+        save_file(t, d / "adapter_model.safetensors")
+        return d
+
+    config = json.loads((good / "adapter_config.json").read_text())
+    cases = {
+        tmp_path / "wide": "another model|this model does not have",
+        variant("layer5", rename=("h.1.", "h.5.")): "h.5.*this model does not have",
+        variant("no-b", drop="h.0.mlp.c_fc.lora_B"): "needs both lora_A and lora_B",
+        variant("cut", raw=(good / "adapter_model.safetensors").read_bytes()[:100]): "cannot read",
+        variant("list", config=[config]): "not a JSON object",
+        variant("no-alpha", config={k: v for k, v in config.items() if k != "lora_alpha"}): "lora_alpha",
+    }
+    for directory, message in cases.items():
+        target = base_model()
+        before = {k: v.clone() for k, v in target.state_dict().items()}
+        with pytest.raises(ValueError, match=message):
+            load_adapter(target, directory)
+        assert not lora_layers(target) and all(torch.equal(v, before[k]) for k, v in target.state_dict().items())
+    with pytest.raises(ValueError, match="already carries an adapter"):
+        load_adapter(load_adapter(base_model(), good), good)
+
+
 def test_an_adapter_on_a_tied_head_loads_but_is_not_merged(tmp_path, idx):
     """PEFT's adapter on lm_head runs on a tied model, but merging it would change the token
     embedding too (export --merge wrote logits 22.5 away from the adapted model's): refused."""

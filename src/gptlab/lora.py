@@ -213,31 +213,33 @@ def save_adapter(model: nn.Module, directory: str | os.PathLike, *, base_model: 
 
 def load_adapter(model: nn.Module, directory: str | os.PathLike) -> nn.Module:
     """Apply a PEFT LoRA directory (trained on GPT2LMHeadModel, or written by save_adapter) to the
-    model, in place; returns the model."""
+    model, in place; returns the model. An adapter made for another model is a ValueError, raised
+    before the model is changed."""
     directory = Path(directory)
     try:
         config = json.loads((directory / "adapter_config.json").read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise ValueError(f"{directory}: not a PEFT adapter directory (adapter_config.json: {e})") from e
+    if not isinstance(config, dict):
+        raise ValueError(f"{directory}: adapter_config.json is not a JSON object")
     if config.get("peft_type") != "LORA":
         raise ValueError(f"{directory}: a {config.get('peft_type')} adapter; gptlab reads LORA")
     if config.get("use_dora") or config.get("use_rslora"):
         raise ValueError(f"{directory}: DoRA and rsLoRA adapters are not supported")
-    tensors = load_file(str(directory / "adapter_model.safetensors"))
-    names = sorted({k[len(PREFIX) :].rsplit(".lora_", 1)[0] for k in tensors if ".lora_" in k})
-    saved = {k[len(PREFIX) :]: v for k, v in tensors.items() if ".lora_" not in k}  # PEFT's modules_to_save
+    for key in ("r", "lora_alpha"):
+        if not isinstance(config.get(key), int | float):
+            raise ValueError(f"{directory}: adapter_config.json has no number {key!r}")
+    try:
+        tensors = load_file(str(directory / "adapter_model.safetensors"))
+    except Exception as e:  # safetensors raises its own error types for damaged files
+        raise ValueError(f"{directory}: cannot read adapter_model.safetensors ({e})") from e
+    layers, saved = _adapter_tensors(directory, config, tensors, model)
     own = model.state_dict()
-    unknown = sorted(set(saved) - set(own))
-    if unknown:
-        raise ValueError(f"{directory}: the adapter holds {', '.join(unknown)}, which this model does not have")
     for p in model.parameters():
         p.requires_grad_(False)
-    for name in names:
-        A, B = tensors[f"{PREFIX}{name}.lora_A.weight"], tensors[f"{PREFIX}{name}.lora_B.weight"]
-        rank = A.size(0)
-        alpha = _pattern(config.get("alpha_pattern", {}), name, config["lora_alpha"])
+    for name, (A, B, alpha) in layers.items():
         base = model.get_submodule(name)
-        layer = LoRALinear(base, {"all": (0, base.out_features)}, rank, alpha, config.get("lora_dropout", 0.0))
+        layer = LoRALinear(base, {"all": (0, base.out_features)}, A.size(0), alpha, config.get("lora_dropout", 0.0))
         layer.lora_A["all"].data.copy_(A)
         layer.lora_B["all"].data.copy_(B)
         parent, _, child = name.rpartition(".")
@@ -247,6 +249,38 @@ def load_adapter(model: nn.Module, directory: str | os.PathLike) -> nn.Module:
             own[name].copy_(tensor)
     model.lora_settings = LoRASettings(rank=config["r"], alpha=config["lora_alpha"], dropout=config.get("lora_dropout", 0.0), targets=())  # fmt: skip
     return model
+
+
+def _adapter_tensors(directory: Path, config: dict, tensors: dict, model: nn.Module) -> tuple[dict, dict]:
+    """The adapter's layers, {module name: (A, B, alpha)}, and its modules_to_save tensors, each
+    checked against the model: a module it lacks, or a shape of another width, is a ValueError."""
+    names = sorted({k[len(PREFIX) :].rsplit(".lora_", 1)[0] for k in tensors if ".lora_" in k})
+    saved = {k[len(PREFIX) :]: v for k, v in tensors.items() if ".lora_" not in k}  # PEFT's modules_to_save
+    own = model.state_dict()
+    unknown = sorted(set(saved) - set(own))
+    if unknown:
+        raise ValueError(f"{directory}: the adapter holds {', '.join(unknown)}, which this model does not have")
+    for name, tensor in saved.items():
+        if tensor.shape != own[name].shape:
+            raise ValueError(f"{directory}: {name} has shape {tuple(tensor.shape)}, this model's {tuple(own[name].shape)}")  # fmt: skip
+    layers = {}
+    for name in names:
+        A, B = (tensors.get(f"{PREFIX}{name}.lora_{x}.weight") for x in "AB")
+        if A is None or B is None:
+            raise ValueError(f"{directory}: {name} needs both lora_A and lora_B weights")
+        try:
+            base = model.get_submodule(name)
+        except AttributeError:
+            raise ValueError(f"{directory}: the adapter is for {name}, which this model does not have") from None
+        if isinstance(base, LoRALinear):
+            raise ValueError(f"{directory}: {name} already carries an adapter (a LoRA run's): merge it first")
+        if not hasattr(base, "out_features"):
+            raise ValueError(f"{directory}: the adapter is for {name}, which is not a linear layer")
+        if A.dim() != 2 or B.dim() != 2 or A.shape[1] != base.in_features or B.shape != (base.out_features, A.shape[0]):
+            raise ValueError(f"{directory}: {name}'s adapter is (A {tuple(A.shape)}, B {tuple(B.shape)}), but the layer "
+                             f"maps {base.in_features} to {base.out_features}: an adapter for another model")  # fmt: skip
+        layers[name] = A, B, _pattern(config.get("alpha_pattern", {}), name, config["lora_alpha"])
+    return layers, saved
 
 
 def _pattern(patterns: dict, name: str, default):
