@@ -184,6 +184,32 @@ def test_mismatches_name_the_tensor(tmp_path):
         load_model(str(tmp_path / "other.pt"))
 
 
+def test_damaged_checkpoints_are_value_errors(tmp_path):
+    """An empty file, model_args that are not a dict, a state without the embedding or with a
+    non-string key: each a ValueError naming it (IndexError, TypeError, KeyError, AttributeError)."""
+    args, state = model_args(), nanogpt_state(model_args())
+    (tmp_path / "empty.pt").write_bytes(b"")
+    cases = [
+        ("empty.pt", None, "cannot read it as a nanoGPT checkpoint"),
+        ("args.pt", {"model": state, "model_args": 3}, "model_args is a int"),
+        (
+            "no-wte.pt",
+            {"model": {k: v for k, v in state.items() if "wte" not in k}, "model_args": args},
+            "no transformer.wte",
+        ),  # fmt: skip
+        (
+            "int-key.pt",
+            {"model": {**state, 0: state["transformer.wte.weight"]}, "model_args": args},
+            "not a state dict",
+        ),  # fmt: skip
+    ]
+    for name, content, message in cases:
+        if content is not None:
+            torch.save(content, tmp_path / name)
+        with pytest.raises(ValueError, match=message):
+            load_model(str(tmp_path / name))
+
+
 def test_cli_reads_the_out_dir(tmp_path, capsys):
     """Any --model takes nanoGPT's out_dir: here a 50304-token model (nanoGPT's padded GPT-2 vocabulary)."""
     args = model_args(vocab_size=50304, n_embd=32, bias=False)

@@ -56,7 +56,7 @@ def read_checkpoint(path: Path) -> dict:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # refused globals, damaged zip archives, truncated files
         refused = re.search(r"WeightsUnpickler error: ([^\n]*?)(\. Please|$)", str(e), re.MULTILINE)
-        detail = refused.group(1) if refused else str(e).strip().splitlines()[0]
+        detail = refused.group(1) if refused else (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise ValueError(
             f"{path}: cannot read it as a nanoGPT checkpoint with torch.load(weights_only=True): {detail}"
         ) from e
@@ -68,6 +68,8 @@ def read_checkpoint(path: Path) -> dict:
 
 def config_from_model_args(model_args: dict, tied: bool, source: str) -> GPTConfig:
     """GPTConfig of nanoGPT's GPTConfig fields; dropout is a training setting and is not kept."""
+    if not isinstance(model_args, dict):
+        raise ValueError(f"{source}: model_args is a {type(model_args).__name__}, not a dict")
     missing = [k for k in MODEL_ARGS if k not in model_args]
     if missing:
         raise ValueError(f"{source}: model_args lacks {', '.join(missing)}")
@@ -85,7 +87,7 @@ def config_from_model_args(model_args: dict, tied: bool, source: str) -> GPTConf
 
 def model_state(state: dict, source: str) -> tuple[dict[str, torch.Tensor], bool]:
     """(gptlab state dict, tied?) from nanoGPT's state dict: prefixes and mask buffers removed."""
-    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+    if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()):  # fmt: skip
         raise ValueError(f"{source}: checkpoint['model'] is not a state dict of tensors")
     out = {}
     for name, tensor in state.items():
@@ -95,6 +97,8 @@ def model_state(state: dict, source: str) -> tuple[dict[str, torch.Tensor], bool
         out[name] = tensor
     head, wte = out.get(HEAD), out.get(WTE)
     tied = head is None or (wte is not None and head.shape == wte.shape and torch.equal(head, wte))
+    if wte is None:
+        raise ValueError(f"{source}: checkpoint['model'] has no {WTE}, the token embedding")
     if tied:
         out.pop(HEAD, None)
     return out, tied
