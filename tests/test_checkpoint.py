@@ -75,3 +75,24 @@ def test_a_foreign_directory_is_a_clear_error(tmp_path):
     (tmp_path / "gptlab.json").write_text('{"format": "other"}')
     with pytest.raises(ValueError, match="not a gptlab model file"):
         load_native(tmp_path)
+
+
+def test_damaged_metadata_and_a_missing_embedding_are_clear_errors(tmp_path):
+    """gptlab.json that is a list, without its config, or with a quantization that is not an object,
+    and tied weights without the embedding: ValueErrors naming them (were AttributeError/KeyError)."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    save_model(tiny_model(), tmp_path)
+    meta = json.loads((tmp_path / "gptlab.json").read_text())
+    for bad, message in [([meta], "not a gptlab model file"), ({**meta, "config": None}, "no model config"),
+                         ({**meta, "quantization": "int8"}, "quantization.*object")]:  # fmt: skip
+        (tmp_path / "gptlab.json").write_text(json.dumps(bad))
+        with pytest.raises(ValueError, match=message):
+            load_native(tmp_path)
+    (tmp_path / "gptlab.json").write_text(json.dumps(meta))
+    weights = load_file(tmp_path / "model.safetensors")
+    save_file({k: v for k, v in weights.items() if "wte" not in k}, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match=r"missing tensors \['lm_head.weight', 'transformer.wte.weight'\]"):
+        load_native(tmp_path)

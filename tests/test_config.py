@@ -37,6 +37,9 @@ def test_llama_preset_combines_variants():
         (dict(pos_embedding="alibi"), "pos_embedding"),
         (dict(dropout=1.5), "dropout"),
         (dict(layer_norm_eps=0), "layer_norm_eps"),
+        (dict(layer_norm_eps="1e-5"), "layer_norm_eps"),  # a string from a hand-edited config: was a TypeError
+        (dict(bias="no"), "bias"),  # was taken as true
+        (dict(labels=3, num_labels=3), "labels"),
     ],
 )
 def test_bad_values_name_the_field(kwargs, field):

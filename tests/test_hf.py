@@ -389,6 +389,36 @@ def test_missing_shard(zoo, tmp_path):
         hf.load_pretrained(tmp_path)
 
 
+def test_a_damaged_config_or_shard_index_is_a_clear_error(broken, zoo, tmp_path):
+    """config.json that is a list, null architectures, a gap in id2label, a string epsilon; a shard
+    index whose weight_map is a list or names a file outside the directory: ValueErrors (were
+    AttributeError/TypeError/KeyError, or a read outside the directory)."""
+    directory, reads = broken
+    config = json.loads((directory / "config.json").read_text())
+    classifier = {**config, "architectures": ["GPT2ForSequenceClassification"]}
+    for bad, message in [
+        ([config], "not a JSON object"),
+        ({**classifier, "id2label": {"0": "a", "2": "b"}}, "id2label must map"),
+        ({**config, "layer_norm_epsilon": "1e-5"}, "layer_norm_eps must be a number"),
+    ]:
+        (directory / "config.json").write_text(json.dumps(bad))
+        with pytest.raises(ValueError, match=message):
+            hf.load_pretrained(directory)
+    theirs, _ = zoo.get("odd-heads")
+    write_layout("sharded", theirs, tmp_path / "sharded")
+    index = tmp_path / "sharded" / "model.safetensors.index.json"
+    original = json.loads(index.read_text())
+    first = sorted(original["weight_map"].values())[0]
+    (tmp_path / first).write_bytes((tmp_path / "sharded" / first).read_bytes())  # a copy outside the directory
+    for weight_map, message in [(["x"], "weight_map must map"), ({k: f"../{first}" for k in original["weight_map"]}, "outside|files of its directory")]:  # fmt: skip
+        index.write_text(json.dumps({**original, "weight_map": weight_map}))
+        with pytest.raises(ValueError, match=message):
+            hf.load_pretrained(tmp_path / "sharded")
+    assert reads == []
+    (directory / "config.json").write_text(json.dumps({**config, "architectures": None}))
+    hf.load_pretrained(directory)  # null architectures: a language model
+
+
 @pytest.mark.parametrize(
     "option, value",
     [

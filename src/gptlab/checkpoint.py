@@ -75,8 +75,13 @@ def read_meta(directory: str | os.PathLike) -> dict:
         meta = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise ValueError(f"{path}: not a readable gptlab model file ({e})") from e
-    if meta.get("format") != "gptlab":
-        raise ValueError(f"{path}: not a gptlab model file (format={meta.get('format')!r})")
+    if not isinstance(meta, dict) or meta.get("format") != "gptlab":
+        found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
+        raise ValueError(f"{path}: not a gptlab model file (format={found!r})")
+    if not isinstance(meta.get("config"), dict):
+        raise ValueError(f"{path}: no model config (a 'config' object) in it")
+    if not isinstance(meta.get("quantization") or {}, dict):
+        raise ValueError(f"{path}: 'quantization' must be an object, got {meta['quantization']!r}")
     return meta
 
 
@@ -95,7 +100,7 @@ def load_native(directory: str | os.PathLike, *, device=None, dtype=None) -> GPT
         state = load_file(directory / WEIGHTS_FILE, device=str(device or "cpu"))
     except Exception as e:  # safetensors raises its own error types for damaged files
         raise ValueError(f"{directory / WEIGHTS_FILE}: cannot read weights ({e})") from e
-    if config.ties_head:
+    if config.ties_head and "transformer.wte.weight" in state:  # else load_state_strict names it missing
         state["lm_head.weight"] = state["transformer.wte.weight"]
     load_state_strict(model, state, str(directory))
     model.tie_weights()

@@ -46,6 +46,13 @@ class GPTConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"GPTConfig.{name} must be a positive integer, got {value!r}")
+        for name in ("dropout", "layer_norm_eps", "rope_theta"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise ValueError(f"GPTConfig.{name} must be a number, got {value!r}")
+        for name in ("bias", "tie_weights"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"GPTConfig.{name} must be true or false, got {getattr(self, name)!r}")
         if self.n_embd % self.n_head != 0:
             raise ValueError(f"GPTConfig.n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
         if not 0.0 <= self.dropout < 1.0:
@@ -62,6 +69,8 @@ class GPTConfig:
         if isinstance(self.num_labels, bool) or not isinstance(self.num_labels, int) or self.num_labels < 0:
             raise ValueError(f"GPTConfig.num_labels must be a non-negative integer, got {self.num_labels!r}")
         if self.labels is not None:
+            if not isinstance(self.labels, list | tuple):
+                raise ValueError(f"GPTConfig.labels must be a list of names, got {self.labels!r}")
             self.labels = [str(name) for name in self.labels]
             if len(self.labels) != self.num_labels or len(set(self.labels)) != len(self.labels):
                 raise ValueError(
@@ -115,6 +124,8 @@ class GPTConfig:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> GPTConfig:
         """Build from a dict; unknown keys are an error that names them."""
+        if not isinstance(d, dict):
+            raise ValueError(f"a GPTConfig is a dict of its fields, got {type(d).__name__}")
         fields = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - fields)
         if unknown:

@@ -131,6 +131,8 @@ def to_modern_names(names, tied: bool) -> dict[str, str]:
 
 def config_from_hf(hf: dict, source: str) -> GPTConfig:
     """GPTConfig for a GPT2 config.json dict; refuses options gptlab would silently get wrong."""
+    if not isinstance(hf, dict):
+        raise ValueError(f"{source}: config.json is not a JSON object")
     if hf.get("model_type", "gpt2") != "gpt2":
         raise ValueError(f"{source}: model_type {hf.get('model_type')!r} is not GPT-2; gptlab loads only gpt2 models")
     activation = hf.get("activation_function", "gelu_new")
@@ -162,9 +164,11 @@ def config_from_hf(hf: dict, source: str) -> GPTConfig:
 
 def classifier_from_hf(hf: dict) -> dict:
     """GPTConfig's classification fields for a GPT2ForSequenceClassification config, else none."""
-    if CLASSIFIER not in hf.get("architectures", []):
+    if CLASSIFIER not in (hf.get("architectures") or []):
         return {}
     id2label = hf.get("id2label") or {str(i): f"LABEL_{i}" for i in range(hf.get("num_labels", 2))}
+    if not isinstance(id2label, dict) or sorted(id2label, key=str) != sorted(map(str, range(len(id2label)))):
+        raise ValueError(f"id2label must map each of 0..{len(id2label) - 1} to a name, got {id2label!r}")
     labels = [id2label[str(i)] for i in range(len(id2label))]
     return dict(num_labels=len(labels), labels=labels, pad_token_id=hf.get("pad_token_id"))
 
@@ -324,7 +328,13 @@ def _shards(index_path: Path) -> list[Path]:
         weight_map = json.loads(index_path.read_text())["weight_map"]
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ValueError(f"{index_path}: not a readable shard index ({e})") from e
-    paths = [index_path.parent / name for name in sorted(set(weight_map.values()))]
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise ValueError(f"{index_path}: weight_map must map tensor names to shard file names")
+    names = sorted(set(weight_map.values()))
+    outside = [name for name in names if (index_path.parent / name).resolve().parent != index_path.parent.resolve()]
+    if outside:
+        raise ValueError(f"{index_path}: shards must be files of its directory, not {outside[0]}")
+    paths = [index_path.parent / name for name in names]
     for path in paths:
         if not path.is_file():
             raise ValueError(f"{index_path}: shard {path.name} is missing")
