@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
 
 from conftest import tiny_config, tiny_model
 from gptlab import kernels, ops
@@ -351,6 +352,12 @@ def test_bad_inputs(tmp_path):
     save_quantized(qmodel, tmp_path / "q")
     with pytest.raises(ValueError, match="int8 quantized model"):
         load_native(tmp_path / "q")
+    # int4 codes stored as int8 instead of uint8 loaded and ran with logits 1.44 off: refused
+    save_quantized(quantize_model(tiny_model(), "int4", group_size=32), tmp_path / "q4")
+    weights = load_file(tmp_path / "q4" / "model.safetensors")
+    save_file({k: v.view(torch.int8) if v.dtype == torch.uint8 else v for k, v in weights.items()}, tmp_path / "q4" / "model.safetensors")  # fmt: skip
+    with pytest.raises(ValueError, match="is torch.int8, the model expects torch.uint8"):
+        load_model(str(tmp_path / "q4"))
 
 
 def test_cli_quantize(tmp_path, capsys):

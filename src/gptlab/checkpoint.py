@@ -121,4 +121,7 @@ def load_state_strict(model: GPT, state: dict[str, torch.Tensor], source: str) -
             raise ValueError(
                 f"{source}: tensor {name} has shape {tuple(tensor.shape)}, the model expects {tuple(expected[name].shape)}"
             )
+        want = expected[name].dtype  # any float dtype is a float model's; integer (quantized) ones are exact
+        if tensor.dtype != want and not (tensor.dtype.is_floating_point and want.is_floating_point):
+            raise ValueError(f"{source}: tensor {name} is {tensor.dtype}, the model expects {want}")
     model.load_state_dict(state, strict=True, assign=True)
