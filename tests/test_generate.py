@@ -403,6 +403,12 @@ def test_cli_bad_sampling_value_is_one_line_error(echo_dir, capsys):
     assert "top_p" in err and err.count("\n") == 1
     assert main(["generate", "--model", echo_dir, "--prompt", "a", "--top-k", "-1"]) == 2
     assert "top_k=0 turns it off" in capsys.readouterr().err
+    # flags the run would ignore (it ran without them, saying nothing)
+    ignored = {("-i", "--prompt", "a"): "drop --prompt", ("-i", "--num-samples", "2"): "drop --num-samples",
+               ("--prompt", "a", "--num-draft-tokens", "7"): "add --draft-model or --prompt-lookup"}  # fmt: skip
+    for flags, message in ignored.items():
+        assert main(["generate", "--model", echo_dir, *flags]) == 2
+        assert message in capsys.readouterr().err
 
 
 def test_cli_sampling_flags_are_the_sampling_params_fields():
@@ -417,6 +423,9 @@ def test_cli_sampling_flags_are_the_sampling_params_fields():
     params = sampling_from_args(parser.parse_args(["--model", "m", *flags.split()]))
     assert params == SamplingParams(temperature=0.5, top_k=7, top_p=0.9, min_p=0.1, repetition_penalty=1.2, seed=3,
                                     max_new_tokens=9, num_samples=2, stop=("ab", "c"))  # fmt: skip
+    # --stop "\n\n" (the README's example, as a shell passes it: backslash, n) is two newlines
+    stops = parser.parse_args(["--model", "m", "--stop", r"\n\n", "--stop", r"a\tb\\n"]).stop
+    assert stops == ["\n\n", "a\tb\\n"]
 
 
 def test_compiled_decode_step_matches_eager():

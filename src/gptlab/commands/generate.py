@@ -25,7 +25,7 @@ def add_arguments(parser):
     spec = parser.add_argument_group("speculative decoding (same tokens when greedy, same distribution when sampling)")
     spec.add_argument("--draft-model", default=None, help="a smaller model with the same tokenizer proposes tokens")
     spec.add_argument("--prompt-lookup", type=int, default=0, help="propose what followed the last n-gram, n <= N")
-    spec.add_argument("--num-draft-tokens", type=int, default=4, help="most tokens proposed per step (default 4)")
+    spec.add_argument("--num-draft-tokens", type=int, default=None, help="most tokens proposed per step (default 4)")
 
 
 def add_sampling_arguments(parser) -> None:
@@ -40,7 +40,19 @@ def add_sampling_arguments(parser) -> None:
     parser.add_argument("--repetition-penalty", type=float, default=P.repetition_penalty, help=f"CTRL's penalty, e.g. 1.2 (default {P.repetition_penalty}: off)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=P.seed, help="make sampling reproducible")
     parser.add_argument("--num-samples", type=int, default=P.num_samples, help=f"continuations of the prompt (default {P.num_samples})")  # fmt: skip
-    parser.add_argument("--stop", action="append", default=list(P.stop), help="stop at this string (repeatable)")
+    parser.add_argument("--stop", action="append", type=unescape, default=list(P.stop),
+                        help=r'stop at this string (repeatable); \n, \t, \r and \\ are escapes: --stop "\n\n"')  # fmt: skip
+
+
+ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
+
+
+def unescape(text: str) -> str:
+    r"""A flag's text with the escapes a shell leaves alone turned into their characters (as
+    llama.cpp's flags do): --stop "\n\n" is two newlines."""
+    import re
+
+    return re.sub(r"\\([ntr\\])", lambda m: ESCAPES[m.group(1)], text)
 
 
 def sampling_from_args(args):
@@ -59,18 +71,19 @@ def run(args):
     from gptlab.speculative import check_speculation
 
     params = sampling_from_args(args)
+    check_flags(args, params)
     one = dataclasses.replace(params, num_samples=1)  # each stream_text call makes one sample
     model, tokenizer = load(args)
     device, _ = model_device_dtype(model)
     # One generator for the whole session, so the samples (and interactive turns) differ.
     generator = params.generator(device, fresh=True)
     compiled_step = compile_decode(model) if args.compile else None
-    speculation = dict(prompt_lookup=args.prompt_lookup, num_draft_tokens=args.num_draft_tokens)
+    speculation = dict(prompt_lookup=args.prompt_lookup, num_draft_tokens=args.num_draft_tokens or 4)
     if args.draft_model:
         speculation["draft_model"] = model_from_args(
             argparse.Namespace(**{**vars(args), "model": args.draft_model, "adapter": None})
         )
-    check_speculation(model, speculation.get("draft_model"), args.prompt_lookup, args.num_draft_tokens)
+    check_speculation(model, speculation.get("draft_model"), args.prompt_lookup, speculation["num_draft_tokens"])
 
     def continue_text(prompt: str) -> str:
         pieces = []
@@ -89,6 +102,16 @@ def run(args):
             print(f"--- sample {i + 1} ---")
         print(prompt, end="", flush=True)
         continue_text(prompt)
+
+
+def check_flags(args, params) -> None:
+    """Refuse flags the run would ignore."""
+    if args.interactive and (args.prompt is not None or args.prompt_file is not None):
+        raise ValueError("-i reads the conversation from the keyboard, a line per turn: drop --prompt/--prompt-file")
+    if args.interactive and params.num_samples > 1:
+        raise ValueError("-i continues the conversation once per turn: drop --num-samples")
+    if args.num_draft_tokens is not None and not (args.draft_model or args.prompt_lookup):
+        raise ValueError("--num-draft-tokens sizes speculative decoding: add --draft-model or --prompt-lookup")
 
 
 def read_prompt(args) -> str:
