@@ -186,8 +186,13 @@ def test_bad_prompts_and_indices():
         gi.encode_prompt(BYTE, "", 32)
     with pytest.raises(ValueError, match="40 tokens, longer than the model's context of 32"):
         gi.encode_prompt(BYTE, "x" * 40, 32)
-    with pytest.raises(ValueError, match="top must be at least 1"):
-        gi.next_tokens(model, BYTE, torch.tensor([[1]]), top=0)
+    one = torch.tensor([[1]])
+    for top in (0, -1):  # trace crashed in topk on -1 and printed no tokens for 0
+        for read, args in ((gi.next_tokens, (model, BYTE, one)), (gi.logit_lens, (model, one)), (gi.trace, (model, BYTE, one))):  # fmt: skip
+            with pytest.raises(ValueError, match="top must be at least 1"):
+                read(*args, top=top)
+    with pytest.raises(ValueError, match="one sequence at a time: idx has 2 rows"):  # row 1 was ignored
+        gi.next_tokens(model, BYTE, torch.tensor([[1], [2]]))
 
 
 # ----------------------------------------------------------------------------- CLI
@@ -317,6 +322,7 @@ def test_info_gpt2_prints_the_total(capsys):
         (["lens", "--prompt", ""], "prompt is empty"),
         (["next", "--prompt", ""], "prompt is empty"),
         (["next", "--prompt", "x" * 65], "65 tokens, longer than the model's context of 64"),
+        (["trace", "--prompt", "hi", "--top", "-1"], "top must be at least 1"),
     ],
 )
 def test_cli_bad_input(tmp_path, model_dir, capsys, argv, message):

@@ -160,6 +160,17 @@ def _check_idx(model: GPT, idx: torch.Tensor) -> torch.Tensor:
     return idx
 
 
+def _one_sequence(model: GPT, idx: torch.Tensor, top: int) -> torch.Tensor:
+    """idx as (1, T) for the functions that read one sequence's top tokens; ValueError for a batch
+    (its other rows were ignored) or a top below 1."""
+    if isinstance(top, bool) or not isinstance(top, int) or top < 1:
+        raise ValueError(f"top must be at least 1, got {top!r}")
+    idx = _check_idx(model, idx)
+    if idx.size(0) != 1:
+        raise ValueError(f"one sequence at a time: idx has {idx.size(0)} rows")
+    return idx
+
+
 @torch.no_grad()
 def residual_streams(model: GPT, idx: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Logits and the residual stream entering block 0 and leaving each block: n_layer + 1 tensors (B, T, C)."""
@@ -177,9 +188,7 @@ def _top(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 @torch.no_grad()
 def next_tokens(model: GPT, tokenizer: Tokenizer, idx: torch.Tensor, top: int = 10) -> list[dict]:
     """The `top` most likely next tokens after the sequence, with probabilities and logits."""
-    if top < 1:
-        raise ValueError(f"top must be at least 1, got {top}")
-    idx = _check_idx(model, idx)
+    idx = _one_sequence(model, idx, top)
     logits, _ = model(idx)
     last = logits[0, -1].float()  # (V,)
     probs, ids = _top(last, top)
@@ -196,9 +205,7 @@ def logit_lens(model: GPT, idx: torch.Tensor, top: int = 5) -> dict:
 
     Returns layer names, top_ids and top_probs as nested lists (layers, T, top).
     """
-    if top < 1:
-        raise ValueError(f"top must be at least 1, got {top}")
-    idx = _check_idx(model, idx)
+    idx = _one_sequence(model, idx, top)
     _, streams = residual_streams(model, idx)
     top_ids, top_probs = [], []
     for x in streams:
@@ -283,7 +290,7 @@ def trace(model: GPT, tokenizer: Tokenizer, idx: torch.Tensor, top: int = 5) -> 
     """A forward pass step by step: tokens, each stage's output shape, how much each block changes
     the residual stream (norms averaged over positions), the logits' shape and the top next tokens.
     """
-    idx = _check_idx(model, idx)
+    idx = _one_sequence(model, idx, top)
     with capture_outputs(_watch_for_trace(model)) as out:
         logits, _ = model(idx)
     probs, ids = _top(logits[0, -1], top)
