@@ -115,3 +115,10 @@ def test_gptlab_patch_writes_the_grids_and_checks_its_prompts(tmp_path, capsys):
     assert "each answer must be one token" in capsys.readouterr().err
     assert patch(corrupt="When") == 2
     assert "must be as long" in capsys.readouterr().err
+    # an empty prompt, one answer twice, and prompts that do not change the answer: clear errors
+    # (were a float-tensor error, and grids of zeros printed as results)
+    for kwargs, message in [(dict(clean="", corrupt=""), "prompt is empty: give some text with --clean"),
+                            (dict(answers=(" Mary", " Mary")), "same token"),
+                            (dict(corrupt=clean), "same logit difference")]:  # fmt: skip
+        assert patch(**kwargs) == 2
+        assert message in capsys.readouterr().err

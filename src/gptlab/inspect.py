@@ -33,13 +33,14 @@ def token_label(tokenizer: Tokenizer, token_id: int) -> str:
     return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
 
 
-def encode_prompt(tokenizer: Tokenizer, prompt: str, block_size: int) -> list[int]:
-    """Token ids of a prompt; an empty prompt or one longer than the context is a ValueError."""
+def encode_prompt(tokenizer: Tokenizer, prompt: str, block_size: int, flag: str = "--prompt") -> list[int]:
+    """Token ids of a prompt; an empty prompt or one longer than the context is a ValueError
+    (naming the command's `flag` for it)."""
     if not prompt:
-        raise ValueError("the prompt is empty: give some text with --prompt")
+        raise ValueError(f"the prompt is empty: give some text with {flag}")
     ids = tokenizer.encode(prompt)
     if len(ids) > block_size:
-        raise ValueError(f"the prompt is {len(ids)} tokens, longer than the model's context of {block_size}")
+        raise ValueError(f"{flag} is {len(ids)} tokens, longer than the model's context of {block_size}")
     return ids
 
 

@@ -27,18 +27,25 @@ def single_token(tokenizer, text: str) -> int:
 def run(args):
     import torch
 
-    from gptlab.inspect import plot_patching, token_label
+    from gptlab.inspect import encode_prompt, plot_patching, token_label
     from gptlab.patching import activation_patching, attribution_patching, logit_diff
 
     model, tokenizer = load(args)
-    device = next(model.parameters()).device
-    clean, corrupt = (torch.tensor([tokenizer.encode(p)], device=device) for p in (args.clean, args.corrupt))
+    device, block = next(model.parameters()).device, model.config.block_size
+    clean, corrupt = (torch.tensor([encode_prompt(tokenizer, text, block, flag)], device=device)
+                      for text, flag in ((args.clean, "--clean"), (args.corrupt, "--corrupt")))  # fmt: skip
     if clean.shape != corrupt.shape:
         raise ValueError(f"--clean is {clean.size(1)} tokens, --corrupt {corrupt.size(1)}: they must be as long")
-    metric = logit_diff(*(single_token(tokenizer, a) for a in args.answers))
+    right, wrong = (single_token(tokenizer, a) for a in args.answers)
+    if right == wrong:
+        raise ValueError("--answers are the same token: their logit difference is always 0")
+    metric = logit_diff(right, wrong)
     result = activation_patching(model, clean, corrupt, metric, over=args.over)
-    attribution = attribution_patching(model, clean, corrupt, metric, over=args.over)
     normalized, span = result["normalized"], result["clean"] - result["corrupt"]
+    if abs(span) <= 1e-9:  # the grid has no scale (activation_patching's zeros)
+        raise ValueError(f"--clean and --corrupt give the same logit difference ({result['clean']:.4f}): "
+                         "there is nothing to patch; choose prompts whose answers differ")  # fmt: skip
+    attribution = attribution_patching(model, clean, corrupt, metric, over=args.over)
     columns = ([token_label(tokenizer, int(t)) for t in clean[0]] if args.over == "layer-pos"
                else [f"head {h}" for h in range(model.config.n_head)])  # fmt: skip
     print(f"logit difference: clean {result['clean']:.4f}, corrupted {result['corrupt']:.4f}")
@@ -50,7 +57,7 @@ def run(args):
             "grid": result["grid"].tolist(), "normalized": normalized.tolist(),
             "attribution": attribution.tolist()}  # fmt: skip
     if args.out:
-        plot_patching(normalized, attribution / span if abs(span) > 1e-9 else attribution, columns, args.out,
+        plot_patching(normalized, attribution / span, columns, args.out,
                       title=f"{args.model}: {args.clean!r} -> {args.corrupt!r}")  # fmt: skip
         print(f"wrote {args.out}")
     if args.json:

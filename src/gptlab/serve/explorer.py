@@ -167,6 +167,8 @@ class Explorer:
             if len(answer) != 1:
                 raise APIError(400, f"{param} must be one token, got {len(answer)}", param=param, code="invalid_value")  # fmt: skip
             answers += answer
+        if answers[0] == answers[1]:
+            raise APIError(400, "right and wrong are the same token: their logit difference is always 0", param="wrong", code="invalid_value")  # fmt: skip
         return self._tensor(clean), self._tensor(corrupt), answers
 
     def patch(self, body: PatchBody) -> dict:
