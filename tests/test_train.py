@@ -76,6 +76,8 @@ def test_lr_schedule():
     assert lr_at(60, TrainConfig(lr=1e-3, warmup_steps=10, max_steps=110, schedule="constant")) == 1e-3
     wsd = TrainConfig(lr=1e-3, min_lr=0.0, warmup_steps=10, max_steps=110, schedule="wsd", decay_fraction=0.5)
     assert lr_at(50, wsd) == 1e-3 and lr_at(82.5, wsd) == pytest.approx(5e-4) and lr_at(110, wsd) == 0.0
+    # min_lr defaults to lr / 10: the README's fine-tune (--set lr=3e-5 alone) was refused for min_lr 6e-5 > lr
+    assert TrainConfig().min_lr == pytest.approx(6e-5) and TrainConfig(lr=3e-5).min_lr == pytest.approx(3e-6)
 
 
 def test_config_overrides_and_toml(tmp_path):

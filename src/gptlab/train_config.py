@@ -68,7 +68,7 @@ class TrainConfig:
     optimizer: str = "adamw"  # adamw | muon
     muon_lr: float | None = None  # muon: the blocks' matrices' peak lr (default: lr), same schedule; adamw: unused
     lr: float = 6e-4
-    min_lr: float = 6e-5
+    min_lr: float | None = None  # None: lr / 10 (nanoGPT's 6e-4 -> 6e-5), so a fine-tune's small lr needs only --set lr
     warmup_steps: int = 100
     schedule: str = "cosine"  # cosine | constant | wsd (warmup-stable-decay)
     decay_fraction: float = 0.2  # wsd: the last fraction of steps decays linearly to min_lr
@@ -107,6 +107,8 @@ class TrainConfig:
         for name in ("warmup_steps", "log_interval"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
                 raise ValueError(f"TrainConfig.{name} must be a non-negative integer, got {getattr(self, name)!r}")
+        if self.min_lr is None and isinstance(self.lr, int | float):
+            self.min_lr = self.lr / 10
         if not (self.lr > 0 and 0 <= self.min_lr <= self.lr):
             raise ValueError(f"TrainConfig needs lr > 0 and 0 <= min_lr <= lr, got lr={self.lr}, min_lr={self.min_lr}")
         if self.schedule not in SCHEDULES:
