@@ -137,6 +137,22 @@ def test_loader_batches_are_pure_functions_of_k_and_cover_each_epoch(tmp_path):
         assert all(a.lengths[row].sum() <= 64 for row in epoch)
 
 
+def test_a_block_size_that_cuts_off_every_response_is_refused(tmp_path, caplog):
+    """Examples whose trained tokens all lie past block_size trained on nothing (loss 0.0, exit 0):
+    refused when every example of a split is cut so, a warning counting them when some are."""
+    prepare_sft(write_jsonl(tmp_path / "a.jsonl", alpaca(40)), tmp_path / "d", val_fraction=0.25)
+    examples = Examples(tmp_path / "d", "train")
+    full = examples.trained(10_000)
+    assert full.tolist() == [int(examples[i][1][1:].sum()) for i in range(len(examples))]  # every trained target
+    prompt = min(int(np.argmax(examples[i][1])) for i in range(len(examples)))  # the shortest prompt
+    for layout in ("pack", "pad"):
+        with pytest.raises(ValueError, match=f"30 of 30 train examples have no trained-on token within block_size {prompt - 1}"):  # fmt: skip
+            ExampleLoader(tmp_path / "d", "train", 2, prompt - 1, layout=layout)
+    with caplog.at_level("WARNING", logger="gptlab.sft"):
+        ExampleLoader(tmp_path / "d", "train", 2, prompt)  # the shortest prompt's first response token fits
+    assert "have no trained-on token within block_size" in caplog.text
+
+
 def test_rank_rows_together_are_the_global_batch(tmp_path):
     prepare_sft(write_jsonl(tmp_path / "a.jsonl", alpaca(40)), tmp_path / "d", val_fraction=0.25)
     one = ExampleLoader(tmp_path / "d", "train", 4, 64, seed=2)

@@ -21,6 +21,7 @@ Batch k is a pure function of (seed, k), as with gptlab.data.TokenLoader, so res
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -30,6 +31,8 @@ import numpy as np
 from gptlab.checkpoint import atomic_write, atomic_write_text
 from gptlab.data import MANIFEST, CountedLoader, epoch_permutation, read_manifest, resolve_inputs, token_dtype
 from gptlab.tokenizer import get_tokenizer
+
+log = logging.getLogger(__name__)
 
 IGNORE = -100
 LAYOUTS = ("pack", "pad")
@@ -259,6 +262,13 @@ class Examples:
         target), at most block_size (longer examples are cut)."""
         return np.minimum(np.diff(self.offsets) - 1, block_size)
 
+    def trained(self, block_size: int) -> np.ndarray:
+        """Trained-on targets each example keeps in a row of block_size (those of its
+        positions 1..length): 0 where the cut falls before its response."""
+        cumulative = np.concatenate([[0], np.cumsum(self.mask, dtype=np.int64)])  # (N + 1,)
+        start = self.offsets[:-1] + 1
+        return cumulative[start + self.lengths(block_size)] - cumulative[start]
+
 
 def pack_rows(lengths: np.ndarray, order: np.ndarray, block_size: int) -> list[np.ndarray]:
     """Example indices per row, taking examples in `order` and starting a new row when the next
@@ -298,6 +308,7 @@ class ExampleLoader(CountedLoader):
         self.batch_size, self.block_size, self.layout, self.mode = batch_size, block_size, layout, mode
         self.seed, self.rank, self.world_size, self.pad_id = seed, rank, world_size, pad_id
         self.lengths = self.examples.lengths(block_size)
+        _check_trained(self.examples, split, block_size)
         self._epochs: list[list[np.ndarray]] = []  # rows of each epoch computed so far
         self.batch_index = 0
 
@@ -350,6 +361,20 @@ class ExampleLoader(CountedLoader):
                 at += n
         extra = {"segments": torch.from_numpy(seg)} if self.layout == "pack" else {}
         return torch.from_numpy(x), torch.from_numpy(y), extra
+
+
+def _check_trained(examples: Examples, split: str, block_size: int) -> None:
+    """Refuse a split whose examples all lose their trained tokens to the block_size cut (the
+    run would train on nothing: loss 0); warn when some do."""
+    empty = int((examples.trained(block_size) == 0).sum())
+    if not empty:
+        return
+    longest = int(np.diff(examples.offsets).max())
+    message = (f"{empty} of {len(examples)} {split} examples have no trained-on token within block_size "
+               f"{block_size} (the longest is {longest} tokens): raise block_size or shorten the prompts")  # fmt: skip
+    if empty == len(examples):
+        raise ValueError(message)
+    log.warning(message)
 
 
 def render_example(data_dir, index: int = 0, split: str = "train", *, color: bool = False) -> str:
