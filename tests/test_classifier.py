@@ -332,3 +332,14 @@ def test_a_record_without_a_label_is_refused_not_given_one(tmp_path):
     with pytest.raises(ValueError, match="record 2: its `label` is missing or empty"):
         prepare_classify(tmp_path / "b.csv", tmp_path / "b")
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_one_label_or_a_label_named_twice_is_refused(tmp_path):
+    """Records of one label trained to loss 0 (nothing to tell apart); --labels pos,pos,neg made a
+    label set with "pos" twice. Both are refused before anything is written."""
+    (tmp_path / "a.jsonl").write_text('{"text": "hi", "label": "pos"}\n{"text": "bye", "label": "pos"}\n')
+    with pytest.raises(ValueError, match=r"at least 2 labels, got \['pos'\]"):
+        prepare_classify(tmp_path / "a.jsonl", tmp_path / "a")
+    with pytest.raises(ValueError, match="name each label once"):
+        prepare_classify(tmp_path / "a.jsonl", tmp_path / "a", labels=["pos", "pos", "neg"])
+    assert not (tmp_path / "a").exists()

@@ -33,6 +33,10 @@ def prepare_classify(inputs, out_dir, *, tokenizer: str = "gpt2", labels: list[s
         if r.get("label") is None or not str(r["label"]).strip():
             raise ValueError(f"record {i}: its `label` is missing or empty, got {r!r}")
     names = list(labels) if labels else sorted({str(r["label"]) for r in records})
+    if len(set(names)) != len(names):
+        raise ValueError(f"labels name each label once, got {names}")
+    if len(names) < 2:  # one label is learned at once: loss 0, nothing to classify
+        raise ValueError(f"classification needs at least 2 labels, got {names}")
     index = {name: i for i, name in enumerate(names)}
     ids, ys = [], []
     for i, r in enumerate(records, start=1):
