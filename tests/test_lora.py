@@ -276,6 +276,14 @@ def test_lora_training_trains_adapters_only_and_resumes_exactly(tmp_path, precis
         expected = quantize_model(merge(load_model(str(ckpt))), "int8")
         with torch.no_grad():
             torch.testing.assert_close(load_model(str(tmp_path / "q"))(idx)[0], expected(idx)[0], rtol=0, atol=0)
+        # a full fine-tune from the LoRA run trains its merged weights (it wrote a checkpoint that did not load)
+        shape = {k: v for k, v in TINY.items() if k not in ("n_layer", "n_head", "n_embd")}
+        cfg = TrainConfig(data_dir=str(tmp_path / "tokens"), out_dir=str(tmp_path / "full"), **shape, max_steps=2,
+                          eval_interval=2, schedule="constant", init_from=str(tmp_path / "cut"))  # fmt: skip
+        full = Trainer(cfg)
+        assert all(p.requires_grad for p in full.raw_model.parameters()) and not lora_layers(full.raw_model)
+        full.run()
+        load_model(str(tmp_path / "full"))
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])

@@ -169,6 +169,8 @@ def merge(model: nn.Module) -> nn.Module:
         base.weight.add_(layer.delta_weight().to(base.weight.dtype))
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, base)
+    if hasattr(model, "lora_settings"):  # no adapter is left to describe
+        del model.lora_settings
     return model
 
 

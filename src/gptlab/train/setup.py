@@ -120,8 +120,13 @@ def _base_model(cfg: TrainConfig, vocab_size: int, device: torch.device) -> GPT:
         )
         with torch.device(device):
             return GPT(config)
+    from gptlab.lora import lora_layers, merge
+
     spec = cfg.init_from
     model = load_model(spec, device=device).train()  # a run directory loads its latest checkpoint
+    if lora_layers(model):  # a LoRA run's adapters are folded in: this run trains (or adapts) plain weights
+        merge(model)
+        model.requires_grad_(True)  # loading the adapter froze the base
     _set_dropout(model, cfg.dropout)
     if model.config.block_size < cfg.block_size:
         raise ValueError(f"block_size {cfg.block_size} exceeds the model's context length {model.config.block_size}")
