@@ -244,11 +244,13 @@ def test_lora_training_trains_adapters_only_and_resumes_exactly(tmp_path, precis
         lora_rank=4, lora_alpha=8.0, lora_targets="c_attn.q,c_attn.v,mlp.c_fc", init_from=str(tmp_path / "base")
     )
 
-    def run(out, max_steps, resume=False):
+    def run_cfg(out, max_steps, resume=False):
         shape = {k: v for k, v in TINY.items() if k not in ("n_layer", "n_head", "n_embd")}
-        cfg = TrainConfig(data_dir=str(tmp_path / "tokens"), out_dir=str(out), **shape, **lora, max_steps=max_steps,
-                          eval_interval=3, schedule="constant", resume=resume)  # fmt: skip
-        trainer = Trainer(cfg)
+        return dict(data_dir=str(tmp_path / "tokens"), out_dir=str(out), **shape, **lora, max_steps=max_steps,
+                    eval_interval=3, schedule="constant", resume=resume)  # fmt: skip
+
+    def run(out, max_steps, resume=False):
+        trainer = Trainer(TrainConfig(**run_cfg(out, max_steps, resume)))
         trainer.run()
         return trainer
 
@@ -276,6 +278,14 @@ def test_lora_training_trains_adapters_only_and_resumes_exactly(tmp_path, precis
         expected = quantize_model(merge(load_model(str(ckpt))), "int8")
         with torch.no_grad():
             torch.testing.assert_close(load_model(str(tmp_path / "q"))(idx)[0], expected(idx)[0], rtol=0, atol=0)
+        # the adapters name their base as the absolute checkpoint path (a relative one failed from
+        # another directory), and resuming on another base is refused
+        from gptlab.checkpoint import read_meta
+
+        assert read_meta(ckpt)["lora_base"] == str((tmp_path / "base").resolve())
+        save_model(base, tmp_path / "other", tokenizer="byte")
+        with pytest.raises(ValueError, match="resume on the same base"):
+            Trainer(TrainConfig(**{**run_cfg(tmp_path / "cut", 14, resume=True), "init_from": str(tmp_path / "other")}))
         # a full fine-tune from the LoRA run trains its merged weights (it wrote a checkpoint that did not load)
         shape = {k: v for k, v in TINY.items() if k not in ("n_layer", "n_head", "n_embd")}
         cfg = TrainConfig(data_dir=str(tmp_path / "tokens"), out_dir=str(tmp_path / "full"), **shape, max_steps=2,

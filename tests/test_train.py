@@ -413,6 +413,24 @@ def test_resume_with_another_shape_or_over_a_run_fails_and_writes_nothing(byte_d
     with pytest.raises(ValueError, match="already holds a run"):
         train(config(byte_data, out, max_steps=4))
     assert dir_digest(out) == before
+    # a run copied without its link, or with the link followed (`latest` a directory): a new run
+    # there pruned the old checkpoints and truncated their metrics
+    import shutil
+
+    for copy, follow in (("unlinked", False), ("followed", True)):
+        shutil.copytree(out, tmp_path / copy, symlinks=not follow)
+        if not follow:
+            (tmp_path / copy / "latest").unlink()
+        kept = dir_digest(tmp_path / copy)
+        for resume in (False, True):
+            with pytest.raises(ValueError, match="part of a run|holds no checkpoint"):
+                train(config(byte_data, tmp_path / copy, max_steps=4, keep_checkpoints=1, resume=resume))
+        assert dir_digest(tmp_path / copy) == kept
+    # a damaged checkpoint's weights: a ValueError naming them (was safetensors' own error)
+    weights = run_files.latest_checkpoint(out) / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    with pytest.raises(ValueError, match="model.safetensors: cannot read weights, the checkpoint is damaged"):
+        train(config(byte_data, out, max_steps=4, resume=True))
 
 
 # --------------------------------------------------------------------------------------------- demo corpus

@@ -81,9 +81,18 @@ def _write_adapters(trainer, directory: Path, model_state: dict) -> None:
     adapters = {k: v.detach().contiguous() for k, v in model_state.items() if k in names}
     save_file(adapters, directory / LORA_FILE)
     save_adapter(trainer.raw_model, directory, base_model=trainer.cfg.init_from)
-    meta = {"format": "gptlab", "lora_base": trainer.cfg.init_from, "config": trainer.raw_model.config.to_dict(),
+    meta = {"format": "gptlab", "lora_base": lora_base(trainer.cfg.init_from), "config": trainer.raw_model.config.to_dict(),
             "tokenizer": trainer.tokenizer_name, "train_step": trainer.step_num}  # fmt: skip
     run_files.save_json(directory / META_FILE, meta)
+
+
+def lora_base(init_from: str) -> str:
+    """What a LoRA checkpoint records as its base: a local run or checkpoint as the absolute path of
+    the checkpoint it resolves to now (a run's `latest` moves on, and a relative path depends on
+    the directory one loads from); a Hub id as it is."""
+    from gptlab.loading import checkpoint_path
+
+    return str(checkpoint_path(init_from).resolve()) if Path(init_from).exists() else init_from
 
 
 def trained_names(model) -> set[str]:
@@ -151,20 +160,33 @@ def _load_optimizer(trainer, optim: dict) -> None:
         trainer.scaler.load_state_dict(optim["scaler"])
 
 
-def _load_weights(trainer, ckpt: Path) -> None:
+def _read_safetensors(path: Path, device) -> dict:
     from safetensors.torch import load_file
 
+    try:
+        return load_file(path, device=str(device))
+    except Exception as e:  # safetensors raises its own error types for damaged files
+        raise ValueError(f"{path}: cannot read weights, the checkpoint is damaged ({e})") from e
+
+
+def _load_weights(trainer, ckpt: Path) -> None:
     if trainer.cfg.lora_rank:  # the base came from init_from again; the adapters come from here
-        weights = load_file(ckpt / LORA_FILE, device=str(trainer.device))
+        from gptlab.checkpoint import read_meta
+
+        was, now = read_meta(ckpt).get("lora_base"), lora_base(trainer.cfg.init_from)
+        if was != now:
+            raise ValueError(f"{ckpt} adapts {was}, but init_from now gives {now}: resume on the same base")
+        weights = _read_safetensors(ckpt / LORA_FILE, trainer.device)
         names = trained_names(trainer.raw_model)
         own = {k: v for k, v in trainer.raw_model.state_dict().items() if k in names}
-        if set(weights) != set(own):
-            raise ValueError(f"{ckpt}: its adapters do not match lora_targets {trainer.cfg.lora_targets!r}")
+        if set(weights) != set(own) or any(weights[k].shape != own[k].shape for k in own):
+            raise ValueError(f"{ckpt}: its adapters do not match lora_targets {trainer.cfg.lora_targets!r} "
+                             f"and lora_rank {trainer.cfg.lora_rank}")  # fmt: skip
         with torch.no_grad():
             for name, tensor in weights.items():
                 own[name].copy_(tensor)
         return
-    weights = load_file(ckpt / "model.safetensors", device=str(trainer.device))
+    weights = _read_safetensors(ckpt / "model.safetensors", trainer.device)
     if trainer.raw_model.config.ties_head:
         weights["lm_head.weight"] = weights["transformer.wte.weight"]
     if trainer.sharded:

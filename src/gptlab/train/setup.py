@@ -262,9 +262,16 @@ def wrap_model(model: GPT, cfg: TrainConfig, dist: Dist, device: torch.device) -
 
 
 def check_out_dir(out_dir: Path, resume: bool) -> None:
-    has_run = (out_dir / run_files.LATEST).is_symlink()
+    """A new run needs an out_dir without a run's files (it would prune their checkpoints and
+    truncate their metrics); --resume needs one whose `latest` link names a checkpoint."""
+    latest = out_dir / run_files.LATEST
+    has_run = latest.is_symlink()
     if has_run and not resume:
         raise ValueError(f"{out_dir} already holds a run; pass --resume to continue it or pick another out_dir")
+    found = sorted(p.name for p in [latest, out_dir / run_files.METRICS, *out_dir.glob("ckpt-*")] if p.exists())
+    if found and not has_run:
+        raise ValueError(f"{out_dir} holds part of a run ({', '.join(found[:3])}) but no `latest` link to a "
+                         "checkpoint: pick another out_dir, or restore the link to resume it")  # fmt: skip
     if resume and not has_run:
         raise ValueError(f"--resume: {out_dir} holds no checkpoint to resume from")
 
