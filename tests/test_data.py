@@ -75,6 +75,31 @@ def test_prepare_glob_and_errors(two_docs, tmp_path):
         prepare(two_docs, tmp_path / "x", val_fraction=1.5, progress=False)
 
 
+def test_prepare_into_its_input_directory_twice_reads_the_same_files(two_docs, capsys):
+    """--out inside the --input directory: the second run tokenized its own outputs as well
+    (54,313 tokens instead of 18,000). Both the library and the command leave them out."""
+    from gptlab.cli import main
+
+    first = prepare(two_docs, two_docs / "prep", progress=False, tokenizer="byte")
+    assert prepare(two_docs, two_docs / "prep", progress=False, tokenizer="byte") == first
+    (two_docs / "prep").rename(two_docs.parent / "prep")
+    argv = ["prepare", "--input", str(two_docs), "--out", str(two_docs / "cli"), "--tokenizer", "byte", "--no-progress"]
+    assert main(argv) == 0 and main(argv) == 0
+    assert json.loads((two_docs / "cli" / "manifest.json").read_text())["tokens"] == first["tokens"]
+
+
+def test_a_file_that_is_not_utf8_or_not_there_is_named(two_docs, tmp_path, monkeypatch):
+    """A non-UTF-8 file: the error names it (it named only the byte) and no temporary file stays;
+    a mistyped file name is "no such file", not a failed Hub download of a dataset by that name."""
+    (two_docs / "latin1.txt").write_bytes("café".encode("latin-1"))
+    with pytest.raises(ValueError, match="latin1.txt: not UTF-8 text"):
+        prepare(two_docs, tmp_path / "out", progress=False)
+    assert list((tmp_path / "out").iterdir()) == []
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match="nope.txt: no such file"):
+        prepare("nope.txt", tmp_path / "x", progress=False)
+
+
 class BigVocab:
     """A tokenizer whose ids do not fit in uint16 (byte ids + 70,000)."""
 
@@ -87,6 +112,7 @@ class BigVocab:
 def test_uint32_for_a_large_vocabulary(two_docs, tmp_path, monkeypatch):
     assert token_dtype(50257) == np.uint16 and token_dtype(70_000) == np.uint32
     monkeypatch.setattr(data, "get_tokenizer", lambda name: BigVocab())
+    monkeypatch.setattr(data, "_WORKER_TOKENIZER", None)  # not the gpt2 one an earlier in-process run cached
     m = prepare(two_docs / "b.txt", tmp_path / "big", progress=False)
     assert m["dtype"] == "uint32"
     ids = np.concatenate([read_tokens(tmp_path / "big", s, "uint32") for s in ("train", "val")])

@@ -51,15 +51,21 @@ def token_dtype(n_vocab: int) -> np.dtype:
 # prepare: text -> token files
 
 
-def resolve_inputs(spec: str | os.PathLike | list) -> list[Path]:
-    """Files named by a FILE, a DIR (every file below it, sorted) or a GLOB; several with a list."""
+TEXT_SUFFIXES = (".txt", ".md", ".json", ".jsonl", ".csv", ".tsv", ".bin")
+
+
+def resolve_inputs(spec: str | os.PathLike | list, exclude: str | os.PathLike | None = None) -> list[Path]:
+    """Files named by a FILE, a DIR (every file below it, sorted) or a GLOB; several with a list.
+    A directory's files under `exclude` (the output directory, when it lies inside) are left out."""
     if isinstance(spec, (list, tuple)):
-        return [p for s in spec for p in resolve_inputs(s)]
+        return [p for s in spec for p in resolve_inputs(s, exclude)]
     path = Path(spec)
     if path.is_file():
         return [path]
     if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
+        skip = Path(exclude).resolve() if exclude is not None else None
+        files = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith(".")
+                       and (skip is None or skip not in p.resolve().parents))  # fmt: skip
         if not files:
             raise ValueError(f"input directory {path} holds no files")
         return files
@@ -77,7 +83,10 @@ def _read_pieces(path: Path, piece_chars: int, hasher) -> Iterator[str]:
         while True:
             block = raw.read(piece_chars)
             hasher.update(block)
-            text = carry + decoder.decode(block, final=not block)
+            try:
+                text = carry + decoder.decode(block, final=not block)
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path}: not UTF-8 text ({e})") from e
             if not block:
                 if text:
                     yield text
@@ -128,6 +137,8 @@ def _hf_documents(name: str, sources: list[dict]) -> Iterator[tuple[str, bool]]:
 def _could_be_dataset(spec) -> bool:
     """A string like "user/name" that is no path or glob: try it as a `datasets` name."""
     if not isinstance(spec, str) or any(c in spec for c in "*?[") or spec.startswith((".", "/", "~")):
+        return False
+    if Path(spec).suffix in TEXT_SUFFIXES:  # a mistyped file name, not a dataset: "no such file"
         return False
     try:
         import datasets  # noqa: F401
@@ -197,7 +208,7 @@ def prepare(
     out_dir.mkdir(parents=True, exist_ok=True)
     sources: list[dict] = []
     try:
-        files = resolve_inputs(inputs)
+        files = resolve_inputs(inputs, exclude=out_dir)  # not a run before's outputs inside the input
         total_chars = sum(p.stat().st_size for p in files)
         pieces = _documents(files, piece_chars, sources)
     except ValueError:
@@ -208,10 +219,10 @@ def prepare(
         workers = min(os.cpu_count() or 1, 8) if (total_chars or PARALLEL_MIN_CHARS) >= PARALLEL_MIN_CHARS else 1
     dtype = token_dtype(tok.n_vocab)
     stream_path = out_dir / ".tokens.tmp"
-    n_tokens = _write_stream(
-        _encoded_pieces(pieces, tokenizer, workers), stream_path, tok.eot_token, dtype, total_chars, progress
-    )
     try:
+        n_tokens = _write_stream(
+            _encoded_pieces(pieces, tokenizer, workers), stream_path, tok.eot_token, dtype, total_chars, progress
+        )
         counts = _split(stream_path, out_dir, n_tokens, val_fraction, dtype)
     finally:
         stream_path.unlink(missing_ok=True)

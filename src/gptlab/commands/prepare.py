@@ -35,6 +35,7 @@ def run(args):
         if not args.show:
             raise ValueError("prepare needs --input (or --show N to look at a prepared SFT directory)")
     else:
+        args.input = _input_files(args)
         fmt = args.format if args.format != "auto" else sft.record_format(args.input) or "text"
         if args.show and fmt != "sft":
             raise ValueError(f"--show marks the trained-on tokens of instruction data; this input is {fmt}")
@@ -58,6 +59,17 @@ def _prepare_text(args):
     print(
         f"{args.out}: {t['train']:,} train + {t['val']:,} val tokens ({manifest['dtype']}, tokenizer {manifest['tokenizer']})"
     )
+
+
+def _input_files(args):
+    """--input's files, leaving out an --out that lies inside an input directory (a second run read
+    its own outputs as input); a name that is no file (a `datasets` name) as it is."""
+    from gptlab.data import resolve_inputs
+
+    try:
+        return [str(p) for p in resolve_inputs(args.input, exclude=args.out)]
+    except ValueError:
+        return args.input
 
 
 def _prepare_sft(args):
