@@ -98,6 +98,16 @@ def test_config_overrides_and_toml(tmp_path):
         cfg.with_overrides(["max_steps=ten"])
     with pytest.raises(ValueError, match="schedule"):
         cfg.with_overrides({"schedule": "linear"})
+    # TOML values of another type, and tables beside [train], were read wrongly, ignored, or failed late
+    for text, message in [("[train]\nlr = 1e-3\n[optim]\nlr = 5.0\n", r"unknown table\(s\) \[optim\]"),
+                          ("[model]\nn_layer = 4\n", r"\[model\]"), ("lr = true\n", "lr must be float"),
+                          ("device = 3\n", "device must be str"), ("sample_prompt = 5\n", "sample_prompt must be str"),
+                          ("max_steps = 2.5\n", "max_steps must be int")]:  # fmt: skip
+        toml.write_text(text)
+        with pytest.raises(ValueError, match=message):
+            TrainConfig.from_toml(toml)
+    toml.write_text("lr = 1e-3\nmax_time = 90\n[train]\nmax_steps = 3\n")  # top level and [train] together
+    assert (TrainConfig.from_toml(toml).lr, TrainConfig.from_toml(toml).max_steps) == (1e-3, 3)
 
 
 def test_old_dtype_key_is_read_as_precision(tmp_path, caplog):

@@ -164,7 +164,11 @@ class TrainConfig:
             data = tomllib.loads(Path(path).read_text())
         except (OSError, tomllib.TOMLDecodeError) as e:
             raise ValueError(f"config {path}: {e}") from e
-        data = data.get("train", data)
+        tables = sorted(k for k, v in data.items() if isinstance(v, dict) and k != "train")
+        if tables:  # their keys would be ignored, or read as one setting's value
+            raise ValueError(f"config {path}: unknown table(s) [{'], ['.join(tables)}]; "
+                             "settings go at the top level or under [train]")  # fmt: skip
+        data = {**{k: v for k, v in data.items() if k != "train"}, **data.get("train", {})}
         return cls().with_overrides(data).with_overrides(overrides or [])
 
     def with_overrides(self, overrides: list[str] | dict) -> TrainConfig:
@@ -176,7 +180,8 @@ class TrainConfig:
         unknown = sorted(set(overrides) - set(fields))
         if unknown:
             raise ValueError(f"unknown TrainConfig key(s): {', '.join(unknown)}; known keys: {', '.join(fields)}")
-        values = {k: _parse_value(k, v, fields[k].type) if isinstance(v, str) else v for k, v in overrides.items()}
+        values = {k: _parse_value(k, v, fields[k].type) if isinstance(v, str) else _check_type(k, v, fields[k].type)
+                  for k, v in overrides.items()}  # fmt: skip
         return dataclasses.replace(self, **values)
 
     def to_dict(self) -> dict:
@@ -217,6 +222,21 @@ def _split_override(text: str) -> tuple[str, str]:
     if not sep:
         raise ValueError(f"setting {text!r} must look like key=value")
     return key.strip().replace("-", "_"), value
+
+
+TYPES = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,), "None": (type(None),)}
+
+
+def _check_type(key: str, value, type_name: str):
+    """A value given as its own type (TOML, a dict) must be of the field's annotation: true is no
+    lr, 3 no device (they failed late, or silently read as 1.0)."""
+    if key == "max_time":  # a duration string or seconds: parse_duration checks it
+        return value
+    kinds = [t.strip() for t in str(type_name).split("|")]
+    allowed = tuple(t for kind in kinds for t in TYPES.get(kind, (object,)))
+    if (isinstance(value, bool) and "bool" not in kinds) or not isinstance(value, allowed):
+        raise ValueError(f"TrainConfig.{key} must be {type_name}, got {value!r}")
+    return value
 
 
 def _parse_value(key: str, value: str, type_name: str):
