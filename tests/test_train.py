@@ -33,7 +33,12 @@ def byte_data(tmp_path_factory):
 
 
 def config(data_dir, out_dir, **kw) -> TrainConfig:
-    return TrainConfig(data_dir=str(data_dir), out_dir=str(out_dir), **{**TINY, **kw})
+    base = (
+        TINY
+        if kw.get("init_from", "scratch") == "scratch"
+        else {k: v for k, v in TINY.items() if not k.startswith("n_")}
+    )
+    return TrainConfig(data_dir=str(data_dir), out_dir=str(out_dir), **{**base, **kw})
 
 
 def losses(out_dir) -> dict[int, float]:
@@ -98,6 +103,15 @@ def test_config_overrides_and_toml(tmp_path):
         cfg.with_overrides(["max_steps=ten"])
     with pytest.raises(ValueError, match="schedule"):
         cfg.with_overrides({"schedule": "linear"})
+    # settings a run ignored, or read as off, or divided by: refused
+    for bad, message in [(dict(spike_window=0), "spike_window"), (dict(vocab_multiple=0), "vocab_multiple"),
+                         (dict(max_bad_steps=-1), "max_bad_steps"), (dict(sample_tokens=-5), "sample_tokens"),
+                         (dict(out_dir=""), "out_dir is empty"), (dict(weight_decay=-1), "weight_decay"),
+                         (dict(grad_clip=-1), "grad_clip"), (dict(init_from="gpt2", n_layer=4), "n_layer shape"),
+                         (dict(lora_targets="c_attn"), "without lora_rank"),
+                         (dict(batch_tokens=200, grad_accum=5), "not both")]:  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            TrainConfig(**bad)
     # TOML values of another type, and tables beside [train], were read wrongly, ignored, or failed late
     for text, message in [("[train]\nlr = 1e-3\n[optim]\nlr = 5.0\n", r"unknown table\(s\) \[optim\]"),
                           ("[model]\nn_layer = 4\n", r"\[model\]"), ("lr = true\n", "lr must be float"),

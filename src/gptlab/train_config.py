@@ -99,12 +99,13 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         positive = ["batch_size", "block_size", "grad_accum", "max_steps", "eval_interval", "eval_steps"]
-        positive += ["keep_checkpoints"] + (["checkpoint_interval"] if self.checkpoint_interval is not None else [])
+        positive += ["keep_checkpoints", "spike_window", "vocab_multiple", "max_bad_steps"]
+        positive += ["checkpoint_interval"] if self.checkpoint_interval is not None else []
         for name in positive:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"TrainConfig.{name} must be a positive integer, got {value!r}")
-        for name in ("warmup_steps", "log_interval"):
+        for name in ("warmup_steps", "log_interval", "sample_tokens"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
                 raise ValueError(f"TrainConfig.{name} must be a non-negative integer, got {getattr(self, name)!r}")
         if self.min_lr is None and isinstance(self.lr, int | float):
@@ -114,6 +115,7 @@ class TrainConfig:
         if self.schedule not in SCHEDULES:
             raise ValueError(f"TrainConfig.schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         self._check_optimizer()
+        self._check_ignored()
         if self.precision not in PRECISIONS:
             raise ValueError(f"TrainConfig.precision must be one of {PRECISIONS}, got {self.precision!r}")
         parse_duration(self.max_time)
@@ -131,6 +133,24 @@ class TrainConfig:
             if self.init_from == "scratch":
                 raise ValueError("lora_rank: LoRA adapts a trained model; set init_from to it")
             self.lora_settings()  # validates alpha, dropout and the targets
+
+    def _check_ignored(self) -> None:
+        """Refuse settings the run would ignore, or read as off, without a word."""
+        if not self.out_dir:
+            raise ValueError("TrainConfig.out_dir is empty: name the run's directory")
+        for name in ("weight_decay", "grad_clip"):  # grad_clip 0 is off; a negative one was off too
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"TrainConfig.{name} must be >= 0, got {getattr(self, name)!r}")
+        shape = [k for k in ("n_layer", "n_head", "n_embd", "bias") if getattr(self, k) is not None]
+        shape += ["vocab_multiple"] if self.vocab_multiple != 1 else []
+        if shape and self.init_from != "scratch":
+            raise ValueError(f"{', '.join(shape)} shape a model made from scratch; init_from's model has its own")
+        defaults = {f.name: f.default for f in dataclasses.fields(self) if f.name.startswith("lora_")}
+        lora = [k for k, v in defaults.items() if k != "lora_rank" and getattr(self, k) != v]
+        if lora and not self.lora_rank:
+            raise ValueError(f"{', '.join(lora)} set without lora_rank: set lora_rank > 0 to train adapters")
+        if self.batch_tokens is not None and self.grad_accum != 1:
+            raise ValueError("batch_tokens derives grad_accum: set one of them, not both")
 
     def _check_optimizer(self) -> None:
         if self.optimizer not in OPTIMIZERS:
