@@ -540,3 +540,10 @@ def test_make_demo_gives_the_demo_a_deadline_from_makes_start():
                           capture_output=True, text=True, check=True).stdout  # fmt: skip
     start, seconds = map(int, re.search(r"-m gptlab demo --deadline \$\(\((\d+) \+ (\d+)\)\)", text).groups())
     assert int(before) <= start <= time.time() and seconds == 123
+
+
+@pytest.mark.parametrize("device, message", [("gpu", "not a device name"), ("cuda:99", "cuda:99")])
+def test_a_device_this_machine_lacks_is_a_value_error(byte_data, tmp_path, device, message):
+    """device=gpu was torch's RuntimeError, device=cuda without CUDA an AssertionError."""
+    with pytest.raises(ValueError, match=message):
+        train(config(byte_data, tmp_path / "run", max_steps=2, device=device))

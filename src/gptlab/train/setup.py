@@ -55,6 +55,9 @@ def init_distributed(device_type: str) -> Dist:
 
 def resolve_device(cfg: TrainConfig, dist: Dist) -> torch.device:
     if cfg.device != "auto":
+        from gptlab.loading import check_device
+
+        check_device(cfg.device, "device")  # "gpu", or cuda without one: a ValueError, not torch's
         return torch.device(cfg.device)
     if torch.cuda.is_available():
         return torch.device("cuda", dist.local_rank)
