@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from gptlab import run_files
-from gptlab.checkpoint import load_native
+from gptlab.checkpoint import load_native, save_model
 from gptlab.data import prepare
 from gptlab.train import SpikeGuard, TrainConfig, Trainer, TrainingDiverged, lr_at, parse_duration, train
 from test_data import corpus
@@ -414,8 +414,15 @@ def test_token_file_outside_the_model_vocabulary(byte_data, tmp_path):
     train(config(byte_data, out, max_steps=2, eval_interval=2))
     gpt2_data = tmp_path / "gpt2-data"
     prepare(byte_data.parent / "corpus.txt", gpt2_data, progress=False)  # ids up to 50256
-    with pytest.raises(ValueError, match="257-token vocabulary"):
+    with pytest.raises(
+        ValueError, match="holds gpt2 tokens; .* reads byte tokens: prepare the data with --tokenizer byte"
+    ):
         train(config(gpt2_data, tmp_path / "ft", max_steps=2, init_from=str(out)))
+    with pytest.raises(ValueError, match="holds byte tokens; .* reads gpt2 tokens"):  # ids that fit, read as others
+        train(config(byte_data, tmp_path / "ft", max_steps=2, init_from="preset:gpt2-tiny"))
+    save_model(load_native(run_files.latest_checkpoint(out)), tmp_path / "small", tokenizer="gpt2")
+    with pytest.raises(ValueError, match="257-token vocabulary"):
+        train(config(gpt2_data, tmp_path / "ft", max_steps=2, init_from=str(tmp_path / "small")))
     assert not (tmp_path / "ft").exists()
     broken = tmp_path / "broken"
     broken.mkdir()

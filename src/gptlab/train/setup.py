@@ -279,6 +279,19 @@ def check_out_dir(out_dir: Path, resume: bool) -> None:
         raise ValueError(f"--resume: {out_dir} holds no checkpoint to resume from")
 
 
+def check_tokenizer(cfg: TrainConfig, manifest: dict) -> None:
+    """Data tokenized otherwise than init_from's model reads was trained on as if it were its
+    tokens (the byte tokenizer's ids fit GPT-2's vocabulary), failing only at the final sample."""
+    if cfg.init_from == "scratch":
+        return
+    from gptlab.loading import tokenizer_name
+
+    model_tokenizer = tokenizer_name(cfg.init_from)
+    if model_tokenizer != manifest["tokenizer"]:
+        raise ValueError(f"{cfg.data_dir} holds {manifest['tokenizer']} tokens; {cfg.init_from} reads "
+                         f"{model_tokenizer} tokens: prepare the data with --tokenizer {model_tokenizer}")  # fmt: skip
+
+
 def check_tokens(data_dir, manifest: dict, model_vocab: int) -> None:
     """The token files must have the manifest's size and only ids the model can embed."""
     import numpy as np

@@ -39,6 +39,7 @@ class Trainer:
         if self.device.type == "cpu" and setup.keep_freed_memory():
             log.debug("malloc: freed memory kept for reuse (%s)", setup.MALLOC_SETTINGS)
         setup.check_out_dir(self.out_dir, cfg.resume)
+        setup.check_tokenizer(cfg, manifest)
         torch.manual_seed(cfg.seed)  # the same initial weights on every rank
         labels = manifest["labels"] if manifest.get("kind") == "classify" else None
         self.raw_model = setup.build_model(cfg, manifest["vocab_size"], self.device, labels).train()
