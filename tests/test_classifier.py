@@ -124,6 +124,8 @@ def test_from_language_model_shares_the_body_and_trains_what_it_is_told():
         got = {n.rsplit(".", 1)[0] for n, p in clf.named_parameters() if p.grad is not None}
         got = {g if not g.startswith("transformer.h.") else ".".join(g.split(".")[:3]) for g in got}
         assert got == expected, spec
+    with pytest.raises(ValueError, match="trainable last:9: the model has 3 blocks"):
+        set_trainable(clf, "last:9")
 
 
 def test_loss_is_cross_entropy_of_the_pooled_logits():

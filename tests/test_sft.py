@@ -65,6 +65,12 @@ def test_a_template_file_overrides_the_prompt(tmp_path):
     (tmp_path / "bad.json").write_text(json.dumps({"nonsense": 1}))
     with pytest.raises(ValueError, match="keys must be among"):
         Template.load(tmp_path / "bad.json")
+    # a field the records do not have, and a value that is not text (KeyError, AttributeError before)
+    for bad, message in [({"prompt_no_input": "{instruction} {foo}"}, "may use instruction, not foo"),
+                         ({"assistant": 5}, "must be a string")]:  # fmt: skip
+        (tmp_path / "bad.json").write_text(json.dumps(bad))
+        with pytest.raises(ValueError, match=message):
+            Template.load(tmp_path / "bad.json")
 
 
 def test_masked_loss_is_cross_entropy_over_the_response_tokens(tmp_path):

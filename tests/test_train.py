@@ -433,7 +433,7 @@ def test_token_file_outside_the_model_vocabulary(byte_data, tmp_path):
         train(config(broken, tmp_path / "b", max_steps=2))
 
 
-def test_resume_with_another_shape_or_over_a_run_fails_and_writes_nothing(byte_data, tmp_path):
+def test_resume_with_another_shape_or_over_a_run_fails_and_writes_nothing(byte_data, tmp_path, caplog):
     out = tmp_path / "run"
     train(config(byte_data, out, max_steps=2, eval_interval=2))
     before = dir_digest(out)
@@ -444,6 +444,11 @@ def test_resume_with_another_shape_or_over_a_run_fails_and_writes_nothing(byte_d
     with pytest.raises(ValueError, match="already holds a run"):
         train(config(byte_data, out, max_steps=4))
     assert dir_digest(out) == before
+    # a changed lr (or batch size, schedule, data...) is taken, and said: the run no longer continues exactly
+    with caplog.at_level("WARNING", logger="gptlab.train.checkpointing"):
+        Trainer(config(byte_data, out, max_steps=6, eval_interval=3, lr=1e-3, min_lr=1e-4, resume=True))
+    assert "changed settings" in caplog.text and "lr 0.003 -> 0.001" in caplog.text
+    assert "max_steps" not in caplog.text and "eval_interval" not in caplog.text
     # a run copied without its link, or with the link followed (`latest` a directory): a new run
     # there pruned the old checkpoints and truncated their metrics
     import shutil

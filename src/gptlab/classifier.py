@@ -130,6 +130,8 @@ def set_trainable(model: GPT, spec: str) -> None:
         n = int(spec[5:])
     elif spec != "head":
         raise ValueError(f"trainable must be all, head or last:N, got {spec!r}")
+    if n > len(model.transformer.h):  # last:9 of 2 blocks trained them all, saying nothing
+        raise ValueError(f"trainable {spec}: the model has {len(model.transformer.h)} blocks")
     keep = [model.transformer.ln_f, model.score if hasattr(model, "score") else model.lm_head]
     keep += list(model.transformer.h)[len(model.transformer.h) - n :] if n else []
     for p in model.parameters():

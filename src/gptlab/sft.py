@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import string
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -70,9 +71,16 @@ class Template:
         known = {f.name for f in fields(cls)}
         if not isinstance(data, dict) or set(data) - known:
             raise ValueError(f"template {spec}: keys must be among {', '.join(sorted(known))}")
+        if not all(isinstance(v, str) for v in data.values()):
+            raise ValueError(f"template {spec}: every value must be a string")
         for role in ("system", "user", "assistant"):
             if role in data and data[role].count("{content}") != 1:
                 raise ValueError(f"template {spec}: {role} must hold {{content}} once")
+        fields_of = {"prompt": {"instruction", "input"}, "prompt_no_input": {"instruction"}}
+        for key, allowed in fields_of.items():  # an unknown {field} failed as a KeyError at the first record
+            used = {name for _, name, _, _ in string.Formatter().parse(data.get(key, "")) if name is not None}
+            if used - allowed:
+                raise ValueError(f"template {spec}: {key} may use {', '.join(sorted(allowed))}, not {', '.join(sorted(used - allowed))}")  # fmt: skip
         return cls(**data)
 
     def prompt_for(self, instruction: str, input: str = "") -> str:

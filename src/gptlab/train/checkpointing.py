@@ -133,6 +133,10 @@ def resume(trainer) -> float:
         raise ValueError(f"{ckpt} was trained with optimizer={was!r}; this run asks for {trainer.cfg.optimizer!r}")
     if state["world_size"] * state["grad_accum"] != trainer.dist.world_size * trainer.grad_accum:
         log.warning("resuming with a different global batch (world_size x grad_accum changed)")
+    changed = changed_settings(state.get("config", {}), trainer.cfg.to_dict())
+    if changed:
+        log.warning("resuming with changed settings, so not exactly the run it continues: %s",
+                    ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changed.items()))  # fmt: skip
     _load_weights(trainer, ckpt)
     _load_optimizer(trainer, run_files.load_torch(ckpt / run_files.OPTIMIZER_FILE))
     rng = run_files.load_torch(ckpt / run_files.RNG_FILE)["ranks"]
@@ -146,6 +150,19 @@ def resume(trainer) -> float:
     trainer.best_val, trainer.last_checkpoint = state.get("best_val"), ckpt
     log.info("resumed from %s at step %d", ckpt, trainer.step_num)
     return state.get("elapsed_s", 0.0)
+
+
+# Settings a resumed run may change and still be the run it continues (when and how long it runs,
+# what it logs and keeps, where it runs; init_from's weights are replaced by the checkpoint's, and
+# a LoRA run checks its base itself).
+FREE_ON_RESUME = {"resume", "max_steps", "max_time", "progress", "log_interval", "eval_interval", "eval_steps",
+                  "checkpoint_interval", "keep_checkpoints", "sample_prompt", "sample_tokens", "device", "out_dir",
+                  "init_from"}  # fmt: skip
+
+
+def changed_settings(was: dict, now: dict) -> dict:
+    """{setting: (checkpoint's, now)} for the settings that change what a resumed run computes."""
+    return {k: (v, now[k]) for k, v in was.items() if k in now and now[k] != v and k not in FREE_ON_RESUME}
 
 
 def _load_optimizer(trainer, optim: dict) -> None:
