@@ -33,6 +33,16 @@ def test_failed_write_keeps_the_old_file(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["out.txt"]  # no temporary left behind
 
 
+def test_an_unwritable_path_is_named_not_the_temporary_file(tmp_path):
+    """A directory, a parent that is a file: OSErrors naming the path asked for (they named
+    ".x.json.g32w51i2.tmp", or said only "File exists")."""
+    (tmp_path / "file").write_text("")
+    for path, message in [(tmp_path, "Is a directory"), (tmp_path / "file" / "x.json", "file is a file, not a directory")]:  # fmt: skip
+        with pytest.raises(OSError, match=f"cannot write {path}: .*{message}"):
+            atomic_write_text(path, "x")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+
+
 def test_written_files_get_a_normal_mode(tmp_path):
     old = os.umask(0o022)
     try:

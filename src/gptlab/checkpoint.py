@@ -11,6 +11,7 @@ Turning a --model spec into a model (native, quantized, Hugging Face, other form
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -32,10 +33,17 @@ WEIGHTS_FILE = "model.safetensors"
 
 
 def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> None:
-    """Call write(tmp_path) on a temporary file beside `path`, fsync it, then rename it to `path`."""
+    """Call write(tmp_path) on a temporary file beside `path`, fsync it, then rename it to `path`.
+    A path that cannot be written is an OSError naming it (not the temporary file)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        if path.is_dir():
+            raise IsADirectoryError(errno.EISDIR, "Is a directory")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as e:
+        why = f"{e.filename} is a file, not a directory" if isinstance(e, FileExistsError) else e.strerror
+        raise type(e)(e.errno, f"cannot write {path}: {why}") from e
     os.close(fd)
     try:
         write(tmp)
