@@ -106,6 +106,7 @@ def test_cached_values_are_the_models_own(variant):
         torch.testing.assert_close(logits, model(idx)[0], rtol=0, atol=1e-6)
         resid, _ = model.run_with_cache(idx, names_filter=lambda n: "resid" in n)
         assert torch.equal(resid, model(idx)[0])
+        assert set(cache) == set(model.hook_points())  # each point runs (GPT-2 had hook_rot_q that never did)
         last = cache[f"blocks.{model.config.n_layer - 1}.hook_resid_post"]
         torch.testing.assert_close(model.lm_head(model.transformer.ln_f(last)), logits, rtol=0, atol=1e-6)
     if variant == "llama":

@@ -167,7 +167,8 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.dropout = config.dropout
         self.resid_dropout = nn.Dropout(config.dropout)
-        for name in ("q", "k", "v", "rot_q", "rot_k", "attn_scores", "pattern", "z"):
+        rotary = ("rot_q", "rot_k") if config.pos_embedding == "rope" else ()  # only points that run
+        for name in ("q", "k", "v", *rotary, "attn_scores", "pattern", "z"):
             setattr(self, f"hook_{name}", HookPoint())  # gptlab.hooks: TransformerLens's names
 
     def hooked(self) -> bool:
@@ -282,7 +283,9 @@ class GPT(nn.Module):
         modules["ln_f"] = make_norm(config)
         self.transformer = nn.ModuleDict(modules)
         self.lm_head = Linear(config.n_embd, config.vocab_size, bias=False)
-        self.hook_embed, self.hook_pos_embed = HookPoint(), HookPoint()  # (B, T, C) each
+        self.hook_embed = HookPoint()  # (B, T, C)
+        if config.pos_embedding == "learned":  # rotary models add no position embedding
+            self.hook_pos_embed = HookPoint()  # (B, T, C)
         self.tie_weights()
         self.apply(self._init_weights)
         # GPT-2 paper: scale the residual projections' init by 1/sqrt(N) for N residual additions.
