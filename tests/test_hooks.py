@@ -201,6 +201,13 @@ def test_a_cache_streamed_to_a_safetensors_file_equals_run_with_cache(tmp_path):
         for name in ref:
             assert torch.equal(f.get_tensor(name), ref[name]), name
     assert [p.name for p in tmp_path.iterdir()] == ["cache.safetensors"]  # no temporary left behind
+    # stop_at_layer as run_with_cache takes it (a TypeError from forward), into a directory to make
+    # (a FileNotFoundError on a temporary name)
+    deep = tmp_path / "new" / "dir" / "c.safetensors"
+    assert model.cache_to_file(idx, deep, names_filter=names, stop_at_layer=1) is None
+    _, ref = model.run_with_cache(idx, names_filter=names, stop_at_layer=1)
+    with safe_open(str(deep), framework="pt") as f:
+        assert set(f.keys()) == set(ref) and "blocks.1.hook_resid_mid" not in ref and "blocks.0.hook_resid_post" in ref
 
 
 def test_hooks_fire_only_in_the_thread_that_registered_them():

@@ -123,14 +123,19 @@ def run_with_hooks(model: nn.Module, idx: torch.Tensor, fwd_hooks: Iterable[tupl
 _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64"}
 
 
-def cache_to_file(model: nn.Module, idx: torch.Tensor, path, names_filter=None, **forward_kwargs) -> torch.Tensor:
+def cache_to_file(model: nn.Module, idx: torch.Tensor, path, names_filter=None, stop_at_layer: int | None = None,
+                  **forward_kwargs) -> torch.Tensor | None:  # fmt: skip
     """Run the model and stream each selected activation to a safetensors file as it is
     computed, so only one is in memory at a time (for inputs whose whole cache would not fit);
-    returns the logits. The file is written beside `path` and renamed into place when complete;
+    returns the logits (None with stop_at_layer, as run_with_cache). The file is written beside
+    `path` (its directory made if need be) and renamed into place when complete;
     `safetensors.safe_open` reads one tensor at a time back."""
+    from gptlab.checkpoint import atomic_write  # gptlab.checkpoint imports the model, which imports this
+
     path = os.fspath(path)
     header: dict[str, dict] = {}
     directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
     with tempfile.TemporaryFile(dir=directory) as raw:
 
         def save(x, hook):
@@ -140,20 +145,17 @@ def cache_to_file(model: nn.Module, idx: torch.Tensor, path, names_filter=None, 
             header[hook.name] = {"dtype": _SAFETENSORS_DTYPES[data.dtype], "shape": list(data.shape),
                                  "data_offsets": [start, raw.tell()]}  # fmt: skip
 
-        with torch.no_grad(), hooks(model, [(names_filter, save)]):
-            logits = model(idx, **forward_kwargs)[0]
+        logits = _forward(model, idx, [(names_filter, save)], stop_at_layer, forward_kwargs)
         blob = json.dumps(header, separators=(",", ":")).encode()
         blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned
-        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
-        try:
-            with os.fdopen(fd, "wb") as out:
+
+        def write(tmp):
+            with open(tmp, "wb") as out:
                 out.write(len(blob).to_bytes(8, "little") + blob)
                 raw.seek(0)
                 shutil.copyfileobj(raw, out, 16 << 20)
-            os.replace(tmp, path)
-        except BaseException:
-            os.unlink(tmp)
-            raise
+
+        atomic_write(path, write)
     return logits
 
 
@@ -226,7 +228,12 @@ def run_with_cache(model: nn.Module, idx: torch.Tensor, names_filter=None, stop_
     def save(x, hook):
         cache[hook.name] = x.detach() if device is None else x.detach().to(device)
 
-    fwd = [(names_filter, save)]
+    return _forward(model, idx, [(names_filter, save)], stop_at_layer, forward_kwargs), cache
+
+
+def _forward(model: nn.Module, idx: torch.Tensor, fwd: list, stop_at_layer: int | None, forward_kwargs: dict):
+    """The logits of one forward without gradients under the `fwd` hooks; None when it stops as
+    block stop_at_layer starts."""
     if stop_at_layer is not None:
         if not 0 <= stop_at_layer < model.config.n_layer:
             raise ValueError(f"stop_at_layer must be in [0, {model.config.n_layer}), got {stop_at_layer}")
@@ -234,13 +241,12 @@ def run_with_cache(model: nn.Module, idx: torch.Tensor, names_filter=None, stop_
         def stop(x, hook):
             raise _Stop
 
-        fwd.append((f"blocks.{stop_at_layer}.hook_resid_pre", stop))
+        fwd = [*fwd, (f"blocks.{stop_at_layer}.hook_resid_pre", stop)]
     try:
         with torch.no_grad(), hooks(model, fwd):
-            logits = model(idx, **forward_kwargs)[0]
+            return model(idx, **forward_kwargs)[0]
     except _Stop:
-        logits = None
-    return logits, cache
+        return None
 
 
 _KEYED = ("hook_attn_scores", "hook_pattern")  # (B, nh, query, key): positions on dim 2, keys on dim 3

@@ -314,9 +314,9 @@ class GPT(nn.Module):
         """(logits, {hook name: activation}), as TransformerLens's (gptlab.hooks.run_with_cache)."""
         return hooks.run_with_cache(self, idx, names_filter, stop_at_layer, device, **forward_kwargs)
 
-    def cache_to_file(self, idx, path, names_filter=None, **forward_kwargs):
+    def cache_to_file(self, idx, path, names_filter=None, stop_at_layer=None, **forward_kwargs):
         """Logits, with the selected activations streamed to a safetensors file (gptlab.hooks)."""
-        return hooks.cache_to_file(self, idx, path, names_filter, **forward_kwargs)
+        return hooks.cache_to_file(self, idx, path, names_filter, stop_at_layer, **forward_kwargs)
 
     def run_with_hooks(self, idx, fwd_hooks=(), **forward_kwargs):
         """Logits with (name or predicate, fn(tensor, hook)) hooks for one forward (gptlab.hooks)."""
