@@ -340,6 +340,16 @@ def test_cli_eval_perplexity_writes_json(tmp_path, byte_model_dir, capsys):
     assert result["perplexity"] == pytest.approx(expected["perplexity"], rel=1e-5)
     assert result["bits_per_byte"] == pytest.approx(expected["bits_per_byte"], rel=1e-5)
     assert "perplexity" in capsys.readouterr().out
+    # flags the task would ignore are refused (it ran the whole file, saying nothing); a file that
+    # is not UTF-8 is named
+    for extra, message in [(["--limit", "3"], "--limit does not apply to --task perplexity"),
+                           (["--max-length", "8"], "--max-length does not apply"),
+                           (["--include-path", str(tmp_path)], "--include-path does not apply")]:  # fmt: skip
+        assert main([*args, *extra]) == 2
+        assert message in capsys.readouterr().err
+    (tmp_path / "latin1.txt").write_bytes("café".encode("latin-1"))
+    assert main([*args[:-3], str(tmp_path / "latin1.txt"), "--json", str(out)]) == 2
+    assert "latin1.txt: not UTF-8 text" in capsys.readouterr().err
 
 
 def test_cli_eval_perplexity_on_a_prepared_directory(tmp_path, byte_model_dir):

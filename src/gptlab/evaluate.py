@@ -152,7 +152,11 @@ def read_tokens(path: str | os.PathLike, tokenizer: Tokenizer) -> np.ndarray:
     if not path.is_file():
         raise ValueError(f"{path}: no such file")
     if path.suffix != ".bin":
-        return np.asarray(tokenizer.encode(path.read_text(encoding="utf-8")), dtype=np.int64)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{path}: not UTF-8 text ({e})") from e
+        return np.asarray(tokenizer.encode(text), dtype=np.int64)
     dtype = _token_dtype(path, tokenizer)
     if path.stat().st_size % np.dtype(dtype).itemsize:
         raise ValueError(f"{path}: size is not a multiple of {np.dtype(dtype).itemsize} bytes ({dtype} tokens)")

@@ -46,6 +46,7 @@ def run(args):
         raise ValueError(f"--batch-size must be at least 1, got {args.batch_size}")
     if args.limit is not None and args.limit < 1:
         raise ValueError(f"--limit must be at least 1, got {args.limit}")
+    check_flags(args)
     if args.harness:
         return run_harness(args)
     model, tokenizer = load(args)
@@ -74,6 +75,18 @@ def run(args):
     out = args.json or f"eval-{args.task}.json"
     write_json(out, result)
     print(f"results written to {out}")
+
+
+def check_flags(args) -> None:
+    """Refuse a flag the chosen task would ignore (it ran without it, saying nothing)."""
+    task = "--harness" if args.harness else f"--task {args.task}"
+    ignored = {"--include-path": args.include_path is not None and not args.harness,
+               "--max-length": args.max_length is not None and not args.harness,
+               "--limit": args.limit is not None and args.task == "perplexity",
+               "--stride": args.stride is not None and args.task != "perplexity"}  # fmt: skip
+    for flag, unused in ignored.items():
+        if unused:
+            raise ValueError(f"{flag} does not apply to {task}")
 
 
 def classify_metrics(model, tokenizer, args) -> dict:
