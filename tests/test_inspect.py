@@ -323,6 +323,9 @@ def test_info_gpt2_prints_the_total(capsys):
         (["next", "--prompt", ""], "prompt is empty"),
         (["next", "--prompt", "x" * 65], "65 tokens, longer than the model's context of 64"),
         (["trace", "--prompt", "hi", "--top", "-1"], "top must be at least 1"),
+        (["info", "--context", "65"], "context must be in [1, 64]"),  # FLOPs and a KV cache it never holds
+        (["info", "--context", "0"], "context must be in [1, 64]"),
+        (["info", "gpt2-tiny"], "two models"),  # the positional one was ignored
     ],
 )
 def test_cli_bad_input(tmp_path, model_dir, capsys, argv, message):

@@ -120,7 +120,11 @@ def weight_memory(model: GPT, group_size: int = 64) -> dict[str, int]:
 
 
 def model_info(model: GPT, context: int | None = None) -> dict:
-    """Everything `gptlab info` shows: parameters per component, FLOPs, KV cache, weight memory."""
+    """Everything `gptlab info` shows: parameters per component, FLOPs, KV cache, weight memory,
+    at `context` tokens (default and at most block_size: the model never holds more)."""
+    block = model.config.block_size
+    if context is not None and (isinstance(context, bool) or not isinstance(context, int) or not 1 <= context <= block):
+        raise ValueError(f"context must be in [1, {block}] (the model's block_size), got {context!r}")
     total = model.num_params()
     components = [dict(r, share=r["params"] / total) for r in model.param_breakdown()]
     return {

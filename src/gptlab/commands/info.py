@@ -22,9 +22,9 @@ def run(args):
     from gptlab.meta import meta_device
     from gptlab.model import GPT
 
+    if args.model and args.model_opt and args.model != args.model_opt:
+        raise ValueError(f"two models: {args.model} and --model {args.model_opt}; give one")
     spec = args.model_opt or args.model or "gpt2"
-    if args.context is not None and args.context < 1:
-        raise ValueError(f"--context must be at least 1, got {args.context}")
     config = GPTConfig.from_name(spec) if spec in PRESETS and not Path(spec).exists() else load_config(spec)
     with meta_device():  # shapes are all the breakdown needs; a quantized model counts its logical weights
         model = GPT(config)
