@@ -182,5 +182,8 @@ def test_export_command_picks_gguf_from_the_suffix(tmp_path, model, f32_file, ca
     assert out.read_bytes() == f32_file.read_bytes()  # the command writes what export_gguf writes
     assert main(["export", "--model", str(out), "--out", str(tmp_path / "hf")]) == 2
     assert "does not read it" in capsys.readouterr().err
+    upper = tmp_path / "cli" / "M.GGUF"  # the suffix in capitals: was an HF directory named M.GGUF
+    assert main(["export", "--model", str(tmp_path / "native"), "--out", str(upper)]) == 0
+    assert upper.is_file() and upper.read_bytes()[:4] == b"GGUF"
     assert main(["export", "--model", str(tmp_path / "native"), "--out", str(out), "--dtype", "float16"]) == 2
     assert "--outtype" in capsys.readouterr().err

@@ -174,3 +174,9 @@ def test_export_command(tmp_path, capsys):
     assert llmc.read_header(tmp_path / "m.bin")["Vp"] == 50304
     idx = ids(model.config)
     assert torch.equal(logits(load_model(str(tmp_path / "m.bin")), idx), logits(model.to(torch.bfloat16), idx))
+    # without --dtype, as stored (the CLI conventions): that bf16 .bin gives a bf16 .bin (it gave fp32)
+    assert main(["export", "--model", str(tmp_path / "m.bin"), "--out", str(tmp_path / "again.bin")]) == 0
+    assert "version 5" in capsys.readouterr().out
+    assert (tmp_path / "again.bin").read_bytes() == (tmp_path / "m.bin").read_bytes()
+    assert main(["export", "--model", str(tmp_path / "native"), "--out", ""]) == 2  # wrote HF into the cwd
+    assert "--out is empty" in capsys.readouterr().err

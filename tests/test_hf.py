@@ -513,6 +513,8 @@ def test_hub_id_through_hf_home_and_the_cli(zoo, tmp_path):
     proc = run_offline(tmp_path, env, "-m", "gptlab", "export", "--model", "org/absent", "--out", "x")
     assert proc.returncode == 2
     assert "'org/absent'" in proc.stderr and "HF_HUB_OFFLINE" in proc.stderr and "Traceback" not in proc.stderr
+    with pytest.raises(ValueError, match="bad/nope.pt: no such file"):  # was "not in the Hugging Face cache"
+        hf.resolve("bad/nope.pt")
 
 
 # ----------------------------------------------------------------------------------- memory

@@ -122,6 +122,9 @@ def test_bad_settings_are_refused(tmp_path):
         apply_lora(base_model(), LoRASettings(targets=("lm_head",)))
     with pytest.raises(ValueError, match="not a PEFT adapter"):
         load_adapter(base_model(), tmp_path)
+    adapted = apply_lora(base_model(), LoRASettings(targets=("c_attn.q",)))
+    with pytest.raises(ValueError, match="LoRA adapters: fold them in first"):  # it said "a quantized model"
+        adapted.save_pretrained(tmp_path / "hf")
 
 
 def test_an_adapter_for_another_model_is_refused_before_the_model_changes(tmp_path, idx):

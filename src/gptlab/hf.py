@@ -430,6 +430,9 @@ def load_config(name_or_path: str | os.PathLike) -> GPTConfig:
     return config_from_hf(read_config(directory), str(directory))
 
 
+FILE_SUFFIXES = (".pt", ".pth", ".bin", ".gguf", ".safetensors", ".json")  # what no Hub id ends with
+
+
 def resolve(name_or_path: str, *, config_only: bool = False) -> Path:
     """A local directory as is; otherwise a Hub id, downloaded into (or found in) the HF cache
     (config_only: its config.json alone)."""
@@ -438,6 +441,8 @@ def resolve(name_or_path: str, *, config_only: bool = False) -> Path:
         return path
     if path.exists() or name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1:
         raise ValueError(f"{name_or_path}: not a directory in the Hugging Face layout, and not a Hub id")
+    if path.suffix in FILE_SUFFIXES:  # a mistyped file, not a Hub id: no download to attempt
+        raise ValueError(f"{name_or_path}: no such file or directory")
     return download(name_or_path, config_only=config_only)
 
 
@@ -520,9 +525,9 @@ def _hf_state(model: GPT) -> dict[str, torch.Tensor]:
     table = name_table(model.config)
     unexpected = sorted(set(own) - {name for name, _ in table.values()} - {HEAD_TENSOR})
     if unexpected:
-        raise ValueError(
-            f"the model has tensors GPT-2 does not ({', '.join(unexpected[:3])}); a quantized model cannot be exported"
-        )
+        lora = any(".lora_" in name for name in unexpected)
+        why = "it carries LoRA adapters: fold them in first (export --merge)" if lora else "a quantized model cannot be exported"  # fmt: skip
+        raise ValueError(f"the model has tensors GPT-2 does not ({', '.join(unexpected[:3])}); {why}")
     state = {}
     for hf_name, (name, transpose) in table.items():
         tensor = own[name].detach()

@@ -60,6 +60,8 @@ def check_out_is_not_read(args) -> None:
     from gptlab.loading import checkpoint_path
     from gptlab.run_files import LATEST, STATE_FILE
 
+    if not args.out:
+        raise ValueError("--out is empty: name the file or directory to write")  # "" wrote into the current one
     out = Path(args.out).resolve()
     for flag in ("model", "adapter"):
         source = getattr(args, flag, None)

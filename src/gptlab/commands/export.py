@@ -30,7 +30,7 @@ def run(args):
 
     from gptlab.loading import tokenizer_name
 
-    fmt = args.format or SUFFIX_FORMATS.get(Path(args.out).suffix, "hf")
+    fmt = args.format or SUFFIX_FORMATS.get(Path(args.out).suffix.lower(), "hf")  # x.GGUF is GGUF too
     if fmt != "gguf" and args.outtype != "f32":
         raise ValueError("--outtype is for --format gguf; use --dtype for hf and llmc")
     if fmt == "gguf" and args.dtype:
@@ -65,7 +65,9 @@ def run(args):
     else:
         from gptlab.formats.llmc import save
 
-        save(model, args.out, dtype=dtype or torch.float32)
+        stored = next(model.parameters()).dtype  # as stored by default: llm.c holds fp32 or bf16
+        dtype = dtype or (stored if stored in (torch.float32, torch.bfloat16) else torch.float32)
+        save(model, args.out, dtype=dtype)
         bf16 = dtype == torch.bfloat16
         print(
             f"wrote {args.out}: {model.num_params():,} parameters, llm.c version {5 if bf16 else 3} ({'bf16' if bf16 else 'fp32'})"
