@@ -135,7 +135,7 @@ def test_an_adapter_for_another_model_is_refused_before_the_model_changes(tmp_pa
 
     from safetensors.torch import load_file, save_file
 
-    wide = GPT(GPTConfig(vocab_size=50257, block_size=32, n_layer=3, n_head=2, n_embd=64))
+    wide = GPT(GPTConfig(vocab_size=50257, block_size=32, n_layer=2, n_head=2, n_embd=64))
     apply_lora(wide, LoRASettings(rank=4, alpha=8, targets=TARGETS))
     save_adapter(wide, tmp_path / "wide")
     good = tmp_path / "good"
@@ -157,7 +157,7 @@ def test_an_adapter_for_another_model_is_refused_before_the_model_changes(tmp_pa
 
     config = json.loads((good / "adapter_config.json").read_text())
     cases = {
-        tmp_path / "wide": "another model|this model does not have",
+        tmp_path / "wide": "maps 32 to 96: an adapter for another model",
         variant("layer5", rename=("h.1.", "h.5.")): "h.5.*this model does not have",
         variant("no-b", drop="h.0.mlp.c_fc.lora_B"): "needs both lora_A and lora_B",
         variant("cut", raw=(good / "adapter_model.safetensors").read_bytes()[:100]): "cannot read",
@@ -172,6 +172,20 @@ def test_an_adapter_for_another_model_is_refused_before_the_model_changes(tmp_pa
         assert not lora_layers(target) and all(torch.equal(v, before[k]) for k, v in target.state_dict().items())
     with pytest.raises(ValueError, match="already carries an adapter"):
         load_adapter(load_adapter(base_model(), good), good)
+
+
+def test_a_lora_base_is_recorded_as_the_checkpoint_it_resolves_to(tmp_path, monkeypatch):
+    """A run directory given relatively is recorded as its latest checkpoint's absolute path (the
+    relative path failed from another directory, and the link moves on as the base run goes on)."""
+    from gptlab.checkpoint import save_model
+    from gptlab.train.checkpointing import lora_base
+
+    save_model(base_model(), tmp_path / "run" / "ckpt-000002")
+    (tmp_path / "run" / "ckpt-000002" / "train_state.json").write_text("{}")
+    (tmp_path / "run" / "latest").symlink_to("ckpt-000002")
+    monkeypatch.chdir(tmp_path)
+    assert lora_base("run") == str((tmp_path / "run" / "ckpt-000002").resolve())
+    assert lora_base("openai-community/gpt2") == "openai-community/gpt2"  # a Hub id as it is
 
 
 def test_an_adapter_on_a_tied_head_loads_but_is_not_merged(tmp_path, idx):
