@@ -830,7 +830,7 @@ MUTANTS = [
            "keep = block_size * 3 // 4 if keep is None else keep", "keep = keep or block_size * 3 // 4",
            ("tests/test_speculative.py", "-k", "bad_settings")),
     Mutant("train/keep-checkpoints-zero-accepted", "train_config.py",
-           'positive += ["keep_checkpoints"] + ', "positive += ", ("tests/test_train.py", "-k", "counts_of_zero")),
+           'positive += ["keep_checkpoints", ', "positive += [", ("tests/test_train.py", "-k", "counts_of_zero")),
     Mutant("cli/out-compared-with-the-run-not-the-checkpoint-it-reads", "commands/_model_args.py",
            'read = checkpoint_path(source).resolve() if flag == "model" else', "read =",
            ("tests/test_cli.py", "-k", "writing_over")),
