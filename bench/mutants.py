@@ -863,6 +863,8 @@ MUTANTS = [
     Mutant("hooks/rotary-points-on-gpt2", "model.py",
            'rotary = ("rot_q", "rot_k") if config.pos_embedding == "rope" else ()', 'rotary = ("rot_q", "rot_k")',
            ("tests/test_hooks.py", "-k", "cached_values")),
+    Mutant("generation/decode-rows-unchecked-against-the-cache", "generation.py",
+           "    cache.check_room(tokens.size(0), 1)\n", "", ("tests/test_generate.py", "-k", "fit_the_cache")),
     Mutant("hf/exact-gelu-read-as-tanh", "hf.py", '"gelu": "gelu_erf"}', '"gelu": "gelu"}',
            ("tests/test_hf.py", "-k", "parity")),
     Mutant("cli/out-over-another-training-checkpoint-written", "commands/_model_args.py",

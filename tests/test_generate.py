@@ -314,6 +314,25 @@ def test_text_stops_at_the_tokenizers_end_of_text():
 # --- bad input -------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("fast", [True, False])
+def test_rows_or_slots_that_do_not_fit_the_cache_are_refused(fast, monkeypatch):
+    """64 tokens into a 4-row cache: the C step wrote past the cache (the process died in malloc);
+    a 1-row prompt into a 2-row cache filled row 0 alone; a prompt past max_len. ValueErrors now,
+    before anything is written, with the kernels on and off."""
+    from gptlab import kernels
+
+    monkeypatch.setattr(kernels, "_enabled", fast)
+    model = tiny_model()
+    cache = new_cache(model, 4, 8)
+    prefill(model, torch.tensor([[1, 2, 3]] * 4), cache)
+    for bad, message in [(lambda: decode_step(model, torch.arange(64), cache), "64 rows for a KV cache of 4"),
+                         (lambda: prefill(model, torch.tensor([[1, 2, 3]]), new_cache(model, 2, 8)), "1 rows"),
+                         (lambda: prefill(model, torch.ones(4, 6, dtype=torch.long), cache), "overflow: 3 \\+ 6 > 8")]:  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            bad()
+    assert cache.pos == 3 and decode_step(model, torch.arange(4), cache).shape == (4, model.config.vocab_size)
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [

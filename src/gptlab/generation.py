@@ -52,6 +52,7 @@ def new_cache(model, batch_size: int, max_len: int) -> KVCache:
 def prefill(model, idx: torch.Tensor, cache: KVCache, *, positions=None, key_mask=None) -> torch.Tensor:
     """Run the prompt idx (B, T) through the model into `cache` from slot cache.pos; returns the
     last position's logits (B, V). `positions` (B, T) and `key_mask` (B, max_len) describe left padding."""
+    cache.check_room(idx.size(0), idx.size(1))
     logits, _ = model(idx, kv_cache=cache, positions=positions, key_mask=key_mask, last_only=True)
     cache.advance(idx.size(1))
     return logits[:, -1]  # (B, V)
@@ -67,6 +68,7 @@ def _next_logits(model, tokens, cache, positions, key_mask):
 def decode_step(model, tokens: torch.Tensor, cache: KVCache, *, positions=None, key_mask=None) -> torch.Tensor:
     """Feed one new token per row, tokens (B,), at slot cache.pos; returns the next logits (B, V),
     without autograd. `positions` (B,) are the rows' position ids (needed with left padding)."""
+    cache.check_room(tokens.size(0), 1)
     logits = fused_step.decode(model, tokens, positions, cache, key_mask)  # (B, V): one C call, or None
     if logits is None:
         with torch.no_grad():

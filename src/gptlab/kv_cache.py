@@ -67,6 +67,20 @@ class KVCache:
         device, _ = model_device_dtype(model)
         return cls(model.config, batch_size, max_len, device=device, dtype=cache_dtype(model))
 
+    @property
+    def batch_size(self) -> int:
+        """Rows the cache holds (a view's own rows)."""
+        return self.layers[0][0].size(0)
+
+    def check_room(self, rows: int, n: int) -> None:
+        """ValueError unless `rows` rows of n new slots fit: another row count, or slots past
+        max_len, were written out of bounds by the C step (a heap corruption), or silently
+        into row 0 alone."""
+        if rows != self.batch_size:
+            raise ValueError(f"{rows} rows for a KV cache of {self.batch_size}")
+        if int(self.pos) + n > self.max_len:
+            raise ValueError(f"KV cache overflow: {int(self.pos)} + {n} > {self.max_len}")
+
     def advance(self, n: int) -> None:
         """Move the write position past n newly written slots."""
         if int(self.pos) + n > self.max_len:
