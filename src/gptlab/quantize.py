@@ -35,6 +35,7 @@ once, quantized. An untied model keeps its float embedding.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -165,6 +166,20 @@ class QuantizedLinear(nn.Module):
         if torch.is_grad_enabled() and x.requires_grad:
             return _InputGradient.apply(x, self)
         return self._infer(x)
+
+    def _apply(self, fn, recurse=True):
+        """model.to(device), share_memory(), ...: the kernels hold the buffers' data pointers, so
+        they are bound again to the moved buffers (they read freed memory). A dtype conversion
+        (model.to(torch.bfloat16)) leaves this layer's stored scheme as it is: its activations
+        follow the input's dtype."""
+        probes = {d: fn(torch.zeros(1, dtype=d)) for d in (torch.float32, torch.bfloat16)}
+        if any(p.dtype is not d for d, p in probes.items()):  # a dtype conversion: move, keep the stored dtypes
+            fn = functools.partial(torch.Tensor.to, device=probes[torch.float32].device)
+        bound = self._decode is not None or self._kernel_weights is not None
+        super()._apply(fn, recurse)
+        if bound:
+            self.prepare()
+        return self
 
     def __getstate__(self):
         # The kernels are bound to the buffers by their data pointers (closures, packed weights):
@@ -405,6 +420,11 @@ class QuantizedEmbedding(nn.Module):
     def embedding_dim(self) -> int:
         return self.head.in_features
 
+    def _apply(self, fn, recurse=True):
+        """model.to(torch.bfloat16) makes the rows it gives bf16, as the rest of the model."""
+        self.dtype = fn(torch.zeros(1)).dtype
+        return super()._apply(fn, recurse)
+
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.head.dequantize_rows(idx).to(self.dtype)  # (B, T, C)
 
@@ -509,6 +529,8 @@ def load_quantized(directory: str | os.PathLike, *, device=None) -> GPT:
     except Exception as e:  # safetensors raises its own error types for damaged files
         raise ValueError(f"{directory / WEIGHTS_FILE}: cannot read weights ({e})") from e
     load_state_strict(model, state, str(directory))
+    if isinstance(model.transformer.wte, QuantizedEmbedding):  # its rows in the stored model's dtype
+        model.transformer.wte.dtype = model.transformer.ln_f.weight.dtype
     for m in model.modules():
         if isinstance(m, QuantizedLinear):
             m.prepare()
