@@ -314,6 +314,32 @@ def test_text_stops_at_the_tokenizers_end_of_text():
 # --- bad input -------------------------------------------------------------------------------------
 
 
+def test_text_generation_samples_without_dropout_and_restores_the_mode():
+    """generate_text/stream_text on a model in training (as a training loop samples) sampled
+    through dropout: greedy text changed on every call. They run in eval mode, as generate does,
+    and hand the model back in training mode."""
+    byte = get_tokenizer("byte")
+    model = tiny_model(vocab_size=257, dropout=0.5).train()
+    texts = {generate_text(model, byte, "Hello", 12, temperature=0) for _ in range(3)}
+    assert model.training and len(texts) == 1
+    ids = generate(model, [byte.encode("Hello")], 12, temperature=0)[0][5:]
+    assert texts == {byte.decode(t for t in ids if t != byte.eot_token)} or byte.eot_token in ids
+    stream = stream_text(model, byte, "Hello", 12, temperature=0)
+    next(stream)
+    stream.close()  # a caller that stops reading early
+    assert model.training
+
+
+def test_an_id_past_the_tokenizers_vocabulary_is_shown_not_a_crash():
+    """A padded vocabulary (nanoGPT's 50,304 for GPT-2's 50,257) can sample an id the tokenizer
+    lacks: tiktoken raised KeyError mid-stream (the byte tokenizer a ValueError). It is U+FFFD."""
+    byte = get_tokenizer("byte")
+    model = tiny_model(vocab_size=300)
+    model.lm_head.register_forward_hook(lambda m, i, out: out.index_add(-1, torch.tensor([299]), torch.full((*out.shape[:-1], 1), 100.0)))  # fmt: skip
+    assert generate_text(model, byte, "Hi", 3, temperature=0) == "\ufffd" * 3
+    assert get_tokenizer("gpt2").decode([15496, 50300]) == "Hello\ufffd"
+
+
 @pytest.mark.parametrize("fast", [True, False])
 def test_rows_or_slots_that_do_not_fit_the_cache_are_refused(fast, monkeypatch):
     """64 tokens into a 4-row cache: the C step wrote past the cache (the process died in malloc);

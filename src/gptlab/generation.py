@@ -388,16 +388,11 @@ def generate(
             raise ValueError(f"cache_names needs prompt + max_new_tokens <= block_size {model.config.block_size} "
                              f"(got {longest} + {params.max_new_tokens}): a refilled cache would repeat positions")  # fmt: skip
         recorder = hooks.recording(model, cache_names)
-    was_training = model.training
-    model.eval()
-    try:
-        with recorder as records:
-            steps = list(generate_tokens(model, idx, params, eos_id=eos_id, bos_id=bos_id, generator=generator,
-                                         window_keep=window_keep, compiled_step=compiled_step,
-                                         draft_model=draft_model, prompt_lookup=prompt_lookup,
-                                         num_draft_tokens=num_draft_tokens, feed_last=cache_names is not None))  # fmt: skip
-    finally:
-        model.train(was_training)
+    with evaluating(model), recorder as records:
+        steps = list(generate_tokens(model, idx, params, eos_id=eos_id, bos_id=bos_id, generator=generator,
+                                     window_keep=window_keep, compiled_step=compiled_step,
+                                     draft_model=draft_model, prompt_lookup=prompt_lookup,
+                                     num_draft_tokens=num_draft_tokens, feed_last=cache_names is not None))  # fmt: skip
     new = torch.stack(steps, dim=1)  # (B * num_samples, new)
     out = _with_prompts(idx, new, params.num_samples, eos_id)
     if cache_names is None:
@@ -436,6 +431,18 @@ def held_back(text: str, stops: Sequence[str]) -> int:
                 best = k
                 break
     return best
+
+
+@contextlib.contextmanager
+def evaluating(model):
+    """The model in eval mode (no dropout) inside, its own mode restored after: generating from a
+    model in training, as a training loop samples, must not sample through dropout."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield model
+    finally:
+        model.train(was_training)
 
 
 class TextDecoder:
@@ -513,15 +520,16 @@ def stream_text(
     steps = generate_tokens(model, [ids], params, eos_id=eos_id, bos_id=tokenizer.eot_token, generator=generator,
                             window_keep=window_keep, compiled_step=compiled_step, draft_model=draft_model,
                             prompt_lookup=prompt_lookup, num_draft_tokens=num_draft_tokens)  # fmt: skip
-    for step in steps:
-        token = int(step[0])
-        if token == eos_id:
-            break
-        piece = text.add(token)
-        if piece:
-            yield piece
-        if text.stopped:
-            return
+    with evaluating(model):  # until the last piece, or the caller stops reading
+        for step in steps:
+            token = int(step[0])
+            if token == eos_id:
+                break
+            piece = text.add(token)
+            if piece:
+                yield piece
+            if text.stopped:
+                return
     piece = text.finish()
     if piece:
         yield piece

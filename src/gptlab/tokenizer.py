@@ -22,6 +22,9 @@ GPT2_FILES = {
 }
 
 
+UNKNOWN = "\ufffd".encode()  # what an id past the tokenizer's vocabulary decodes to
+
+
 class Tokenizer:
     """A text <-> token-id codec with GPT-2's end-of-text convention."""
 
@@ -41,6 +44,13 @@ class Tokenizer:
 
     def encode_batch(self, texts: list[str], allowed_special: Literal["all"] | Collection[str] = ()) -> list[list[int]]:
         return [self.encode(t, allowed_special) for t in texts]
+
+    def _decode_known(self, ids: list[int], decode_bytes) -> bytes:
+        """decode_bytes(ids), with an id past the vocabulary (a padded model's, such as nanoGPT's
+        50,304) as U+FFFD: generation shows it rather than failing inside the tokenizer."""
+        if all(0 <= i < self.n_vocab for i in ids):
+            return decode_bytes(ids)
+        return b"".join(decode_bytes([i]) if 0 <= i < self.n_vocab else UNKNOWN for i in ids)
 
     def decode_batch(self, batch: Iterable[Iterable[int]]) -> list[str]:
         return [self.decode(ids) for ids in batch]
@@ -64,10 +74,10 @@ class TiktokenTokenizer(Tokenizer):
         return self.encoding.encode_batch(texts, allowed_special=allowed, disallowed_special=())
 
     def decode(self, ids):
-        return self.encoding.decode(list(ids))
+        return self.decode_bytes(ids).decode("utf-8", errors="replace")  # as tiktoken's decode
 
     def decode_bytes(self, ids):
-        return self.encoding.decode_bytes(list(ids))
+        return self._decode_known([int(i) for i in ids], self.encoding.decode_bytes)
 
 
 def _special_set(allowed_special):
@@ -93,6 +103,9 @@ class ByteTokenizer(Tokenizer):
         return list(text.encode("utf-8"))
 
     def decode_bytes(self, ids):
+        return self._decode_known([int(i) for i in ids], self._bytes)
+
+    def _bytes(self, ids):
         return b"".join(ENDOFTEXT.encode() if i == self.eot_token else bytes([i]) for i in ids)
 
     def decode(self, ids):
