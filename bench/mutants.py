@@ -866,7 +866,7 @@ MUTANTS = [
     Mutant("generation/decode-rows-unchecked-against-the-cache", "generation.py",
            "    cache.check_room(tokens.size(0), 1)\n", "", ("tests/test_generate.py", "-k", "fit_the_cache")),
     Mutant("quantize/kernels-left-on-moved-buffers", "quantize.py",
-           "        super()._apply(fn, recurse)\n        if bound:\n            self.prepare()\n",
+           "        super()._apply(fn, recurse)\n        if bound:  # bound to the buffers before they moved\n            self.prepare()\n",
            "        super()._apply(fn, recurse)\n", ("tests/test_quantize.py", "-k", "rebinds")),
     Mutant("hf/exact-gelu-read-as-tanh", "hf.py", '"gelu": "gelu_erf"}', '"gelu": "gelu"}',
            ("tests/test_hf.py", "-k", "parity")),

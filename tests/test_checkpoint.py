@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from conftest import VARIANTS, tiny_model
-from gptlab.checkpoint import atomic_write, atomic_write_text, load_native, read_meta, save_model
+from gptlab.atomic import atomic_write, atomic_write_text
+from gptlab.checkpoint import load_native, read_meta, save_model
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))

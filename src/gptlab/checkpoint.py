@@ -1,9 +1,9 @@
-"""Native model files and atomic writes: the lowest layer of model I/O.
+"""Native model files: the lowest layer of model I/O.
 
 A native model directory holds `model.safetensors` (weights; a tied head stored once) and
 `gptlab.json` (format, config, tokenizer name, and any extra metadata such as a quantization
-scheme). Files are written to a temporary name in the same directory and renamed into place, so
-a crash never leaves a half-written file under the real name.
+scheme). Files are written through gptlab.atomic (a temporary name in the same directory, renamed
+into place), so a crash never leaves a half-written file under the real name.
 
 Turning a --model spec into a model (native, quantized, Hugging Face, other formats, presets) is
 `gptlab.loading`'s job, one layer up; this module imports none of the readers above it.
@@ -11,17 +11,15 @@ Turning a --model spec into a model (native, quantized, Hugging Face, other form
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import os
-import tempfile
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
+from gptlab.atomic import atomic_write, atomic_write_text
 from gptlab.classifier import model_for
 from gptlab.config import GPTConfig
 from gptlab.meta import meta_device
@@ -30,40 +28,6 @@ from gptlab.model import GPT
 log = logging.getLogger(__name__)
 META_FILE = "gptlab.json"
 WEIGHTS_FILE = "model.safetensors"
-
-
-def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> None:
-    """Call write(tmp_path) on a temporary file beside `path`, fsync it, then rename it to `path`.
-    A path that cannot be written is an OSError naming it (not the temporary file)."""
-    path = Path(path)
-    try:
-        if path.is_dir():
-            raise IsADirectoryError(errno.EISDIR, "Is a directory")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    except OSError as e:
-        why = f"{e.filename} is a file, not a directory" if isinstance(e, FileExistsError) else e.strerror
-        raise type(e)(e.errno, f"cannot write {path}: {why}") from e
-    os.close(fd)
-    try:
-        write(tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; give the file a normal file's mode
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    atomic_write(path, lambda tmp: Path(tmp).write_text(text))
 
 
 def save_model(model: GPT, directory: str | os.PathLike, *, tokenizer: str = "gpt2", extra: dict | None = None) -> None:

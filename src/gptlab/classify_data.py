@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from gptlab.checkpoint import atomic_write, atomic_write_text
+from gptlab.atomic import atomic_write, atomic_write_text
 from gptlab.classifier import GPTForSequenceClassification, pad_rows
 from gptlab.data import MANIFEST, CountedLoader, epoch_permutation, resolve_inputs, token_dtype
 from gptlab.tokenizer import get_tokenizer

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from gptlab.checkpoint import atomic_write, atomic_write_text
+from gptlab.atomic import atomic_write, atomic_write_text
 from gptlab.tokenizer import ENDOFTEXT, get_tokenizer
 
 log = logging.getLogger(__name__)

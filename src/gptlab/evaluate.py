@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from gptlab.checkpoint import atomic_write
+from gptlab.atomic import atomic_write
 from gptlab.chunked_loss import token_logprobs
 from gptlab.model import GPT
 from gptlab.tokenizer import Tokenizer

@@ -28,7 +28,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from gptlab.checkpoint import atomic_write, atomic_write_text
+from gptlab.atomic import atomic_write, atomic_write_text
 from gptlab.classifier import model_for
 from gptlab.config import GPTConfig
 from gptlab.meta import meta_device

@@ -30,6 +30,8 @@ from collections.abc import Callable, Iterable
 import torch
 import torch.nn as nn
 
+from gptlab.atomic import atomic_write
+
 HookFn = Callable[[torch.Tensor, "HookPoint"], torch.Tensor | None]
 # gptlab's module paths -> TransformerLens's names (applied in order)
 _RENAMES = (("transformer.h.", "blocks."), (".ln_1.", ".ln1."), (".ln_2.", ".ln2."), ("transformer.ln_f.", "ln_final."))
@@ -130,8 +132,6 @@ def cache_to_file(model: nn.Module, idx: torch.Tensor, path, names_filter=None, 
     returns the logits (None with stop_at_layer, as run_with_cache). The file is written beside
     `path` (its directory made if need be) and renamed into place when complete;
     `safetensors.safe_open` reads one tensor at a time back."""
-    from gptlab.checkpoint import atomic_write  # gptlab.checkpoint imports the model, which imports this
-
     path = os.fspath(path)
     header: dict[str, dict] = {}
     directory = os.path.dirname(os.path.abspath(path))

@@ -315,7 +315,7 @@ def trace(model: GPT, tokenizer: Tokenizer, idx: torch.Tensor, top: int = 5) -> 
 
 
 def _save_figure(fig, path) -> None:
-    from gptlab.checkpoint import atomic_write
+    from gptlab.atomic import atomic_write
 
     atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=120, bbox_inches="tight"))
 

@@ -181,7 +181,7 @@ def save_adapter(model: nn.Module, directory: str | os.PathLike, *, base_model: 
     """Write the model's adapters as a PEFT LoRA directory (adapter_config.json and
     adapter_model.safetensors) for GPT2LMHeadModel, or for GPT2ForSequenceClassification with the
     score head as PEFT's modules_to_save; q/k/v adapters as one exact c_attn adapter."""
-    from gptlab.checkpoint import atomic_write, atomic_write_text
+    from gptlab.atomic import atomic_write, atomic_write_text
 
     tensors, ranks, alphas, modules = {}, {}, {}, set()
     settings = model.lora_settings

@@ -50,7 +50,8 @@ from safetensors.torch import load_file, save_file
 
 from gptlab import int8_prompts, kernels, ops
 from gptlab import linear as linear_layer
-from gptlab.checkpoint import META_FILE, WEIGHTS_FILE, atomic_write, atomic_write_text, load_state_strict, read_meta
+from gptlab.atomic import atomic_write, atomic_write_text
+from gptlab.checkpoint import META_FILE, WEIGHTS_FILE, load_state_strict, read_meta
 from gptlab.config import GPTConfig
 from gptlab.meta import meta_device
 from gptlab.model import GPT
@@ -177,7 +178,7 @@ class QuantizedLinear(nn.Module):
             fn = functools.partial(torch.Tensor.to, device=probes[torch.float32].device)
         bound = self._decode is not None or self._kernel_weights is not None
         super()._apply(fn, recurse)
-        if bound:
+        if bound:  # bound to the buffers before they moved
             self.prepare()
         return self
 

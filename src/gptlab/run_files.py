@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from gptlab.checkpoint import atomic_write, atomic_write_text
+from gptlab.atomic import atomic_write, atomic_write_text
 
 log = logging.getLogger(__name__)
 LATEST = "latest"

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from gptlab.checkpoint import atomic_write, atomic_write_text
+from gptlab.atomic import atomic_write, atomic_write_text
 from gptlab.data import MANIFEST, CountedLoader, epoch_permutation, read_manifest, resolve_inputs, token_dtype
 from gptlab.tokenizer import get_tokenizer
 

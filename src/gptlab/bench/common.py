@@ -10,7 +10,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from gptlab.checkpoint import atomic_write_text
+from gptlab.atomic import atomic_write_text
 from gptlab.commands.demo import RELATIVE
 from gptlab.machine_cache import held_settings
 

@@ -109,7 +109,7 @@ def write_json(path, data) -> None:
     """Write `data` as indented JSON, atomically (an unwritable path raises OSError: exit code 2)."""
     import json
 
-    from gptlab.checkpoint import atomic_write_text
+    from gptlab.atomic import atomic_write_text
 
     atomic_write_text(path, json.dumps(data, indent=2) + "\n")
 

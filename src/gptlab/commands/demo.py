@@ -67,7 +67,7 @@ def download(dest: Path) -> Path:
         return check_hash(dest)
     import urllib.request
 
-    from gptlab.checkpoint import atomic_write
+    from gptlab.atomic import atomic_write
 
     print(f"downloading tiny-shakespeare from {URL}")
     try:

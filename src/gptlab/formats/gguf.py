@@ -33,7 +33,7 @@ import gguf
 import numpy as np
 import torch
 
-from gptlab.checkpoint import atomic_write
+from gptlab.atomic import atomic_write
 from gptlab.config import GPTConfig
 from gptlab.model import GPT
 

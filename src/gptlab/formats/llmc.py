@@ -22,7 +22,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from gptlab.checkpoint import atomic_write, load_state_strict
+from gptlab.atomic import atomic_write
+from gptlab.checkpoint import load_state_strict
 from gptlab.config import GPTConfig
 from gptlab.meta import meta_device
 from gptlab.model import GPT
