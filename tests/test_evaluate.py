@@ -268,6 +268,8 @@ def test_lambada_accuracy_and_perplexity(tmp_path):
     nll = [direct_nll(model, BYTE.encode(e["context"]), BYTE.encode(e["target"])) for e in examples]
     assert result["perplexity"] == pytest.approx(math.exp(sum(nll) / 4), rel=1e-5)
     assert result["token_perplexity"] == pytest.approx(math.exp(sum(nll) / 16), rel=1e-5)
+    # a mean loss past ~709 nats (long last words, an untrained model) overflowed math.exp
+    assert evaluate._exp(800.0) == math.inf and evaluate._exp(1.0) == math.e
 
 
 def test_context_longer_than_the_model_is_cropped_from_the_left():

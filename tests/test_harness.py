@@ -63,6 +63,43 @@ def test_gptlab_eval_harness_prints_lm_evals_table_and_writes_its_results(lmeval
     assert 0 <= result["results"]["tiny_choice"]["acc,none"] <= 1 and "tiny_choice/acc" in direct
 
 
+def test_harness_applies_the_adapter_and_refuses_what_it_would_not_use(lmeval_workdir, saved, tmp_path, capsys):
+    """--adapter with --harness was dropped (the base model's numbers, said nowhere); --max-length 0
+    ran the default; --data was ignored; a classifier failed inside forward with a TypeError."""
+    import copy
+
+    from gptlab.classifier import from_language_model
+    from gptlab.lora import LoRASettings, apply_lora, lora_layers, save_adapter
+
+    model, path = saved
+    adapted = apply_lora(copy.deepcopy(model), LoRASettings(rank=4, alpha=8, targets=("c_attn.q", "mlp.c_fc")))
+    with torch.no_grad():
+        for layer in lora_layers(adapted).values():
+            for b in layer.lora_B.values():
+                b.normal_(0, 0.5)
+    save_adapter(adapted, tmp_path / "adapter")
+    run = ["eval", "--model", path, "--harness", "tiny_rolling", "--include-path", str(TASKS), "--no-progress"]
+    perplexity = {}
+    for name, extra in (("base", []), ("adapted", ["--adapter", str(tmp_path / "adapter")])):
+        assert main([*run, *extra, "--json", str(tmp_path / f"{name}.json")]) in (0, None)
+        perplexity[name] = json.loads((tmp_path / f"{name}.json").read_text())["results"]["tiny_rolling"]
+    direct = evaluate(
+        gptlab.harness.GptlabLM(pretrained=path, adapter=str(tmp_path / "adapter")), None, ["tiny_rolling"]
+    )
+    assert perplexity["adapted"]["word_perplexity,none"] == pytest.approx(
+        direct["tiny_rolling/word_perplexity"], rel=1e-6
+    )
+    assert perplexity["adapted"] != perplexity["base"]
+    from_language_model(model, ["a", "b"]).save_pretrained(tmp_path / "classifier")
+    for extra, message in [(["--max-length", "0"], "max_length must be in [1, 64], got 0"),
+                           (["--data", "x.txt"], "--data does not apply to --harness"),
+                           (["--model", str(tmp_path / "classifier")], "is a classifier")]:  # fmt: skip
+        assert main([*run, *extra]) == 2
+        assert message in capsys.readouterr().err
+    assert main(["eval", "--model", str(tmp_path / "classifier"), "--task", "perplexity", "--data", "x.txt"]) == 2
+    assert "is a classifier: --task perplexity" in capsys.readouterr().err
+
+
 def test_an_unknown_harness_task_is_a_clear_error(lmeval_workdir, saved, capsys):
     _, path = saved
     assert main(["eval", "--model", path, "--harness", "tiny_choice,no_such_task", "--include-path", str(TASKS)]) == 2

@@ -106,6 +106,11 @@ def sequence_nll(
     return total, count
 
 
+def _exp(nats: float) -> float:
+    """A perplexity from a mean loss in nats: inf past float's range (math.exp overflowed at ~709)."""
+    return math.exp(nats) if nats < 709 else math.inf
+
+
 def perplexity(
     model: GPT,
     tokens: list[int] | np.ndarray | torch.Tensor,
@@ -133,7 +138,7 @@ def perplexity(
         "tokens": count,
         "bytes": n_bytes,
         "loss": loss,
-        "perplexity": math.exp(loss),
+        "perplexity": _exp(loss),
         "bits_per_byte": nll / math.log(2) / n_bytes if n_bytes else float("nan"),
         "stride": stride,
         "block_size": model.config.block_size,
@@ -331,8 +336,8 @@ def lambada(
     return {
         "examples": len(examples),
         "acc": sum(s["greedy"] for s in scores) / len(examples),
-        "perplexity": math.exp(nll / len(examples)),
-        "token_perplexity": math.exp(nll / n_tokens),
+        "perplexity": _exp(nll / len(examples)),
+        "token_perplexity": _exp(nll / n_tokens),
         "target_tokens": n_tokens,
     }
 

@@ -59,9 +59,11 @@ class GptlabLM(TemplateLM):
                 load_adapter(self.model, adapter)
         if quantize:
             self.model = quantize_model(self.model, quantize)
+        if self.model.config.num_labels:
+            raise ValueError(f"{pretrained} is a classifier: lm-eval's tasks score a language model")
         self.model.eval()
         self.batch_size = int(batch_size)
-        self.max_length = int(max_length or self.model.config.block_size)
+        self.max_length = int(self.model.config.block_size if max_length is None else max_length)  # 0 is refused
         if not 1 <= self.max_length <= self.model.config.block_size:
             raise ValueError(f"max_length must be in [1, {self.model.config.block_size}], got {self.max_length}")
         self._device = torch.device(device)

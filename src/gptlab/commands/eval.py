@@ -50,6 +50,8 @@ def run(args):
     if args.harness:
         return run_harness(args)
     model, tokenizer = load(args)
+    if model.config.num_labels and args.task != "classify":
+        raise ValueError(f"{args.model} is a classifier: --task {args.task} scores a language model (use --task classify)")  # fmt: skip
     progress = not args.no_progress
     start = time.perf_counter()
     if args.task == "perplexity":
@@ -83,7 +85,8 @@ def check_flags(args) -> None:
     ignored = {"--include-path": args.include_path is not None and not args.harness,
                "--max-length": args.max_length is not None and not args.harness,
                "--limit": args.limit is not None and args.task == "perplexity",
-               "--stride": args.stride is not None and args.task != "perplexity"}  # fmt: skip
+               "--stride": args.stride is not None and args.task != "perplexity",
+               "--data": args.data is not None and bool(args.harness)}  # fmt: skip
     for flag, unused in ignored.items():
         if unused:
             raise ValueError(f"{flag} does not apply to {task}")
@@ -129,8 +132,8 @@ def run_harness(args):
     if unknown:
         where = f" (nor in --include-path {args.include_path})" if args.include_path else ""
         raise ValueError(f"--harness: lm-eval has no task {', '.join(unknown)}{where}")
-    lm = GptlabLM(pretrained=args.model, dtype=args.dtype, batch_size=args.batch_size or 16,
-                  max_length=args.max_length, device=resolve_device(args.device))  # fmt: skip
+    lm = GptlabLM(pretrained=args.model, dtype=args.dtype, batch_size=args.batch_size or 16, max_length=args.max_length,
+                  device=resolve_device(args.device), adapter=args.adapter)  # fmt: skip
     start = time.perf_counter()
     out = simple_evaluate(model=lm, tasks=tasks, limit=args.limit, task_manager=manager, log_samples=False)
     print(make_table(out))
