@@ -359,6 +359,17 @@ def test_rows_or_slots_that_do_not_fit_the_cache_are_refused(fast, monkeypatch):
     assert cache.pos == 3 and decode_step(model, torch.arange(4), cache).shape == (4, model.config.vocab_size)
 
 
+def test_numpy_token_ids_are_ids():
+    """np.int64(5) was refused as "outside the vocabulary" although 5 is in it."""
+    import numpy as np
+
+    model = tiny_model()
+    assert (
+        generate(model, [[np.int64(5), 6]], 3, temperature=0)[0][2:]
+        == generate(model, [[5, 6]], 3, temperature=0)[0][2:]
+    )
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [
@@ -376,6 +387,8 @@ def test_rows_or_slots_that_do_not_fit_the_cache_are_refused(fast, monkeypatch):
         (dict(idx=torch.tensor([[1, 97]])), "outside the vocabulary"),
         (dict(idx=[[1, 2], [-1]]), "outside the vocabulary"),
         (dict(idx=[[]]), "empty prompt"),
+        (dict(eos_id=97), "eos_id 97 outside the vocabulary"),  # was accepted, and never stopped anything
+        (dict(idx=[[1.0]]), "token id 1.0 is not an integer"),
         (dict(idx="hi"), "idx is text"),  # was "token id 'h' outside the vocabulary"
         (dict(idx=["hi", "there"]), "generate_text"),
     ],

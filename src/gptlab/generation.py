@@ -230,6 +230,15 @@ class _Decoder:
         return logits
 
 
+def _token_id(t, vocab_size: int, what: str) -> int:
+    """t as an int id of the vocabulary (numpy's integers included), else a ValueError."""
+    if isinstance(t, bool) or not hasattr(t, "__index__") or isinstance(t, torch.Tensor | float):
+        raise ValueError(f"{what} {t!r} is not an integer")
+    if not 0 <= int(t) < vocab_size:
+        raise ValueError(f"{what} {int(t)} outside the vocabulary [0, {vocab_size})")
+    return int(t)
+
+
 def _prepare_prompts(idx, num_samples: int, bos_id: int | None, vocab_size: int, block_size: int):
     """Validate prompts; return them as id lists, each repeated num_samples times, cropped to block_size."""
     if isinstance(idx, torch.Tensor):
@@ -247,10 +256,10 @@ def _prepare_prompts(idx, num_samples: int, bos_id: int | None, vocab_size: int,
         raise ValueError("idx must be a (B, T) LongTensor or a non-empty list of token id lists")
     if not rows:
         raise ValueError("idx holds no prompts")
-    for r in rows:
-        for t in r:
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
-                raise ValueError(f"token id {t!r} outside the vocabulary [0, {vocab_size})")
+    rows = [[_token_id(t, vocab_size, "token id") for t in r] for r in rows]  # numpy integers as ints
+    for name, special in (("bos_id", bos_id),):
+        if special is not None:
+            _token_id(special, vocab_size, name)
     if any(not r for r in rows):
         if bos_id is None:
             raise ValueError("an empty prompt needs bos_id (or eos_id), e.g. <|endoftext|>, to start from")
@@ -282,6 +291,8 @@ def generate_tokens(
     params.max_new_tokens steps). Arguments as in `generate`; `feed_last` also runs the model on
     the last tokens (for hooks that read their activations: generate's cache_names)."""
     config = model.config
+    if eos_id is not None:  # one past the vocabulary never stops anything
+        _token_id(eos_id, model.config.vocab_size, "eos_id")
     bos_id = eos_id if bos_id is None else bos_id
     rows = _prepare_prompts(idx, params.num_samples, bos_id, config.vocab_size, config.block_size)
     keep = window_keep_of(config.block_size, window_keep)
