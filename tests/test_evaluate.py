@@ -349,6 +349,15 @@ def test_cli_eval_perplexity_writes_json(tmp_path, byte_model_dir, capsys):
                            (["--include-path", str(tmp_path)], "--include-path does not apply")]:  # fmt: skip
         assert main([*args, *extra]) == 2
         assert message in capsys.readouterr().err
+    for json_out, message in [("", "--json ''"), (str(tmp_path), "not a file that can be written")]:
+        assert main([*args[:-1], json_out]) == 2  # before the evaluation, not after it
+        assert message in capsys.readouterr().err
+    from gptlab.classify_data import prepare_classify
+
+    (tmp_path / "c.jsonl").write_text('{"text": "a", "label": "x"}\n{"text": "b", "label": "y"}\n' * 4)
+    prepare_classify(tmp_path / "c.jsonl", tmp_path / "cls", tokenizer="byte", val_fraction=0.5)
+    assert main([*args[:-3], str(tmp_path / "cls"), "--json", str(out)]) == 2  # examples, not running text
+    assert "holds classify examples" in capsys.readouterr().err
     (tmp_path / "latin1.txt").write_bytes("café".encode("latin-1"))
     assert main([*args[:-3], str(tmp_path / "latin1.txt"), "--json", str(out)]) == 2
     assert "latin1.txt: not UTF-8 text" in capsys.readouterr().err

@@ -153,6 +153,10 @@ def read_tokens(path: str | os.PathLike, tokenizer: Tokenizer) -> np.ndarray:
     """
     path = Path(path)
     if path.is_dir():
+        if not (path / "val.bin").is_file():
+            raise ValueError(
+                f"{path}: a directory without val.bin (give a text file, a val.bin or a prepared directory)"
+            )
         path = path / "val.bin"
     if not path.is_file():
         raise ValueError(f"{path}: no such file")
@@ -181,6 +185,9 @@ def _token_dtype(path: Path, tokenizer: Tokenizer) -> str:
             meta = json.loads(manifest.read_text())
         except (OSError, json.JSONDecodeError) as e:
             raise ValueError(f"{manifest}: not readable ({e})") from e
+        if meta.get("kind") in ("sft", "classify"):  # examples back to back, no separator: no running text
+            raise ValueError(f"{path.parent} holds {meta['kind']} examples; perplexity reads text or a directory "
+                             "`gptlab prepare` made from text")  # fmt: skip
         if meta.get("tokenizer") not in (None, tokenizer.name):
             raise ValueError(f"{path} holds {meta['tokenizer']} tokens; the model uses the {tokenizer.name} tokenizer")
         if meta.get("dtype") in ("uint16", "uint32"):
@@ -251,21 +258,25 @@ def read_jsonl(path: str | os.PathLike, required: dict[str, type]) -> list[dict]
     if not path.is_file():
         raise ValueError(f"{path}: no such file")
     records = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from e
-            if not isinstance(record, dict):
-                raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(record).__name__}")
-            for key, kind in required.items():
-                if not isinstance(record.get(key), kind):
-                    raise ValueError(f"{path}:{lineno}: field {key!r} missing or not a {kind.__name__}")
-            record["_line"] = lineno
-            records.append(record)
+    try:
+        lines = path.read_text(encoding="utf-8").split("\n")  # not splitlines: U+2028 may sit in a string
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text ({e})") from e
+    for lineno, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from e
+        if not isinstance(record, dict):
+            raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(record).__name__}")
+        for key, kind in required.items():
+            value = record.get(key)
+            if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):  # true is no label
+                raise ValueError(f"{path}:{lineno}: field {key!r} missing or not a {kind.__name__}")
+        record["_line"] = lineno
+        records.append(record)
     if not records:
         raise ValueError(f"{path}: no records")
     return records

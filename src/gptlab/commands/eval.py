@@ -80,7 +80,16 @@ def run(args):
 
 
 def check_flags(args) -> None:
-    """Refuse a flag the chosen task would ignore (it ran without it, saying nothing)."""
+    """Refuse a flag the chosen task would ignore (it ran without it, saying nothing), and a --json
+    that cannot be written, before the evaluation rather than after it."""
+    from pathlib import Path
+
+    if args.json is not None:
+        out = Path(args.json)
+        if not args.json or out.is_dir() or any(p.exists() and not p.is_dir() for p in out.parents):
+            raise ValueError(f"--json {args.json!r}: not a file that can be written")
+    if args.include_path is not None and not Path(args.include_path).is_dir():
+        raise ValueError(f"--include-path {args.include_path}: no such directory")
     task = "--harness" if args.harness else f"--task {args.task}"
     ignored = {"--include-path": args.include_path is not None and not args.harness,
                "--max-length": args.max_length is not None and not args.harness,
