@@ -1,7 +1,10 @@
-"""An lm-evaluation-harness backend: `import gptlab.harness` registers the model name `gptlab`.
+"""An lm-evaluation-harness backend: `import gptlab.harness` registers the model name `gptlab`
+in this process (lm-eval's own `lm_eval` command does not import it: from a shell, use
+`gptlab eval --harness TASKS`).
 
-    lm_eval --model gptlab --model_args pretrained=SPEC,dtype=float32,batch_size=8,max_length=1024 \\
-        --tasks lambada_openai --include_path DIR
+    import gptlab.harness, lm_eval
+    lm_eval.simple_evaluate(model="gptlab", tasks=["lambada_openai"],
+                            model_args="pretrained=SPEC,dtype=float32,batch_size=8,max_length=1024")
 
 `pretrained` is any `--model` spec (with `adapter=DIR`, a PEFT LoRA directory on top) (`gptlab.loading.load_model`: gptlab checkpoints, quantized
 models, Hugging Face directories or Hub ids, nanoGPT and llm.c files). Scoring follows lm-eval's
