@@ -722,3 +722,18 @@ def test_bench_generate_asks_gptlab_cpu_whether_bf16_is_native(flags, monkeypatc
         assert all(f in why for f in flags.split() if f in cpu.BF16_FLAGS)
     else:
         assert "avx512_bf16/amx_bf16/avx_ne_convert" in why
+
+
+def test_bench_recipes_names_a_bad_run_or_points(tmp_path, capsys):
+    """--points without its step time was a KeyError, a malformed one an unpacking error, and
+    --runs naming a directory without evaluations plotted an empty curve and exited 0."""
+    from gptlab.cli import main as cli
+
+    (tmp_path / "empty").mkdir()
+    cases = [(["--points", "x=600:5.0"], "give its step time with --step-seconds x=SECONDS"),
+             (["--points", "x=600", "--step-seconds", "x=0.2"], "expected STEP:LOSS pairs"),
+             (["--runs", f"a={tmp_path / 'empty'}"], "no evaluations")]  # fmt: skip
+    for argv, message in cases:
+        assert cli(["bench", "recipes", *argv, "--plot", str(tmp_path / "p.png"), "--out", ""]) == 2
+        assert message in capsys.readouterr().err
+    assert not (tmp_path / "p.png").exists()

@@ -85,13 +85,19 @@ def curve(run_dir: Path, step_seconds: float | None = None) -> list[tuple[float,
     from gptlab import run_files
 
     evals = [r for r in run_files.read_metrics(run_dir) if "val_loss" in r]
+    if not evals:  # a mistyped DIR plotted an empty curve
+        raise ValueError(f"{run_dir}: no evaluations in its metrics.jsonl (a finished gptlab training run?)")
     return [(r["step"] * step_seconds if step_seconds else r["elapsed_s"], r["val_loss"]) for r in evals]
 
 
 def given_points(text: str, step_seconds: float) -> list[tuple[float, float]]:
     """ "600:5.088,1200:4.838" -> [(600 * step_seconds, 5.088), ...]."""
-    pairs = (p.split(":") for p in text.split(","))
-    return [(int(step) * step_seconds, float(loss)) for step, loss in pairs]
+    try:
+        return [(int(step) * step_seconds, float(loss)) for step, loss in (p.split(":") for p in text.split(","))]
+    except ValueError:
+        raise ValueError(
+            f"--points {text!r}: expected STEP:LOSS pairs separated by commas, e.g. 600:5.088,1200:4.838"
+        ) from None
 
 
 def plot(curves: dict[str, list], path: Path, title: str, xlabel: str) -> None:
@@ -126,6 +132,8 @@ def main(argv=None) -> int:
         runs = {name: train_recipe(name, args.data, Path(args.work), args.eval_interval) for name in args.recipes}
     curves = {name: curve(d, seconds.get(name)) for name, d in runs.items()}
     for name, _, text in (p.partition("=") for p in args.points):
+        if name not in seconds:
+            raise ValueError(f"--points {name}=...: give its step time with --step-seconds {name}=SECONDS")
         curves[name] = given_points(text, seconds[name])
     for name, points in curves.items():
         print(f"{name}: " + ", ".join(f"{s:.0f}s {v:.3f}" for s, v in points))
