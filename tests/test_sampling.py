@@ -118,6 +118,10 @@ def test_top_p_mask_keeps_the_smallest_nucleus(nucleus_path):
     assert kept(0.96) == [True, True, True, True]
     assert kept(0.01) == [False, True, False, False]  # the top token always stays
     assert F.softmax(top_p_mask(torch.zeros(1, 5), 1.0), -1).allclose(torch.full((1, 5), 0.2))
+    # equal probabilities: the earlier ids, on both paths (sorting kept ids 3-5 where C kept 0-2),
+    # also where the nucleus ends among more ties than the first look (512) takes
+    assert (top_p_mask(torch.zeros(1, 6), 0.34) > NEG).tolist() == [[True] * 3 + [False] * 3]
+    assert (top_p_mask(torch.zeros(1, 600), 0.5) > NEG).nonzero()[:, 1].tolist() == list(range(300))
 
 
 def test_min_p_mask_scales_with_the_top_probability():

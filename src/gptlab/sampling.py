@@ -124,23 +124,37 @@ def top_p_mask(logits: torch.Tensor, p: float) -> torch.Tensor:
     keep = ops.top_p_keep(probs, p)  # in C, where it runs: no sort
     if keep is not None:
         return logits.masked_fill(~keep, float("-inf"))
-    top, order = torch.topk(probs, min(probs.size(-1), TOP_P_FIRST), dim=-1)  # (B, k), most likely first
+    k = min(probs.size(-1), TOP_P_FIRST)
+    top, order = _in_vocabulary_order(*torch.topk(probs, k, dim=-1))  # (B, k), most likely first
     mass = top.cumsum(dim=-1)  # (B, k)
-    if not bool((mass[..., -1] >= p).all()):  # a wider nucleus: every token, in order
+    keep_top = mass - top < p  # the mass of the more likely tokens is short of p (the first: always)
+    last = top.masked_fill(~keep_top, float("inf")).amin(dim=-1)  # (B,) the least likely kept
+    # A wider nucleus, or one that ends among probabilities equal to the k-th (topk took some of
+    # them, in no set order): every token, ranked as gl_top_p_keep ranks them.
+    if k < probs.size(-1) and not bool(((mass[..., -1] >= p) & (last > top[..., -1])).all()):
         order = _argsort_descending(probs)  # (B, V)
         top = probs.gather(-1, order)
-        mass = top.cumsum(dim=-1)
-    keep_top = mass - top < p  # the mass of the more likely tokens is short of p (the first: always)
+        keep_top = top.cumsum(dim=-1) - top < p
     keep = torch.zeros_like(probs, dtype=torch.bool).scatter_(-1, order, keep_top)  # vocabulary order
     return logits.masked_fill(~keep, float("-inf"))
 
 
+def _in_vocabulary_order(top: torch.Tensor, order: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """topk's (values, indices), most likely first, equal values in vocabulary order (topk leaves
+    them in any order; gptlab's kernel keeps the earlier ids, and so must this path)."""
+    by_id, perm = order.sort(dim=-1)  # (B, k)
+    values = top.gather(-1, perm)
+    rank = values.sort(dim=-1, descending=True, stable=True).indices
+    return values.gather(-1, rank), by_id.gather(-1, rank)
+
+
 def _argsort_descending(x: torch.Tensor) -> torch.Tensor:
-    """Indices (B, V) that sort each row of x from largest to smallest. On the CPU through NumPy:
-    over GPT-2's 50,257 probabilities 0.50 ms where torch.sort takes 2.9 (AMD EPYC Zen 5)."""
+    """Indices (B, V) that sort each row of x from largest to smallest, equal values in vocabulary
+    order. On the CPU through NumPy: over GPT-2's 50,257 probabilities 0.50 ms where torch.sort
+    takes 2.9 (AMD EPYC Zen 5)."""
     if x.device.type != "cpu":
-        return torch.sort(x, dim=-1, descending=True).indices
-    return torch.from_numpy(np.argsort(-x.detach().numpy(), axis=-1))
+        return torch.sort(x, dim=-1, descending=True, stable=True).indices
+    return torch.from_numpy(np.argsort(-x.detach().numpy(), axis=-1, kind="stable"))
 
 
 def min_p_mask(logits: torch.Tensor, min_p: float) -> torch.Tensor:
