@@ -443,6 +443,9 @@ def test_malformed_json_and_large_bodies(url, client):
     r = post(url, content=b'{"model": "tiny-byte", "prompt": ', headers={"content-type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
     assert_ok_after(client)
+    for content_type in ("application/x-www-form-urlencoded", "text/plain"):  # was "Input should be a valid dictionary"
+        r = post(url, content=b"model=tiny-byte&prompt=hi", headers={"content-type": content_type})
+        assert r.status_code == 400 and f"must be JSON (Content-Type: application/json), got {content_type}" in r.text
     r = post(url, {"model": NAME, "prompt": "x" * 100_000})
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
     assert_ok_after(client)

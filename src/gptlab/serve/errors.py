@@ -118,6 +118,10 @@ def _required_fields(request: Request) -> list[str]:
 def _validation_error(exc: RequestValidationError, request: Request) -> APIError:
     errors = exc.errors()
     first = errors[0] if errors else {}
+    content_type = request.headers.get("content-type", "")
+    if tuple(first.get("loc", ())) == ("body",) and content_type and "json" not in content_type:
+        # FastAPI reads a form or text body as a string: say what the body must be
+        return APIError(400, f"the request body must be JSON (Content-Type: application/json), got {content_type}", param="body", code="invalid_content_type")  # fmt: skip
     if first.get("type") == "json_invalid":
         return APIError(400, f"malformed JSON in the request body: {first.get('msg', '')}", code="invalid_json")
     if tuple(first.get("loc", ())) == ("body",) and first.get("type") == "missing":
