@@ -30,6 +30,15 @@ def test_native_directory(tmp_path, variant):
     assert not loaded.training
 
 
+def test_a_home_relative_path_is_read_in_every_format(tmp_path, monkeypatch):
+    """A path under ~ loaded only Hugging Face directories (a native one was "not in the Hugging Face cache")."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    model = tiny_model()
+    save_model(model, tmp_path / "m", tokenizer="byte")
+    idx = torch.randint(0, 97, (1, 5))
+    torch.testing.assert_close(logits(load_model("~/m"), idx), logits(model, idx), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("device, match", [("cuda:99", "device cuda:99: (no CUDA device|this machine has)"),
                                            ("warp9", "device warp9: not a device name")])  # fmt: skip
 def test_a_device_this_machine_lacks_is_named_before_loading(tmp_path, device, match):

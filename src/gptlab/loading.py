@@ -16,6 +16,7 @@ reader plus one line here.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -41,11 +42,12 @@ def load_model(spec: str, *, device=None, dtype=None, adapter=None) -> GPT:
     """
     if device is not None:
         check_device(device)
+    spec = os.path.expanduser(os.fspath(spec))  # "~/runs/x" as a shell would read it, in every format
     model = _load_base(spec, device=device, dtype=dtype)
     if adapter:
         from gptlab.lora import load_adapter
 
-        load_adapter(model, adapter)
+        load_adapter(model, os.path.expanduser(os.fspath(adapter)))
     return model
 
 
