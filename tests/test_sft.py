@@ -207,3 +207,8 @@ def test_sft_training_learns_the_responses_and_resumes_exactly(tmp_path, layout)
     records = [json.loads(line) for line in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
     evals = [r["val_loss"] for r in records if "val_loss" in r]
     assert evals[-1] < evals[0]
+    # tokens counts the rows as run: a padded batch is as long as its longest example (it counted
+    # batch_size x block_size, overstating tok/s), a packed one block_size
+    loader = ExampleLoader(tmp_path / "d", "train", 4, 128, layout=layout, seed=TrainConfig().seed)
+    assert straight["tokens"] == resumed["tokens"] == sum(loader.batch(k)[0].numel() for k in range(8))
+    assert (straight["tokens"] < 8 * 4 * 128) == (layout == "pad")

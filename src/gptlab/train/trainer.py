@@ -72,9 +72,10 @@ class Trainer:
         lr = lr_at(self.step_num, cfg, self.budget.fraction())
         for group in self.optimizer.param_groups:
             group["lr"] = lr * group.get("lr_scale", 1.0)
-        loss_sum = torch.zeros((), device=self.device)
+        loss_sum, fed = torch.zeros((), device=self.device), 0
         for micro in range(self.grad_accum):
             batch = self.train_loader.next_batch()
+            fed += batch[0].numel()  # (B, T): padded examples run to their batch's longest, not block_size
             sync = self._no_sync() if micro < self.grad_accum - 1 else nullcontext()
             with sync:
                 with autocast(self.device, self.precision):
@@ -93,7 +94,7 @@ class Trainer:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step_num += 1
-        tokens = cfg.batch_size * cfg.block_size * self.grad_accum * self.dist.world_size
+        tokens = fed * self.dist.world_size  # every rank's batch as this one's (exact for token windows)
         self.tokens_seen += tokens
         if self.device.type == "cuda":
             torch.cuda.synchronize()
