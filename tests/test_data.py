@@ -169,3 +169,13 @@ def test_loader_errors(token_file, tmp_path):
         TokenLoader(tmp_path / "nope.bin", 2, 8)
     with pytest.raises(ValueError, match="needs at least"):
         TokenLoader(token_file, 2, 1000)
+
+
+def test_a_sequential_pass_ends_where_the_batches_wrap_around(token_file):
+    """distinct_batches: the evaluation's cap (eval_steps 100,000 on 14 batches scored them again
+    and again for minutes): 999 // 8 = 124 windows in batches of 2 rows are 62 batches, then the first again."""
+    loader = TokenLoader(token_file, 2, 8, mode="sequential")
+    assert loader.distinct_batches() == 62
+    assert torch.equal(loader.batch(62)[0], loader.batch(0)[0]) and not torch.equal(
+        loader.batch(61)[0], loader.batch(0)[0]
+    )

@@ -559,3 +559,13 @@ def test_a_device_this_machine_lacks_is_a_value_error(byte_data, tmp_path, devic
     """device=gpu was torch's RuntimeError, device=cuda without CUDA an AssertionError."""
     with pytest.raises(ValueError, match=message):
         train(config(byte_data, tmp_path / "run", max_steps=2, device=device))
+
+
+def test_evaluation_scores_each_validation_batch_once(byte_data, tmp_path, monkeypatch):
+    """eval_steps past the validation split's batches is capped at one pass over them."""
+    trainer = Trainer(config(byte_data, tmp_path / "run", max_steps=1, eval_steps=100_000))
+    seen = []
+    real = trainer.val_loader.batch
+    monkeypatch.setattr(trainer.val_loader, "batch", lambda k: seen.append(k) or real(k))
+    trainer.evaluate()
+    assert seen == list(range(trainer.val_loader.distinct_batches())) and 1 < len(seen) < 100

@@ -88,6 +88,9 @@ class ClassifyLoader(CountedLoader):
         self._orders: dict[int, np.ndarray] = {}  # epoch -> its order (mode "random")
         self.batch_index = 0
 
+    def units(self) -> int:
+        return len(self)
+
     def __len__(self) -> int:
         return len(self.labels)
 

@@ -310,6 +310,16 @@ class CountedLoader:
 
     STATE_KEYS = ("mode", "seed")
 
+    def units(self) -> int:
+        """What one sequential pass covers (windows, or examples or rows of examples)."""
+        raise NotImplementedError
+
+    def distinct_batches(self) -> int:
+        """Sequential batches before they wrap around to the first again: more evaluation steps
+        than this score the same rows twice."""
+        global_batch = self.batch_size * self.world_size
+        return max(1, -(-self.units() // global_batch))
+
     def next_batch(self):
         """The next batch; advances the counter."""
         out = self.batch(self.batch_index)
@@ -367,6 +377,9 @@ class TokenLoader(CountedLoader):
     @property
     def global_batch(self) -> int:
         return self.batch_size * self.world_size
+
+    def units(self) -> int:
+        return (len(self.tokens) - 1) // self.block_size  # back-to-back windows
 
     def offsets(self, k: int) -> np.ndarray:
         """Start offsets of this rank's rows in batch k, (B,)."""

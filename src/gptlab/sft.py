@@ -320,6 +320,9 @@ class ExampleLoader(CountedLoader):
         self._epochs: list[list[np.ndarray]] = []  # rows of each epoch computed so far
         self.batch_index = 0
 
+    def units(self) -> int:
+        return len(self.epoch_rows(0))  # rows of examples (several per row when packed)
+
     def epoch_rows(self, e: int) -> list[np.ndarray]:
         """Example indices of each row of epoch e (computed once per epoch)."""
         while len(self._epochs) <= e:

@@ -12,21 +12,23 @@ from gptlab.train.precision import autocast
 
 @torch.no_grad()
 def evaluate(trainer) -> dict:
-    """Validation loss and perplexity over the first eval_steps batches of val.bin, and a sample."""
+    """Validation loss and perplexity over the first eval_steps batches of val.bin (at most one
+    pass over it), and a sample."""
     cfg = trainer.cfg
     trainer.model.eval()
     total = torch.zeros((), device=trainer.device)
     correct = torch.zeros((), device=trainer.device)
     classifier = bool(trainer.raw_model.config.num_labels)
-    for k in range(cfg.eval_steps):
+    steps = min(cfg.eval_steps, trainer.val_loader.distinct_batches())  # past that: the same rows again
+    for k in range(steps):
         batch = trainer.val_loader.batch(k)
         with autocast(trainer.device, trainer.precision):
             logits, loss = forward_loss(trainer.model, batch, trainer.device)
         total += loss.float()
         if classifier:  # logits (B, num_labels) against the labels (B,)
             correct += (logits.argmax(-1).cpu() == batch[1]).float().mean().to(trainer.device)
-    val_loss = trainer.mean_over_ranks(total / cfg.eval_steps)
-    extra = {"val_accuracy": trainer.mean_over_ranks(correct / cfg.eval_steps)} if classifier else {}
+    val_loss = trainer.mean_over_ranks(total / steps)
+    extra = {"val_accuracy": trainer.mean_over_ranks(correct / steps)} if classifier else {}
     text = sample(trainer) if (trainer.dist.is_main or trainer.sharded) and not classifier else ""
     trainer.model.train()
     return dict(step=trainer.step_num, tokens=trainer.tokens_seen, val_loss=val_loss,
