@@ -83,6 +83,9 @@ def test_prepare_into_its_input_directory_twice_reads_the_same_files(two_docs, c
     first = prepare(two_docs, two_docs / "prep", progress=False, tokenizer="byte")
     assert prepare(two_docs, two_docs / "prep", progress=False, tokenizer="byte") == first
     (two_docs / "prep").rename(two_docs.parent / "prep")
+    # the input inside the output (--input data/raw --out data): nothing is left out
+    inner = prepare(two_docs, two_docs.parent, progress=False, tokenizer="byte")
+    assert inner["tokens"] == first["tokens"] and "dataset" not in json.dumps(inner)
     argv = ["prepare", "--input", str(two_docs), "--out", str(two_docs / "cli"), "--tokenizer", "byte", "--no-progress"]
     assert main(argv) == 0 and main(argv) == 0
     assert json.loads((two_docs / "cli" / "manifest.json").read_text())["tokens"] == first["tokens"]

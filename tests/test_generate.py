@@ -463,7 +463,8 @@ def test_cli_bad_sampling_value_is_one_line_error(echo_dir, capsys):
     assert "top_k=0 turns it off" in capsys.readouterr().err
     # flags the run would ignore (it ran without them, saying nothing)
     ignored = {("-i", "--prompt", "a"): "drop --prompt", ("-i", "--num-samples", "2"): "drop --num-samples",
-               ("--prompt", "a", "--num-draft-tokens", "7"): "add --draft-model or --prompt-lookup"}  # fmt: skip
+               ("--prompt", "a", "--num-draft-tokens", "7"): "add --draft-model or --prompt-lookup",
+               ("--prompt", "a", "--prompt-lookup", "2", "--num-draft-tokens", "0"): "num_draft_tokens must be"}  # fmt: skip
     for flags, message in ignored.items():
         assert main(["generate", "--model", echo_dir, *flags]) == 2
         assert message in capsys.readouterr().err

@@ -82,7 +82,9 @@ def test_lr_schedule():
     wsd = TrainConfig(lr=1e-3, min_lr=0.0, warmup_steps=10, max_steps=110, schedule="wsd", decay_fraction=0.5)
     assert lr_at(50, wsd) == 1e-3 and lr_at(82.5, wsd) == pytest.approx(5e-4) and lr_at(110, wsd) == 0.0
     # min_lr defaults to lr / 10: the README's fine-tune (--set lr=3e-5 alone) was refused for min_lr 6e-5 > lr
-    assert TrainConfig().min_lr == pytest.approx(6e-5) and TrainConfig(lr=3e-5).min_lr == pytest.approx(3e-6)
+    assert TrainConfig().final_lr == pytest.approx(6e-5) and TrainConfig(lr=3e-5).final_lr == pytest.approx(3e-6)
+    assert TrainConfig().with_overrides(["lr=3e-5"]).final_lr == pytest.approx(3e-6)  # as --set and TOML give it
+    assert TrainConfig(lr=1e-3, min_lr=0.0).final_lr == 0.0
 
 
 def test_config_overrides_and_toml(tmp_path):
@@ -462,6 +464,10 @@ def test_resume_with_another_shape_or_over_a_run_fails_and_writes_nothing(byte_d
             with pytest.raises(ValueError, match="part of a run|holds no checkpoint"):
                 train(config(byte_data, tmp_path / copy, max_steps=4, keep_checkpoints=1, resume=resume))
         assert dir_digest(tmp_path / copy) == kept
+    # a run stopped before its first checkpoint leaves metrics.jsonl alone: the same command starts over
+    (tmp_path / "stopped").mkdir()
+    (tmp_path / "stopped" / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
+    assert train(config(byte_data, tmp_path / "stopped", max_steps=2, eval_interval=2))["step"] == 2
     # a damaged checkpoint's weights: a ValueError naming them (was safetensors' own error)
     weights = run_files.latest_checkpoint(out) / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:100])

@@ -64,6 +64,8 @@ def resolve_inputs(spec: str | os.PathLike | list, exclude: str | os.PathLike | 
         return [path]
     if path.is_dir():
         skip = Path(exclude).resolve() if exclude is not None else None
+        if skip is not None and path.resolve() not in skip.parents:  # only an output inside this input
+            skip = None
         files = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith(".")
                        and (skip is None or skip not in p.resolve().parents))  # fmt: skip
         if not files:

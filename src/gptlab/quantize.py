@@ -423,7 +423,7 @@ class QuantizedEmbedding(nn.Module):
 
     def _apply(self, fn, recurse=True):
         """model.to(torch.bfloat16) makes the rows it gives bf16, as the rest of the model."""
-        self.dtype = fn(torch.zeros(1)).dtype
+        self.dtype = fn(torch.zeros(1, dtype=self.dtype)).dtype  # a move keeps it
         return super()._apply(fn, recurse)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:

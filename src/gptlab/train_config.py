@@ -108,9 +108,7 @@ class TrainConfig:
         for name in ("warmup_steps", "log_interval", "sample_tokens"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
                 raise ValueError(f"TrainConfig.{name} must be a non-negative integer, got {getattr(self, name)!r}")
-        if self.min_lr is None and isinstance(self.lr, int | float):
-            self.min_lr = self.lr / 10
-        if not (self.lr > 0 and 0 <= self.min_lr <= self.lr):
+        if not (self.lr > 0 and 0 <= self.final_lr <= self.lr):
             raise ValueError(f"TrainConfig needs lr > 0 and 0 <= min_lr <= lr, got lr={self.lr}, min_lr={self.min_lr}")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"TrainConfig.schedule must be one of {SCHEDULES}, got {self.schedule!r}")
@@ -168,6 +166,11 @@ class TrainConfig:
 
         targets = tuple(t.strip() for t in self.lora_targets.split(",") if t.strip())
         return LoRASettings(rank=self.lora_rank, alpha=self.lora_alpha, dropout=self.lora_dropout, targets=targets)
+
+    @property
+    def final_lr(self) -> float:
+        """min_lr, or lr / 10 when it is not set (kept None, so --set lr alone moves it too)."""
+        return self.lr / 10 if self.min_lr is None else self.min_lr
 
     @property
     def save_every(self) -> int:

@@ -78,7 +78,8 @@ def run(args):
     # One generator for the whole session, so the samples (and interactive turns) differ.
     generator = params.generator(device, fresh=True)
     compiled_step = compile_decode(model) if args.compile else None
-    speculation = dict(prompt_lookup=args.prompt_lookup, num_draft_tokens=args.num_draft_tokens or 4)
+    draft_tokens = 4 if args.num_draft_tokens is None else args.num_draft_tokens  # 0 stays 0: refused below
+    speculation = dict(prompt_lookup=args.prompt_lookup, num_draft_tokens=draft_tokens)
     if args.draft_model:
         speculation["draft_model"] = model_from_args(
             argparse.Namespace(**{**vars(args), "model": args.draft_model, "adapter": None})

@@ -161,8 +161,16 @@ FREE_ON_RESUME = {"resume", "max_steps", "max_time", "progress", "log_interval",
 
 
 def changed_settings(was: dict, now: dict) -> dict:
-    """{setting: (checkpoint's, now)} for the settings that change what a resumed run computes."""
+    """{setting: (checkpoint's, now)} for the settings that change what a resumed run computes
+    (min_lr as the value it stands for: unset is lr / 10)."""
+    was, now = _final_lr(was), _final_lr(now)
     return {k: (v, now[k]) for k, v in was.items() if k in now and now[k] != v and k not in FREE_ON_RESUME}
+
+
+def _final_lr(settings: dict) -> dict:
+    if settings.get("min_lr") is None and "lr" in settings:
+        return {**settings, "min_lr": settings["lr"] / 10}
+    return settings
 
 
 def _load_optimizer(trainer, optim: dict) -> None:

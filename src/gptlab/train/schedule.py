@@ -30,8 +30,8 @@ def lr_at(step: int, cfg: TrainConfig, fraction: float | None = None) -> float:
     progress = min(1.0, max(0.0, step_fraction(step, cfg) if fraction is None else fraction))
     if cfg.schedule == "wsd":
         decay = (progress - (1 - cfg.decay_fraction)) / cfg.decay_fraction
-        return cfg.lr if decay <= 0 else cfg.lr - min(1.0, decay) * (cfg.lr - cfg.min_lr)
-    return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.lr - cfg.min_lr)
+        return cfg.lr if decay <= 0 else cfg.lr - min(1.0, decay) * (cfg.lr - cfg.final_lr)
+    return cfg.final_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.lr - cfg.final_lr)
 
 
 class TimeBudget:

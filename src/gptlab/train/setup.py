@@ -271,7 +271,8 @@ def check_out_dir(out_dir: Path, resume: bool) -> None:
     has_run = latest.is_symlink()
     if has_run and not resume:
         raise ValueError(f"{out_dir} already holds a run; pass --resume to continue it or pick another out_dir")
-    found = sorted(p.name for p in [latest, out_dir / run_files.METRICS, *out_dir.glob("ckpt-*")] if p.exists())
+    # checkpoints without their link (a run stopped before its first one leaves metrics.jsonl alone: it starts over)
+    found = sorted(p.name for p in [latest, *out_dir.glob("ckpt-*")] if p.exists())
     if found and not has_run:
         raise ValueError(f"{out_dir} holds part of a run ({', '.join(found[:3])}) but no `latest` link to a "
                          "checkpoint: pick another out_dir, or restore the link to resume it")  # fmt: skip
