@@ -259,7 +259,7 @@ def test_writing_over_the_model_read_is_refused_and_keeps_it(tmp_path, capsys, c
     (tmp_path / "ckpt-000005").mkdir()
     (tmp_path / "ckpt-000005" / "train_state.json").write_text("{}")
     read = {"ckpt-000010": "is (or holds) the --model", "latest": "is (or holds) the --model", ".": "is (or holds)",
-            "ckpt-000010/hf": "is (or holds)", "ckpt-000005": "is a training checkpoint or run"}  # fmt: skip
+            "ckpt-000010/model.safetensors": "is a file of the --model", "ckpt-000005": "is a training checkpoint or run"}  # fmt: skip
     for model in ("latest", "."):  # the checkpoint itself, and the run directory that resolves to it
         for out, message in read.items():
             argv = [command[0], "--model", str(tmp_path / model), "--out", str(tmp_path / out), *command[1:]]
@@ -267,3 +267,5 @@ def test_writing_over_the_model_read_is_refused_and_keeps_it(tmp_path, capsys, c
             assert message in capsys.readouterr().err
             assert {p.name: p.read_bytes() for p in (tmp_path / "ckpt-000010").iterdir()} == before
     assert main([*argv[:3], "--out", str(tmp_path / "copy"), *command[1:]]) == 0  # anywhere else is written
+    beside = tmp_path / "ckpt-000010" / ("m.gguf" if "gguf" in command else "new")  # a new path in its folder
+    assert main([*argv[:3], "--out", str(beside), *command[1:]]) == 0

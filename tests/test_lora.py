@@ -1,6 +1,8 @@
 """gptlab.lora: adapters on gptlab's GPT against PEFT's on transformers' GPT2LMHeadModel, both
 ways, on the same random weights; merging; a quantized base."""
 
+import json
+
 import pytest
 import torch
 
@@ -231,7 +233,7 @@ def test_every_command_takes_adapter_and_export_merges_it(tmp_path, idx):
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "int8", "int4"])
-def test_lora_training_trains_adapters_only_and_resumes_exactly(tmp_path, precision):
+def test_lora_training_trains_adapters_only_and_resumes_exactly(tmp_path, precision, monkeypatch):
     """TrainConfig's lora_* settings, on an fp32, bf16, int8 or int4 base (QLoRA: its kernels run forward,
     gradients pass through its dequantized weight): the base stays as it was, checkpoints hold the
     adapters (not the base), load_model(checkpoint) is the trained model, and a run cut at step 6
@@ -300,6 +302,10 @@ def test_lora_training_trains_adapters_only_and_resumes_exactly(tmp_path, precis
         from gptlab.checkpoint import read_meta
 
         assert read_meta(ckpt)["lora_base"] == str((tmp_path / "base").resolve())
+        meta = json.loads((ckpt / "gptlab.json").read_text())
+        (ckpt / "gptlab.json").write_text(json.dumps({**meta, "lora_base": "base"}))  # as written before: relative
+        monkeypatch.chdir(tmp_path)
+        Trainer(TrainConfig(**run_cfg(tmp_path / "cut", 14, resume=True)))  # resumes (it was refused)
         save_model(base, tmp_path / "other", tokenizer="byte")
         with pytest.raises(ValueError, match="resume on the same base"):
             Trainer(TrainConfig(**{**run_cfg(tmp_path / "cut", 14, resume=True), "init_from": str(tmp_path / "other")}))

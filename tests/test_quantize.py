@@ -294,6 +294,10 @@ def test_a_moved_or_converted_quantized_model_rebinds_its_kernels(tmp_path, mode
         torch.testing.assert_close(load_model(str(tmp_path / "q"))(idx)[0], bf16, rtol=0, atol=0)
         model.cpu().share_memory()  # a move keeps the bf16 rows (it reset them to fp32: mixed dtype)
         assert torch.equal(model(idx)[0], bf16)
+    # off the CPU (here the meta device, as .cuda() would) and back: the kernels are bound again
+    model.to("meta").to_empty(device="cpu")
+    assert all(m._decode is not None or m._kernel_weights is not None
+               for m in model.modules() if isinstance(m, QuantizedLinear))  # fmt: skip
 
 
 def test_quantized_models_keep_a_bf16_kv_cache(tmp_path):

@@ -143,7 +143,7 @@ def checkpoint_path(spec: str) -> Path:
 
 def tokenizer_name(spec: str) -> str:
     """The tokenizer a model spec uses: the name recorded with a native model, else gpt2."""
-    path = checkpoint_path(spec)
+    path = checkpoint_path(os.path.expanduser(spec))
     if (path / META_FILE).is_file():
         return read_meta(path).get("tokenizer", "gpt2")
     return "gpt2"

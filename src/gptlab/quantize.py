@@ -155,6 +155,7 @@ class QuantizedLinear(nn.Module):
         self._kernel_weights: tuple | None = None  # PyTorch's kernel layouts (prompts, batches)
         self._decode = None  # gptlab's decoding kernel with this layer's buffers bound (gptlab.kernels)
         self._decode_rows = kernels.MAX_ROWS  # up to this many rows take it
+        self._kernels_off_cpu = False  # bound before a move off the CPU (see _apply)
         self.use_kernel = True
         self.training = False  # for inference; model.train() still reaches it (and forward then refuses)
 
@@ -176,10 +177,12 @@ class QuantizedLinear(nn.Module):
         probes = {d: fn(torch.zeros(1, dtype=d)) for d in (torch.float32, torch.bfloat16)}
         if any(p.dtype is not d for d, p in probes.items()):  # a dtype conversion: move, keep the stored dtypes
             fn = functools.partial(torch.Tensor.to, device=probes[torch.float32].device)
-        bound = self._decode is not None or self._kernel_weights is not None
+        bound = self._decode is not None or self._kernel_weights is not None or self._kernels_off_cpu
         super()._apply(fn, recurse)
         if bound:  # bound to the buffers before they moved
             self.prepare()
+            # off the CPU prepare binds nothing: back on it, bind again (.cuda().cpu() ran unbound for good)
+            self._kernels_off_cpu = self._decode is None and self._kernel_weights is None
         return self
 
     def __getstate__(self):

@@ -53,8 +53,10 @@ def model_from_args(args):
 
 def check_out_is_not_read(args) -> None:
     """Refuse an --out that would replace weights: the --model (or --adapter) it reads however
-    spelled (a run directory, a checkpoint's `latest` link, a relative path), a directory inside or
-    around the checkpoint read, or any training run or checkpoint (its optimizer state beside them)."""
+    spelled (a run directory, a checkpoint's `latest` link, a relative path, ~), a directory around
+    the checkpoint read or a file of it, or any training run or checkpoint (its optimizer state
+    beside them)."""
+    import os
     from pathlib import Path
 
     from gptlab.loading import checkpoint_path
@@ -62,15 +64,19 @@ def check_out_is_not_read(args) -> None:
 
     if not args.out:
         raise ValueError("--out is empty: name the file or directory to write")  # "" wrote into the current one
-    out = Path(args.out).resolve()
+    out = Path(args.out).expanduser().resolve()  # "--out=~/x": a shell leaves that ~ to us
     for flag in ("model", "adapter"):
         source = getattr(args, flag, None)
+        source = source and os.path.expanduser(source)
         if not source or not Path(source).exists():
             continue
         read = checkpoint_path(source).resolve() if flag == "model" else Path(source).resolve()
-        if out in (Path(source).resolve(), read) or read in out.parents or out in read.parents:
+        if out in (Path(source).resolve(), read) or out in read.parents:
             raise ValueError(f"--out {args.out} is (or holds) the --{flag} it reads: writing there would replace "
                              "those weights; choose another path")  # fmt: skip
+        if read in out.parents and out.exists():  # a new file beside the model's (a .gguf in its folder) is fine
+            raise ValueError(f"--out {args.out} is a file of the --{flag} it reads: writing there would replace "
+                             "it; choose another path")  # fmt: skip
     if (out / STATE_FILE).is_file() or (out / LATEST).is_symlink():
         raise ValueError(f"--out {args.out} is a training checkpoint or run: writing there would replace its "
                          "weights; choose another path")  # fmt: skip

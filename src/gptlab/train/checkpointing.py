@@ -11,6 +11,7 @@ so `load_model(checkpoint)` gives the adapted model.
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import torch
@@ -81,7 +82,7 @@ def _write_adapters(trainer, directory: Path, model_state: dict) -> None:
     adapters = {k: v.detach().contiguous() for k, v in model_state.items() if k in names}
     save_file(adapters, directory / LORA_FILE)
     save_adapter(trainer.raw_model, directory, base_model=trainer.cfg.init_from)
-    meta = {"format": "gptlab", "lora_base": lora_base(trainer.cfg.init_from), "config": trainer.raw_model.config.to_dict(),
+    meta = {"format": "gptlab", "lora_base": trainer.lora_base, "config": trainer.raw_model.config.to_dict(),
             "tokenizer": trainer.tokenizer_name, "train_step": trainer.step_num}  # fmt: skip
     run_files.save_json(directory / META_FILE, meta)
 
@@ -92,6 +93,7 @@ def lora_base(init_from: str) -> str:
     the directory one loads from); a Hub id as it is."""
     from gptlab.loading import checkpoint_path
 
+    init_from = os.path.expanduser(init_from)
     return str(checkpoint_path(init_from).resolve()) if Path(init_from).exists() else init_from
 
 
@@ -198,7 +200,9 @@ def _load_weights(trainer, ckpt: Path) -> None:
     if trainer.cfg.lora_rank:  # the base came from init_from again; the adapters come from here
         from gptlab.checkpoint import read_meta
 
-        was, now = read_meta(ckpt).get("lora_base"), lora_base(trainer.cfg.init_from)
+        was, now = read_meta(ckpt).get("lora_base"), trainer.lora_base
+        if was and not Path(was).is_absolute():  # written before bases were recorded resolved
+            was = lora_base(was)
         if was != now:
             raise ValueError(f"{ckpt} adapts {was}, but init_from now gives {now}: resume on the same base")
         weights = _read_safetensors(ckpt / LORA_FILE, trainer.device)

@@ -41,6 +41,8 @@ class Trainer:
         setup.check_out_dir(self.out_dir, cfg.resume)
         setup.check_tokenizer(cfg, manifest)
         torch.manual_seed(cfg.seed)  # the same initial weights on every rank
+        # a LoRA run's base, resolved once: the checkpoint init_from names as the base is loaded
+        self.lora_base = checkpointing.lora_base(cfg.init_from) if cfg.lora_rank else None
         labels = manifest["labels"] if manifest.get("kind") == "classify" else None
         self.raw_model = setup.build_model(cfg, manifest["vocab_size"], self.device, labels).train()
         setup.check_tokens(cfg.data_dir, manifest, self.raw_model.config.vocab_size)
