@@ -244,7 +244,7 @@ def test_a_real_missing_package_through_the_command_line(tmp_path):
 
 
 @pytest.mark.parametrize("command", [["quantize", "--mode", "int8"], ["export"], ["export", "--format", "llmc"]])
-def test_writing_over_the_model_read_is_refused_and_keeps_it(tmp_path, capsys, command):
+def test_writing_over_the_model_read_is_refused_and_keeps_it(tmp_path, capsys, monkeypatch, command):
     """--out naming the --model it reads (through a checkpoint's `latest` link, or the run directory
     that resolves to it), a directory around or inside it, or another training checkpoint, is refused
     before anything is written: `gptlab quantize` replaced a training checkpoint's fp32 weights with
@@ -269,3 +269,5 @@ def test_writing_over_the_model_read_is_refused_and_keeps_it(tmp_path, capsys, c
     assert main([*argv[:3], "--out", str(tmp_path / "copy"), *command[1:]]) == 0  # anywhere else is written
     beside = tmp_path / "ckpt-000010" / ("m.gguf" if "gguf" in command else "new")  # a new path in its folder
     assert main([*argv[:3], "--out", str(beside), *command[1:]]) == 0
+    monkeypatch.setenv("HOME", str(tmp_path))  # --out=~/x, a ~ no shell expands: under home, not ./~
+    assert main([*argv[:3], "--out=~/home-copy", *command[1:]]) == 0 and (tmp_path / "home-copy").exists()

@@ -1,6 +1,7 @@
 """gptlab export: a model -> the Hugging Face GPT2LMHeadModel layout, a GGUF file for llama.cpp, or
 an llm.c checkpoint."""
 
+import os
 from pathlib import Path
 
 from gptlab.commands._model_args import add_model_arguments, check_out_is_not_read, model_from_args
@@ -12,7 +13,12 @@ SUFFIX_FORMATS = {".gguf": "gguf", ".bin": "llmc"}
 
 def add_arguments(parser):
     add_model_arguments(parser, prompt=False, dtype_default=None)  # hf, llmc (float32/bfloat16): the dtype written
-    parser.add_argument("--out", required=True, help="HF: a directory; gguf: a .gguf file; llmc: a .bin file")
+    parser.add_argument(
+        "--out",
+        required=True,
+        type=os.path.expanduser,  # --out=~/x: no shell expands that ~
+        help="HF: a directory; gguf: a .gguf file; llmc: a .bin file",
+    )
     parser.add_argument(
         "--format",
         choices=FORMATS,

@@ -1,5 +1,6 @@
 """gptlab quantize: write an int8 or int4 copy of a model (every linear layer, the head included)."""
 
+import os
 from pathlib import Path
 
 from gptlab.commands._model_args import add_model_arguments, check_out_is_not_read, model_from_args
@@ -15,7 +16,12 @@ def add_arguments(parser):
         choices=["float", "int8"],
         help="int8 only: multiply by bf16 activations (weight-only) or dynamically quantized int8 ones",
     )
-    parser.add_argument("--out", required=True, help="directory to write (model.safetensors + gptlab.json)")
+    parser.add_argument(
+        "--out",
+        required=True,
+        type=os.path.expanduser,  # --out=~/x: no shell expands that ~
+        help="directory to write (model.safetensors + gptlab.json)",
+    )
 
 
 def run(args):
