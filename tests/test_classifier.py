@@ -345,3 +345,18 @@ def test_one_label_or_a_label_named_twice_is_refused(tmp_path):
     with pytest.raises(ValueError, match="name each label once"):
         prepare_classify(tmp_path / "a.jsonl", tmp_path / "a", labels=["pos", "pos", "neg"])
     assert not (tmp_path / "a").exists()
+
+
+def test_a_text_longer_than_the_context_is_cut_with_a_warning(caplog):
+    """Its first block_size tokens are classified, as transformers truncates; it was silent."""
+    from gptlab.tokenizer import get_tokenizer
+
+    torch.manual_seed(0)
+    lm = GPT(GPTConfig(vocab_size=257, block_size=16, n_layer=1, n_head=2, n_embd=16)).eval()
+    clf = from_language_model(lm, ["a", "b"], pad_token_id=256).eval()
+    byte = get_tokenizer("byte")
+    with caplog.at_level("WARNING", logger="gptlab.classifier"), torch.no_grad():
+        long, start = clf.classify(byte, ["x" * 40 + "tail", "x" * 16])
+    assert torch.equal(long, start)  # the same 16 tokens
+    assert "text 0 is 44 tokens: its first 16 (block_size) are classified" in caplog.text
+    assert "text 1" not in caplog.text

@@ -11,6 +11,8 @@ gptlab.classify_data.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -19,6 +21,8 @@ from gptlab.config import GPTConfig
 from gptlab.linear import Linear
 from gptlab.meta import meta_device
 from gptlab.model import GPT
+
+log = logging.getLogger(__name__)
 
 
 class GPTForSequenceClassification(GPT):
@@ -81,7 +85,12 @@ class GPTForSequenceClassification(GPT):
     @torch.no_grad()
     def classify(self, tok, texts: list[str]) -> torch.Tensor:
         """Label probabilities (len(texts), num_labels) for raw texts, right-padded in one batch."""
-        rows = [tok.encode(t)[: self.config.block_size] or [tok.eot_token] for t in texts]
+        block = self.config.block_size
+        encoded = [tok.encode(t) for t in texts]
+        for i, ids in enumerate(encoded):
+            if len(ids) > block:  # as transformers truncates: the start is classified
+                log.warning("text %d is %d tokens: its first %d (block_size) are classified", i, len(ids), block)
+        rows = [ids[:block] or [tok.eot_token] for ids in encoded]
         x, mask = pad_rows(rows, self.config.pad_token_id if self.config.pad_token_id is not None else tok.eot_token)
         device = self.transformer.wte.weight.device
         logits, _ = self(x.to(device), attention_mask=mask.to(device))
