@@ -257,9 +257,8 @@ def _prepare_prompts(idx, num_samples: int, bos_id: int | None, vocab_size: int,
     if not rows:
         raise ValueError("idx holds no prompts")
     rows = [[_token_id(t, vocab_size, "token id") for t in r] for r in rows]  # numpy integers as ints
-    for name, special in (("bos_id", bos_id),):
-        if special is not None:
-            _token_id(special, vocab_size, name)
+    if bos_id is not None:
+        _token_id(bos_id, vocab_size, "bos_id")
     if any(not r for r in rows):
         if bos_id is None:
             raise ValueError("an empty prompt needs bos_id (or eos_id), e.g. <|endoftext|>, to start from")

@@ -235,8 +235,8 @@ def load_adapter(model: nn.Module, directory: str | os.PathLike) -> nn.Module:
         tensors = load_file(str(directory / "adapter_model.safetensors"))
     except Exception as e:  # safetensors raises its own error types for damaged files
         raise ValueError(f"{directory}: cannot read adapter_model.safetensors ({e})") from e
-    layers, saved = _adapter_tensors(directory, config, tensors, model)
     own = model.state_dict()
+    layers, saved = _adapter_tensors(directory, config, tensors, model, own)
     for p in model.parameters():
         p.requires_grad_(False)
     for name, (A, B, alpha) in layers.items():
@@ -253,12 +253,12 @@ def load_adapter(model: nn.Module, directory: str | os.PathLike) -> nn.Module:
     return model
 
 
-def _adapter_tensors(directory: Path, config: dict, tensors: dict, model: nn.Module) -> tuple[dict, dict]:
+def _adapter_tensors(directory: Path, config: dict, tensors: dict, model: nn.Module, own: dict) -> tuple[dict, dict]:
     """The adapter's layers, {module name: (A, B, alpha)}, and its modules_to_save tensors, each
-    checked against the model: a module it lacks, or a shape of another width, is a ValueError."""
+    checked against the model (`own`: its state dict): a module it lacks, or a shape of another
+    width, is a ValueError."""
     names = sorted({k[len(PREFIX) :].rsplit(".lora_", 1)[0] for k in tensors if ".lora_" in k})
     saved = {k[len(PREFIX) :]: v for k, v in tensors.items() if ".lora_" not in k}  # PEFT's modules_to_save
-    own = model.state_dict()
     unknown = sorted(set(saved) - set(own))
     if unknown:
         raise ValueError(f"{directory}: the adapter holds {', '.join(unknown)}, which this model does not have")

@@ -170,7 +170,7 @@ class TrainConfig:
     @property
     def final_lr(self) -> float:
         """min_lr, or lr / 10 when it is not set (kept None, so --set lr alone moves it too)."""
-        return self.lr / 10 if self.min_lr is None else self.min_lr
+        return final_lr(self.lr, self.min_lr)
 
     @property
     def save_every(self) -> int:
@@ -209,6 +209,11 @@ class TrainConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def final_lr(lr: float, min_lr: float | None) -> float:
+    """The schedule's last learning rate: min_lr, or lr / 10 (nanoGPT's ratio) when unset."""
+    return lr / 10 if min_lr is None else min_lr
 
 
 def parse_duration(value: str | float | int | None) -> float | None:

@@ -64,7 +64,7 @@ def check_out_is_not_read(args) -> None:
 
     if not args.out:
         raise ValueError("--out is empty: name the file or directory to write")  # "" wrote into the current one
-    out = Path(args.out).expanduser().resolve()  # "--out=~/x": a shell leaves that ~ to us
+    out = Path(args.out).resolve()  # ~ expanded as the flag is read
     for flag in ("model", "adapter"):
         source = getattr(args, flag, None)
         source = source and os.path.expanduser(source)

@@ -20,6 +20,7 @@ from gptlab import run_files
 from gptlab.checkpoint import load_state_strict, save_model
 from gptlab.classifier import model_for
 from gptlab.meta import meta_device
+from gptlab.train_config import final_lr
 
 log = logging.getLogger(__name__)
 LORA_FILE = "lora.safetensors"  # a LoRA run's trained tensors, exactly, for resuming
@@ -170,9 +171,9 @@ def changed_settings(was: dict, now: dict) -> dict:
 
 
 def _final_lr(settings: dict) -> dict:
-    if settings.get("min_lr") is None and "lr" in settings:
-        return {**settings, "min_lr": settings["lr"] / 10}
-    return settings
+    if "lr" not in settings:
+        return settings
+    return {**settings, "min_lr": final_lr(settings["lr"], settings.get("min_lr"))}
 
 
 def _load_optimizer(trainer, optim: dict) -> None:
