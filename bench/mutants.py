@@ -875,6 +875,18 @@ MUTANTS = [
            ("tests/test_hf.py", "-k", "parity")),
     Mutant("cli/out-over-another-training-checkpoint-written", "commands/_model_args.py",
            "if (out / STATE_FILE).is_file() or", "if", ("tests/test_cli.py", "-k", "writing_over")),
+    # the explorer page (tests/test_serve_browser.py drives it in Chromium)
+    Mutant("explorer/picked-token-sent-as-its-text", "serve/static/app.js",
+           '  return state.ids ?? $("prompt").value;', '  return $("prompt").value;',
+           ("tests/test_serve_browser.py", "-k", "picked")),
+    Mutant("explorer/older-attention-drawn-over-the-layer-picked", "serve/static/app.js",
+           "    if (attentionRun === state.attention) renderAttention(attention);", "    renderAttention(attention);",
+           ("tests/test_serve_browser.py", "-k", "last_layer")),
+    Mutant("explorer/patch-cell-read-with-the-form-of-now", "serve/static/app.js",
+           '"/api/patch/cell", { ...request, layer', '"/api/patch/cell", { ...patchRequest(), layer',
+           ("tests/test_serve_browser.py", "-k", "patching")),
+    Mutant("explorer/predict-again-recorded-twice", "serve/static/app.js",
+           "  if (same) return;", "", ("tests/test_serve_browser.py", "-k", "picked")),
 ]
 # fmt: on
 # The swapped-name mutant needs its table in the module: appended to hf.py with it.

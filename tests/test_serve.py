@@ -446,6 +446,14 @@ def test_malformed_json_and_large_bodies(url, client):
     for content_type in ("application/x-www-form-urlencoded", "text/plain"):  # was "Input should be a valid dictionary"
         r = post(url, content=b"model=tiny-byte&prompt=hi", headers={"content-type": content_type})
         assert r.status_code == 400 and f"must be JSON (Content-Type: application/json), got {content_type}" in r.text
+    for path in ("/v1/completions", "/api/next"):  # was "There was an error parsing the body", code null
+        r = httpx.post(f"{url}{path}", content=b'{"prompt": "\xff"}', headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json" and "not UTF-8" in r.text, path
+    # a field of several types names them all: the first alone read "prompt.str: Input should be a valid string"
+    r = post(url, {"model": NAME, "prompt": [1.5]})
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith(
+        "prompt: must be str or list[str] or list[int]"
+    )
     r = post(url, {"model": NAME, "prompt": "x" * 100_000})
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
     assert_ok_after(client)
@@ -568,6 +576,27 @@ def test_explorer_patching(url, model, tok):
                        ({"wrong": "g"}, "wrong")):  # fmt: skip
         r = httpx.post(f"{url}/api/patch/cell", json={**body, "layer": 0, "unit": 0, **bad})
         assert r.status_code == 400 and r.json()["error"]["param"] == param, bad
+
+
+def test_explorer_takes_token_ids_and_labels_split_characters(url, model, tok):
+    """A prompt given as ids is read as those ids (the page sends them once a token is picked: a
+    byte of a split character decodes to U+FFFD, whose text re-encodes as three other bytes), and
+    each token's label shows its bytes, as the CLI does."""
+    ids = tok.encode("caf\u00e9")[:-1]  # ends with the first byte of "\u00e9", 0xc3
+    assert ids[-1] == 0xC3
+    data = httpx.post(f"{url}/api/next", json={"prompt": ids, "top": 5}).json()
+    with torch.no_grad():
+        probs = torch.softmax(model(torch.tensor([ids]))[0][0, -1], dim=-1)
+    assert [c["id"] for c in data["candidates"]] == probs.topk(5).indices.tolist()
+    assert data["prompt_tokens"] == ["c", "a", "f", "\\xc3"]
+    tokens = httpx.post(f"{url}/api/tokens", json={"prompt": ids + [10]}).json()
+    assert [t["id"] for t in tokens["tokens"]] == ids + [10] and tokens["text"] == "caf\ufffd\n"
+    assert [t["label"] for t in tokens["tokens"]][-2:] == ["\\xc3", "\\n"]
+    for path, body, param in (("/api/next", {"prompt": ids + [257]}, "prompt"), ("/api/tokens", {"prompt": [-1]}, "prompt"),
+                              ("/api/patch", {"clean": "ab", "corrupt": "x" * 600, "right": "a", "wrong": "b"}, "corrupt"),
+                              ("/api/patch", {"clean": [99_999, 1], "corrupt": "ab", "right": "a", "wrong": "b"}, "clean")):  # fmt: skip
+        r = httpx.post(f"{url}{path}", json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (path, r.text)
 
 
 def test_explorer_page_is_self_contained(url):

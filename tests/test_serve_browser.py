@@ -153,5 +153,105 @@ def test_logit_lens_and_patching_panels_in_chromium(browser, tmp_path):
         body = {"clean": clean, "corrupt": corrupt, "right": "d", "wrong": "e", "layer": layer, "unit": unit, "top": 10}
         expected = httpx.post(f"{url}/api/patch/cell", json=body).json()["patched"]
         page.screenshot(path=str(tmp_path / "panels.png"), full_page=True)
+        # a cell opens with the request that drew the grid, whatever the form holds now: it
+        # was read with the current prompts and axes, under the old grid's title and value
+        page.fill("#corrupt", "Hello")
+        page.select_option("#over", "layer-head")
+        page.focus("#patchmap")
+        with page.expect_request("**/api/patch/cell") as opened:
+            page.keyboard.press("Enter")  # the keyboard opens the top left cell, then moves
+        assert {k: opened.value.post_data_json[k] for k in ("corrupt", "over", "layer", "unit")} == {
+            "corrupt": corrupt, "over": "layer-pos", "layer": 0, "unit": 0}  # fmt: skip
+        with page.expect_request("**/api/patch/cell") as opened:
+            page.keyboard.press("ArrowRight")
+        assert (opened.value.post_data_json["layer"], opened.value.post_data_json["unit"]) == (0, 1)
+        page.wait_for_function("document.querySelector('#patchmap').dataset.selected === '0,1'")
+        title = page.text_content("#patch-cell-title")
+        plain = page.eval_on_selector_all("#patch-cell .candidate", "els => els.map(e => e.tagName)")
     assert listed == [c["text"] for c in expected]
+    assert title.startswith("layer 0, position 1 (") and set(plain) == {"DIV"}  # no buttons that do nothing
     assert errors == [], errors
+
+
+def _leaning_model(token: int):
+    """The serving model with its final norm's bias along `token`'s embedding: `token` is the
+    top next token after any prompt."""
+    model = serve_model()
+    with torch.no_grad():
+        row = model.transformer.wte.weight[token]
+        model.transformer.ln_f.bias.copy_(50 * row / row.norm())
+    return model
+
+
+def test_a_picked_token_is_continued_by_its_id_in_chromium(browser):
+    """Picking a token the page cannot write as text (a byte of a split character, shown as
+    U+FFFD) continues from that token: it was the text appended, which re-encoded as other tokens.
+    The history's chips are buttons (the keyboard reaches them), and Predict on the same prompt
+    again is not a new step."""
+    torch.set_num_threads(1)
+    lead = 0xC3  # the first byte of a two-byte character
+    app = create_app(_leaning_model(lead), get_tokenizer("byte"), name=NAME)
+    with running(app) as url:
+        page = browser.new_page(viewport={"width": 1100, "height": 900})
+        errors, sent = [], []
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.on("request", lambda r: sent.append(r.post_data_json) if r.url.endswith("/api/next") else None)
+        page.goto(url)
+        page.wait_for_selector(".candidate")
+        page.fill("#prompt", "caf")
+        page.click("#go")
+        spans = "n => document.querySelectorAll('#tokens span').length === n"
+        page.wait_for_function(spans, arg=3)
+        page.wait_for_function("document.querySelector('#status').textContent === '3 tokens'")
+        assert page.get_attribute(".candidate >> nth=0", "data-id") == str(lead)
+        for n in (4, 5):
+            page.click(".candidate >> nth=0")
+            page.wait_for_function(spans, arg=n)
+            page.wait_for_function("n => document.querySelector('#status').textContent === `${n} tokens`", arg=n)
+        assert sent[-1]["prompt"] == [ord("c"), ord("a"), ord("f"), lead, lead]  # was "caf\ufffd\ufffd": 9 tokens
+        assert page.input_value("#prompt") == "caf\ufffd\ufffd"
+        assert page.eval_on_selector_all("#tokens span", "els => els.map(e => e.textContent)")[-1] == "\\xc3"
+        chips = "document.querySelectorAll('#history li button').length"
+        assert page.evaluate(chips) == 4  # the example, "caf", two picked tokens
+        page.click("#go")
+        page.wait_for_function("document.querySelector('#status').textContent === '5 tokens'")
+        assert page.evaluate(chips) == 4
+        page.focus("#history li:nth-child(2) button")
+        page.keyboard.press("Enter")
+        page.wait_for_function(spans, arg=3)
+        assert page.input_value("#prompt") == "caf"
+    assert errors == [], errors
+
+
+def test_attention_shows_the_last_layer_picked_in_chromium(browser):
+    """A layer picked while a refresh is in flight stays shown: the refresh's older answer for
+    layer 0 came last and drew over it."""
+    import json
+
+    torch.set_num_threads(1)
+    app = create_app(serve_model(), get_tokenizer("byte"), name=NAME)
+    with running(app) as url:
+        page = browser.new_page(viewport={"width": 1100, "height": 900})
+        page.goto(url)
+        page.wait_for_selector(".candidate")
+        page.wait_for_function("document.querySelector('#status').textContent.endsWith('tokens')")
+        held = []
+
+        def hold_layer_0(route):
+            if json.loads(route.request.post_data)["layer"] == 0:
+                held.append(route)
+            else:
+                route.continue_()
+
+        page.route("**/api/attention", hold_layer_0)
+        page.fill("#prompt", "Hello")
+        page.click("#go")
+        page.wait_for_function("document.querySelector('#status').textContent === '\u2026'")
+        page.select_option("#layer", "1")
+        page.wait_for_function("document.querySelector('#heatmap').dataset.layer === '1'")
+        assert len(held) == 1
+        held[0].continue_()
+        page.wait_for_function("document.querySelector('#status').textContent === '5 tokens'")
+        page.wait_for_timeout(200)
+        assert page.get_attribute("#heatmap", "data-layer") == "1"  # was '0'
+        assert page.get_attribute("#heatmap", "data-tokens") == "5"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import types
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -107,12 +108,29 @@ class BodyLimit:
 
 def _required_fields(request: Request) -> list[str]:
     """The required fields of the route's JSON body, in declaration order ([] when it has none)."""
+    model = _body_model(request)
+    return [name for name, field in model.model_fields.items() if field.is_required()] if model else []
+
+
+def _body_model(request: Request) -> type[BaseModel] | None:
     route = request.scope.get("route")
     body = getattr(route, "body_field", None)
     model = getattr(getattr(body, "field_info", None), "annotation", None)
-    if not (isinstance(model, type) and issubclass(model, BaseModel)):
-        return []
-    return [name for name, field in model.model_fields.items() if field.is_required()]
+    return model if isinstance(model, type) and issubclass(model, BaseModel) else None
+
+
+def _union_error(errors: list[dict], request: Request) -> APIError | None:
+    """One message for a field of several types (`str | list[int]`) that matched none: pydantic
+    reports each type's failure, and the first alone ("prompt.str: Input should be a valid
+    string" for [1.5]) reads as if only text were taken."""
+    model, loc = _body_model(request), tuple(errors[0].get("loc", ()))
+    if model is None or len(loc) < 3 or loc[0] != "body" or loc[1] not in model.model_fields:
+        return None
+    if not isinstance(model.model_fields[loc[1]].annotation, types.UnionType):
+        return None
+    kinds = list(dict.fromkeys(str(e["loc"][2]) for e in errors if tuple(e["loc"][:2]) == loc[:2] and len(e["loc"]) > 2))  # fmt: skip
+    got = json.dumps(errors[0].get("input"), default=str)[:200]
+    return APIError(400, f"{loc[1]}: must be {' or '.join(kinds)} (got {got})", param=str(loc[1]), code="invalid_value")  # fmt: skip
 
 
 def _validation_error(exc: RequestValidationError, request: Request) -> APIError:
@@ -129,6 +147,9 @@ def _validation_error(exc: RequestValidationError, request: Request) -> APIError
         needs = f" with {', '.join(required)}" if required else " (an empty one is {})"
         message = f"the request body is missing: send a JSON object{needs}"
         return APIError(400, message, param=required[0] if required else "body", code="missing_body")
+    union = _union_error(errors, request) if errors else None
+    if union is not None:
+        return union
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     param = loc[0] if loc else None
     message = first.get("msg", "invalid request")
@@ -154,6 +175,9 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
+        # FastAPI's "There was an error parsing the body", for a body that is not UTF-8
+        if exc.status_code == 400 and isinstance(exc.__cause__, UnicodeDecodeError):
+            return APIError(400, f"the request body is not UTF-8 JSON: {exc.__cause__}", code="invalid_json").response()  # fmt: skip
         code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status_code)
         return APIError(exc.status_code, str(exc.detail), code=code).response(headers=exc.headers)  # 405: Allow
 

@@ -1,7 +1,11 @@
 """The explorer's JSON endpoints: next-token candidates, per-token surprisal, attention maps, the
 logit lens and activation patching.
 
-All take {"prompt": str, ...} by POST; an empty prompt means <|endoftext|> alone. The model runs
+All take {"prompt": str or [token ids], ...} by POST; an empty prompt means <|endoftext|> alone.
+The page sends ids once a token was picked, so it continues from the token chosen (a piece of a
+character, or a token that re-encoding the text would merge with the one before) and not from
+its text. Each token comes with its `label` for display (`gptlab.inspect.token_label`: bytes of
+a split character as \\xNN, control characters escaped), as the CLI shows them. The model runs
 in FastAPI's thread pool (these are plain `def` routes), beside the scheduler's thread; each route
 lets its thread's OpenMP helpers go when it returns (`kernels.release_threads`: while they live,
 the scheduler's decoding runs at ~40% of its speed).
@@ -17,6 +21,7 @@ import torch
 from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field
 
+from gptlab.inspect import token_label
 from gptlab.kernels import release_threads
 from gptlab.serve.errors import APIError
 
@@ -24,7 +29,7 @@ from gptlab.serve.errors import APIError
 class PromptBody(BaseModel):
     model_config = ConfigDict(strict=True)  # the JSON types the OpenAPI document states: no true or "1" for 1
 
-    prompt: str = ""
+    prompt: str | list[int] = ""  # text, or token ids
 
 
 class NextBody(PromptBody):
@@ -43,8 +48,8 @@ class LensBody(PromptBody):
 class PatchBody(BaseModel):
     model_config = ConfigDict(strict=True)
 
-    clean: str
-    corrupt: str
+    clean: str | list[int]  # text, or token ids
+    corrupt: str | list[int]
     right: str  # the clean prompt's answer, one token
     wrong: str  # the corrupted prompt's answer, one token
     over: Literal["layer-pos", "layer-head"] = "layer-pos"
@@ -83,15 +88,24 @@ class Explorer:
         self.router.add_api_route("/patch", computes(self.patch), methods=["POST"])
         self.router.add_api_route("/patch/cell", computes(self.patch_cell), methods=["POST"])
 
-    def _ids(self, prompt: str) -> list[int]:
-        tok, block = self.state.tokenizer, self.state.model.config.block_size
-        ids = tok.encode(prompt) or [tok.eot_token]
-        if len(ids) > block:
-            raise APIError(400, f"prompt has {len(ids)} tokens; the model's context is {block}", param="prompt", code="context_length_exceeded")  # fmt: skip
+    def _ids(self, prompt: str | list[int], param: str = "prompt") -> list[int]:
+        """The token ids of a prompt given as text or as ids (`param` names its field in errors)."""
+        tok, c = self.state.tokenizer, self.state.model.config
+        ids = (tok.encode(prompt) if isinstance(prompt, str) else list(prompt)) or [tok.eot_token]
+        bad = next((t for t in ids if not 0 <= t < c.vocab_size), None)
+        if bad is not None:
+            raise APIError(400, f"{param}: token id {bad} is outside the vocabulary [0, {c.vocab_size})", param=param, code="invalid_value")  # fmt: skip
+        if len(ids) > c.block_size:
+            raise APIError(400, f"{param} has {len(ids)} tokens; the model's context is {c.block_size}", param=param, code="context_length_exceeded")  # fmt: skip
         return ids
 
-    def _texts(self, ids: list[int]) -> list[str]:
-        return [self.state.tokenizer.decode([t]) for t in ids]
+    def _labels(self, ids: list[int]) -> list[str]:
+        return [token_label(self.state.tokenizer, t) for t in ids]
+
+    def _token(self, token_id: int, **fields) -> dict:
+        """A token as the page gets it: id, text (as decoded) and label (for display)."""
+        text, label = self.state.tokenizer.decode([token_id]), token_label(self.state.tokenizer, token_id)
+        return dict(id=token_id, text=text, label=label, **fields)
 
     def _tensor(self, ids: list[int]) -> torch.Tensor:
         return torch.tensor([ids], device=self.state.model.transformer.wte.weight.device)  # (1, T)
@@ -109,22 +123,20 @@ class Explorer:
     def next_tokens(self, body: NextBody) -> dict:
         """The `top` most likely next tokens after the prompt, with their probabilities."""
         ids = self._ids(body.prompt)
-        return dict(prompt_tokens=self._texts(ids), candidates=self._candidates(self._logits(ids)[-1], body.top))
+        return dict(prompt_tokens=self._labels(ids), candidates=self._candidates(self._logits(ids)[-1], body.top))
 
     def tokens(self, body: PromptBody) -> dict:
         """Each prompt token with the probability the model gave it and its surprisal in bits
-        (-log2 p); the first token has no prefix to be predicted from (null)."""
+        (-log2 p); the first token has no prefix to be predicted from (null). `text` is the whole
+        prompt as its tokens decode (what the page shows once a token was picked by id)."""
         ids = self._ids(body.prompt)
         logp = torch.log_softmax(self._logits(ids)[:-1], dim=-1)  # (T-1, V)
         scores = (
             logp.gather(1, torch.tensor(ids[1:], device=logp.device)[:, None])[:, 0].tolist() if len(ids) > 1 else []
         )
-        out = [dict(id=ids[0], text=self._texts(ids[:1])[0], prob=None, surprisal=None)]
-        for t, lp in zip(ids[1:], scores, strict=True):
-            out.append(
-                dict(id=t, text=self.state.tokenizer.decode([t]), prob=math.exp(lp), surprisal=-lp / math.log(2))
-            )
-        return dict(tokens=out)
+        out = [self._token(ids[0], prob=None, surprisal=None)]
+        out += [self._token(t, prob=math.exp(lp), surprisal=-lp / math.log(2)) for t, lp in zip(ids[1:], scores, strict=True)]  # fmt: skip
+        return dict(tokens=out, text=self.state.tokenizer.decode(ids))
 
     def attention(self, body: AttentionBody) -> dict:
         """The (T, T) attention probabilities of one head: row i is what token i attends to."""
@@ -135,14 +147,13 @@ class Explorer:
             raise APIError(400, f"head must be in [0, {c.n_head})", param="head", code="invalid_value")
         ids = self._ids(body.prompt)
         weights = self.state.model.attention(self._tensor(ids), body.layer, body.head)[0]  # (T, T)
-        return dict(tokens=self._texts(ids), layer=body.layer, head=body.head, weights=weights.float().tolist())
+        return dict(tokens=self._labels(ids), layer=body.layer, head=body.head, weights=weights.float().tolist())
 
     def _candidates(self, logits: torch.Tensor, top: int) -> list[dict]:
         """The `top` most likely tokens for next-token logits (V,), with probabilities."""
         probs = torch.softmax(logits.float(), dim=-1)  # (V,)
         p, idx = torch.topk(probs, min(top, probs.numel()))
-        return [dict(id=i, text=self.state.tokenizer.decode([i]), prob=v, logprob=math.log(max(v, 1e-45)))
-                for i, v in zip(idx.tolist(), p.tolist(), strict=True)]  # fmt: skip
+        return [self._token(i, prob=v, logprob=math.log(max(v, 1e-45))) for i, v in zip(idx.tolist(), p.tolist(), strict=True)]  # fmt: skip
 
     def lens(self, body: LensBody) -> dict:
         """The logit lens (gptlab.inspect.logit_lens): for the residual stream before block 0 and
@@ -151,14 +162,13 @@ class Explorer:
 
         ids = self._ids(body.prompt)
         lens = logit_lens(self.state.model, self._tensor(ids), top=body.top)
-        decode = self.state.tokenizer.decode
-        top = [[[dict(id=i, text=decode([i]), prob=p) for i, p in zip(pos_ids, pos_probs, strict=True)]
+        top = [[[self._token(i, prob=p) for i, p in zip(pos_ids, pos_probs, strict=True)]
                 for pos_ids, pos_probs in zip(layer_ids, layer_probs, strict=True)]
                for layer_ids, layer_probs in zip(lens["top_ids"], lens["top_probs"], strict=True)]  # fmt: skip
-        return dict(tokens=self._texts(ids), layers=lens["layers"], top=top)
+        return dict(tokens=self._labels(ids), layers=lens["layers"], top=top)
 
     def _patch_inputs(self, body: PatchBody):
-        clean, corrupt = self._ids(body.clean), self._ids(body.corrupt)
+        clean, corrupt = self._ids(body.clean, "clean"), self._ids(body.corrupt, "corrupt")
         if len(clean) != len(corrupt):
             raise APIError(400, f"clean has {len(clean)} tokens, corrupt {len(corrupt)}: they must be as long", param="corrupt", code="invalid_value")  # fmt: skip
         answers = []
@@ -178,7 +188,7 @@ class Explorer:
 
         clean, corrupt, (right, wrong) = self._patch_inputs(body)
         result = activation_patching(self.state.model, clean, corrupt, logit_diff(right, wrong), over=body.over)
-        columns = (self._texts(clean[0].tolist()) if body.over == "layer-pos"
+        columns = (self._labels(clean[0].tolist()) if body.over == "layer-pos"
                    else [f"head {h}" for h in range(self.state.model.config.n_head)])  # fmt: skip
         return dict(over=body.over, columns=columns, clean=result["clean"], corrupt=result["corrupt"],
                     grid=result["normalized"].tolist())  # fmt: skip

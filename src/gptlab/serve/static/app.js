@@ -4,11 +4,27 @@
 "use strict";
 
 const $ = (id) => document.getElementById(id);
-const state = { history: [], current: -1, generation: 0, maxSurprisal: 12, typing: null };
+// The prompt is the textarea's text until a token is picked; from then on it is the token ids
+// (state.ids), so the model continues from the token chosen (a piece of a character, or a token
+// the text would re-encode merged with the one before), until the text is edited.
+const state = {
+  history: [], current: -1, generation: 0, attention: 0, patch: 0, patchCell: 0, maxSurprisal: 12, typing: null, ids: null, shownIds: null,
+};
 
-// Make whitespace visible in token labels.
-function show(text) {
-  return text.replace(/ /g, "\u2423").replace(/\n/g, "\u21b5").replace(/\t/g, "\u21e5") || "\u2205";
+// Make spaces visible in token labels (the server's labels escape other control characters).
+function show(label) {
+  return label.replace(/ /g, "\u2423") || "\u2205";
+}
+
+function prompt() {
+  return state.ids ?? $("prompt").value;
+}
+
+// The prompt changed: the candidates shown are for the old one until the refresh (a click on one
+// does nothing meanwhile).
+function stale() {
+  state.shownIds = null;
+  $("candidates").classList.add("stale");
 }
 
 async function api(path, body) {
@@ -23,17 +39,20 @@ async function api(path, body) {
 
 function renderCandidates(candidates, list = $("candidates"), onChoose = choose) {
   list.replaceChildren();
+  list.classList.remove("stale");
   const top = candidates.length ? candidates[0].prob : 1;
   for (const c of candidates) {
     const item = document.createElement("li");
-    const button = document.createElement("button");
+    // a list that does nothing on a click shows plain rows, not buttons
+    const button = document.createElement(onChoose ? "button" : "div");
     button.className = "candidate";
-    button.type = "button";
+    if (onChoose) button.type = "button";
     button.dataset.text = c.text;
+    button.dataset.id = String(c.id);
     button.title = `token ${c.id}: p = ${c.prob.toFixed(4)}`;
     const tok = document.createElement("span");
     tok.className = "tok";
-    tok.textContent = show(c.text);
+    tok.textContent = show(c.label);
     const bar = document.createElement("span");
     bar.className = "bar";
     const fill = document.createElement("span");
@@ -43,7 +62,7 @@ function renderCandidates(candidates, list = $("candidates"), onChoose = choose)
     pct.className = "pct";
     pct.textContent = `${(100 * c.prob).toFixed(1)}%`;
     button.append(tok, bar, pct);
-    button.addEventListener("click", () => onChoose(c.text));
+    if (onChoose) button.addEventListener("click", () => onChoose(c));
     item.append(button);
     list.append(item);
   }
@@ -60,7 +79,7 @@ function renderTokens(tokens) {
   box.replaceChildren();
   for (const t of tokens) {
     const span = document.createElement("span");
-    span.textContent = show(t.text);
+    span.textContent = show(t.label);
     span.style.background = surprisalColour(t.surprisal);
     if (t.surprisal !== null && t.surprisal / state.maxSurprisal > 0.6) span.style.color = "#fff";
     span.title = t.surprisal === null
@@ -117,16 +136,38 @@ function cellAt(canvas, grid, e) {
   return i >= 0 && j >= 0 && i < grid.rows && j < grid.cols ? [i, j] : null;
 }
 
+// A grid reachable from the keyboard: Tab to the canvas, the arrow keys move a cursor from cell
+// to cell (starting at the top left) and call onCell(i, j), as the mouse does.
+function gridKeys(canvas, grid, onCell) {
+  canvas.tabIndex = 0;
+  let cursor = null;
+  canvas.onkeydown = (e) => {
+    const step = { ArrowUp: [-1, 0], ArrowDown: [1, 0], ArrowLeft: [0, -1], ArrowRight: [0, 1] }[e.key];
+    if (!step && e.key !== "Enter") return;
+    e.preventDefault();
+    const [i, j] = cursor ?? [0, 0];
+    cursor = cursor && step
+      ? [Math.max(0, Math.min(grid.rows - 1, i + step[0])), Math.max(0, Math.min(grid.cols - 1, j + step[1]))]
+      : [i, j];
+    onCell(...cursor);
+  };
+}
+
 function renderAttention(data) {
   const canvas = $("heatmap");
   const labels = data.tokens.map(show);
   const colour = (i, j) => (j > i ? "#f7f7f9" : `rgba(59, 111, 216, ${Math.sqrt(data.weights[i][j])})`);
   const grid = drawGrid(canvas, labels, labels, colour, { maxLabel: 140, minCell: 8, maxCell: 28 });
-  canvas.dataset.tokens = String(labels.length);
+  Object.assign(canvas.dataset, { tokens: String(labels.length), layer: String(data.layer), head: String(data.head) });
+  const describe = (i, j) => {
+    $("cell").textContent = `${labels[i]} \u2192 ${labels[j]}: ${data.weights[i][j].toFixed(3)}`;
+  };
   canvas.onmousemove = (e) => {
     const hit = cellAt(canvas, grid, e);
-    $("cell").textContent = hit ? `${labels[hit[0]]} \u2192 ${labels[hit[1]]}: ${data.weights[hit[0]][hit[1]].toFixed(3)}` : "";
+    if (hit) describe(...hit);
+    else $("cell").textContent = "";
   };
+  gridKeys(canvas, grid, describe);
 }
 
 function renderLens(data) {
@@ -148,7 +189,7 @@ function renderLens(data) {
     for (const cell of data.top[layer]) {
       const td = document.createElement("td");
       const best = cell[0];
-      td.textContent = show(best.text);
+      td.textContent = show(best.label);
       td.title = `p = ${best.prob.toFixed(4)}`;
       td.dataset.prob = String(best.prob);
       td.style.background = `rgba(59, 111, 216, ${0.1 + 0.8 * best.prob})`;
@@ -163,12 +204,14 @@ function renderLens(data) {
 // opposite); a click on a cell shows the corrupted prompt's next tokens with that cell patched.
 function patchRequest() {
   return {
-    clean: $("prompt").value, corrupt: $("corrupt").value, right: $("right").value, wrong: $("wrong").value,
+    clean: prompt(), corrupt: $("corrupt").value, right: $("right").value, wrong: $("wrong").value,
     over: $("over").value,
   };
 }
 
-function renderPatch(data) {
+// The grid of `data`, drawn for `request`: a cell opens with that request, whatever the form
+// holds now (the grid would otherwise be read with other prompts, answers or axes).
+function renderPatch(data, request) {
   const canvas = $("patchmap");
   const layers = data.grid.map((_, layer) => String(layer));
   const colour = (layer, u) => {
@@ -179,52 +222,66 @@ function renderPatch(data) {
   Object.assign(canvas.dataset, {
     rows: String(grid.rows), cols: String(grid.cols), left: String(grid.left), top: String(grid.top), cell: String(grid.cell),
   });
-  canvas.onclick = async (e) => {
-    const hit = cellAt(canvas, grid, e);
-    if (!hit) return;
-    const [layer, unit] = hit;
+  const summary = `logit difference: clean ${data.clean.toFixed(3)}, corrupted ${data.corrupt.toFixed(3)}`;
+  const open = async (layer, unit) => {
+    const opened = ++state.patchCell; // the last cell asked for is the one shown
     try {
-      const out = await api("/api/patch/cell", { ...patchRequest(), layer, unit, top: 10 });
+      const out = await api("/api/patch/cell", { ...request, layer, unit, top: 10 });
+      if (opened !== state.patchCell) return;
       $("patch-cell-title").textContent =
         `layer ${layer}, ${data.over === "layer-pos" ? "position" : "head"} ${unit} (${data.grid[layer][unit].toFixed(3)}): next tokens of the patched run`;
       canvas.dataset.selected = `${layer},${unit}`;
-      renderCandidates(out.patched, $("patch-cell"), () => {});
+      renderCandidates(out.patched, $("patch-cell"), null);
+      $("patch-status").textContent = summary;
     } catch (err) {
-      $("patch-status").textContent = `error: ${err.message}`;
+      if (opened === state.patchCell) $("patch-status").textContent = `error: ${err.message}`;
     }
   };
+  canvas.onclick = (e) => {
+    const hit = cellAt(canvas, grid, e);
+    if (hit) open(...hit);
+  };
+  gridKeys(canvas, grid, open);
+  $("patch-status").textContent = summary;
 }
 
 async function runPatch() {
   $("patch-status").textContent = "\u2026";
+  const request = patchRequest();
+  const run = ++state.patch;
   try {
-    const data = await api("/api/patch", patchRequest());
-    renderPatch(data);
-    $("patch-status").textContent =
-      `logit difference: clean ${data.clean.toFixed(3)}, corrupted ${data.corrupt.toFixed(3)}`;
+    const data = await api("/api/patch", request);
+    if (run !== state.patch) return; // a newer grid is on its way
+    state.patchCell++; // a cell of the old grid still loading is not shown under the new one
+    $("patch-cell-title").textContent = "";
+    $("patch-cell").replaceChildren();
+    renderPatch(data, request);
   } catch (err) {
-    $("patch-status").textContent = `error: ${err.message}`;
+    if (run === state.patch) $("patch-status").textContent = `error: ${err.message}`;
   }
 }
 
 async function refresh() {
   clearTimeout(state.typing); // this refresh supersedes one still waiting for typing to pause
   const generation = ++state.generation;
-  const prompt = $("prompt").value;
+  const attentionRun = ++state.attention;
+  const body = { prompt: prompt() };
   $("status").textContent = "\u2026";
   try {
     const layer = Number($("layer").value || 0);
     const head = Number($("head").value || 0);
     const [next, tokens, attention, lens] = await Promise.all([
-      api("/api/next", { prompt, top: 10 }),
-      api("/api/tokens", { prompt }),
-      api("/api/attention", { prompt, layer, head }),
-      api("/api/lens", { prompt }),
+      api("/api/next", { ...body, top: 10 }),
+      api("/api/tokens", body),
+      api("/api/attention", { ...body, layer, head }),
+      api("/api/lens", body),
     ]);
     if (generation !== state.generation) return; // a newer prompt is on its way
+    state.shownIds = tokens.tokens.map((t) => t.id);
+    if (state.ids) $("prompt").value = tokens.text; // the chosen tokens, decoded together
     renderCandidates(next.candidates);
     renderTokens(tokens.tokens);
-    renderAttention(attention);
+    if (attentionRun === state.attention) renderAttention(attention); // else a layer or head picked since
     renderLens(lens);
     $("status").textContent = `${tokens.tokens.length} tokens`;
   } catch (err) {
@@ -233,50 +290,60 @@ async function refresh() {
 }
 
 async function refreshAttention() {
+  const run = ++state.attention; // the last layer and head picked are the ones shown
   try {
-    renderAttention(await api("/api/attention", {
-      prompt: $("prompt").value, layer: Number($("layer").value), head: Number($("head").value),
-    }));
+    const data = await api("/api/attention", {
+      prompt: prompt(), layer: Number($("layer").value), head: Number($("head").value),
+    });
+    if (run === state.attention) renderAttention(data);
   } catch (err) {
-    $("status").textContent = `error: ${err.message}`;
+    if (run === state.attention) $("status").textContent = `error: ${err.message}`;
   }
 }
 
+// The branch history: a chip per step, {text, ids, added}; a chosen token shows its label, an
+// edited prompt its end. Chips are buttons, so the keyboard reaches them too.
 function renderHistory() {
   const list = $("history");
   list.replaceChildren();
-  state.history.forEach((prompt, i) => {
+  state.history.forEach((step, i) => {
     const item = document.createElement("li");
-    const previous = i > 0 ? state.history[i - 1] : null;
-    // A chosen token extends the previous prompt: show what it added; an edited prompt: its end.
-    item.textContent = previous !== null && prompt.startsWith(previous) && prompt !== previous
-      ? show(prompt.slice(previous.length))
-      : `\u270e \u2026${show(prompt.slice(-16))}`;
-    item.title = prompt;
+    const button = document.createElement("button");
+    button.type = "button";
+    button.textContent = step.added !== null ? show(step.added) : `\u270e \u2026${show(step.text.slice(-16))}`;
+    button.title = step.text;
     if (i === state.current) item.className = "current";
-    item.addEventListener("click", () => goTo(i));
+    button.addEventListener("click", () => goTo(i));
+    item.append(button);
     list.append(item);
   });
 }
 
-function record(prompt) {
+function record(step) {
+  const last = state.history[state.current];
+  const same = last && last.text === step.text && JSON.stringify(last.ids) === JSON.stringify(step.ids);
+  if (same) return; // Predict again on the same prompt is not a step (Back would seem to do nothing)
   state.history = state.history.slice(0, state.current + 1);
-  state.history.push(prompt);
+  state.history.push(step);
   state.current = state.history.length - 1;
   renderHistory();
 }
 
 function goTo(i) {
   state.current = i;
-  $("prompt").value = state.history[i];
+  $("prompt").value = state.history[i].text;
+  state.ids = state.history[i].ids;
+  stale();
   renderHistory();
   refresh();
 }
 
-function choose(text) {
-  const prompt = $("prompt").value + text;
-  $("prompt").value = prompt;
-  record(prompt);
+function choose(candidate) {
+  if (!state.shownIds) return; // the candidates are for an earlier prompt (a refresh is coming)
+  state.ids = [...state.shownIds, candidate.id];
+  stale();
+  $("prompt").value += candidate.text; // until the refresh shows the ids decoded together
+  record({ text: $("prompt").value, ids: state.ids, added: candidate.label });
   refresh();
 }
 
@@ -296,11 +363,14 @@ async function main() {
   fillSelect($("layer"), info.n_layer);
   fillSelect($("head"), info.n_head);
   $("prompt").addEventListener("input", () => {
+    state.ids = null; // edited: the text is the prompt again
+    state.generation++; // a refresh in flight is for the old prompt: its answer is not shown
+    stale();
     clearTimeout(state.typing);
     state.typing = setTimeout(refresh, 300);
   });
   $("go").addEventListener("click", () => {
-    record($("prompt").value);
+    record({ text: $("prompt").value, ids: state.ids, added: null });
     refresh();
   });
   $("back").addEventListener("click", () => {
@@ -309,7 +379,7 @@ async function main() {
   $("patch-go").addEventListener("click", runPatch);
   $("layer").addEventListener("change", refreshAttention);
   $("head").addEventListener("change", refreshAttention);
-  record($("prompt").value);
+  record({ text: $("prompt").value, ids: null, added: null });
   await refresh();
 }
 
