@@ -875,6 +875,9 @@ MUTANTS = [
            ("tests/test_hf.py", "-k", "parity")),
     Mutant("cli/out-over-another-training-checkpoint-written", "commands/_model_args.py",
            "if (out / STATE_FILE).is_file() or", "if", ("tests/test_cli.py", "-k", "writing_over")),
+    Mutant("hooks/last-block-trimmed-under-a-hooked-final-norm", "model.py",
+           "not (block.hooked() or every_position)", "not block.hooked()",
+           ("tests/test_hooks.py", "-k", "generation_caches")),
     # the explorer page (tests/test_serve_browser.py drives it in Chromium)
     Mutant("explorer/picked-token-sent-as-its-text", "serve/static/app.js",
            '  return state.ids ?? $("prompt").value;', '  return $("prompt").value;',

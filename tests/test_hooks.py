@@ -144,16 +144,21 @@ def test_an_unhooked_model_still_decodes_in_c_and_a_hooked_one_does_not():
             assert fused_step.step(model, idx, torch.arange(3)[None], torch.float32, None, cache, None, True) is None
 
 
+GENERATION_POINTS = ["blocks.0.hook_resid_pre", "blocks.1.attn.hook_q", "blocks.1.attn.hook_pattern",
+                     "blocks.0.attn.hook_attn_scores", "blocks.1.hook_resid_post", "ln_final.hook_normalized"]  # fmt: skip
+
+
+# The final norm alone: the last block's output was trimmed to the last position of the prompt
+# (a hook in that block was what kept every position), so its cache was 4 rows short, misaligned.
+@pytest.mark.parametrize("names", [GENERATION_POINTS, ["ln_final.hook_normalized"]], ids=["points", "final-norm"])
 @pytest.mark.parametrize("variant", ["gpt2", "llama"])
-def test_generation_caches_equal_a_full_forward_over_each_row(variant):
+def test_generation_caches_equal_a_full_forward_over_each_row(variant, names):
     """Two left-padded prompts of different lengths, decoded over the KV cache with hooks: each
     row's activations (prompt and every returned token) equal a forward over that row alone
     (measured: 4.8e-7 apart)."""
     from gptlab.generation import generate
 
     model = tiny_model(**VARIANTS[variant])
-    names = ["blocks.0.hook_resid_pre", "blocks.1.attn.hook_q", "blocks.1.attn.hook_pattern",
-             "blocks.0.attn.hook_attn_scores", "blocks.1.hook_resid_post", "ln_final.hook_normalized"]  # fmt: skip
     prompts = [[5, 9, 2, 7, 1], [3, 8]]
     out, caches = generate(model, prompts, 6, temperature=0, cache_names=names)
     assert len(caches) == 2

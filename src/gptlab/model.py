@@ -399,14 +399,15 @@ class GPT(nn.Module):
         if segments is not None:  # (B, 1, T, T): causal, and only within the query's own example
             mask = causal_mask(T, T, idx.device) & (segments[:, None, :, None] == segments[:, None, None, :])
         last = len(self.transformer.h) - 1
+        ln_f = self.transformer.ln_f
+        every_position = getattr(ln_f, "hooked", False)  # a hooked final norm sees every position
         for i, block in enumerate(self.transformer.h):
             kv = kv_cache.layers[i] if kv_cache is not None else None
             # A prompt's last layer needs every position's keys and values, but only the last
             # position's output: as llama.cpp's graphs, skip the rest (~6% of GPT-2 small's prefill).
-            trim = last_only and i == last and T > 1 and attn_probs is None and not block.hooked()
+            trim = last_only and i == last and T > 1 and attn_probs is None and not (block.hooked() or every_position)
             x = block(x, rope, kv, start, mask, attn_probs, trim)  # (B, T, C), or (B, 1, C) when trimmed
-        ln_f = self.transformer.ln_f
-        if last_only and not getattr(ln_f, "hooked", False):  # a hooked final norm sees every position
+        if last_only and not every_position:
             x = x[:, -1:]  # (B, 1, C)
         x = ln_f(x)[:, -1:] if last_only else ln_f(x)
         if not head:
