@@ -498,3 +498,7 @@ def test_compiled_decode_step_matches_eager():
     )
     with pytest.raises(ValueError, match="another model"):
         generate(tiny_model(), prompts, 3, compiled_step=step)
+    # hooks are refused: the graph was traced without them, and decoded as if unhooked
+    with model.hooks([("blocks.0.hook_resid_post", lambda x, hook: x + 1)]):
+        with pytest.raises(ValueError, match="hooks registered"):
+            generate(model, prompts, 10, temperature=0, compiled_step=step)

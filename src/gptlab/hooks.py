@@ -83,6 +83,11 @@ def hook_points(model: nn.Module) -> dict[str, HookPoint]:
     return points
 
 
+def hooked(model: nn.Module) -> bool:
+    """Whether any of the model's hook points has a hook registered."""
+    return any(isinstance(m, HookPoint) and m.active for m in model.modules())
+
+
 def _select(points: dict[str, HookPoint], names) -> list[HookPoint]:
     """names: None (all), a name, a list of names, or a predicate on names."""
     if names is None:
