@@ -878,6 +878,9 @@ MUTANTS = [
     Mutant("hooks/last-block-trimmed-under-a-hooked-final-norm", "model.py",
            "not (block.hooked() or every_position)", "not block.hooked()",
            ("tests/test_hooks.py", "-k", "generation_caches")),
+    Mutant("hooks/split-views-edited-in-place", "hooks.py",
+           "return x.clone() if x.requires_grad and x._is_view() else x", "return x",
+           ("tests/test_hooks.py", "-k", "in_place")),
     # the explorer page (tests/test_serve_browser.py drives it in Chromium)
     Mutant("explorer/picked-token-sent-as-its-text", "serve/static/app.js",
            '  return state.ids ?? $("prompt").value;', '  return $("prompt").value;',

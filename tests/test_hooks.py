@@ -94,6 +94,34 @@ def test_a_head_ablation_gives_transformer_bridges_logits(pair):
 
 
 @pytest.mark.parametrize("variant", ["gpt2", "llama"])
+def test_every_point_may_be_edited_in_place_with_autograd_on(variant):
+    """A hook that zeroes a slice in place (README's head ablation) works at every point, as a
+    returned copy with the same edit does: on q, k, v (views of one split) and SwiGLU's gate and
+    up (of one chunk) it raised "a view ... is being modified inplace" under autograd. The
+    gradient still reaches the weights through an edited point."""
+    model = tiny_model(**VARIANTS[variant])
+    idx = torch.randint(0, model.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(3))
+
+    def in_place(x, hook):
+        x[..., 0] = 0.0
+
+    def copied(x, hook):
+        x = x.clone()
+        x[..., 0] = 0.0
+        return x
+
+    for name in model.hook_points():
+        if name.endswith(("hook_scale", "hook_attn_scores", "hook_pattern")):
+            continue  # the last axis of a divisor (1 wide) and of attention rows: zeroing is no edit to compare
+        ours = model.run_with_hooks(idx, fwd_hooks=[(name, in_place)])
+        ref = model.run_with_hooks(idx, fwd_hooks=[(name, copied)])
+        torch.testing.assert_close(ours, ref, rtol=0, atol=0, msg=name)
+    model.zero_grad()
+    model.run_with_hooks(idx, fwd_hooks=[("blocks.0.attn.hook_q", in_place)]).sum().backward()
+    assert model.transformer.h[0].attn.c_attn.weight.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("variant", ["gpt2", "llama"])
 def test_cached_values_are_the_models_own(variant):
     """Caching every point gives the model's own logits (to float rounding: scores, patterns and
     normalized values exist only on the step-by-step paths; measured 6e-8), and the last residual

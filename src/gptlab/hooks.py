@@ -48,7 +48,10 @@ class HookPoint(nn.Module):
         return super().__call__(x) if self._forward_hooks else x  # no hook: no module call
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x
+        # A hook may edit its activation in place (TransformerLens's ablation idiom). Under
+        # autograd, editing a view from split/chunk (q, k, v; SwiGLU's gate and up) is an error:
+        # such a view reaches the hooks as a copy.
+        return x.clone() if x.requires_grad and x._is_view() else x
 
     @property
     def active(self) -> bool:
