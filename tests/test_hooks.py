@@ -157,6 +157,25 @@ def test_names_filter_stop_at_layer_and_the_context_manager():
     assert seen == ["hook_embed"]  # removed when the block ends
     with pytest.raises(ValueError, match="no hook point blocks.0.hook_nothing"):
         model.run_with_cache(idx, names_filter=["blocks.0.hook_nothing"])
+    # a layer the model lacks names the ones it has and the nearest points (was "e.g." four
+    # points of block 0, in no useful order)
+    with pytest.raises(ValueError, match=r"blocks 0-1; did you mean blocks.1.hook_resid_pre"):
+        model.run_with_cache(idx, names_filter="blocks.5.hook_resid_pre")
+    for run in (model.run_with_hooks, model.run_with_cache):  # the loss was computed and dropped
+        with pytest.raises(ValueError, match="return logits only; for the loss"):
+            run(idx, targets=idx)
+
+
+@pytest.mark.parametrize("variant", ["gpt2", "llama"])
+def test_hook_points_are_listed_in_the_order_a_forward_reaches_them(variant):
+    """hook_points() promises forward order: the order a cache of every point fills in (the
+    embeddings first, each block from hook_resid_pre, ln_final last). hook_resid_pre came after
+    the MLP's points, and the embeddings last."""
+    model = tiny_model(**VARIANTS[variant])
+    fired = []
+    with torch.no_grad(), model.hooks([(lambda n: True, lambda x, hook: fired.append(hook.name))]):
+        model(torch.randint(0, model.config.vocab_size, (1, 5)))
+    assert list(model.hook_points()) == fired
 
 
 @pytest.mark.skipif(not kernels.available()[0], reason=f"gptlab's kernels are not built here: {kernels.available()[2]}")

@@ -86,12 +86,44 @@ def test_zero_and_mean_ablation(setup):
         clean, fwd_hooks=[("blocks.1.attn.hook_pattern", lambda p, _: p.index_fill(1, torch.tensor([2]), 0.0))]
     )
     torch.testing.assert_close(pattern, by_hand)  # it zeroed query position 2 of every head
+    # an attention point's mean is over the batch alone, per head: it was over the batch and heads
+    other = torch.randint(0, model.config.vocab_size, (3, clean.size(1)), generator=torch.Generator().manual_seed(5))
+    _, cache = model.run_with_cache(other, names_filter="blocks.1.attn.hook_pattern")
+    mean = cache["blocks.1.attn.hook_pattern"].mean(dim=0)  # (nh, T, T)
+
+    def head_2_by_hand(p, _):
+        p = p.clone()
+        p[:, 2] = mean[2]
+        return p
+
+    meaned = ablate(model, clean, "blocks.1.attn.hook_pattern", head=2, how="mean", mean_over=other)
+    expected = model.run_with_hooks(clean, fwd_hooks=[("blocks.1.attn.hook_pattern", head_2_by_hand)])
+    torch.testing.assert_close(meaned, expected, rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="must be as long"):  # was torch's expand error
+        ablate(model, clean, "blocks.1.attn.hook_pattern", how="mean", mean_over=other[:, :-1])
 
 
 def test_prompts_of_different_lengths_are_refused(setup):
     model, clean, _, metric = setup
     with pytest.raises(ValueError, match="same length"):
         activation_patching(model, clean, clean[:, :4], metric)
+
+
+def test_a_metric_without_a_value_per_row_is_refused_up_front(setup):
+    """TransformerLens metrics often end in .mean(): a scalar gives no value per patched run. It
+    was an IndexError ("invalid index of a 0-dim tensor") after the whole grid had run."""
+    model, clean, corrupt, metric = setup
+    calls = []
+
+    def scalar(logits):
+        calls.append(logits.size(0))
+        return metric(logits).mean()
+
+    for patching in (activation_patching, activation_patching_loop):
+        calls.clear()
+        with pytest.raises(ValueError, match=r"one value per row, shape \(1,\), got \(\)"):
+            patching(model, clean, corrupt, scalar)
+        assert calls == [1], patching.__name__  # refused at the first (clean) run, before the grid
 
 
 def test_gptlab_patch_writes_the_grids_and_checks_its_prompts(tmp_path, capsys):

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import difflib
 import json
 import os
 import shutil
@@ -35,6 +36,14 @@ from gptlab.atomic import atomic_write
 HookFn = Callable[[torch.Tensor, "HookPoint"], torch.Tensor | None]
 # gptlab's module paths -> TransformerLens's names (applied in order)
 _RENAMES = (("transformer.h.", "blocks."), (".ln_1.", ".ln1."), (".ln_2.", ".ln2."), ("transformer.ln_f.", "ln_final."))
+# The points in the order a forward pass reaches them (a block's without its "blocks.L." prefix).
+_FORWARD_ORDER = (
+    "hook_embed", "hook_pos_embed", "hook_resid_pre", "ln1.hook_scale", "ln1.hook_normalized", "attn.hook_q",
+    "attn.hook_k", "attn.hook_v", "attn.hook_rot_q", "attn.hook_rot_k", "attn.hook_attn_scores", "attn.hook_pattern",
+    "attn.hook_z", "hook_attn_out", "hook_resid_mid", "ln2.hook_scale", "ln2.hook_normalized", "mlp.hook_pre",
+    "mlp.hook_pre_linear", "mlp.hook_post", "hook_mlp_out", "hook_resid_post", "ln_final.hook_scale",
+    "ln_final.hook_normalized",
+)  # fmt: skip
 
 
 class HookPoint(nn.Module):
@@ -75,15 +84,32 @@ def tl_name(path: str) -> str:
     return path
 
 
+def _forward_position(name: str) -> tuple[int, int]:
+    """(block, rank): where a forward pass reaches the point (embeddings first, ln_final last)."""
+    parts = name.split(".", 2)
+    block, point = (int(parts[1]), parts[2]) if parts[0] == "blocks" else (-1, name)
+    if point.startswith("ln_final."):
+        block = 1 << 30
+    return block, _FORWARD_ORDER.index(point) if point in _FORWARD_ORDER else len(_FORWARD_ORDER)
+
+
 def hook_points(model: nn.Module) -> dict[str, HookPoint]:
-    """{TransformerLens name: HookPoint} for every hook point of the model, in forward order
-    per block (each point's `name` is set on the way)."""
+    """{TransformerLens name: HookPoint} for every hook point of the model, in the order a
+    forward pass reaches them (each point's `name` is set on the way)."""
     points = {}
     for path, module in model.named_modules():
         if isinstance(module, HookPoint):
             module.name = tl_name(path)
             points[module.name] = module
-    return points
+    return dict(sorted(points.items(), key=lambda item: _forward_position(item[0])))
+
+
+def _unknown(name: str, points: dict[str, HookPoint]) -> str:
+    """What to say of a name the model has no point for: the closest names, or the blocks it has."""
+    close = difflib.get_close_matches(name, points, n=3, cutoff=0.8)
+    blocks = {n.split(".")[1] for n in points if n.startswith("blocks.")}
+    hint = f"did you mean {' or '.join(close)}?" if close else f"its points are e.g. {', '.join(list(points)[:4])}"
+    return f"no hook point {name} (the model has blocks 0-{len(blocks) - 1}; {hint}; model.hook_points() lists all {len(points)})"  # fmt: skip
 
 
 def hooked(model: nn.Module) -> bool:
@@ -100,7 +126,7 @@ def _select(points: dict[str, HookPoint], names) -> list[HookPoint]:
     names = [names] if isinstance(names, str) else list(names)
     unknown = [n for n in names if n not in points]
     if unknown:
-        raise ValueError(f"no hook point {', '.join(unknown)}; the model has e.g. {', '.join(list(points)[:4])}")
+        raise ValueError(_unknown(unknown[0], points))
     return [points[n] for n in names]
 
 
@@ -124,8 +150,15 @@ def hooks(model: nn.Module, fwd_hooks: Iterable[tuple] = ()):
             h.remove()
 
 
+def _logits_only(forward_kwargs: dict) -> None:
+    """These return logits alone: a loss asked for would be computed and dropped."""
+    if forward_kwargs.get("targets") is not None:
+        raise ValueError("targets: run_with_hooks and run_with_cache return logits only; for the loss, call model(idx, targets=...) inside `with model.hooks([...])`")  # fmt: skip
+
+
 def run_with_hooks(model: nn.Module, idx: torch.Tensor, fwd_hooks: Iterable[tuple] = (), **forward_kwargs):
     """The model's logits (B, T, V) with the hooks in place for this one forward."""
+    _logits_only(forward_kwargs)
     with hooks(model, fwd_hooks):
         return model(idx, **forward_kwargs)[0]
 
@@ -231,6 +264,7 @@ def run_with_cache(model: nn.Module, idx: torch.Tensor, names_filter=None, stop_
     """(logits, cache): cache[name] is the activation at each selected hook point (all by default;
     names_filter: a name, names or a predicate), detached, on `device` when given. With
     stop_at_layer=L the forward stops as block L starts (logits None; blocks 0..L-1 cached)."""
+    _logits_only(forward_kwargs)
     cache: dict[str, torch.Tensor] = {}
 
     def save(x, hook):

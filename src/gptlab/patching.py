@@ -31,6 +31,16 @@ def logit_diff(right: int, wrong: int) -> Metric:
     return lambda logits: logits[:, -1, right] - logits[:, -1, wrong]
 
 
+def _per_row(metric: Metric, logits: torch.Tensor) -> torch.Tensor:
+    """metric(logits (B, T, V)) -> (B,), or a ValueError naming what it returned instead (a scalar
+    such as .mean() gives no value per patched run)."""
+    value = metric(logits)
+    if not isinstance(value, torch.Tensor) or value.shape != logits.shape[:1]:
+        got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+        raise ValueError(f"the metric must return one value per row, shape ({logits.size(0)},), got {got}: e.g. logits[:, -1, right] - logits[:, -1, wrong], without .mean()")  # fmt: skip
+    return value
+
+
 def _check(model, clean: torch.Tensor, corrupt: torch.Tensor, over: str) -> None:
     if over not in OVER:
         raise ValueError(f"over must be one of {', '.join(OVER)}, got {over!r}")
@@ -84,12 +94,12 @@ def activation_patching(model, clean: torch.Tensor, corrupt: torch.Tensor, metri
     _check(model, clean, corrupt, over)
     names = [f"blocks.{layer}.{OVER[over]}" for layer in range(model.config.n_layer)]
     clean_logits, cache = model.run_with_cache(clean, names_filter=names)
+    clean_value, corrupt_value = float(_per_row(metric, clean_logits)[0]), float(_per_row(metric, model(corrupt)[0])[0])
     U = _units(model, clean.size(1), over)
     rows = corrupt.expand(U, -1)  # (U, T): one corrupted run per position or head
     grid = torch.stack([
-        metric(model.run_with_hooks(rows, fwd_hooks=[(name, _patch_rows(over, cache[name]))])) for name in names
+        _per_row(metric, model.run_with_hooks(rows, fwd_hooks=[(name, _patch_rows(over, cache[name]))])) for name in names
     ])  # fmt: skip
-    clean_value, corrupt_value = float(metric(clean_logits)[0]), float(metric(model(corrupt)[0])[0])
     span = clean_value - corrupt_value
     normalized = (grid - corrupt_value) / span if abs(span) > 1e-9 else torch.zeros_like(grid)
     return {"grid": grid, "clean": clean_value, "corrupt": corrupt_value, "normalized": normalized}
@@ -111,7 +121,7 @@ def activation_patching_loop(model, clean, corrupt, metric: Metric, over: str = 
     """The same grid as activation_patching, one forward per cell (the reference it is tested against)."""
     grid = torch.empty(model.config.n_layer, _units(model, clean.size(1), over))
     for layer, unit in itertools.product(range(grid.size(0)), range(grid.size(1))):
-        grid[layer, unit] = metric(patched_logits(model, clean, corrupt, layer, unit, over))[0]
+        grid[layer, unit] = _per_row(metric, patched_logits(model, clean, corrupt, layer, unit, over))[0]
     return grid
 
 
@@ -152,22 +162,28 @@ def attribution_patching(model, clean: torch.Tensor, corrupt: torch.Tensor, metr
 @torch.no_grad()
 def ablate(model, idx: torch.Tensor, name: str, *, head: int | None = None, how: str = "zero", mean_over=None):
     """Logits with the activation at hook point `name` replaced by zeros, or by its mean over
-    positions of `mean_over` (token ids, default idx) for how="mean". With `head`, only that head's
-    part: of a (B, T, nh, hs) point such as hook_z, or of hook_pattern's (B, nh, T, T)."""
+    `mean_over` (token ids, default idx) for how="mean": over the batch and positions, or for an
+    attention point (hook_pattern, hook_attn_scores: (B, nh, T, T)) over the batch alone, each
+    head and query/key position its own (so `mean_over` has idx's length). With `head`, only that
+    head's part: of a (B, T, nh, hs) point such as hook_z, or of an attention point."""
     if how not in ("zero", "mean"):
         raise ValueError(f"how must be zero or mean, got {how!r}")
     if head is not None and not -model.config.n_head <= head < model.config.n_head:
         raise ValueError(f"head must be in [0, {model.config.n_head}) (or counted from the end), got {head}")
+    attention = name.endswith(("hook_pattern", "hook_attn_scores"))  # (B, nh, T, T); else (B, T, ...)
     mean = None
     if how == "mean":
-        _, cache = model.run_with_cache(idx if mean_over is None else mean_over, names_filter=name)
-        mean = cache[name].mean(dim=(0, 1), keepdim=True)  # (1, 1, ...)
+        source = idx if mean_over is None else mean_over
+        if attention and source.size(-1) != idx.size(-1):
+            raise ValueError(f"mean_over has {source.size(-1)} tokens and idx {idx.size(-1)}: {name}'s mean is per query and key position, so they must be as long")  # fmt: skip
+        _, cache = model.run_with_cache(source, names_filter=name)
+        mean = cache[name].mean(dim=0 if attention else (0, 1), keepdim=True)  # (1, nh, T, T) or (1, 1, ...)
 
     def hook(x, _):
         if head is not None and x.dim() != 4:  # else `head` would pick a channel of a (B, T, C) point
             raise ValueError(f"{name} has no head axis: head= takes a (B, T, n_head, head_size) point, e.g. hook_z")
         x = x.clone()
-        axis = 1 if name.endswith(("hook_pattern", "hook_attn_scores")) else 2  # (B, nh, T, T); else (B, T, nh, hs)
+        axis = 1 if attention else 2  # the head axis: (B, nh, T, T) or (B, T, nh, hs)
         part = (slice(None),) * axis + (head,) if head is not None else (Ellipsis,)
         x[part] = 0.0 if mean is None else mean.expand_as(x)[part]
         return x
