@@ -380,7 +380,7 @@ MUTANTS = [
            "x = self.hook_resid_mid((x[:, -1:] if last_only else x)", "x = self.hook_resid_mid((x[:, :1] if last_only else x)",
            KV_TESTS),
     Mutant("prompt/last-layer-trimmed-under-a-hook", "model.py",
-           " and attn_probs is None and not block.hooked()", " and attn_probs is None", KV_TESTS),
+           " and attn_probs is None and not (block.hooked() or every_position)", " and attn_probs is None", KV_TESTS),
     Mutant("prompt/last-layer-query-sees-the-first-row-of-the-mask", "model.py",
            "mask = None if mask is None else mask[:, :, -1:]", "mask = None if mask is None else mask[:, :, :1]", KV_TESTS),
     Mutant("kv-cache/compiled-writes-uncast", "kv_cache.py",
