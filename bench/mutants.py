@@ -904,6 +904,10 @@ MUTANTS = [
            ("tests/test_serve_browser.py", "-k", "patching")),
     Mutant("explorer/predict-again-recorded-twice", "serve/static/app.js",
            "  if (same) return;", "", ("tests/test_serve_browser.py", "-k", "picked")),
+    # training (QA of DDP and max_time)
+    Mutant("train/ddp-ranks-on-their-own-clocks", "train/trainer.py",
+           "        dist.all_reduce(value, op=dist.ReduceOp.MAX)\n", "",
+           ("tests/test_train.py", "-k", "share_one_clock")),
 ]
 # fmt: on
 # The swapped-name mutant needs its table in the module: appended to hf.py with it.

@@ -383,6 +383,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def torchrun(*target: str) -> list[str]:
+    """The command line running `target` (a module as "-m", name; or a script) in two local gloo ranks."""
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--nnodes=1",
+            "--master_addr=127.0.0.1", f"--master_port={free_port()}", *target]  # fmt: skip
+
+
+def run_ranks(cfg: TrainConfig, record_dir: Path, **knobs: str) -> tuple[subprocess.CompletedProcess, list[dict]]:
+    """`gptlab train` of cfg in two gloo ranks through tests/ddp_ranks.py (its knobs as keyword
+    arguments); the finished process and each rank's record."""
+    helper = str(Path(__file__).parent / "ddp_ranks.py")
+    command = torchrun(helper, str(record_dir), "train") + as_flags(cfg)
+    done = subprocess.run(command, env={**env(), **knobs}, capture_output=True, text=True, timeout=180)
+    records = [json.loads(p.read_text()) for p in sorted(record_dir.glob("rank*.json"))]
+    return done, records
+
+
 @pytest.mark.parametrize(("fsdp", "optimizer"), [(False, "adamw"), (True, "adamw"), (False, "muon")],
                          ids=["ddp", "fsdp", "ddp-muon"])  # fmt: skip
 def test_two_gloo_ranks_match_one_process(byte_data, tmp_path, fsdp, optimizer):
@@ -390,9 +406,8 @@ def test_two_gloo_ranks_match_one_process(byte_data, tmp_path, fsdp, optimizer):
                  optimizer=optimizer)  # fmt: skip
     train(one)
     two = one.with_overrides({"out_dir": str(tmp_path / "two"), "batch_size": 2, "fsdp": fsdp})
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--nnodes=1",
-                "--master_addr=127.0.0.1", f"--master_port={free_port()}", "-m", "gptlab", "train"]  # fmt: skip
-    done = subprocess.run(launcher + as_flags(two), env=env(), capture_output=True, text=True, timeout=300)
+    done = subprocess.run(torchrun("-m", "gptlab", "train") + as_flags(two), env=env(), capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     a, b = losses(tmp_path / "one"), losses(tmp_path / "two")
     assert sorted(a) == sorted(b) == list(range(1, 7))
@@ -400,6 +415,19 @@ def test_two_gloo_ranks_match_one_process(byte_data, tmp_path, fsdp, optimizer):
         assert abs(a[step] - b[step]) < 1e-5, (step, a[step], b[step])
     val = [r["val_loss"] for r in run_files.read_metrics(tmp_path / "two") if "val_loss" in r]
     assert len(val) == 2 and run_files.latest_checkpoint(tmp_path / "two").name == "ckpt-000006"
+
+
+def test_ddp_ranks_share_one_clock_under_max_time(byte_data, tmp_path):
+    """Each rank's max_time clock starts on its own, here rank 1's a second after rank 0's. On
+    their own clocks the ranks took different learning rates and stopped at different steps (a
+    gloo collective mismatch, no checkpoint); they now go by the largest reading of any rank."""
+    cfg = config(byte_data, tmp_path / "run", batch_size=2, max_steps=100_000, max_time="3s", eval_interval=100_000,
+                 sample_tokens=0, log_interval=50)  # fmt: skip
+    done, ranks = run_ranks(cfg, tmp_path / "ranks", DDP_LATE_RANK_S="1")
+    assert done.returncode == 0, done.stderr[-3000:]
+    steps = len(ranks[0]["lrs"])
+    assert steps > 3 and ranks[0]["lrs"] == ranks[1]["lrs"]  # the same lr at every step, to the bit
+    assert run_files.latest_checkpoint(tmp_path / "run").name == run_files.checkpoint_name(steps)
 
 
 # --------------------------------------------------------------------------------------------- bad input

@@ -49,9 +49,15 @@ class TimeBudget:
     def elapsed(self) -> float:
         return self.spent_before + (self.clock() - self.start)
 
-    def fraction(self) -> float | None:
-        """The elapsed fraction of the budget (capped at 1), or None without a budget."""
-        return None if self.seconds is None else min(1.0, self.elapsed() / self.seconds)
+    def fraction(self, elapsed: float | None = None) -> float | None:
+        """The elapsed fraction of the budget (capped at 1), or None without a budget. `elapsed`:
+        a reading taken already (the one all ranks agreed on), else the clock's now."""
+        if self.seconds is None:
+            return None
+        return min(1.0, (self.elapsed() if elapsed is None else elapsed) / self.seconds)
 
-    def exhausted(self) -> bool:
-        return self.seconds is not None and self.elapsed() >= self.seconds
+    def exhausted(self, elapsed: float | None = None) -> bool:
+        """Whether the budget is spent (`elapsed` as in `fraction`)."""
+        if self.seconds is None:
+            return False
+        return (self.elapsed() if elapsed is None else elapsed) >= self.seconds

@@ -71,7 +71,7 @@ class Trainer:
     def step(self) -> dict:
         """One optimizer update over grad_accum micro-batches; returns its log record."""
         cfg, t0 = self.cfg, time.perf_counter()
-        lr = lr_at(self.step_num, cfg, self.budget.fraction())
+        lr = lr_at(self.step_num, cfg, self.budget.fraction(self.agreed_elapsed()))
         for group in self.optimizer.param_groups:
             group["lr"] = lr * group.get("lr_scale", 1.0)
         loss_sum, fed = torch.zeros((), device=self.device), 0
@@ -107,6 +107,20 @@ class Trainer:
     def _no_sync(self):
         return self.model.no_sync() if hasattr(self.model, "no_sync") else nullcontext()
 
+    def agreed_elapsed(self) -> float:
+        """Seconds the run has spent, the same on every rank (every rank calls it, in step): each
+        rank's clock starts on its own, so under DDP with max_time the ranks take the largest
+        reading, of the rank that started first. On their own clocks they took different learning
+        rates and stopped at different steps, their collectives mismatched (a crash, nothing saved)."""
+        seconds = self.budget.elapsed()
+        if not (self.dist.enabled and self.budget.seconds is not None):
+            return seconds
+        import torch.distributed as dist
+
+        value = torch.tensor(seconds, dtype=torch.float64, device=self.device)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        return float(value)
+
     def mean_over_ranks(self, value: torch.Tensor) -> float:
         if self.dist.enabled:
             import torch.distributed as dist
@@ -139,8 +153,8 @@ class Trainer:
     # -- the loop
 
     def finished(self) -> bool:
-        """max_steps done, or the max_time budget spent."""
-        return self.step_num >= self.cfg.max_steps or self.budget.exhausted()
+        """max_steps done, or the max_time budget spent (by the ranks' agreed clock)."""
+        return self.step_num >= self.cfg.max_steps or self.budget.exhausted(self.agreed_elapsed())
 
     def run(self) -> dict:
         """Train to max_steps or max_time; evaluate, checkpoint and log on the way. Returns a summary."""

@@ -1,0 +1,80 @@
+"""`gptlab train` under torchrun with per-rank test knobs; each rank records what it did.
+
+    torchrun --nproc_per_node=2 tests/ddp_ranks.py RECORD_DIR train --config ...
+
+Knobs, from the environment:
+  DDP_LATE_RANK_S=S  rank 1 starts its clock S seconds after rank 0 (it sleeps as it builds the
+                     optimizer: after Trainer's last collective, before its time budget starts)
+  DDP_FAKE_PROBE=1   precision=auto measures (a CPU with bf16 instructions, the probe faked), and
+                     the fake probe finds bf16 faster on rank 1 only
+
+Each rank writes RECORD_DIR/rankN.json: the learning rate of each of its steps, its precision,
+how often it probed, and the checkpoint its summary names.
+"""
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import gptlab.train
+from gptlab import cli
+from gptlab.train import precision, setup
+from gptlab.train.trainer import Trainer
+
+RANK = int(os.environ["RANK"])
+RECORD = {"lrs": [], "precision": None, "probes": 0, "checkpoint": None}
+
+
+def late(build):
+    def build_late(*args, **kwargs):
+        if RANK == 1:
+            time.sleep(float(os.environ["DDP_LATE_RANK_S"]))
+        return build(*args, **kwargs)
+
+    return build_late
+
+
+def fake_probe(model, device, batch, block) -> dict[str, float]:
+    RECORD["probes"] += 1
+    return {"float32": 0.5, "bfloat16": 0.1} if RANK == 1 else {"float32": 0.1, "bfloat16": 0.5}
+
+
+def recorded(step):
+    def recording_step(self) -> dict:
+        record = step(self)
+        RECORD["lrs"].append(record["lr"])
+        RECORD["precision"] = str(self.precision).removeprefix("torch.")
+        return record
+
+    return recording_step
+
+
+def recorded_train(train):
+    def recording_train(cfg):
+        summary = train(cfg)
+        RECORD["checkpoint"] = summary["checkpoint"]
+        return summary
+
+    return recording_train
+
+
+def main() -> int:
+    record_dir, argv = Path(sys.argv[1]), sys.argv[2:]
+    if "DDP_LATE_RANK_S" in os.environ:
+        setup.build_optimizer = late(setup.build_optimizer)
+    if os.environ.get("DDP_FAKE_PROBE"):
+        precision.may_have_native_bf16 = precision.onednn_runs_bf16 = lambda: True
+        precision.probe = fake_probe
+    Trainer.step = recorded(Trainer.step)
+    gptlab.train.train = recorded_train(gptlab.train.train)  # what `gptlab train` calls
+    try:
+        return cli.main(argv)
+    finally:
+        record_dir.mkdir(parents=True, exist_ok=True)
+        (record_dir / f"rank{RANK}.json").write_text(json.dumps(RECORD))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
