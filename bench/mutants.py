@@ -908,6 +908,9 @@ MUTANTS = [
     Mutant("train/ddp-ranks-on-their-own-clocks", "train/trainer.py",
            "        dist.all_reduce(value, op=dist.ReduceOp.MAX)\n", "",
            ("tests/test_train.py", "-k", "share_one_clock")),
+    Mutant("train/loop-rereads-the-clock-after-the-last-eval", "train/trainer.py",
+           "            while not at_end:", "            while not self.finished():",
+           ("tests/test_train.py", "-k", "spent_in_an_evaluation")),
 ]
 # fmt: on
 # The swapped-name mutant needs its table in the module: appended to hf.py with it.

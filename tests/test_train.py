@@ -207,6 +207,28 @@ def test_max_time_stops_on_time_and_drives_the_schedule(byte_data, tmp_path):
     assert state["elapsed_s"] >= 10.0
 
 
+def test_max_time_spent_in_an_evaluation_still_ends_with_the_final_checkpoint(byte_data, tmp_path):
+    """The budget ran out during a periodic evaluation: the loop read the clock again after it and
+    left without the final checkpoint, evaluation and summary (exit 0). The step after it is the last."""
+    out = tmp_path / "run"
+    cfg = config(byte_data, out, max_steps=1000, max_time="10s", eval_interval=2, checkpoint_interval=1000)
+    clock = FakeClock(tick=1.0)
+    trainer = Trainer(cfg, clock=clock)
+    clock.attach(trainer.raw_model)
+    evaluate = trainer.evaluate
+
+    def evaluate_for_100_s() -> dict:
+        result = evaluate()
+        clock.t += 100.0
+        return result
+
+    trainer.evaluate = evaluate_for_100_s
+    summary = trainer.run()
+    assert summary["step"] == 3 and summary["checkpoint"] == str(out / "ckpt-000003")
+    evals = [r["step"] for r in run_files.read_metrics(out) if "val_loss" in r]
+    assert evals == [2, 3] and summary["val_loss"] is not None
+
+
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
 def test_resume_with_max_time_is_exact(byte_data, tmp_path, optimizer):
     """A max_time run interrupted at step 10 and resumed == the same run straight (fake clock, CPU fp32)."""

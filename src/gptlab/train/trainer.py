@@ -167,8 +167,11 @@ class Trainer:
         total = None if self.budget.seconds else cfg.max_steps  # a time budget: the step count is not known
         bar = tqdm(total=total, initial=self.step_num, disable=not (main and cfg.progress), desc="train", unit="step")
         start_step, t0, record, last_eval = self.step_num, time.perf_counter(), {}, None
+        # The loop ends on the decision taken after the step: the clock read again after a
+        # periodic eval or checkpoint that spent the budget left without the final ones.
+        at_end = self.finished()
         try:
-            while not self.finished():
+            while not at_end:
                 record = self.step()
                 if main and (self.step_num % max(cfg.log_interval, 1) == 0 or record["skipped"]):
                     metrics.write(record)
