@@ -911,6 +911,9 @@ MUTANTS = [
     Mutant("train/loop-rereads-the-clock-after-the-last-eval", "train/trainer.py",
            "            while not at_end:", "            while not self.finished():",
            ("tests/test_train.py", "-k", "spent_in_an_evaluation")),
+    Mutant("train/auto-precision-measured-on-every-rank", "train/setup.py",
+           "    if not dist.enabled:\n        return decide()\n", "    if True:\n        return decide()\n",
+           ("tests/test_train.py", "-k", "measured_precision")),
 ]
 # fmt: on
 # The swapped-name mutant needs its table in the module: appended to hf.py with it.

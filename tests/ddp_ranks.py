@@ -5,8 +5,8 @@
 Knobs, from the environment:
   DDP_LATE_RANK_S=S  rank 1 starts its clock S seconds after rank 0 (it sleeps as it builds the
                      optimizer: after Trainer's last collective, before its time budget starts)
-  DDP_FAKE_PROBE=1   precision=auto measures (a CPU with bf16 instructions, the probe faked), and
-                     the fake probe finds bf16 faster on rank 1 only
+  DDP_FAKE_PROBE=1   precision=auto measures (a CPU with bf16 instructions, the probe faked): the
+                     fake probe finds bf16 faster on rank 1 only, and takes a second on rank 0
 
 Each rank writes RECORD_DIR/rankN.json: the learning rate of each of its steps, its precision,
 how often it probed, and the checkpoint its summary names.
@@ -38,6 +38,8 @@ def late(build):
 
 def fake_probe(model, device, batch, block) -> dict[str, float]:
     RECORD["probes"] += 1
+    if RANK == 0:
+        time.sleep(1.0)  # measuring a while: rank 1 finds no cached timings
     return {"float32": 0.5, "bfloat16": 0.1} if RANK == 1 else {"float32": 0.1, "bfloat16": 0.5}
 
 

@@ -452,6 +452,20 @@ def test_ddp_ranks_share_one_clock_under_max_time(byte_data, tmp_path):
     assert run_files.latest_checkpoint(tmp_path / "run").name == run_files.checkpoint_name(steps)
 
 
+def test_ddp_ranks_train_in_rank_0s_measured_precision(byte_data, tmp_path):
+    """precision=auto measured on each rank: ranks could train in different precisions (here the
+    fake probe finds bf16 faster on rank 1 only), and the cache kept whichever wrote last. Rank 0
+    measures and caches; every rank trains in its choice."""
+    cfg = config(byte_data, tmp_path / "run", batch_size=2, max_steps=2, eval_interval=2, sample_tokens=0,
+                 precision="auto")  # fmt: skip
+    cache = tmp_path / "cache"
+    done, ranks = run_ranks(cfg, tmp_path / "ranks", DDP_FAKE_PROBE="1", GPTLAB_CACHE=str(cache))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [r["precision"] for r in ranks] == ["float32", "float32"] and [r["probes"] for r in ranks] == [1, 0]
+    timings = json.loads((cache / "precision.json").read_text())
+    assert list(timings.values()) == [{"float32": 0.1, "bfloat16": 0.5}]  # rank 0's
+
+
 # --------------------------------------------------------------------------------------------- bad input
 
 

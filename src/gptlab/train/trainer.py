@@ -46,8 +46,9 @@ class Trainer:
         labels = manifest["labels"] if manifest.get("kind") == "classify" else None
         self.raw_model = setup.build_model(cfg, manifest["vocab_size"], self.device, labels).train()
         setup.check_tokens(cfg.data_dir, manifest, self.raw_model.config.vocab_size)
-        self.precision, why = resolve_precision(cfg.precision, self.device, self.raw_model,
-                                                (cfg.batch_size, cfg.block_size))  # fmt: skip
+        # rank 0 measures precision=auto, and caches its timings; the others take its choice
+        self.precision, why = setup.decided_on_rank0(self.dist, self.device, lambda: resolve_precision(
+            cfg.precision, self.device, self.raw_model, (cfg.batch_size, cfg.block_size)))  # fmt: skip
         log.info("precision: %s (%s)", str(self.precision).removeprefix("torch."), why)
         self.grad_accum = setup.grad_accum_steps(cfg, self.dist.world_size)
         self.train_loader, self.val_loader = setup.build_loaders(cfg, manifest, self.dist)
