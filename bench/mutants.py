@@ -914,6 +914,12 @@ MUTANTS = [
     Mutant("train/auto-precision-measured-on-every-rank", "train/setup.py",
            "    if not dist.enabled:\n        return decide()\n", "    if True:\n        return decide()\n",
            ("tests/test_train.py", "-k", "measured_precision")),
+    Mutant("train/diverged-model-fails-the-sample", "train/evaluation.py",
+           "    except NonFiniteProbabilities:", "    except ZeroDivisionError:",
+           ("tests/test_train.py", "-k", "diverged_model")),
+    Mutant("train/guard-calls-a-finite-loss-non-finite", "train/guards.py",
+           "for k, v in values.items() if not math.isfinite(v))", "for k, v in values.items())",
+           ("tests/test_train.py", "-k", "diverged_model")),
 ]
 # fmt: on
 # The swapped-name mutant needs its table in the module: appended to hf.py with it.

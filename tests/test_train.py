@@ -341,6 +341,21 @@ def test_repeated_bad_steps_stop_the_run(byte_data, tmp_path):
             trainer.step()
 
 
+def test_a_diverged_model_is_evaluated_without_a_sample_and_stopped_by_the_guard(byte_data, tmp_path, caplog):
+    """Non-finite logits failed the evaluation's sample (a ValueError: exit 2, no checkpoint) before
+    the guard could stop the run and name the last good checkpoint; the guard named a loss of 2e9
+    non-finite beside a NaN gradient norm."""
+    trainer = Trainer(config(byte_data, tmp_path / "run", max_steps=20, eval_interval=1, max_bad_steps=2))
+    with torch.no_grad():
+        trainer.raw_model.transformer.ln_f.weight.fill_(float("nan"))  # every logit NaN
+    diverged = "3 bad steps in a row up to step 3 .non-finite loss nan and grad norm nan.; the last good checkpoint"
+    with caplog.at_level("WARNING"), pytest.raises(TrainingDiverged, match=diverged + ".*ckpt-000002"):
+        trainer.run()
+    assert "step 1: no sample: the model's next-token probabilities are not finite" in caplog.text
+    with pytest.raises(TrainingDiverged, match=r"\(non-finite grad norm nan\)"):
+        SpikeGuard(zscore=6.0, window=10, max_bad_steps=0).check(2083648768.0, float("nan"), 1)
+
+
 def test_gradient_spike_is_skipped(byte_data, tmp_path):
     trainer = Trainer(config(byte_data, tmp_path / "run", max_steps=30, spike_window=10, spike_zscore=4.0))
     for _ in range(12):

@@ -255,6 +255,10 @@ def sample_next(
     return draw(probs, generator).to(logits.device)  # (B,)
 
 
+class NonFiniteProbabilities(ValueError):
+    """A distribution to draw from holds inf or NaN, or sums to 0 (a diverged model's logits)."""
+
+
 def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
     """One id per row of probs (B, V) (non-negative, each row's sum > 0; scaled to 1 here), drawn
     with `generator` by inverting the cumulative distribution at one uniform number per row.
@@ -269,6 +273,6 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch
     cdf = probs.double().cumsum(dim=-1)  # (B, V); float64, so a token's share is its probability to ~1e-16
     total = cdf[:, -1:]  # (B, 1)
     if not bool(((total > 0) & torch.isfinite(total)).all()):
-        raise ValueError("probabilities must be finite and non-negative with a positive sum in every row")
+        raise NonFiniteProbabilities("probabilities must be finite and non-negative with a positive sum in every row")
     ids = torch.searchsorted(cdf, u * total, right=True)  # the first entry whose cumulative mass exceeds it: never a 0
     return ids.clamp_(max=probs.size(-1) - 1).squeeze(-1)  # (B,)

@@ -3,11 +3,15 @@
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
 
+from gptlab.sampling import NonFiniteProbabilities
 from gptlab.train.precision import autocast
+
+log = logging.getLogger(__name__)
 
 
 @torch.no_grad()
@@ -44,7 +48,9 @@ def forward_loss(model, batch, device):
 
 
 def sample(trainer) -> str:
-    """A short continuation of cfg.sample_prompt (fixed seed, so samples compare across evals)."""
+    """A short continuation of cfg.sample_prompt (fixed seed, so samples compare across evals);
+    none, with a warning, where the model's outputs are not finite: a diverged model is the
+    divergence guard's to stop (the error stopped the run here, with no checkpoint)."""
     from gptlab.generation import generate_text
     from gptlab.tokenizer import get_tokenizer
 
@@ -52,7 +58,12 @@ def sample(trainer) -> str:
     if cfg.sample_tokens <= 0:
         return ""
     tok = get_tokenizer(trainer.tokenizer_name)
-    with autocast(trainer.device, trainer.precision):
-        text = generate_text(trainer.raw_model, tok, cfg.sample_prompt, cfg.sample_tokens,
-                             temperature=0.8, top_k=200, generator=cfg.seed)  # fmt: skip
+    try:
+        with autocast(trainer.device, trainer.precision):
+            text = generate_text(trainer.raw_model, tok, cfg.sample_prompt, cfg.sample_tokens,
+                                 temperature=0.8, top_k=200, generator=cfg.seed)  # fmt: skip
+    except NonFiniteProbabilities:
+        log.warning("step %d: no sample: the model's next-token probabilities are not finite (inf or NaN logits)",
+                    trainer.step_num)  # fmt: skip
+        return ""
     return cfg.sample_prompt + text

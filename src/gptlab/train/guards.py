@@ -50,7 +50,8 @@ class SpikeGuard:
         if not math.isfinite(loss) or not math.isfinite(grad_norm):
             if fp16_scaler and math.isfinite(loss):
                 return False  # fp16 overflow: the GradScaler skips the step and lowers its scale
-            reason = f"non-finite loss {loss} / grad norm {grad_norm}"
+            values = {"loss": loss, "grad norm": grad_norm}  # name only what is non-finite: a loss of 2e9 is not
+            reason = "non-finite " + " and ".join(f"{k} {v}" for k, v in values.items() if not math.isfinite(v))
         else:
             reason = self.spike_reason(grad_norm)
             self.history = (self.history + [grad_norm])[-self.window :]
