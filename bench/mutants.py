@@ -920,6 +920,14 @@ MUTANTS = [
     Mutant("train/guard-calls-a-finite-loss-non-finite", "train/guards.py",
            "for k, v in values.items() if not math.isfinite(v))", "for k, v in values.items())",
            ("tests/test_train.py", "-k", "diverged_model")),
+    Mutant("train/every-torchrun-rank-reports", "commands/train.py",
+           'main = os.environ.get("RANK", "0") == "0"', "main = True",
+           ("tests/test_train.py", "-k", "rank_0_alone")),
+    Mutant("train/other-ranks-keep-the-checkpoint-they-resumed-from", "train/checkpointing.py",
+           "    trainer.last_checkpoint = decided_on_rank0(trainer.dist, trainer.device, publish)",
+           "    path = decided_on_rank0(trainer.dist, trainer.device, publish)\n"
+           "    trainer.last_checkpoint = path if trainer.dist.is_main else trainer.last_checkpoint",
+           ("tests/test_train.py", "-k", "rank_0_alone")),
 ]
 # fmt: on
 # The swapped-name mutant needs its table in the module: appended to hf.py with it.

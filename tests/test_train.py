@@ -481,6 +481,25 @@ def test_ddp_ranks_train_in_rank_0s_measured_precision(byte_data, tmp_path):
     assert list(timings.values()) == [{"float32": 0.1, "bfloat16": 0.5}]  # rank 0's
 
 
+def test_under_torchrun_rank_0_alone_reports(byte_data, tmp_path):
+    """Every rank printed the precision, `resumed from` and warning lines, and rank 1 a summary
+    naming the checkpoint it had resumed from (on divergence it contradicted rank 0 about the last
+    good one). Rank 0 alone reports now, and every rank knows the checkpoint last written."""
+    cfg = config(byte_data, tmp_path / "run", batch_size=2, max_steps=2, eval_interval=2, sample_tokens=0)
+    run_ranks(cfg, tmp_path / "first")
+    more = cfg.with_overrides({"max_steps": 4, "lr": 1e-3, "resume": True})  # a changed lr: a warning
+    done, ranks = run_ranks(more, tmp_path / "resumed")
+    assert done.returncode == 0, done.stderr[-3000:]
+    said = done.stdout + done.stderr
+
+    def lines(start: str) -> list[str]:
+        return [line for line in said.splitlines() if line.startswith(start)]
+
+    assert len(lines("precision: float32 (")) == len(lines("resumed from ")) == len(lines("resuming with changed")) == 1
+    assert lines("checkpoint: ") == [f"checkpoint: {tmp_path / 'run' / 'ckpt-000004'}"]
+    assert [r["checkpoint"] for r in ranks] == [str(tmp_path / "run" / "ckpt-000004")] * 2
+
+
 # --------------------------------------------------------------------------------------------- bad input
 
 

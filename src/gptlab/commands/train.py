@@ -3,6 +3,8 @@
 Run it under `torchrun --nproc_per_node=K -m gptlab train ...` for data-parallel training.
 """
 
+import logging
+import os
 import sys
 
 
@@ -28,12 +30,16 @@ def run(args):
     overrides = list(args.overrides)
     cfg = TrainConfig.from_toml(args.config, overrides) if args.config else TrainConfig().with_overrides(overrides)
     cfg = cfg.with_overrides(flags)
+    main = os.environ.get("RANK", "0") == "0"  # under torchrun rank 0 alone reports; the others say only errors
+    if not main:
+        logging.getLogger().setLevel(logging.ERROR)
     try:
         summary = train(cfg)
     except TrainingDiverged as e:
-        print(f"gptlab train: {e}", file=sys.stderr)
+        if main:
+            print(f"gptlab train: {e}", file=sys.stderr)
         return 1
-    if summary.get("checkpoint"):
+    if main and summary.get("checkpoint"):
         print(f"checkpoint: {summary['checkpoint']}")
         print(f"metrics:    {summary['metrics']}")
         print(f"plot:       {summary['plot']}")

@@ -20,6 +20,7 @@ from gptlab import run_files
 from gptlab.checkpoint import load_state_strict, save_model
 from gptlab.classifier import model_for
 from gptlab.meta import meta_device
+from gptlab.train.setup import decided_on_rank0
 from gptlab.train_config import final_lr
 
 log = logging.getLogger(__name__)
@@ -38,17 +39,19 @@ def full_state_dicts(trainer) -> tuple[dict, dict]:
 
 
 def save_checkpoint(trainer) -> None:
-    """Write a checkpoint of the trainer's current step (rank 0 writes; every rank takes part)."""
+    """Write a checkpoint of the trainer's current step (rank 0 writes; every rank takes part, and
+    takes its path as last_checkpoint: rank 1 named the one it had resumed from)."""
     model_state, optim_state = full_state_dicts(trainer)
     rng = _gather_rng(trainer.dist)
     elapsed = trainer.budget.elapsed()
-    if trainer.dist.is_main:
+
+    def publish() -> Path:
         write = lambda d: _write(trainer, d, model_state, optim_state, rng, elapsed)  # noqa: E731
-        trainer.last_checkpoint = run_files.write_checkpoint(
-            trainer.out_dir, trainer.step_num, write, keep=trainer.cfg.keep_checkpoints
-        )
-        log.info("step %d: checkpoint %s", trainer.step_num, trainer.last_checkpoint)
-    _barrier(trainer.dist)
+        path = run_files.write_checkpoint(trainer.out_dir, trainer.step_num, write, keep=trainer.cfg.keep_checkpoints)
+        log.info("step %d: checkpoint %s", trainer.step_num, path)
+        return path
+
+    trainer.last_checkpoint = decided_on_rank0(trainer.dist, trainer.device, publish)  # the others wait for it
 
 
 def _write(trainer, directory: Path, model_state: dict, optim_state: dict, rng: dict, elapsed: float) -> None:
@@ -114,13 +117,6 @@ def _gather_rng(dist_info) -> dict:
     everyone: list = [None] * dist_info.world_size
     dist.all_gather_object(everyone, mine)
     return {"ranks": everyone}
-
-
-def _barrier(dist_info) -> None:
-    if dist_info.enabled:
-        import torch.distributed as dist
-
-        dist.barrier()
 
 
 def resume(trainer) -> float:

@@ -54,8 +54,9 @@ def init_distributed(device_type: str) -> Dist:
 
 
 def decided_on_rank0(dist: Dist, device: torch.device, decide):
-    """decide() run on rank 0 alone, its value (or its ValueError) taken by every rank: one
-    decision where ranks would each decide their own (precision=auto's timings differ per rank)."""
+    """decide() run on rank 0 alone, its value (or its ValueError or OSError) taken by every rank:
+    one decision where ranks would each decide their own (precision=auto's timings differ per
+    rank), or what rank 0 alone did (the checkpoint it wrote; the others wait for it)."""
     if not dist.enabled:
         return decide()
     import torch.distributed as torch_dist
@@ -64,10 +65,10 @@ def decided_on_rank0(dist: Dist, device: torch.device, decide):
     if dist.is_main:
         try:
             box[0] = decide()
-        except ValueError as e:  # raised on every rank: the others would wait for rank 0 forever
+        except (ValueError, OSError) as e:  # raised on every rank: the others would wait for rank 0 forever
             box[0] = e
     torch_dist.broadcast_object_list(box, src=0, device=device if device.type == "cuda" else None)
-    if isinstance(box[0], ValueError):
+    if isinstance(box[0], (ValueError, OSError)):
         raise box[0]
     return box[0]
 
