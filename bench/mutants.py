@@ -928,6 +928,11 @@ MUTANTS = [
            "    path = decided_on_rank0(trainer.dist, trainer.device, publish)\n"
            "    trainer.last_checkpoint = path if trainer.dist.is_main else trainer.last_checkpoint",
            ("tests/test_train.py", "-k", "rank_0_alone")),
+    Mutant("train/resume-compares-world-size-x-grad-accum-only", "train/checkpointing.py",
+           "    if math.prod(batch_was) != math.prod(batch_now):", "    if batch_was[:2] != batch_now[:2]:",
+           ("tests/test_train.py", "-k", "global_batch")),
+    Mutant("train/resume-flags-batch-size-of-the-same-global-batch", "train/checkpointing.py",
+           '        changed.pop("batch_size", None)', "        pass", ("tests/test_train.py", "-k", "global_batch")),
 ]
 # fmt: on
 # The swapped-name mutant needs its table in the module: appended to hf.py with it.

@@ -533,6 +533,24 @@ def test_token_file_outside_the_model_vocabulary(byte_data, tmp_path):
         train(config(broken, tmp_path / "b", max_steps=2))
 
 
+def test_resume_on_another_world_size_compares_the_global_batch(byte_data, tmp_path, caplog):
+    """2 ranks of batch_size 4 resumed by 1 process of 8 read the same global batches (QA: losses
+    within 5e-7), yet were warned of a different global batch and a changed batch_size."""
+    out = tmp_path / "run"
+    train(config(byte_data, out, max_steps=2, eval_interval=2, batch_size=8))
+    state_file = out / "latest" / run_files.STATE_FILE
+    state = json.loads(state_file.read_text())
+    state["world_size"], state["config"]["batch_size"] = 2, 4  # as two ranks of batch_size 4 write it
+    state_file.write_text(json.dumps(state))
+    with caplog.at_level("WARNING", logger="gptlab.train.checkpointing"):
+        Trainer(config(byte_data, out, max_steps=4, eval_interval=2, batch_size=8, resume=True))
+    assert "global batch" not in caplog.text and "batch_size" not in caplog.text
+    with caplog.at_level("WARNING", logger="gptlab.train.checkpointing"):
+        Trainer(config(byte_data, out, max_steps=4, eval_interval=2, batch_size=16, resume=True))
+    assert "different global batch (world_size x grad_accum x batch_size: 2x1x4 -> 1x1x16)" in caplog.text
+    assert "batch_size 4 -> 16" in caplog.text
+
+
 def test_resume_with_another_shape_or_over_a_run_fails_and_writes_nothing(byte_data, tmp_path, caplog):
     out = tmp_path / "run"
     train(config(byte_data, out, max_steps=2, eval_interval=2))

@@ -11,6 +11,7 @@ so `load_model(checkpoint)` gives the adapted model.
 from __future__ import annotations
 
 import logging
+import math
 import os
 from pathlib import Path
 
@@ -130,9 +131,15 @@ def resume(trainer) -> float:
     was = state.get("config", {}).get("optimizer", "adamw")
     if was != trainer.cfg.optimizer:
         raise ValueError(f"{ckpt} was trained with optimizer={was!r}; this run asks for {trainer.cfg.optimizer!r}")
-    if state["world_size"] * state["grad_accum"] != trainer.dist.world_size * trainer.grad_accum:
-        log.warning("resuming with a different global batch (world_size x grad_accum changed)")
-    changed = changed_settings(state.get("config", {}), trainer.cfg.to_dict())
+    was_config = state.get("config", {})
+    batch_was = (state["world_size"], state["grad_accum"], was_config.get("batch_size", trainer.cfg.batch_size))
+    batch_now = (trainer.dist.world_size, trainer.grad_accum, trainer.cfg.batch_size)
+    changed = changed_settings(was_config, trainer.cfg.to_dict())
+    if math.prod(batch_was) != math.prod(batch_now):
+        log.warning("resuming with a different global batch (world_size x grad_accum x batch_size: %s -> %s)",
+                    "x".join(map(str, batch_was)), "x".join(map(str, batch_now)))  # fmt: skip
+    else:  # 2 ranks of 4 rows continue as 1 process of 8: the ranks' rows of the same global batches
+        changed.pop("batch_size", None)
     if changed:
         log.warning("resuming with changed settings, so not exactly the run it continues: %s",
                     ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changed.items()))  # fmt: skip
