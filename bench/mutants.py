@@ -933,6 +933,11 @@ MUTANTS = [
            ("tests/test_train.py", "-k", "global_batch")),
     Mutant("train/resume-flags-batch-size-of-the-same-global-batch", "train/checkpointing.py",
            '        changed.pop("batch_size", None)', "        pass", ("tests/test_train.py", "-k", "global_batch")),
+    Mutant("config/infinite-lr-accepted", "train_config.py",
+           "and not math.isfinite(value):", "and math.isnan(value):", ("tests/test_train.py", "-k", "nonsense")),
+    Mutant("config/spike-zscore-of-zero-accepted", "train_config.py",
+           "        if not self.spike_zscore > 0:", "        if self.spike_zscore < 0:",
+           ("tests/test_train.py", "-k", "nonsense")),
 ]
 # fmt: on
 # The swapped-name mutant needs its table in the module: appended to hf.py with it.

@@ -165,6 +165,22 @@ def test_counts_of_zero_are_refused_not_read_as_another_setting():
     assert TrainConfig(checkpoint_interval=None).save_every == TrainConfig().eval_interval  # None: the default
 
 
+@pytest.mark.parametrize(("setting", "message"), [
+    ("spike_zscore=0", "spike_zscore must be > 0"), ("spike_zscore=-2", "spike_zscore must be > 0"),
+    ("lr=inf", "lr must be a finite number, got inf"), ("lr=nan", "lr must be a finite number, got nan"),
+    ("min_lr=nan", "min_lr must be a finite"), ("muon_lr=inf", "muon_lr must be a finite"),
+    ("weight_decay=inf", "weight_decay must be a finite"), ("grad_clip=inf", "grad_clip must be a finite"),
+    ("spike_zscore=inf", "spike_zscore must be a finite"), ("beta2=nan", "beta2 must be a finite"),
+    ("beta1=1", r"beta1 must be in \[0, 1\), got 1.0"), ("beta2=-0.1", "beta2 must be in"),
+    ("dropout=1", "dropout must be in"),
+])  # fmt: skip
+def test_nonsense_numbers_are_refused(setting, message):
+    """spike_zscore <= 0 skipped healthy updates until the run stopped as diverged; lr=inf (or nan)
+    passed and trained on NaN."""
+    with pytest.raises(ValueError, match=f"TrainConfig.{message}"):
+        TrainConfig().with_overrides([setting])
+
+
 def test_max_time_parsing():
     assert [parse_duration(v) for v in ("90", "90s", "4m", "1.5h", 30, 2.5, None)] == [90, 90, 240, 5400, 30, 2.5, None]
     for bad in ("4 minutes", "-5s", "0", "m"):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -108,6 +109,7 @@ class TrainConfig:
         for name in ("warmup_steps", "log_interval", "sample_tokens"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
                 raise ValueError(f"TrainConfig.{name} must be a non-negative integer, got {getattr(self, name)!r}")
+        self._check_numbers()
         if not (self.lr > 0 and 0 <= self.final_lr <= self.lr):
             raise ValueError(f"TrainConfig needs lr > 0 and 0 <= min_lr <= lr, got lr={self.lr}, min_lr={self.min_lr}")
         if self.schedule not in SCHEDULES:
@@ -131,6 +133,20 @@ class TrainConfig:
             if self.init_from == "scratch":
                 raise ValueError("lora_rank: LoRA adapts a trained model; set init_from to it")
             self.lora_settings()  # validates alpha, dropout and the targets
+
+    def _check_numbers(self) -> None:
+        """Every real-valued setting finite (lr=inf passed, then trained on NaN) and in its range:
+        spike_zscore <= 0 skipped healthy updates until the run stopped as diverged."""
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if "float" in str(f.type) and isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"TrainConfig.{f.name} must be a finite number, got {value}")
+        if not self.spike_zscore > 0:
+            raise ValueError(f"TrainConfig.spike_zscore must be > 0 (standard deviations above the recent mean that "
+                             f"make a gradient norm a spike), got {self.spike_zscore}")  # fmt: skip
+        for name in ("beta1", "beta2", "dropout"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"TrainConfig.{name} must be in [0, 1), got {getattr(self, name)}")
 
     def _check_ignored(self) -> None:
         """Refuse settings the run would ignore, or read as off, without a word."""
