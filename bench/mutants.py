@@ -938,6 +938,14 @@ MUTANTS = [
     Mutant("config/spike-zscore-of-zero-accepted", "train_config.py",
            "        if not self.spike_zscore > 0:", "        if self.spike_zscore < 0:",
            ("tests/test_train.py", "-k", "nonsense")),
+    Mutant("kernels/int-kernels-handed-no-rows", "ops.py",
+           "return 0 < x.numel() <= max_rows * x.size(-1) and", "return x.numel() <= max_rows * x.size(-1) and",
+           ("tests/test_kernels.py", "-k", "no_rows and int4")),
+    Mutant("kernels/float-kernel-handed-no-rows", "linear.py",
+           "        x.numel() > 0\n        and x.dtype is weight.dtype", "        x.dtype is weight.dtype",
+           ("tests/test_kernels.py", "-k", "no_inputs")),
+    Mutant("model/empty-batch-reaches-the-vocabulary-check", "model.py",
+           "        if idx.size(0) == 0:\n", "        if False:\n", ("tests/test_model.py", "-k", "bad_input")),
 ]
 # fmt: on
 # The swapped-name mutant needs its table in the module: appended to hf.py with it.

@@ -184,6 +184,46 @@ def test_int4_prompts_run_the_kernel_on_x86_simd_and_dequantize_elsewhere(calls)
     assert calls["gl_linear_i4"] == in_kernel and calls["gl_dequantize_i4"] == (not in_kernel)
 
 
+def empty_x_layers() -> dict:
+    """One layer of each kind the model's forward runs, 128 inputs (int4's kernel takes whole 128s)."""
+    torch.manual_seed(6)
+    float_layer = linear.Linear(128, 37)
+    return {
+        "fp32": float_layer,
+        "bf16": linear.Linear(128, 37).to(torch.bfloat16),
+        "int8": Int8Linear.from_linear(float_layer, "int8"),
+        "int8-weight-only": Int8Linear.from_linear(float_layer, "float"),
+        "int4": Int4Linear.from_linear(float_layer, 64),
+    }
+
+
+@needs_int
+@pytest.mark.parametrize("kind", ["fp32", "bf16", "int8", "int8-weight-only", "int4"])
+@pytest.mark.parametrize("shape", [(0, 128), (2, 0, 128)])
+def test_no_rows_give_the_empty_result_without_calling_c(kind, shape, calls):
+    """x with no rows (a batch of none) gives nn.Linear's empty (..., 0, N) result; C handed M = 0
+    segfaulted (the float and int8 kernels) or reported itself out of memory (int4)."""
+    layer = empty_x_layers()[kind]
+    if kind.startswith("int"):
+        layer.prepare()
+    dtype = torch.bfloat16 if kind == "bf16" else torch.float32
+    with torch.no_grad():
+        y = layer(torch.randn(shape, dtype=dtype))
+    assert y.shape == (*shape[:-1], 37) and y.dtype is dtype
+    assert not calls
+
+
+@needs_float
+@pytest.mark.filterwarnings("ignore:Initializing zero-element tensors")
+def test_a_layer_of_no_inputs_gives_its_bias(calls):
+    """nn.Linear(0, N): x (M, 0) has no elements but M rows, each y = b; the kernels divided by K = 0."""
+    layer = linear.Linear(0, 5)
+    with torch.no_grad():
+        assert torch.equal(layer(torch.randn(3, 0)), layer.bias.expand(3, 5))
+        assert torch.equal(layer(torch.randn(200, 0)), layer.bias.expand(200, 5))  # a prompt's row count
+    assert not calls
+
+
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_greedy_generation_is_the_same_with_and_without_kernels(variant, calls):
     model = tiny_model(**VARIANTS[variant])

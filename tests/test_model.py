@@ -199,6 +199,7 @@ def test_gelu_mlp_matches_formula():
     [
         (torch.zeros(1, 33, dtype=torch.long), "exceeds the context length"),
         (torch.zeros(1, 0, dtype=torch.long), "T >= 1"),
+        (torch.zeros(0, 4, dtype=torch.long), "empty batch, shape \\(0, 4\\)"),  # was min()'s RuntimeError
         (torch.zeros(1, 4), "integer tensor"),
         (torch.full((1, 4), 97), "outside the vocabulary"),
         (torch.full((1, 4), -1), "outside the vocabulary"),
@@ -206,7 +207,17 @@ def test_gelu_mlp_matches_formula():
         (torch.tensor([[3, -1, 2, 96]]), "token id -1 outside the vocabulary"),
         (torch.zeros(4, dtype=torch.long), "shape"),
     ],
-    ids=["too-long", "empty", "float", "too-big-id", "negative-id", "one-id-too-big", "one-id-negative", "1d"],
+    ids=[
+        "too-long",
+        "empty",
+        "empty-batch",
+        "float",
+        "too-big-id",
+        "negative-id",
+        "one-id-too-big",
+        "one-id-negative",
+        "1d",
+    ],
 )
 def test_bad_input_is_a_value_error(model, idx, message):
     with pytest.raises(ValueError, match=message):

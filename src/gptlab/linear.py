@@ -59,11 +59,13 @@ def float_kernel_rows(dtype: torch.dtype) -> int:
 
 
 def kernel_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether the float kernel takes y = x W^T: CPU, fp32 or bf16, a few rows (float_kernel_rows),
-    no autograd."""
+    """Whether the float kernel takes y = x W^T: CPU, fp32 or bf16, a few rows (float_kernel_rows)
+    but at least one (an empty x is F.linear's: C would divide by K, or read what is not there), no
+    autograd."""
     rows = x.numel() // max(x.size(-1), 1)
     return (
-        x.dtype is weight.dtype
+        x.numel() > 0
+        and x.dtype is weight.dtype
         and x.dtype in (torch.float32, torch.bfloat16)
         and (rows <= MAX_ROWS or rows <= float_kernel_rows(x.dtype))  # decoding's rows skip asking prompt_gemm_choice
         and kernels.inference_on_cpu(x)
@@ -89,7 +91,7 @@ def prompt_gemm_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether an fp32 inference forward of at least PROMPT_GEMM_ROWS rows runs in gptlab's GEMM
     (gemm.sgemm_linear): where gemm.prompt_gemm_choice() gives gptlab."""
     return (
-        x.numel() >= PROMPT_GEMM_ROWS * x.size(-1)
+        x.numel() >= max(PROMPT_GEMM_ROWS * x.size(-1), 1)  # no inputs (K = 0): F.linear's
         and x.dtype is torch.float32
         and weight.dtype is torch.float32
         and kernels.inference_on_cpu(x)

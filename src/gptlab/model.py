@@ -442,6 +442,8 @@ class GPT(nn.Module):
             raise ValueError(f"idx must be an integer tensor of token ids (B, T), got {_describe(idx)}")
         if idx.dim() != 2 or idx.size(1) == 0:
             raise ValueError(f"idx must have shape (B, T) with T >= 1, got {tuple(idx.shape)}")
+        if idx.size(0) == 0:
+            raise ValueError(f"idx is an empty batch, shape {tuple(idx.shape)}: give at least one sequence (B >= 1)")
         if targets is not None and targets.shape != idx.shape:
             raise ValueError(f"targets shape {tuple(targets.shape)} must equal idx shape {tuple(idx.shape)}")
         if torch.compiler.is_compiling():  # value checks need a sync; compiled decoding checks before

@@ -68,8 +68,9 @@ def fbgemm_int8_is_exact() -> bool:
 
 
 def int_kernels_apply(x: torch.Tensor, max_rows: int = MAX_ROWS) -> bool:
-    """Whether the int8/int4 kernels take x (..., K): CPU, at most max_rows rows, VNNI, no autograd."""
-    return x.numel() <= max_rows * x.size(-1) and kernels.inference_on_cpu(x) and kernels.library() is not None
+    """Whether the int8/int4 kernels take x (..., K): CPU, 1 to max_rows rows (none: the caller's
+    F.linear gives the empty result, where C would segfault or report a failure), no autograd."""
+    return 0 < x.numel() <= max_rows * x.size(-1) and kernels.inference_on_cpu(x) and kernels.library() is not None
 
 
 def _decoder(name: str, weight: torch.Tensor, buffers: list[torch.Tensor], bias, N: int, K: int, extra: tuple):

@@ -205,7 +205,7 @@ class QuantizedLinear(nn.Module):
         if self._decode is not None and self.use_kernel and ops.int_kernels_apply(x, self._decode_rows):
             y = self._decode(x)  # decoding: gptlab's kernel, fp32 (..., N), bias included
             return y if x.dtype is torch.float32 else y.to(x.dtype)
-        if self.use_kernel and self._kernel_weights is not None and x.device.type == "cpu":
+        if self.use_kernel and self._kernel_weights is not None and x.device.type == "cpu" and x.numel():
             y = self._kernel(x.reshape(-1, self.in_features))  # (B*T, N), bias included
             return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         return F.linear(x, self.dequantize().to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
