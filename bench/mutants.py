@@ -946,6 +946,9 @@ MUTANTS = [
            ("tests/test_kernels.py", "-k", "no_inputs")),
     Mutant("model/empty-batch-reaches-the-vocabulary-check", "model.py",
            "        if idx.size(0) == 0:\n", "        if False:\n", ("tests/test_model.py", "-k", "bad_input")),
+    Mutant("kernels/unrunnable-variant-a-traceback-from-the-cli", "kernels.py",
+           "    if missing_features(want):\n        raise ValueError(", "    if missing_features(want):\n        raise RuntimeError(",
+           ("tests/test_cli.py", "-k", "cannot_run")),
 ]
 # fmt: on
 # The swapped-name mutant needs its table in the module: appended to hf.py with it.

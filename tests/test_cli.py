@@ -175,6 +175,17 @@ def test_unknown_device_is_a_one_line_error(capsys):
     assert "--device warp9" in one_line_error(capsys, "gptlab next: error: ")
 
 
+def test_a_kernel_variant_this_cpu_cannot_run_is_a_one_line_error(monkeypatch, capsys):
+    """GPTLAB_KERNELS forcing a variant the CPU lacks the instructions for was a RuntimeError from
+    inside the first forward: a 49-line traceback from every command."""
+    from gptlab import kernels
+
+    monkeypatch.setattr(kernels, "cpu_features", lambda: frozenset({"avx2", "fma", "f16c"}))  # AMD Zen 3's
+    monkeypatch.setenv("GPTLAB_KERNELS", "avx512" if kernels.kernel_build.is_x86() else "avx2")
+    assert main(["generate", "--model", "gpt2-tiny", "--prompt", "Hello", "--max-new-tokens", "2"]) == 2
+    assert "this CPU" in one_line_error(capsys, "gptlab generate: error: GPTLAB_KERNELS=")
+
+
 def test_bad_flag_is_a_one_line_usage_error(capsys):
     with pytest.raises(SystemExit) as exit:
         main(["eval", "--model", "m", "--task", "perplexity", "--out", "x.json"])  # --out is --json now

@@ -128,7 +128,7 @@ def test_forcing_a_variant_the_cpu_cannot_run_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(kernels, "cpu_features", lambda: frozenset({"avx2", "fma", "f16c"}))
     monkeypatch.setenv("GPTLAB_KERNELS", "avx512")
     if kernel_build.is_x86():
-        with pytest.raises(RuntimeError, match=r"GPTLAB_KERNELS=avx512: .* lacks avx512f, .* can run avx2, portable"):
+        with pytest.raises(ValueError, match=r"GPTLAB_KERNELS=avx512: .* lacks avx512f, .* can run avx2, portable"):
             kernels.requested_variant()
         with pytest.raises(RuntimeError, match="cannot run the avx512 kernels"):
             kernels.use_variant("avx512").__enter__()

@@ -15,9 +15,9 @@ portable C that compiles anywhere. Each is compiled with its own target flags at
 directory. At load the best variant the CPU reports (cpuid or HWCAP, `cpu_features`) is chosen
 (`auto_variant`: but avx512-256 on a CPU whose AVX-512 is half width, AMD Zen 4);
 `GPTLAB_KERNELS=auto|avx512|avx512-256|avx2-vnni|avx2|neon-dotprod|neon|portable|0` forces one (0: PyTorch's
-kernels only), and a variant this CPU cannot run is a RuntimeError naming what it lacks. Without a
-C compiler and without a built library, `available()` says why and every caller falls back to
-PyTorch's kernels.
+kernels only), and a variant this CPU cannot run is a ValueError naming what it lacks (the CLI's
+one-line error, as for an unknown name). Without a C compiler and without a built library,
+`available()` says why and every caller falls back to PyTorch's kernels.
 
 This module chooses, builds if need be and loads the library, and holds what every call into it
 shares (`library`, `stream` for weights, `inference_on_cpu`, `check`). The calls themselves are
@@ -249,7 +249,8 @@ def auto_variant() -> str:
 
 def requested_variant() -> str | None:
     """The variant GPTLAB_KERNELS asks for: auto_variant() for auto (the default; 1 too), None for
-    0; ValueError for an unknown name, RuntimeError for one this CPU cannot run."""
+    0; ValueError for an unknown name, or one this CPU cannot run (a setting, as the name is: the
+    CLI turns it into one line, where a RuntimeError from inside the first forward was a traceback)."""
     want = os.environ.get("GPTLAB_KERNELS", "auto").strip().lower() or "auto"
     if want == "0":
         return None
@@ -258,7 +259,7 @@ def requested_variant() -> str | None:
     if want not in VARIANTS:
         raise ValueError(f"GPTLAB_KERNELS={want!r}: expected auto, 0 or one of {', '.join(VARIANTS)}")
     if missing_features(want):
-        raise RuntimeError(
+        raise ValueError(
             f"GPTLAB_KERNELS={want}: this CPU ({cpu.name()}) cannot run it, it lacks {', '.join(missing_features(want))}"
             f" (it can run {', '.join(runnable_variants())})"
         )
