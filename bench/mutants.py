@@ -600,7 +600,7 @@ MUTANTS = [
            '"onednn" if total["onednn"] < total["fbgemm"] else "fbgemm"',
            '"onednn" if total["onednn"] > total["fbgemm"] else "fbgemm"', INT8_PROMPT_TESTS),
     Mutant("int8-prompts/timings-never-cached", "int8_prompts.py",
-           "timings, source, fresh = cached(CACHE_FILE, key, lambda: measure(layer_class))",
+           "timings, source, fresh = cached(\n            CACHE_FILE, key, lambda: measure(layer_class), lambda entry: are_seconds_per_work(entry, WORK, SIDES)\n        )",
            'timings, source, fresh = measure(layer_class), "measured now", True', INT8_PROMPT_TESTS),
     Mutant("int8-prompts/forced-choice-ignored", "int8_prompts.py",
            "    if want != \"auto\":\n        return want\n    if not (onednn_available()",
@@ -949,6 +949,12 @@ MUTANTS = [
     Mutant("kernels/unrunnable-variant-a-traceback-from-the-cli", "kernels.py",
            "    if missing_features(want):\n        raise ValueError(", "    if missing_features(want):\n        raise RuntimeError(",
            ("tests/test_cli.py", "-k", "cannot_run")),
+    Mutant("machine-cache/corrupt-entry-read-as-timings", "machine_cache.py",
+           "        if valid(cache[key]):\n", "        if True:\n",
+           ("tests/test_gemm_probe.py", "tests/test_int8_prompts.py", "tests/test_compile_cache.py", "-k", "corrupt")),
+    Mutant("machine-cache/a-string-timing-taken-as-seconds", "machine_cache.py",
+           "return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < math.inf",
+           "return value is not None", ("tests/test_int8_prompts.py", "-k", "corrupt")),
 ]
 # fmt: on
 # The swapped-name mutant needs its table in the module: appended to hf.py with it.

@@ -3,16 +3,18 @@ with -march=native and keys neither its graphs nor its C++ by the CPU, so a cach
 (or this one under ATEN_CPU_CAPABILITY=avx2: a segmentation fault in a compiled training step,
 measured) must not be read."""
 
+import json
 import os
 from pathlib import Path
 
 import pytest
+import torch
 from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
 from conftest import tiny_model
 from gptlab import compile_cache, cpu, kernels, machine_cache
 from gptlab.generation import compile_decode
-from gptlab.train import Trainer
+from gptlab.train import Trainer, precision
 from test_train import byte_data, config  # noqa: F401 (byte_data is a fixture)
 
 ZEN4 = {"model name": "AMD EPYC", "flags": "fpu sse2 avx2 fma avx512f avx512_vnni"}  # /proc/cpuinfo's fields
@@ -74,3 +76,27 @@ def test_compiled_decoding_and_training_build_into_this_cpus_directory(plain, by
     plain.delenv("TORCHINDUCTOR_CACHE_DIR")
     Trainer(config(byte_data, tmp_path / "run", compile=True))  # compiles on its first step too
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(compile_cache.directory())
+
+
+@pytest.mark.parametrize(
+    "entry",
+    ["garbage", None, {"float32": 0.2}, {"float32": 0.2, "bfloat16": "0.1"}, {"float32": True, "bfloat16": 0.1}],
+    ids=["string", "null", "side-missing", "string-timing", "bool-timing"],
+)
+def test_a_corrupt_precision_cache_entry_is_measured_again(plain, tmp_path, entry):
+    """precision.json (training's precision=auto, gptlab.machine_cache): an entry of this machine's
+    without both timings was a TypeError or KeyError in resolve_precision; it counts as missing."""
+    plain.setenv("GPTLAB_CACHE", str(tmp_path / "cache"))
+    plain.setattr(precision, "may_have_native_bf16", lambda: True)
+    plain.setattr(precision, "onednn_runs_bf16", lambda: True)
+    probes = []
+    plain.setattr(precision, "probe", lambda *a: probes.append(1) or {"float32": 0.5, "bfloat16": 0.2})
+    model, cpu_device = tiny_model(), torch.device("cpu")
+    assert precision.resolve_precision("auto", cpu_device, model, (4, 32))[0] == torch.bfloat16
+    path = tmp_path / "cache" / precision.CACHE_FILE
+    (key, _), *others = json.loads(path.read_text()).items()
+    assert not others
+    path.write_text(json.dumps({key: entry}))
+    dtype, why = precision.resolve_precision("auto", cpu_device, model, (4, 32))
+    assert dtype == torch.bfloat16 and "measured now" in why and len(probes) == 2
+    assert json.loads(path.read_text()) == {key: {"float32": 0.5, "bfloat16": 0.2}}

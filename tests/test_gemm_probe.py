@@ -94,6 +94,34 @@ def test_an_unreadable_cache_is_measured_again_and_rewritten(intel, monkeypatch,
     assert list(json.loads(path.read_text()).values()) == [timings(0.9, 0.9, 1.2)]
 
 
+@pytest.mark.parametrize(
+    "entry",
+    [
+        "garbage",
+        None,
+        {**timings(1, 1, 1), "head": {"gptlab": 0.03}},  # a side missing
+        {**timings(1, 1, 1), "head": {"gptlab": "0.03", "torch": 0.01}},  # a timing as a string
+        {**timings(1, 1, 1), "head": {"gptlab": 0, "torch": 0.01}},  # describe() divides by it
+        {name: t for name, t in timings(1, 1, 1).items() if name != "head"},  # a workload missing
+        {**timings(1, 1, 1), "prompts 128 rows": None},  # a workload this version does not measure
+    ],
+    ids=["string", "null", "side-missing", "string-timing", "zero", "work-missing", "other-work"],
+)
+def test_a_corrupt_cache_entry_is_measured_again_and_replaced(intel, monkeypatch, tmp_path, entry):
+    """This machine's entry not shaped as measure() writes it was an AttributeError, KeyError or
+    TypeError in gemm_probe.choice: it counts as missing."""
+    fake_probe(monkeypatch, intel, timings(1.3, 1.1, 0.8))
+    assert gemm.gemm_choice() == "torch"
+    path = tmp_path / "cache" / gemm_probe.CACHE_FILE
+    (key, _), *others = json.loads(path.read_text()).items()
+    assert not others
+    path.write_text(json.dumps({key: entry}))
+    monkeypatch.setattr(gemm, "_measured_gemm", {})  # a new process on the same machine
+    fake_probe(monkeypatch, intel, timings(0.9, 0.9, 1.2))
+    assert gemm.gemm_choice() == "gptlab" and len(intel) == 2
+    assert json.loads(path.read_text()) == {key: timings(0.9, 0.9, 1.2)}
+
+
 def test_other_cpus_and_forced_choices_are_never_probed(intel, monkeypatch):
     monkeypatch.setattr(gemm_probe, "measure", lambda *gemms: pytest.fail("probed"))
     monkeypatch.setenv("GPTLAB_GEMM", "torch")

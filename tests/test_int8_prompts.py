@@ -149,6 +149,38 @@ def test_int8_prompts_take_the_product_measured_faster_once_per_machine(
     assert layer._prompts_gemm == (chosen if ops.fbgemm_int8_is_exact() else "fbgemm")
 
 
+GOOD_INT8 = {"prompts 64 rows": {"fbgemm": 2.0, "onednn": 1.0}, "prompts 512 rows": {"fbgemm": 2.0, "onednn": 1.0}}
+
+
+@needs_int
+@pytest.mark.parametrize(
+    "entry",
+    [
+        "garbage",
+        None,
+        {"prompts 64 rows": {"fbgemm": 1.0}, "prompts 512 rows": {"fbgemm": 1.0}},  # a side missing
+        {**GOOD_INT8, "prompts 512 rows": {"fbgemm": "1.0", "onednn": 2.0}},  # a timing as a string
+        {**GOOD_INT8, "prompts 512 rows": {"fbgemm": float("nan"), "onednn": 2.0}},
+        {"prompts 64 rows": GOOD_INT8["prompts 64 rows"]},  # a workload missing
+        {**GOOD_INT8, "prompts 128 rows": "x"},  # a workload this version does not measure
+    ],
+    ids=["string", "null", "side-missing", "string-timing", "nan", "work-missing", "other-work"],
+)
+def test_a_corrupt_int8_cache_entry_is_measured_again(int8_probe, monkeypatch, tmp_path, entry):
+    """An entry of this machine's that is not the timings measure() writes was an AttributeError,
+    KeyError or TypeError in gemm_choice: it counts as missing, measured again and replaced."""
+    fake_probe(monkeypatch, int8_probe, 2.0, 1.0)
+    assert int8_prompts.gemm_choice(Int8Linear) == "onednn"
+    path = tmp_path / "cache" / int8_prompts.CACHE_FILE
+    (key, _), *others = json.loads(path.read_text()).items()
+    assert not others
+    path.write_text(json.dumps({key: entry}))
+    monkeypatch.setattr(int8_prompts, "_chosen", {})  # a new process on the same machine
+    fake_probe(monkeypatch, int8_probe, 1.0, 2.0)
+    assert int8_prompts.gemm_choice(Int8Linear) == "fbgemm" and len(int8_probe) == 2
+    assert json.loads(path.read_text())[key]["prompts 64 rows"] == {"fbgemm": 1.0, "onednn": 2.0}
+
+
 def test_int8_prompts_forced_or_without_onednn_are_never_probed(int8_probe, monkeypatch):
     monkeypatch.setattr(int8_prompts, "measure", lambda layer_class: pytest.fail("probed"))
     for forced in ("fbgemm", "onednn", " FBGEMM "):

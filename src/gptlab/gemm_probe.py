@@ -31,7 +31,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from gptlab.machine_cache import cached
+from gptlab.machine_cache import are_seconds_per_work, cached
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +41,7 @@ ROUNDS = 3  # timed rounds per side, after one to warm up
 LAYERS = {"attn c_attn": (2304, 768), "attn c_proj": (768, 768), "mlp c_fc": (3072, 768), "mlp c_proj": (768, 3072)}
 PROMPT_ROWS = (64, 512)  # both within gemm.NT_ROWS: sgemm_linear then never asks gemm_choice
 WORK = (*(f"prompts {rows} rows" for rows in PROMPT_ROWS), "head")  # measure()'s workloads, each chosen apart
+SIDES = ("gptlab", "torch")  # whose GEMM each workload is timed through
 HEAD_VOCAB, HEAD_ROWS, HEAD_WIDTH = 8192, 1024, 128
 # A training chunk's logits, and the softmax e written over them, have rows this many floats longer
 # than the chunk's 1,024 columns (chunked_loss.ROW_PAD: rows exactly 4 KB apart put a column's values
@@ -70,7 +71,7 @@ def timings(key: str, measure: Callable[[], dict]) -> dict:
     """The timings of this machine (`key`, gptlab.machine_cache.machine_key): the cache file's, or
     measure() now (gemm.measure_gemms), logged (at DEBUG when cached: `gptlab generate` would
     print it amid its output in every process)."""
-    result, source, fresh = cached(CACHE_FILE, key, measure)
+    result, source, fresh = cached(CACHE_FILE, key, measure, lambda entry: are_seconds_per_work(entry, WORK, SIDES))
     level = logging.INFO if fresh else logging.DEBUG
     log.log(level, "gptlab's GEMM against PyTorch's on this CPU (%s): %s", source, describe(result))
     return result

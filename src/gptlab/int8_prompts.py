@@ -23,11 +23,13 @@ import torch
 import torch.nn as nn
 
 from gptlab import gemm_probe, kernels
-from gptlab.machine_cache import cached, machine_key
+from gptlab.machine_cache import are_seconds_per_work, cached, machine_key
 
 log = logging.getLogger(__name__)
 
 GEMMS = ("auto", "fbgemm", "onednn")
+SIDES = GEMMS[1:]  # the products measure() times
+WORK = tuple(f"prompts {rows} rows" for rows in gemm_probe.PROMPT_ROWS)  # measure()'s workloads
 CACHE_FILE = "int8.json"
 _chosen: dict[tuple[int, str | None], str] = {}  # (threads, kernel variant) -> this process's choice
 
@@ -90,8 +92,10 @@ def gemm_choice(layer_class: type) -> str:
     at = (torch.get_num_threads(), kernels.variant())
     if at not in _chosen:
         key = machine_key(kernels.cpu_description(), f"kernels {at[1]}", "int8 prompts")
-        timings, source, fresh = cached(CACHE_FILE, key, lambda: measure(layer_class))
-        total = {side: sum(t[side] for t in timings.values()) for side in ("fbgemm", "onednn")}
+        timings, source, fresh = cached(
+            CACHE_FILE, key, lambda: measure(layer_class), lambda entry: are_seconds_per_work(entry, WORK, SIDES)
+        )
+        total = {side: sum(timings[work][side] for work in WORK) for side in SIDES}
         _chosen[at] = "onednn" if total["onednn"] < total["fbgemm"] else "fbgemm"
         said = "; ".join(f"{n} {t['fbgemm'] * 1e3:.2f} ms against {t['onednn'] * 1e3:.2f}" for n, t in timings.items())
         level = logging.INFO if fresh else logging.DEBUG  # cached: DEBUG, as gemm_probe.timings
@@ -105,7 +109,7 @@ def measure(layer_class: type) -> dict[str, dict[str, float]]:
     included): the fastest of gemm_probe.ROUNDS alternating rounds after a warm-up."""
     kernels.wait_for_huge_pages()  # a timing taken while Linux copies a model's pages runs slow, and this one is cached
     g = torch.Generator().manual_seed(0)
-    sides = {"fbgemm": [], "onednn": []}  # side -> its Int8Linear of each of LAYERS
+    sides = {side: [] for side in SIDES}  # side -> its Int8Linear of each of LAYERS
     for N, K in gemm_probe.LAYERS.values():
         linear = nn.Linear(K, N)
         with torch.no_grad():
@@ -115,12 +119,12 @@ def measure(layer_class: type) -> dict[str, dict[str, float]]:
             layer.prepare(prompts_gemm=side)
             layers.append(layer)
     result = {}
-    for rows in gemm_probe.PROMPT_ROWS:
+    for rows, work in zip(gemm_probe.PROMPT_ROWS, WORK, strict=True):
         xs = [torch.randn(rows, layer.in_features, generator=g) for layer in sides["fbgemm"]]
 
         def run(layers, xs=xs):
             with torch.no_grad():
                 return [layer(x) for layer, x in zip(layers, xs, strict=True)]
 
-        result[f"prompts {rows} rows"] = gemm_probe.fastest({side: lambda ls=ls: run(ls) for side, ls in sides.items()})
+        result[work] = gemm_probe.fastest({side: lambda ls=ls: run(ls) for side, ls in sides.items()})
     return result

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -59,14 +60,19 @@ def machine_key(cpu: str, *parts: str) -> str:
     return " | ".join(fields) + isa_settings()
 
 
-def cached(file: str, key: str, measure: Callable[[], dict]) -> tuple[dict, str, bool]:
+def cached(file: str, key: str, measure: Callable[[], dict], valid: Callable[[object], bool]) -> tuple[dict, str, bool]:
     """(timings, where they came from, whether measured now): the entry `key` of `file` in
     cache_dir(), or measure() now, stored there (a temporary file renamed: a crash never leaves half
-    a file)."""
+    a file). An entry that valid(entry) refuses (a file edited by hand, or written by a version
+    that measured something else) counts as missing: measured again and replaced, where reading
+    it was a traceback in whatever asked."""
     path = cache_dir() / file
     cache = _read(path)
     if key in cache:
-        return cache[key], f"measured earlier on this machine, cached in {path}", False
+        if valid(cache[key]):
+            return cache[key], f"measured earlier on this machine, cached in {path}", False
+        log.warning("the timings cached for this machine in %s are not as expected (%.80r): measuring again",
+                    path, cache[key])  # fmt: skip
     timings = measure()
     cache = _read(path)  # as it is now: another process may have added an entry meanwhile
     cache[key] = timings
@@ -78,6 +84,25 @@ def cached(file: str, key: str, measure: Callable[[], dict]) -> tuple[dict, str,
     except OSError as e:
         log.warning("could not cache the timings in %s: %s", path, e)
     return timings, f"measured now, cached in {path}", True
+
+
+def are_seconds(entry: object, names: tuple[str, ...]) -> bool:
+    """Whether a cached entry is a dict holding a number of seconds (finite, above 0: readers
+    divide by them) under each of `names`, e.g. {"float32": 0.31, "bfloat16": 0.24}: a check for
+    `cached`'s `valid`."""
+    return isinstance(entry, dict) and all(_is_seconds(entry.get(name)) for name in names)
+
+
+def are_seconds_per_work(entry: object, work: tuple[str, ...], sides: tuple[str, ...]) -> bool:
+    """Whether a cached entry holds `work` and nothing else (its readers log each item), under
+    each the seconds of each of `sides` (are_seconds): {"prompts 64 rows": {"gptlab": 0.01,
+    "torch": 0.012}, ...}."""
+    return isinstance(entry, dict) and entry.keys() == set(work) and all(are_seconds(entry[n], sides) for n in work)
+
+
+def _is_seconds(value: object) -> bool:
+    # bool is an int to Python, and JSON reads NaN and Infinity back as floats
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < math.inf
 
 
 def _read(path: Path) -> dict:

@@ -22,11 +22,12 @@ import torch
 
 from gptlab import kernels
 from gptlab.cpu import may_have_native_bf16
-from gptlab.machine_cache import cached, machine_key
+from gptlab.machine_cache import are_seconds, cached, machine_key
 
 log = logging.getLogger(__name__)
 
 CACHE_FILE = "precision.json"
+PRECISIONS = ("float32", "bfloat16")  # what probe() times
 PROBE_TOKENS = 1024  # at most this many tokens per timed forward + backward
 PROBE_REPEATS = 2  # timed runs per precision; the fastest counts
 # bf16 autocast only where its probed step takes under this fraction of fp32's: the probe is one
@@ -92,7 +93,9 @@ def cached_probe(model, device: torch.device, rows: tuple[int, int]) -> tuple[di
     cfg = model.config
     shape = f"L{cfg.n_layer} C{cfg.n_embd} H{cfg.n_head} V{cfg.vocab_size}"
     key = machine_key(kernels.cpu_description(), shape, f"{batch}x{block}")
-    timings, source, _ = cached(CACHE_FILE, key, lambda: probe(model, device, batch, block))
+    timings, source, _ = cached(
+        CACHE_FILE, key, lambda: probe(model, device, batch, block), lambda entry: are_seconds(entry, PRECISIONS)
+    )
     return timings, source
 
 
