@@ -955,6 +955,9 @@ MUTANTS = [
     Mutant("machine-cache/a-string-timing-taken-as-seconds", "machine_cache.py",
            "return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < math.inf",
            "return value is not None", ("tests/test_int8_prompts.py", "-k", "corrupt")),
+    Mutant("install/cc-with-arguments-run-as-one-program", "kernel_build.py",
+           "*shlex.split(cc or compiler()), *COMMON_FLAGS,", "cc or compiler(), *COMMON_FLAGS,",
+           ("tests/test_kernel_variants.py", "-k", "cc_may_hold")),
 ]
 # fmt: on
 # The swapped-name mutant needs its table in the module: appended to hf.py with it.

@@ -254,23 +254,26 @@ def test_each_library_holds_only_its_variants_instructions(variant, tmp_path):
     assert not foreign
 
 
+def stand_in_compiler(path: Path, calls: Path) -> Path:
+    """An executable C compiler stand-in: it appends its arguments to `calls`, one line per run,
+    and writes the -DGL_SOURCE_DIGEST value into its -o file (kernel_build.is_current's check)."""
+    path.write_text(
+        f"#!{sys.executable}\nimport sys\nargs = sys.argv[1:]\n"
+        f"open({str(calls)!r}, 'a').write(' '.join(args) + '\\n')\n"
+        "digest = next(a for a in args if a.startswith('-DGL_SOURCE_DIGEST=')).split('=', 1)[1].strip('\"')\n"
+        "open(args[args.index('-o') + 1], 'w').write('ELF ' + digest)\n"
+    )
+    path.chmod(0o755)
+    return path
+
+
 def test_build_all_compiles_only_what_is_not_current(tmp_path, monkeypatch):
     """kernel_build.build_all (setup.py's build, and `make install`'s while torch installs): every
     buildable variant compiled once; a current library kept, or copied from `reuse`; a stale one
     (other sources) compiled again; a compiler that fails reported per variant, not raised. The
     compiler here is a stand-in that writes the -DGL_SOURCE_DIGEST value into its -o file."""
-    import stat
-    import sys
-
     calls = tmp_path / "calls"
-    cc = tmp_path / "cc"
-    cc.write_text(
-        f"#!{sys.executable}\nimport sys\nargs = sys.argv[1:]\n"
-        f"open({str(calls)!r}, 'a').write(args[args.index('-o') + 1] + '\\n')\n"
-        "digest = next(a for a in args if a.startswith('-DGL_SOURCE_DIGEST=')).split('=', 1)[1].strip('\"')\n"
-        "open(args[args.index('-o') + 1], 'w').write('ELF ' + digest)\n"
-    )
-    cc.chmod(cc.stat().st_mode | stat.S_IEXEC)
+    cc = stand_in_compiler(tmp_path / "cc", calls)
     monkeypatch.setenv("CC", str(cc))
     compiled = lambda: len(calls.read_text().splitlines()) if calls.exists() else 0  # noqa: E731
     first, second = tmp_path / "first", tmp_path / "second"
@@ -292,6 +295,22 @@ def test_build_all_compiles_only_what_is_not_current(tmp_path, monkeypatch):
     failed = kernel_build.build_all(tmp_path / "third")
     assert all("could not build the" in line and "unrecognized option" in line for line in failed)
     assert not kernel_build.is_current(tmp_path / "missing.so")
+
+
+@pytest.mark.parametrize("wrapper", ["", "ccache"])
+def test_cc_may_hold_arguments_as_make_reads_it(tmp_path, monkeypatch, wrapper):
+    """CC="gcc -g" or CC="ccache gcc" (make's and setuptools' convention) was run as one program
+    named "gcc -g": no such file, so no kernels were ever built."""
+    calls = tmp_path / "calls"
+    cc = stand_in_compiler(tmp_path / "my cc", calls)  # a space in its path too: quoted, as a shell would
+    if wrapper:  # a wrapper that runs the compiler it is given, as ccache does
+        (tmp_path / "bin").mkdir()
+        (tmp_path / "bin" / wrapper).write_text('#!/bin/sh\nexec "$@"\n')
+        (tmp_path / "bin" / wrapper).chmod(0o755)
+        monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
+    monkeypatch.setenv("CC", f"{wrapper} '{cc}' -g".strip())
+    out = kernel_build.build("portable", tmp_path / "out" / kernel_build.library_name("portable"))
+    assert kernel_build.is_current(out) and calls.read_text().startswith("-g -O3 ")
 
 
 def test_a_stale_library_is_not_loaded_but_built_afresh(tmp_path, monkeypatch):

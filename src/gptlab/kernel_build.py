@@ -17,6 +17,7 @@ import functools
 import hashlib
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -95,18 +96,21 @@ def source_digest() -> str:
 
 
 def compiler() -> str:
-    """The C compiler: $CC, else gcc, else cc; RuntimeError when there is none."""
-    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
-    if cc is None:
+    """The C compiler as a shell command line: $CC (it may hold arguments, "ccache gcc" or "gcc -g",
+    as make and setuptools allow), else gcc, else cc; RuntimeError when there is none."""
+    if os.environ.get("CC", "").strip():
+        return os.environ["CC"]
+    found = shutil.which("gcc") or shutil.which("cc")
+    if found is None:
         raise RuntimeError("no C compiler found (install gcc, or set CC)")
-    return cc
+    return shlex.quote(found)
 
 
 def command(variant: str, out: str | Path, cc: str | None = None) -> list[str]:
-    """The compiler command that builds `variant` into `out`."""
+    """The compiler command that builds `variant` into `out`; cc: a command line as $CC (compiler())."""
     macro, flags, _ = VARIANTS[variant]
     return [
-        cc or compiler(), *COMMON_FLAGS, f"-DGL_VARIANT={macro}", f'-DGL_SOURCE_DIGEST="{source_digest()}"',
+        *shlex.split(cc or compiler()), *COMMON_FLAGS, f"-DGL_VARIANT={macro}", f'-DGL_SOURCE_DIGEST="{source_digest()}"',
         *flags, "-o", str(out), str(CSRC / "kernels.c"), "-lm",
     ]  # fmt: skip
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -133,7 +134,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(2) as pool:
         tmp = Path(tmp)
         program = tmp / "kernel_check"
-        subprocess.run([cc, "-O1", "-o", str(program), str(CHECK), "-ldl", "-lm"], check=True)
+        subprocess.run([*shlex.split(cc), "-O1", "-o", str(program), str(CHECK), "-ldl", "-lm"], check=True)
         names = ["portable", *variants]
         libs = list(pool.map(lambda v: library(v, tmp, cc, native), names))
         status = check(runner, program, libs)
