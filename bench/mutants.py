@@ -958,6 +958,13 @@ MUTANTS = [
     Mutant("install/cc-with-arguments-run-as-one-program", "kernel_build.py",
            "*shlex.split(cc or compiler()), *COMMON_FLAGS,", "cc or compiler(), *COMMON_FLAGS,",
            ("tests/test_kernel_variants.py", "-k", "cc_may_hold")),
+    Mutant("install/no-compiler-leaves-an-empty-temporary-library", "kernel_build.py",
+           "    cc = cc or compiler()  # before the temporary file: without a compiler it was left behind, empty\n"
+           "    fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=\".so.tmp\")\n    os.close(fd)\n"
+           "    try:\n        cmd = command(variant, tmp, cc)\n",
+           "    fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=\".so.tmp\")\n    os.close(fd)\n"
+           "    cmd = command(variant, tmp, cc)\n    try:\n",
+           ("tests/test_kernel_variants.py", "-k", "no_compiler")),
 ]
 # fmt: on
 # The swapped-name mutant needs its table in the module: appended to hf.py with it.

@@ -313,6 +313,18 @@ def test_cc_may_hold_arguments_as_make_reads_it(tmp_path, monkeypatch, wrapper):
     assert kernel_build.is_current(out) and calls.read_text().startswith("-g -O3 ")
 
 
+def test_no_compiler_is_a_clear_error_that_leaves_no_temporary_file(tmp_path, monkeypatch):
+    """Without a C compiler each build attempt left an empty *.so.tmp in the cache (and a wheel built
+    so shipped five): the compiler is looked for before the temporary file is made."""
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    with pytest.raises(RuntimeError, match="no C compiler found"):
+        kernel_build.build("portable", tmp_path / "out" / kernel_build.library_name("portable"))
+    lines = kernel_build.build_all(tmp_path / "out")
+    assert all("no C compiler found" in line for line in lines)
+    assert list((tmp_path / "out").iterdir()) == []
+
+
 def test_a_stale_library_is_not_loaded_but_built_afresh(tmp_path, monkeypatch):
     """An installed library built from other sources (an editable install whose C changed) is
     passed over for a first-use build in the cache, which is then loaded."""

@@ -121,10 +121,11 @@ def build(variant: str, out: Path, cc: str | None = None) -> Path:
     if variant not in buildable():
         raise RuntimeError(f"the {variant} variant is for {variant_arch(variant)}; this is {platform.machine()}")
     out.parent.mkdir(parents=True, exist_ok=True)
+    cc = cc or compiler()  # before the temporary file: without a compiler it was left behind, empty
     fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".so.tmp")
     os.close(fd)
-    cmd = command(variant, tmp, cc)
     try:
+        cmd = command(variant, tmp, cc)
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-2000:]}")
