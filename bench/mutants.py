@@ -965,6 +965,9 @@ MUTANTS = [
            "    fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=\".so.tmp\")\n    os.close(fd)\n"
            "    cmd = command(variant, tmp, cc)\n    try:\n",
            ("tests/test_kernel_variants.py", "-k", "no_compiler")),
+    Mutant("kernels/unreadable-features-blamed-on-the-cpu", "kernels.py",
+           "    if features_unread() and variant in kernel_build.buildable():", "    if False:",
+           ("tests/test_kernel_variants.py", "-k", "blamed_on_the_cpu")),
 ]
 # fmt: on
 # The swapped-name mutant needs its table in the module: appended to hf.py with it.

@@ -130,13 +130,44 @@ def test_forcing_a_variant_the_cpu_cannot_run_is_a_clear_error(monkeypatch):
     if kernel_build.is_x86():
         with pytest.raises(ValueError, match=r"GPTLAB_KERNELS=avx512: .* lacks avx512f, .* can run avx2, portable"):
             kernels.requested_variant()
-        with pytest.raises(RuntimeError, match="cannot run the avx512 kernels"):
+        with pytest.raises(RuntimeError, match=r"the avx512 kernels: this CPU .* cannot run it, it lacks avx512f"):
             kernels.use_variant("avx512").__enter__()
     monkeypatch.setenv("GPTLAB_KERNELS", "sse9")
     with pytest.raises(ValueError, match="GPTLAB_KERNELS='sse9': expected auto, 0 or one of avx512, "):
         kernels.requested_variant()
     monkeypatch.setenv("GPTLAB_KERNELS", "0")
     assert kernels.requested_variant() is None
+
+
+@pytest.fixture
+def unreadable_features(monkeypatch):
+    """The portable library, which reads the CPU's features, fails to load (no C compiler, no
+    library installed); the features are read afresh before and after."""
+    kernels._features.cache_clear()
+
+    def fail(variant):
+        raise RuntimeError("no C compiler found (install gcc, or set CC)")
+
+    monkeypatch.setattr(kernels, "_load", fail)
+    yield
+    kernels._features.cache_clear()
+
+
+@pytest.mark.skipif(kernel_build.arch() is None, reason="no architecture whose CPU features gptlab reads")
+def test_features_that_cannot_be_read_are_not_blamed_on_the_cpu(unreadable_features, monkeypatch):
+    """A forced variant was refused as "this CPU cannot run it, it lacks avx512f, ..." on a CPU that
+    had them all, when the portable library that reads them had failed to load: that is the reason."""
+    variant = kernel_build.buildable()[0]
+    monkeypatch.setenv("GPTLAB_KERNELS", variant)
+    with pytest.raises(ValueError) as error:
+        kernels.requested_variant()
+    assert str(error.value) == (
+        f"GPTLAB_KERNELS={variant}: cannot tell whether this CPU ({cpu.name()}) runs it, as its features could "
+        "not be read: the portable library failed to load: no C compiler found (install gcc, or set CC)"
+    )
+    with pytest.raises(RuntimeError, match="its features could not be read: the portable library failed to load"):
+        kernels.use_variant(variant).__enter__()
+    assert kernels.cpu_features() == frozenset() and kernels.runnable_variants() == ["portable"]
 
 
 def test_the_command_names_the_variant_and_refuses_a_bad_one():

@@ -197,19 +197,30 @@ def _load(variant: str) -> ctypes.CDLL:
     return lib
 
 
-@functools.cache
 def cpu_features() -> frozenset[str]:
     """The instruction sets this CPU and OS support, of FEATURES (cpuid and xgetbv, read by the
     portable library's gl_cpu_features; aarch64: the kernel's HWCAP); empty on other architectures
-    or without a library."""
+    or without a library (features_unread says why)."""
+    return _features()[0]
+
+
+def features_unread() -> str:
+    """Why cpu_features() could not be read ("the portable library failed to load: ..."), or ""
+    where it was (or this architecture has no features to read)."""
+    return _features()[1]
+
+
+@functools.cache
+def _features() -> tuple[frozenset[str], str]:
+    """(cpu_features(), features_unread()), read once."""
     if kernel_build.arch() is None:
-        return frozenset()
+        return frozenset(), ""
     try:
         bits = _load("portable").gl_cpu_features()
     except (OSError, RuntimeError) as e:
         log.warning("cannot read the CPU's features (%s)", e)
-        return frozenset()
-    return frozenset(name for i, name in enumerate(FEATURES) if bits >> i & 1)
+        return frozenset(), f"the portable library failed to load: {e}"
+    return frozenset(name for i, name in enumerate(FEATURES) if bits >> i & 1), ""
 
 
 def missing_features(variant: str) -> list[str]:
@@ -217,6 +228,18 @@ def missing_features(variant: str) -> list[str]:
     if variant not in kernel_build.buildable():
         return [f"an {kernel_build.variant_arch(variant)} CPU (this is {platform.machine()})"]
     return [f for f in kernel_build.VARIANTS[variant][2] if f not in cpu_features()]
+
+
+def refusal(variant: str) -> str:
+    """Why this CPU is not given `variant` (missing_features is not empty), for an error: the
+    features it lacks and what it can run instead, or, where its features could not be read, why
+    (the CPU was blamed for lacking every feature when it was the portable library that failed)."""
+    if features_unread() and variant in kernel_build.buildable():
+        return f"cannot tell whether this CPU ({cpu.name()}) runs it, as its features could not be read: {features_unread()}"
+    return (
+        f"this CPU ({cpu.name()}) cannot run it, it lacks {', '.join(missing_features(variant))}"
+        f" (it can run {', '.join(runnable_variants())})"
+    )
 
 
 def runnable_variants() -> list[str]:
@@ -259,10 +282,7 @@ def requested_variant() -> str | None:
     if want not in VARIANTS:
         raise ValueError(f"GPTLAB_KERNELS={want!r}: expected auto, 0 or one of {', '.join(VARIANTS)}")
     if missing_features(want):
-        raise ValueError(
-            f"GPTLAB_KERNELS={want}: this CPU ({cpu.name()}) cannot run it, it lacks {', '.join(missing_features(want))}"
-            f" (it can run {', '.join(runnable_variants())})"
-        )
+        raise ValueError(f"GPTLAB_KERNELS={want}: {refusal(want)}")
     return want
 
 
@@ -322,9 +342,7 @@ def use_variant(variant: str):
     if variant not in VARIANTS:
         raise ValueError(f"unknown kernel variant {variant!r}: expected one of {', '.join(VARIANTS)}")
     if missing_features(variant):
-        raise RuntimeError(
-            f"this CPU cannot run the {variant} kernels: it lacks {', '.join(missing_features(variant))}"
-        )
+        raise RuntimeError(f"the {variant} kernels: {refusal(variant)}")
     before = getattr(_forced, "variant", "env")
     _forced.variant = variant
     try:
@@ -536,7 +554,8 @@ def main() -> int:
         print(f"gptlab kernels: error: {e}", file=sys.stderr)
         return 2
     print(f"gptlab kernels for {cpu.name()}: {describe().split(' on ')[0]}")
-    print(f"  CPU features: {' '.join(sorted(cpu_features())) or 'none of ' + ', '.join(FEATURES)}")
+    unread = f"unknown, {features_unread()}" if features_unread() else ""
+    print(f"  CPU features: {' '.join(sorted(cpu_features())) or unread or 'none of ' + ', '.join(FEATURES)}")
     print(f"  variants this CPU runs: {', '.join(runnable_variants())}")
     if auto_variant() != runnable_variants()[0]:
         print(
