@@ -968,6 +968,10 @@ MUTANTS = [
     Mutant("kernels/unreadable-features-blamed-on-the-cpu", "kernels.py",
            "    if features_unread() and variant in kernel_build.buildable():", "    if False:",
            ("tests/test_kernel_variants.py", "-k", "blamed_on_the_cpu")),
+    Mutant("kernels/command-report-outside-its-error-handling", "kernels.py",
+           "    try:\n        lines = report()\n    except (ValueError, RuntimeError) as e:",
+           "    lines = report()\n    try:\n        pass\n    except (ValueError, RuntimeError) as e:",
+           ("tests/test_kernel_variants.py", "-k", "command_names")),
 ]
 # fmt: on
 # The swapped-name mutant needs its table in the module: appended to hf.py with it.

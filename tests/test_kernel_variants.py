@@ -171,12 +171,16 @@ def test_features_that_cannot_be_read_are_not_blamed_on_the_cpu(unreadable_featu
 
 
 def test_the_command_names_the_variant_and_refuses_a_bad_one():
-    env = {"GPTLAB_KERNELS": "portable", "PATH": "/usr/bin:/bin"}
+    env = {"GPTLAB_KERNELS": "portable", "PATH": "/usr/bin:/bin", "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
     out = subprocess.run([sys.executable, "-m", "gptlab.kernels"], capture_output=True, text=True, env=env)
     assert out.returncode == 0 and ": portable\n" in out.stdout and "variants this CPU runs:" in out.stdout
     bad = subprocess.run([sys.executable, "-m", "gptlab.kernels"], capture_output=True, text=True,
                          env={**env, "GPTLAB_KERNELS": "sse9"})  # fmt: skip
     assert bad.returncode == 2 and "gptlab kernels: error: GPTLAB_KERNELS='sse9'" in bad.stderr
+    bad = subprocess.run([sys.executable, "-m", "gptlab.kernels"], capture_output=True, text=True,
+                         env={**env, "GPTLAB_GEMM": "blas9"})  # fmt: skip  # was a traceback after half the report
+    assert bad.returncode == 2 and not bad.stdout and "Traceback" not in bad.stderr
+    assert bad.stderr.endswith("gptlab kernels: error: GPTLAB_GEMM='blas9': expected one of auto, gptlab, torch\n")
 
 
 def test_builds_name_their_instructions_not_the_machine():

@@ -546,33 +546,44 @@ def describe() -> str:
 
 
 def main() -> int:
-    """`python -m gptlab.kernels`: load (building if needed) the variant for this CPU and say which."""
+    """`python -m gptlab.kernels`: load (building if needed) the variant for this CPU and say which;
+    a bad setting (GPTLAB_KERNELS, GPTLAB_GEMM) is one line on stderr and exit status 2."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
-        lib = _library()
+        lines = report()
     except (ValueError, RuntimeError) as e:
         print(f"gptlab kernels: error: {e}", file=sys.stderr)
         return 2
-    print(f"gptlab kernels for {cpu.name()}: {describe().split(' on ')[0]}")
+    print("\n".join(lines))
+    return 0
+
+
+def report() -> list[str]:
+    """main()'s lines: the variant, the CPU's features, the variants it runs, the GEMMs chosen, the
+    decoding settings and the library; each setting read (and refused) before any line is printed."""
+    lib = _library()
     unread = f"unknown, {features_unread()}" if features_unread() else ""
-    print(f"  CPU features: {' '.join(sorted(cpu_features())) or unread or 'none of ' + ', '.join(FEATURES)}")
-    print(f"  variants this CPU runs: {', '.join(runnable_variants())}")
+    lines = [
+        f"gptlab kernels for {cpu.name()}: {describe().split(' on ')[0]}",
+        f"  CPU features: {' '.join(sorted(cpu_features())) or unread or 'none of ' + ', '.join(FEATURES)}",
+        f"  variants this CPU runs: {', '.join(runnable_variants())}",
+    ]
     if auto_variant() != runnable_variants()[0]:
-        print(
+        lines.append(
             f"  auto takes {auto_variant()}: this CPU's AVX-512 is half width (family {cpu.family()}, see HALF_WIDTH_AVX512)"
         )
     from gptlab import gemm  # which imports this module
 
     prompts = ", ".join(f"{rows} rows {gemm.prompt_gemm_choice(rows)}" for rows in gemm_probe.PROMPT_ROWS)
-    print(f"  GEMM of prompts: {prompts}; of the training head: {gemm.gemm_choice()} "
-          "(gptlab: gl_sgemm_nt, gl_sgemm; torch: PyTorch's BLAS; GPTLAB_GEMM)")  # fmt: skip
-    print(f"  its bf16 products (bf16 autocast): {gemm.gemm_bf16_choice()}")
+    lines.append(f"  GEMM of prompts: {prompts}; of the training head: {gemm.gemm_choice()} "
+                 "(gptlab: gl_sgemm_nt, gl_sgemm; torch: PyTorch's BLAS; GPTLAB_GEMM)")  # fmt: skip
+    lines.append(f"  its bf16 products (bf16 autocast): {gemm.gemm_bf16_choice()}")
     if lib.lib is not None:
         hint = "non-temporally" if prefetch_nta() else "into every cache level"
-        print(f"  decoding: {decode_rows()} weight row(s) per block per thread ({cpu.vendor() or 'unknown vendor'}),"
-              f" prefetched {hint}")  # fmt: skip
-        print(f"  {lib.lib.path}")
-    return 0
+        lines.append(f"  decoding: {decode_rows()} weight row(s) per block per thread "
+                     f"({cpu.vendor() or 'unknown vendor'}), prefetched {hint}")  # fmt: skip
+        lines.append(f"  {lib.lib.path}")
+    return lines
 
 
 if __name__ == "__main__":
