@@ -972,6 +972,9 @@ MUTANTS = [
            "    try:\n        lines = report()\n    except (ValueError, RuntimeError) as e:",
            "    lines = report()\n    try:\n        pass\n    except (ValueError, RuntimeError) as e:",
            ("tests/test_kernel_variants.py", "-k", "command_names")),
+    Mutant("quantize/int8-group-size-silently-ignored", "commands/quantize.py",
+           "    if args.group_size is not None and args.mode != \"int4\":", "    if False:",
+           ("tests/test_quantize.py", "-k", "cli_quantize")),
 ]
 # fmt: on
 # The swapped-name mutant needs its table in the module: appended to hf.py with it.

@@ -395,6 +395,8 @@ def test_cli_quantize(tmp_path, capsys):
     assert main(args) == 0
     assert "int4: wrote" in capsys.readouterr().out
     assert load_model(str(out)).quantization == {"mode": "int4", "group_size": 32}
+    assert main(args[:5] + ["--out", str(tmp_path / "q64")]) == 0  # no --group-size: 64
+    assert load_model(str(tmp_path / "q64")).quantization == {"mode": "int4", "group_size": 64}
     assert (
         main(
             [
@@ -414,6 +416,22 @@ def test_cli_quantize(tmp_path, capsys):
     assert "does not divide" in capsys.readouterr().err
     assert main(["quantize", "--model", str(out), "--mode", "int8", "--out", str(tmp_path / "again")]) == 2
     assert "already quantized" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("mode", "flag", "message"),
+    [
+        ("int8", ["--group-size", "32"], "--group-size applies to --mode int4 only"),  # was ignored, even 7
+        ("int8", ["--group-size", "7"], "--group-size applies to --mode int4 only"),
+        ("int4", ["--activations", "float"], "--activations applies to --mode int8 only"),
+    ],
+)
+def test_cli_quantize_refuses_the_other_modes_flag(tmp_path, capsys, mode, flag, message):
+    save_model(tiny_model(n_embd=64), tmp_path / "float")
+    argv = ["quantize", "--model", str(tmp_path / "float"), "--mode", mode, *flag, "--out", str(tmp_path / "q")]
+    assert main(argv) == 2
+    assert capsys.readouterr().err == f"gptlab quantize: error: {message}\n"
+    assert not (tmp_path / "q").exists()
 
 
 SHAKESPEARE = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "tinyshakespeare.txt"

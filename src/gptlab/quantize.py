@@ -60,6 +60,7 @@ log = logging.getLogger(__name__)
 
 MODES = ("int8", "int4")
 GROUP_SIZES = (32, 64, 128, 256)  # what _weight_int4pack_mm_for_cpu accepts
+DEFAULT_GROUP_SIZE = 64
 ACTIVATIONS = ("float", "int8")  # int8 weights times float (bf16) or dynamically quantized int8 activations
 # int8 x int8 (VNNI) measured 1.4x faster than weight-only here (README "Quantization"); "float" is more accurate.
 DEFAULT_ACTIVATIONS = "int8"
@@ -436,7 +437,9 @@ class QuantizedEmbedding(nn.Module):
 # ---------------------------------------------------------------- model-level
 
 
-def quantize_model(model: GPT, mode: str, group_size: int = 64, *, activations: str = DEFAULT_ACTIVATIONS) -> GPT:
+def quantize_model(
+    model: GPT, mode: str, group_size: int = DEFAULT_GROUP_SIZE, *, activations: str = DEFAULT_ACTIVATIONS
+) -> GPT:
     """Swap every nn.Linear of `model` (the head included) for a quantized one, in place; returns it.
 
     mode: "int8" (per-channel; `activations` "float" or "int8" picks the CPU kernel) or "int4"

@@ -9,7 +9,9 @@ from gptlab.commands._model_args import add_model_arguments, check_out_is_not_re
 def add_arguments(parser):
     add_model_arguments(parser, prompt=False, dtype_default=None)  # a float model; --dtype: of the unquantized rest
     parser.add_argument("--mode", required=True, choices=["int8", "int4"], help="int8 per-channel or int4 group-wise")
-    parser.add_argument("--group-size", type=int, default=64, help="int4 inputs per scale/zero: 32, 64, 128 or 256")
+    parser.add_argument(
+        "--group-size", type=int, default=None, help="int4 only: inputs per scale/zero, 32, 64 (default), 128 or 256"
+    )
     parser.add_argument(
         "--activations",
         default=None,
@@ -27,10 +29,12 @@ def add_arguments(parser):
 def run(args):
     from gptlab.loading import tokenizer_name
     from gptlab.lora import lora_layers, merge
-    from gptlab.quantize import DEFAULT_ACTIVATIONS, quantize_model, save_quantized, weight_bytes
+    from gptlab.quantize import DEFAULT_ACTIVATIONS, DEFAULT_GROUP_SIZE, quantize_model, save_quantized, weight_bytes
 
     if args.activations is not None and args.mode != "int8":
         raise ValueError("--activations applies to --mode int8 only")
+    if args.group_size is not None and args.mode != "int4":  # int8 has one scale per output row, no groups
+        raise ValueError("--group-size applies to --mode int4 only")
     check_out_is_not_read(args)
     model = model_from_args(args)
     if lora_layers(model):  # a quantized file holds plain weights: --adapter's (or a LoRA run's) is folded in
@@ -40,7 +44,8 @@ def run(args):
     if getattr(model, "quantization", None):
         raise ValueError(f"{args.model} is already quantized ({model.quantization['mode']}); quantize a float model")
     float_bytes = weight_bytes(model)
-    quantize_model(model, args.mode, args.group_size, activations=args.activations or DEFAULT_ACTIVATIONS)
+    group_size = DEFAULT_GROUP_SIZE if args.group_size is None else args.group_size
+    quantize_model(model, args.mode, group_size, activations=args.activations or DEFAULT_ACTIVATIONS)
     save_quantized(model, args.out, tokenizer=tokenizer_name(args.model))
     size = (Path(args.out) / "model.safetensors").stat().st_size
     print(f"{args.mode}: wrote {args.out} ({size / 2**20:.1f} MiB, {size / float_bytes:.1%} of the fp32 weights)")
