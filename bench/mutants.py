@@ -975,6 +975,9 @@ MUTANTS = [
     Mutant("quantize/int8-group-size-silently-ignored", "commands/quantize.py",
            "    if args.group_size is not None and args.mode != \"int4\":", "    if False:",
            ("tests/test_quantize.py", "-k", "cli_quantize")),
+    Mutant("quantize/bf16-source-size-given-as-a-share-of-fp32", "commands/quantize.py",
+           "of the {float_dtype} weights", "of the fp32 weights",
+           ("tests/test_quantize.py", "-k", "share_of_the_weights")),
 ]
 # fmt: on
 # The swapped-name mutant needs its table in the module: appended to hf.py with it.

@@ -44,8 +44,11 @@ def run(args):
     if getattr(model, "quantization", None):
         raise ValueError(f"{args.model} is already quantized ({model.quantization['mode']}); quantize a float model")
     float_bytes = weight_bytes(model)
+    float_dtype = str(model.lm_head.weight.dtype).removeprefix("torch.")  # --dtype's (bfloat16: half fp32's bytes)
     group_size = DEFAULT_GROUP_SIZE if args.group_size is None else args.group_size
     quantize_model(model, args.mode, group_size, activations=args.activations or DEFAULT_ACTIVATIONS)
     save_quantized(model, args.out, tokenizer=tokenizer_name(args.model))
     size = (Path(args.out) / "model.safetensors").stat().st_size
-    print(f"{args.mode}: wrote {args.out} ({size / 2**20:.1f} MiB, {size / float_bytes:.1%} of the fp32 weights)")
+    print(
+        f"{args.mode}: wrote {args.out} ({size / 2**20:.1f} MiB, {size / float_bytes:.1%} of the {float_dtype} weights)"
+    )
