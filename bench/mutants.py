@@ -978,6 +978,12 @@ MUTANTS = [
     Mutant("quantize/bf16-source-size-given-as-a-share-of-fp32", "commands/quantize.py",
            "of the {float_dtype} weights", "of the fp32 weights",
            ("tests/test_quantize.py", "-k", "share_of_the_weights")),
+    Mutant("gemm/gptlab-forced-without-kernels-named-but-not-run", "gemm.py",
+           '    if want == "gptlab" and kernels.library() is None:', "    if False:",
+           ("tests/test_gemm_probe.py", "-k", "said_once")),
+    Mutant("int8-prompts/forced-onednn-without-kernels-ignored-unsaid", "int8_prompts.py",
+           '    if want == "auto" or exact and (kernel or want == "fbgemm"):', '    if want == "auto" or exact:',
+           ("tests/test_int8_prompts.py", "-k", "warned_of_once")),
 ]
 # fmt: on
 # The swapped-name mutant needs its table in the module: appended to hf.py with it.

@@ -122,6 +122,21 @@ def test_a_corrupt_cache_entry_is_measured_again_and_replaced(intel, monkeypatch
     assert json.loads(path.read_text()) == {key: timings(0.9, 0.9, 1.2)}
 
 
+def test_gptlabs_gemm_forced_without_gptlabs_kernels_is_torch_said_once(monkeypatch, caplog):
+    """GPTLAB_GEMM=gptlab with GPTLAB_KERNELS=0 ran PyTorch's GEMM unsaid, while `python -m
+    gptlab.kernels` named gptlab's: the choice is torch, with one warning."""
+    monkeypatch.setenv("GPTLAB_KERNELS", "0")
+    monkeypatch.setenv("GPTLAB_GEMM", "gptlab")
+    gemm._warn_once.cache_clear()
+    with caplog.at_level("WARNING", logger="gptlab.gemm"):
+        assert gemm.gemm_choice() == gemm.prompt_gemm_choice(64) == gemm.bf16_prompt_gemm_choice() == "torch"
+    said = [r.message for r in caplog.records if r.name == "gptlab.gemm"]
+    assert said == [
+        "GPTLAB_GEMM=gptlab is ignored: gptlab's kernels are not running (switched off by GPTLAB_KERNELS=0); "
+        "PyTorch's GEMM runs"
+    ]
+
+
 def test_other_cpus_and_forced_choices_are_never_probed(intel, monkeypatch):
     monkeypatch.setattr(gemm_probe, "measure", lambda *gemms: pytest.fail("probed"))
     monkeypatch.setenv("GPTLAB_GEMM", "torch")

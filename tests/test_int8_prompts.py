@@ -203,6 +203,39 @@ def test_int8_prompts_forced_or_without_onednn_are_never_probed(int8_probe, monk
     assert int8_prompts.gemm_choice(Int8Linear) == "fbgemm"
 
 
+@pytest.mark.parametrize(
+    ("kernels_on", "exact", "forced", "runs"),
+    [
+        (False, True, "onednn", "fbgemm's"),  # oneDNN's takes x quantized by gptlab's kernels
+        (False, True, "fbgemm", None),  # honoured
+        (True, False, "onednn", "gptlab's int8 kernel"),  # no VNNI: neither product is exact
+        (True, False, "fbgemm", "gptlab's int8 kernel"),
+        (False, False, "onednn", "the weight-only product (bf16 activations)"),
+    ],
+)
+def test_a_forced_int8_product_that_cannot_run_here_is_warned_of_once(
+    monkeypatch, caplog, kernels_on, exact, forced, runs
+):
+    """GPTLAB_INT8_GEMM=onednn with GPTLAB_KERNELS=0 ran fbgemm's product unsaid, as the README
+    said it "forces one": where the product forced cannot run, a warning says so, once."""
+    if kernels_on and not INT_OK:
+        pytest.skip(f"gptlab's int kernels are not built here: {kernels.available()[2]}")
+    monkeypatch.setenv("GPTLAB_KERNELS", "auto" if kernels_on else "0")
+    monkeypatch.setenv("GPTLAB_INT8_GEMM", forced)
+    monkeypatch.setattr(ops, "fbgemm_int8_is_exact", lambda: exact)
+    int8_prompts._warn_once.cache_clear()
+    with caplog.at_level("WARNING", logger="gptlab.int8_prompts"):
+        for _ in range(2):
+            Int8Linear.from_linear(nn.Linear(32, 16), "int8").prepare()
+    said = [r.message for r in caplog.records if r.name == "gptlab.int8_prompts"]
+    if runs is None:
+        assert not said
+    else:
+        assert len(said) == 1 and said[0].startswith(f"GPTLAB_INT8_GEMM={forced} is ignored here: ")
+        assert said[0].endswith(f"; int8 prompts run {runs}")
+        assert "GPTLAB_KERNELS=0" in said[0] or kernels_on or not exact
+
+
 @needs_onednn
 def test_onednn_held_below_vnni_is_found_inexact_and_not_taken(tmp_path):
     """ONEDNN_MAX_CPU_ISA=AVX2 makes oneDNN's int8 product sum u8 x s8 pairs in 16 bits, which

@@ -11,6 +11,8 @@ a layer's y = b + x W^T, reading the weights in place up to NT_ROWS rows.
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
 
 import torch
@@ -18,6 +20,8 @@ import torch
 from gptlab import cpu, gemm_probe, kernel_build, kernels
 from gptlab.kernels import check, ptr
 from gptlab.machine_cache import machine_key
+
+log = logging.getLogger(__name__)
 
 GEMM_CHOICES = ("auto", "gptlab", "torch")
 
@@ -60,10 +64,22 @@ def bf16_prompt_gemm_choice() -> str:
 
 
 def _gemm_env() -> str:
+    """GPTLAB_GEMM's choice, one of GEMM_CHOICES; ValueError for another value. gptlab where
+    gptlab's kernels do not run (GPTLAB_KERNELS=0, no C compiler) is torch, with a warning once:
+    its GEMM is in them (it was ignored unsaid, and `python -m gptlab.kernels` named gptlab's)."""
     want = os.environ.get("GPTLAB_GEMM", "auto").strip().lower() or "auto"
     if want not in GEMM_CHOICES:
         raise ValueError(f"GPTLAB_GEMM={want!r}: expected one of {', '.join(GEMM_CHOICES)}")
+    if want == "gptlab" and kernels.library() is None:
+        _warn_once(f"GPTLAB_GEMM=gptlab is ignored: gptlab's kernels are not running ({kernels.available()[2]}); "
+                   "PyTorch's GEMM runs")  # fmt: skip
+        return "torch"
     return want
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    log.warning(message)  # once per process, not once per layer
 
 
 def _gemm_choice(work: str) -> str:

@@ -75,9 +75,7 @@ def gemm_choice(layer_class: type) -> str:
     sums would saturate (onednn_is_exact), else times both the first time a machine asks
     (measure(layer_class)), caches the timings, and takes the faster (a tie keeps fbgemm).
     layer_class: gptlab.quantize.Int8Linear, passed in as quantize imports this module."""
-    want = os.environ.get("GPTLAB_INT8_GEMM", "auto").strip().lower() or "auto"
-    if want not in GEMMS:
-        raise ValueError(f"GPTLAB_INT8_GEMM={want!r}: expected one of {', '.join(GEMMS)}")
+    want = _requested()
     if want == "onednn" and not onednn_available():
         raise ValueError("GPTLAB_INT8_GEMM=onednn: this PyTorch has no oneDNN int8 linear (qlinear_pointwise)")
     if want == "onednn" and not onednn_is_exact():
@@ -101,6 +99,37 @@ def gemm_choice(layer_class: type) -> str:
         level = logging.INFO if fresh else logging.DEBUG  # cached: DEBUG, as gemm_probe.timings
         log.log(level, "int8 prompts, fbgemm against oneDNN on this CPU (%s): %s; taking %s", source, said, _chosen[at])
     return _chosen[at]
+
+
+def _requested() -> str:
+    """GPTLAB_INT8_GEMM's value, one of GEMMS (auto when unset); ValueError for another."""
+    want = os.environ.get("GPTLAB_INT8_GEMM", "auto").strip().lower() or "auto"
+    if want not in GEMMS:
+        raise ValueError(f"GPTLAB_INT8_GEMM={want!r}: expected one of {', '.join(GEMMS)}")
+    return want
+
+
+def warn_if_forced_in_vain(kernel: bool, exact: bool, no_kernel: str) -> None:
+    """Warn, once per process, where GPTLAB_INT8_GEMM forces a product that int8 prompts cannot
+    take here, so that it is not ignored unsaid: without AVX-512 VNNI (`exact` False: fbgemm's sums
+    would saturate) they run gptlab's own int8 kernel, or the weight-only product without it;
+    without gptlab's kernels (`kernel` False; `no_kernel` says why) fbgemm's, as oneDNN's takes x
+    quantized per row by them."""
+    want = _requested()
+    if want == "auto" or exact and (kernel or want == "fbgemm"):  # honoured: gemm_choice's, or fbgemm's
+        return
+    if exact:  # without gptlab's kernels
+        why = f"oneDNN's product takes x as gptlab's kernels quantize it, and they are not running ({no_kernel})"
+        used = "fbgemm's"
+    else:
+        why = "without AVX-512 VNNI neither is taken (fbgemm's 16-bit sums would saturate)"
+        used = "gptlab's int8 kernel" if kernel else "the weight-only product (bf16 activations)"
+    _warn_once(f"GPTLAB_INT8_GEMM={want} is ignored here: {why}; int8 prompts run {used}")
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    log.warning(message)  # once per process, not once per layer
 
 
 def measure(layer_class: type) -> dict[str, dict[str, float]]:

@@ -286,7 +286,9 @@ class Int8Linear(QuantizedLinear):
         self.weight, self.scales = _aligned(self.weight), _aligned(self.scales)
         prompt_weight, self._prompts_gemm = None, "fbgemm"
         if self.activations == "int8":
-            kernel, exact = kernels.available()[1], ops.fbgemm_int8_is_exact()
+            _, kernel, no_kernel = kernels.available()
+            exact = ops.fbgemm_int8_is_exact()
+            int8_prompts.warn_if_forced_in_vain(kernel, exact, no_kernel)
             if kernel:  # decoding (a few rows): gptlab's kernel, the same int8 x int8 product as fbgemm's
                 row_sums = self.weight.sum(dim=1, dtype=torch.int32)  # (N,) for gptlab's kernel (kernels.c)
                 self._decode = ops.int8_decoder(self.weight, self.scales, row_sums, self.bias)
