@@ -984,6 +984,9 @@ MUTANTS = [
     Mutant("int8-prompts/forced-onednn-without-kernels-ignored-unsaid", "int8_prompts.py",
            '    if want == "auto" or exact and (kernel or want == "fbgemm"):', '    if want == "auto" or exact:',
            ("tests/test_int8_prompts.py", "-k", "warned_of_once")),
+    Mutant("bench/summary-counts-a-run-made-otherwise", "bench/summary.py",
+           "    for run in filter(made_as_make_bench, runs):", "    for run in runs:",
+           ("tests/test_bench.py", "-k", "counts_only_runs_made")),
 ]
 # fmt: on
 # The swapped-name mutant needs its table in the module: appended to hf.py with it.

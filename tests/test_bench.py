@@ -676,6 +676,86 @@ def test_bench_summary_gives_each_machines_latest_figures(tmp_path, capsys, monk
     assert "no results for this machine (Intel(R) Xeon(R) (26/2)" in capsys.readouterr().out
 
 
+# A later run made otherwise than make bench makes the README's rows: (benchmark, where it records
+# its settings, the settings), each of which once replaced the row it does not measure
+NOT_AS_MAKE_BENCH = [
+    ("generate", "settings", {"preset": "gpt2-tiny", "new_tokens": 4}),
+    ("generate", "settings", {"prompt_len": 8}),
+    ("generate", "settings", {"repeats": 1}),
+    ("train", "config", {"n_layer": 1}),
+    ("train", "config", {"batch_size": 2, "block_size": 16}),
+    ("train", "config", {"rounds": 1}),
+    ("nanogpt", "config", {"seconds": 5.0}),
+    ("generate-llamacpp", "settings", {"preset": "gpt2-medium"}),
+    ("generate-llamacpp", "settings", {"peer_isa": "avx2", "isa_env": {}}),  # gptlab not held to AVX2
+    ("generate-llamacpp", "settings", {"peer_isa": "avx2", "isa_env": {"GPTLAB_KERNELS": "avx2"}}),
+    ("generate-llamacpp", "settings", {"kv_cache": "float32"}),
+    ("generate-llamacpp", "settings", {"repeats": 1}),
+]
+
+
+@pytest.mark.parametrize("benchmark, section, settings", NOT_AS_MAKE_BENCH)
+def test_bench_summary_counts_only_runs_made_as_make_bench(benchmark, section, settings, tmp_path):
+    """A tiny `bench generate --preset gpt2-tiny --new-tokens 4` gave the default path's row
+    58173356.60 / 0.37x, a `bench train --n-layer 1` the training row: only a run with each
+    command's default shapes and at least make bench's repeats counts (a setting an older file
+    lacks is its default), and a llama.cpp built for a lower level only against gptlab held to it."""
+    from gptlab.bench import summary
+    from gptlab.bench.generate import ISA_ENV
+
+    zen5 = {"cpu": "AMD EPYC", "cpu_family_model": "26/2", "gptlab_kernels": "avx512", "cpu_capability": "AVX512",
+            "cores": 2, "isa_settings": {}}  # fmt: skip
+    figures = {
+        "generate-llamacpp": {"rows": _llamacpp_rows((1.1,) * 4, (1.2,) * 4, (100.0,) * 4)},
+        "generate": {"summary": {"fp32_eager_decode_vs_transformers": 2.5, "fp32_eager_prefill_vs_transformers": 1.75}},
+        "nanogpt": {"ratio": 4.0},
+        "train": {"results": [{"dtype": "float32", "ratio": 3.25}]},
+    }
+    made = {  # as make bench runs them, with what each records (older files: nothing)
+        "generate-llamacpp": {"settings": {"preset": "gpt2", "depth": 0, "kv_cache": "auto", "repeats": 3,
+                                           "threads": 2, "peer_isa": "native", "isa_env": {}}},
+        "generate": {"settings": {"preset": "gpt2", "prompt_len": 64, "new_tokens": 256, "repeats": 3}},
+        "nanogpt": {"config": {"seconds": 60.0}},
+        "train": {"config": {"batch_size": 16, "block_size": 128, "n_layer": 4, "n_embd": 128, "n_head": 4,
+                             "vocab_multiple": 1, "rounds": 3, "steps": 2}},
+    }  # fmt: skip
+    for name, fields in figures.items():
+        _result(tmp_path, name, "2026-12-01T00:00:00", zen5, **fields)  # an older file, recording no settings
+        _result(tmp_path, name, "2026-12-02T00:00:00", zen5, **fields, **made[name])
+    expected = summary.summarize(summary.load_results(tmp_path))
+    assert {file for _, file in expected[summary.machine_key(zen5)].values()} == {
+        f"{name}-2026-12-02T00:00:00" for name in figures
+    }
+    later = {"generate-llamacpp": {"rows": _llamacpp_rows((9.0,) * 4, (9.0,) * 4, (9.0,) * 4)},
+             "generate": {"summary": {"fp32_eager_decode_vs_transformers": 9.0, "fp32_eager_prefill_vs_transformers": 9.0}},
+             "nanogpt": {"ratio": 9.0}, "train": {"results": [{"dtype": "float32", "ratio": 9.0}]}}  # fmt: skip
+    recorded = {**made[benchmark][section], **settings}
+    _result(tmp_path, benchmark, "2026-12-03T00:00:00", zen5, **later[benchmark], **{section: recorded})
+    assert summary.summarize(summary.load_results(tmp_path)) == expected
+    # the same run made as make bench makes it counts; one held to AVX2 counts as that machine's
+    _result(tmp_path, benchmark, "2026-12-04T00:00:00", zen5, **later[benchmark], **made[benchmark])
+    assert summary.summarize(summary.load_results(tmp_path)) != expected
+    if benchmark == "generate-llamacpp":
+        held = {**zen5, "gptlab_kernels": "avx2", "isa_settings": ISA_ENV["avx2"]}
+        as_held = {**made[benchmark]["settings"], "peer_isa": "avx2", "isa_env": ISA_ENV["avx2"]}
+        _result(tmp_path, benchmark, "2026-12-05T00:00:00", held, **later[benchmark], settings=as_held)
+        table = summary.summarize(summary.load_results(tmp_path))
+        assert table[summary.machine_key(held)]["decode vs llama.cpp"][0] == "9.00 / 9.00 / 9.00 / 9.00x"
+
+
+def test_bench_summary_asks_for_each_commands_defaults():
+    """The settings the summary counts are each command's defaults (or, for repeats, rounds and
+    seconds, at most them): a changed default fails here, not silently in the README's rows."""
+    from gptlab.bench import generate, nanogpt, summary, train
+
+    parsed = {"generate": generate.parse_args([]), "generate-llamacpp": generate.parse_args(["--peer", "llama.cpp"]),
+              "train": train.parse_args([]), "nanogpt": nanogpt.parse_args(["--nanogpt-dir", "x"])}  # fmt: skip
+    for name, (_, wanted) in summary.MADE_AS_MAKE_BENCH.items():
+        for key, want in wanted.items():
+            default = getattr(parsed[name], key)
+            assert default >= want if isinstance(want, summary.AtLeast) else default == want, (name, key)
+
+
 def test_bench_summary_keeps_a_run_with_its_libraries_held_apart(tmp_path, monkeypatch, capsys):
     """A run with oneDNN and MKL held below the CPU's level (a stand-in for an older CPU: the same
     kernel variant and ATen level) is a machine of its own, recorded by machine() or, in results

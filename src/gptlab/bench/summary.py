@@ -13,6 +13,10 @@ group the latest run of each kind gives its rows:
 - the default path against transformers (fp32 decoding, a 64-token prefill): `gptlab bench
   generate`'s fp32 batch-1 rows;
 - training against nanoGPT (`gptlab bench nanogpt`) and transformers (`gptlab bench train`, fp32).
+
+Only runs made as `make bench` makes these rows count (MADE_AS_MAKE_BENCH): GPT-2's shape, each
+command's default shapes and at least make bench's repeats, rounds or seconds; a quick run with a
+tiny model, or a llama.cpp built for a lower level than gptlab ran at, is left out.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ import argparse
 import json
 import logging
 from pathlib import Path
+
+from gptlab.bench.generate import ISA_ENV
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +67,54 @@ def machine_key(machine: dict, settings: dict | None = None) -> str:
     return " ".join([key, *(f"{name}={held[name]}" for name in HELD_IN_KEY if held.get(name))])
 
 
+class AtLeast(int):
+    """A setting that counts at this value or above (more repeats, rounds or seconds)."""
+
+
+# What each command behind the README's rows records of how it ran ("settings" or "config"), and
+# the values the rows take: the command's defaults, and at least the repeats, rounds or seconds
+# that `make bench` passes (Makefile). A setting an older file does not record is the default it
+# ran with, which counts.
+MADE_AS_MAKE_BENCH = {
+    # gptlab bench generate --peer llama.cpp --repeats 3 (peer_isa and threads: _llamacpp_made_so)
+    "generate-llamacpp": ("settings", {"preset": "gpt2", "depth": 0, "kv_cache": "auto", "repeats": AtLeast(3)}),
+    # gptlab bench generate --modes fp32 --batch 1 --repeats 3
+    "generate": ("settings", {"preset": "gpt2", "prompt_len": 64, "new_tokens": 256, "repeats": AtLeast(3)}),
+    # gptlab bench nanogpt --nanogpt-dir DIR --seconds 60
+    "nanogpt": ("config", {"seconds": AtLeast(60)}),
+    # gptlab bench train --rounds 3 --steps 2
+    "train": ("config", {"batch_size": 16, "block_size": 128, "n_layer": 4, "n_embd": 128, "n_head": 4,
+                         "vocab_multiple": 1, "rounds": AtLeast(3), "steps": AtLeast(2)}),
+}  # fmt: skip
+
+
+def made_as_make_bench(run: dict) -> bool:
+    """Whether `run` was made as make bench makes the README's rows (MADE_AS_MAKE_BENCH)."""
+    if run["benchmark"] not in MADE_AS_MAKE_BENCH:
+        return True
+    section, wanted = MADE_AS_MAKE_BENCH[run["benchmark"]]
+    recorded = run.get(section) or {}
+    if not all(_counts(recorded[key], want) for key, want in wanted.items() if key in recorded):
+        return False
+    return run["benchmark"] != "generate-llamacpp" or _llamacpp_made_so(run)
+
+
+def _counts(value, want) -> bool:
+    if isinstance(want, AtLeast):
+        return isinstance(value, int | float) and value >= want
+    return value == want
+
+
+def _llamacpp_made_so(run: dict) -> bool:
+    """A llama.cpp run on every core (its default --threads), with llama.cpp built for the level
+    gptlab ran at: natively, or for --peer-isa's level with gptlab held to that level's settings."""
+    settings = run.get("settings") or {}
+    if settings.get("threads", run["machine"].get("cores")) != run["machine"].get("cores"):
+        return False
+    isa, held = settings.get("peer_isa", "native"), settings.get("isa_env") or {}
+    return isa in ISA_ENV and all(held.get(k) == v for k, v in ISA_ENV[isa].items())
+
+
 def load_results(directory: str | Path) -> list[dict]:
     """Every result file in `directory` (a dict with its file's stem as "file"), oldest first; a file
     that is not a result (unreadable JSON, no machine or time) is skipped with a warning."""
@@ -83,10 +137,7 @@ def _ratios(values) -> str:
 
 
 def _llamacpp_rows(runs: list[dict]) -> dict[str, tuple[str, str]]:
-    runs = [r for r in runs if r["benchmark"] == "generate-llamacpp" and not r.get("settings", {}).get("depth")]
-    runs = [
-        r for r in runs if r.get("settings", {}).get("threads", r["machine"].get("cores")) == r["machine"].get("cores")
-    ]
+    runs = [r for r in runs if r["benchmark"] == "generate-llamacpp"]
     full = [r for r in runs if {row.get("mode") for row in r.get("rows", [])} >= set(MODES)]
     if not (full or runs):
         return {}
@@ -130,7 +181,7 @@ def _train_fp32(run: dict) -> str | None:
 def summarize(runs: list[dict]) -> dict[str, dict[str, tuple[str, str]]]:
     """{machine: {row: (figure, results file)}} from results (oldest first), rows as in ROWS."""
     machines: dict[str, list[dict]] = {}
-    for run in runs:
+    for run in filter(made_as_make_bench, runs):
         machines.setdefault(machine_key(run["machine"], run.get("settings")), []).append(run)
     table = {}
     for key, group in machines.items():
