@@ -987,6 +987,12 @@ MUTANTS = [
     Mutant("bench/summary-counts-a-run-made-otherwise", "bench/summary.py",
            "    for run in filter(made_as_make_bench, runs):", "    for run in runs:",
            ("tests/test_bench.py", "-k", "counts_only_runs_made")),
+    Mutant("bench/summary-reads-a-malformed-result", "bench/summary.py",
+           "        if problem := malformed(run):\n            log.warning(\"skipped %s: %s\", path, problem)\n            continue\n",
+           "", ("tests/test_bench.py", "-k", "malformed")),
+    Mutant("bench/summary-orders-results-by-their-time-as-text", "bench/summary.py",
+           'key=lambda run: (_when(run["time"]), run["file"])', 'key=lambda run: (run["time"], run["file"])',
+           ("tests/test_bench.py", "-k", "whatever_its_zone")),
 ]
 # fmt: on
 # The swapped-name mutant needs its table in the module: appended to hf.py with it.

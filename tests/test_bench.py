@@ -743,6 +743,64 @@ def test_bench_summary_counts_only_runs_made_as_make_bench(benchmark, section, s
         assert table[summary.machine_key(held)]["decode vs llama.cpp"][0] == "9.00 / 9.00 / 9.00 / 9.00x"
 
 
+MALFORMED = [  # (benchmark, what the file has, what the warning says), each once a traceback
+    ("generate-llamacpp", {"machine": "x"}, 'machine is "x", not an object'),
+    ("generate-llamacpp", {"machine": None}, "machine is null, not an object"),
+    ("generate-llamacpp", {"settings": None}, "settings is null, not an object"),
+    ("generate-llamacpp", {"rows": None}, "rows is null, not a list of objects"),
+    ("generate-llamacpp", {"rows": {"fp32": {"decode_ratio": 9.9}}}, "not a list of objects"),
+    ("generate-llamacpp", {"rows": [{"decode_ratio": 9.9}]}, "an entry of rows has no mode"),
+    ("generate-llamacpp", {"rows": [{"mode": "int4", "decode_ratio": 9.9, "prefill_ratio": 9.9}]},
+     "an entry of rows has no gptlab_decode_tok_s"),
+    ("generate-llamacpp", {"rows": _llamacpp_rows(("1.2",), (9.9,), (9.9,), ("fp32",))}, 'decode_ratio is "1.2", not a number'),
+    ("generate", {"summary": None}, "summary is null, not an object"),
+    ("generate", {"summary": {"fp32_eager_decode_vs_transformers": "fast"}}, "not a number"),
+    ("nanogpt", {"ratio": [4.0]}, "ratio is [4.0], not a number"),
+    ("train", {"results": [{"dtype": "float32", "ratio": True}]}, "ratio is true, not a number"),
+    ("train", {"config": [], "results": []}, "config is [], not an object"),
+    ("train", {"time": 12345}, "time 12345 is not an ISO 8601 date"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("benchmark, fields, message", MALFORMED)
+def test_bench_summary_skips_a_malformed_result_saying_what_is_wrong(benchmark, fields, message, tmp_path, caplog):
+    """A results file with the keys of a result but another shape (a machine that is a string,
+    rows that are null or a dict, a row without its mode, a figure in a string, a time that is a
+    number among the others' dates) crashed the whole summary: it is skipped with a warning naming
+    it, and the table comes from the other files."""
+    from gptlab.bench import summary
+
+    zen5 = {"cpu": "AMD EPYC", "cpu_family_model": "26/2", "gptlab_kernels": "avx512", "cpu_capability": "AVX512"}
+    _result(tmp_path, "generate-llamacpp", "2026-12-01T00:00:00", zen5,
+            rows=_llamacpp_rows((1.1,) * 4, (1.2,) * 4, (100.0,) * 4))  # fmt: skip
+    _result(tmp_path, "train", "2026-12-01T00:00:00", zen5, results=[{"dtype": "float32", "ratio": 3.25}])
+    expected = summary.summarize(summary.load_results(tmp_path))
+    fields = {"machine": zen5, **fields}
+    _result(tmp_path, benchmark, "2026-12-02T00:00:00", fields.pop("machine"), **fields)
+    with caplog.at_level("WARNING"):
+        assert summary.summarize(summary.load_results(tmp_path)) == expected
+    assert f"skipped {tmp_path / benchmark}-2026-12-02T00:00:00.json: " in caplog.text and message in caplog.text
+
+
+def test_bench_summary_orders_results_by_their_time_whatever_its_zone(tmp_path):
+    """Times compared as text put 13:00+05:00 (08:00 UTC) after 12:00 UTC."""
+    from gptlab.bench import summary
+
+    zen5 = {"cpu": "AMD EPYC", "cpu_family_model": "26/2", "gptlab_kernels": "avx512", "cpu_capability": "AVX512"}
+    _result(tmp_path, "nanogpt", "2026-12-01T12:00:00+00:00", zen5, ratio=4.0)
+    _result(tmp_path, "nanogpt", "2026-12-01T13:00:00+05:00", zen5, ratio=3.0)
+    _result(tmp_path, "nanogpt", "2026-12-01T11:00:00", zen5, ratio=2.0)  # no zone: UTC, as write_results writes
+    table = summary.summarize(summary.load_results(tmp_path))
+    assert table[summary.machine_key(zen5)]["training vs nanoGPT"][0] == "4.00x"
+
+
+def test_bench_summary_says_the_results_directory_does_not_exist(tmp_path, capsys):
+    from gptlab.cli import main as cli
+
+    assert cli(["bench", "summary", "--results", str(tmp_path / "nope")]) == 2
+    assert f"--results {tmp_path / 'nope'}: no such directory" in capsys.readouterr().err
+
+
 def test_bench_summary_asks_for_each_commands_defaults():
     """The settings the summary counts are each command's defaults (or, for repeats, rounds and
     seconds, at most them): a changed default fails here, not silently in the README's rows."""

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+from datetime import datetime, timezone
 from pathlib import Path
 
 from gptlab.bench.generate import ISA_ENV
@@ -117,7 +118,10 @@ def _llamacpp_made_so(run: dict) -> bool:
 
 def load_results(directory: str | Path) -> list[dict]:
     """Every result file in `directory` (a dict with its file's stem as "file"), oldest first; a file
-    that is not a result (unreadable JSON, no machine or time) is skipped with a warning."""
+    that is not a result (unreadable JSON, no machine or time) or not of a result's shape where the
+    summary reads it (malformed) is skipped with a warning naming the file and what is wrong."""
+    if not Path(directory).is_dir():
+        raise ValueError(f"--results {directory}: no such directory")
     runs = []
     for path in sorted(Path(directory).glob("*.json")):
         try:
@@ -128,8 +132,58 @@ def load_results(directory: str | Path) -> list[dict]:
         if not isinstance(run, dict) or not {"benchmark", "time", "machine"} <= run.keys():
             log.warning("skipped %s: not a gptlab bench result", path)
             continue
+        if problem := malformed(run):
+            log.warning("skipped %s: %s", path, problem)
+            continue
         runs.append({**run, "file": path.stem})
-    return sorted(runs, key=lambda run: run["time"])
+    return sorted(runs, key=lambda run: (_when(run["time"]), run["file"]))
+
+
+def _when(text: str) -> datetime | None:
+    """A result's time (ISO 8601; UTC where it names no zone, as write_results writes it)."""
+    try:
+        when = datetime.fromisoformat(text)
+    except (TypeError, ValueError):
+        return None
+    return when if when.tzinfo else when.replace(tzinfo=timezone.utc)
+
+
+# Where the summary reads each kind of result's figures (a list of rows or results, the summary
+# object, or the result itself: None), the fields each must have, and those that must be numbers
+# (or null).
+FIGURES = {
+    "generate-llamacpp": ("rows", ("mode", "gptlab_decode_tok_s"), ("decode_ratio", "prefill_ratio", "gptlab_decode_tok_s")),
+    "generate": ("summary", (), ("fp32_eager_decode_vs_transformers", "fp32_eager_prefill_vs_transformers")),
+    "nanogpt": (None, (), ("ratio",)),
+    "train": ("results", (), ("ratio",)),
+}  # fmt: skip
+
+
+def malformed(run: dict) -> str | None:
+    """What keeps the summary from reading `run`, a result file's JSON (None: nothing): a time that
+    is not an ISO date; a machine, settings, config or summary that is not an object; rows that are
+    not a list of objects, a row without a field read (FIGURES), or a figure that is not a number."""
+    if _when(run["time"]) is None:
+        return f"time {json.dumps(run['time'])} is not an ISO 8601 date"
+    for key in ("machine", "settings", "config", "summary"):
+        if key in run and not isinstance(run[key], dict):
+            return f"{key} is {json.dumps(run[key])}, not an object"
+    if run["benchmark"] not in FIGURES:
+        return None
+    where, required, numbers = FIGURES[run["benchmark"]]
+    rows = run.get(where, []) if where in ("rows", "results") else [run.get(where, {}) if where else run]
+    if not isinstance(rows, list) or not all(isinstance(row, dict) for row in rows):
+        return f"{where} is {json.dumps(run[where])}, not a list of objects"
+    for row in rows:
+        if missing := [name for name in required if name not in row]:
+            return f"an entry of {where} has no {', '.join(missing)}"
+        if wrong := [name for name in numbers if not _number(row.get(name))]:
+            return f"{wrong[0]} is {json.dumps(row[wrong[0]])}, not a number"
+    return None
+
+
+def _number(value) -> bool:
+    return value is None or (isinstance(value, int | float) and not isinstance(value, bool))
 
 
 def _ratios(values) -> str:
