@@ -993,6 +993,9 @@ MUTANTS = [
     Mutant("bench/summary-orders-results-by-their-time-as-text", "bench/summary.py",
            'key=lambda run: (_when(run["time"]), run["file"])', 'key=lambda run: (run["time"], run["file"])',
            ("tests/test_bench.py", "-k", "whatever_its_zone")),
+    Mutant("bench/generate-decode-from-different-repeats", "bench/generate.py",
+           "decodes = [total - prefill for prefill, total in zip(prefills, totals, strict=True) if total > prefill]",
+           "decodes = [max(min(totals) - min(prefills), 1e-9)]", ("tests/test_bench.py", "-k", "own_prefill")),
 ]
 # fmt: on
 # The swapped-name mutant needs its table in the module: appended to hf.py with it.

@@ -93,6 +93,30 @@ def test_bench_counts_below_one_are_refused_as_the_flag_is_read(bench, flag, cap
         assert exit.value.code == 2 and f"argument {flag}: {message}" in capsys.readouterr().err
 
 
+def test_decode_is_timed_from_each_repeats_own_prefill(monkeypatch):
+    """The best prefill and the best full run came from different repeats: a repeat whose prefill
+    ran slow made the other's full run look shorter than prefill, and decode 3,000,000,000 tok/s.
+    Now each repeat's full run less its own prefill, the best of those, or an error if none."""
+    from types import SimpleNamespace
+
+    import gptlab.bench.generate as bench
+
+    now = [0.0]
+    durations = iter([0.0, 1.0, 1.5, 1.6, 0.9])  # warm-up; repeat 1: prefill 1.0, full 1.5; repeat 2: 1.6, 0.9
+
+    def run(idx, n):
+        now[0] += next(durations)
+        return idx
+
+    monkeypatch.setattr(bench, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+    result = bench.time_engine(run, torch.zeros(2, 4, dtype=torch.long), new_tokens=11, repeats=2)
+    assert result["decode_tok_s"] == 2 * 10 / 0.5 and result["decode_ms_per_step"] == 50.0  # repeat 1's 0.5 s
+    assert result["prefill_tok_s"] == 2 * 4 / 1.0 and result["e2e_tok_s"] == round(2 * 11 / 0.9, 2)
+    durations = iter([0.0, 1.0, 0.9])
+    with pytest.raises(ValueError, match="took no longer than its 1-token prefill"):
+        bench.time_engine(run, torch.zeros(1, 4, dtype=torch.long), new_tokens=11, repeats=1)
+
+
 def test_probe_reports_its_best_reading():
     out = BandwidthProbe(8 * 2**20).measure(repeats=2)
     assert out["bandwidth_gbs"] == max(out["read_gbs"], out["gemv_gbs"]) > 0

@@ -7,7 +7,8 @@ the weights, int8 and int4 go through gptlab.quantize.quantize_model (when that 
 
 Timing: each configuration runs `--repeats` times and the best run counts (the machine may be
 shared). Prefill is timed as generate(max_new_tokens=1); decode tok/s is the 255 remaining tokens
-per row divided by (time for 256 tokens - time for 1), the same formula for both engines.
+per row divided by (time for 256 tokens - time for 1, both from the same repeat), the same
+formula for both engines.
 The memory-bandwidth limit of batch-1 decoding is (bandwidth measured here) / (bytes of weights
 read per token): every weight is read once per token and batch-1 decoding cannot go faster.
 Bandwidth is probed before each timed repeat and after the last (see BandwidthProbe).
@@ -178,7 +179,7 @@ def time_engine(run, idx, new_tokens: int, repeats: int, probe: BandwidthProbe |
         bandwidths.append(probe.measure()["bandwidth_gbs"])
     B, T = idx.shape
     prefill, total = min(t1), min(tn)
-    decode = max(total - prefill, 1e-9)
+    decode = best_decode(t1, tn, new_tokens)
     result = {
         "prefill_tok_s": round(B * T / prefill, 1),
         "decode_tok_s": round(B * (new_tokens - 1) / decode, 2),
@@ -191,6 +192,17 @@ def time_engine(run, idx, new_tokens: int, repeats: int, probe: BandwidthProbe |
     if bandwidths:
         result.update(bandwidth_gbs=max(bandwidths), bandwidth_probes_gbs=bandwidths)
     return result
+
+
+def best_decode(prefills: list[float], totals: list[float], new_tokens: int) -> float:
+    """Seconds for the new_tokens - 1 decode steps: each repeat's full run less its own prefill,
+    the best of them. Not the best full run less the best prefill, which come from different
+    repeats: on a noisy machine that difference was negative, and decode_tok_s a fake 3e9."""
+    decodes = [total - prefill for prefill, total in zip(prefills, totals, strict=True) if total > prefill]
+    if not decodes:
+        raise ValueError(f"every repeat's {new_tokens}-token run took no longer than its 1-token prefill (a noisy "
+                         "machine): nothing to time decoding by; raise --new-tokens or --repeats")  # fmt: skip
+    return min(decodes)
 
 
 def time_linears(model, probe: BandwidthProbe | None = None, passes: int = 10, repeats: int = 3) -> dict:
