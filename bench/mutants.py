@@ -996,6 +996,8 @@ MUTANTS = [
     Mutant("bench/generate-decode-from-different-repeats", "bench/generate.py",
            "decodes = [total - prefill for prefill, total in zip(prefills, totals, strict=True) if total > prefill]",
            "decodes = [max(min(totals) - min(prefills), 1e-9)]", ("tests/test_bench.py", "-k", "own_prefill")),
+    Mutant("bench/generate-one-new-token-accepted", "bench/generate.py", "type=at_least(2, ", "type=at_least(1, ",
+           ("tests/test_bench.py", "-k", "two_new_tokens")),
 ]
 # fmt: on
 # The swapped-name mutant needs its table in the module: appended to hf.py with it.

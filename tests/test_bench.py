@@ -117,6 +117,18 @@ def test_decode_is_timed_from_each_repeats_own_prefill(monkeypatch):
         bench.time_engine(run, torch.zeros(1, 4, dtype=torch.long), new_tokens=11, repeats=1)
 
 
+def test_bench_generate_refuses_fewer_than_two_new_tokens_as_the_flag_is_read(capsys):
+    """--new-tokens 1 left no decode step to time: a ZeroDivisionError after the models were built."""
+    from gptlab.cli import main as cli
+
+    with pytest.raises(SystemExit) as exit:
+        cli(["bench", "generate", "--new-tokens", "1"])
+    assert exit.value.code == 2
+    assert "argument --new-tokens: must be at least 2 (decoding is timed over the tokens after the first" in (
+        capsys.readouterr().err
+    )
+
+
 def test_probe_reports_its_best_reading():
     out = BandwidthProbe(8 * 2**20).measure(repeats=2)
     assert out["bandwidth_gbs"] == max(out["read_gbs"], out["gemv_gbs"]) > 0

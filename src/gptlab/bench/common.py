@@ -18,16 +18,25 @@ from gptlab.machine_cache import held_settings
 CORPUS = str(Path(__file__).resolve().parents[3] / RELATIVE)
 
 
+def at_least(minimum: int, why: str = ""):
+    """argparse's type for a count of at least `minimum` (`why`, if given, says why in the error)."""
+
+    def count(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}{why}, got {value}")
+        return value
+
+    return count
+
+
 def positive(text: str) -> int:
     """argparse's type for a count (rounds, tokens, threads, sizes): an integer of at least 1, so
     that 0 is refused as the flag is read, not by what it breaks later ("no median for empty data")."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+    return at_least(1)(text)
 
 
 def machine() -> dict:

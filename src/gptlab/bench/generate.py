@@ -30,7 +30,7 @@ import time
 import torch
 
 from gptlab import cpu, hf, kernels
-from gptlab.bench.common import add_out_argument, machine, positive, repeat_seconds, write_results
+from gptlab.bench.common import add_out_argument, at_least, machine, positive, repeat_seconds, write_results
 from gptlab.config import GPTConfig
 from gptlab.kv_cache import cache_dtype
 from gptlab.meta import meta_device
@@ -265,7 +265,11 @@ def parse_args(argv):
     p = argparse.ArgumentParser(prog="gptlab bench generate", description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="gpt2", help="model shape (random weights, seeded)")
     p.add_argument("--prompt-len", type=positive, default=64)
-    p.add_argument("--new-tokens", type=positive, default=256)
+    p.add_argument(
+        "--new-tokens",
+        type=at_least(2, " (decoding is timed over the tokens after the first, which the prompt's pass gives)"),
+        default=256,
+    )
     p.add_argument("--batch", default="1,8", help="comma-separated batch sizes")
     p.add_argument("--peer", choices=("transformers", "llama.cpp"), default="transformers", help="what to compare with")
     p.add_argument(
