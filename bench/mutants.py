@@ -998,6 +998,12 @@ MUTANTS = [
            "decodes = [max(min(totals) - min(prefills), 1e-9)]", ("tests/test_bench.py", "-k", "own_prefill")),
     Mutant("bench/generate-one-new-token-accepted", "bench/generate.py", "type=at_least(2, ", "type=at_least(1, ",
            ("tests/test_bench.py", "-k", "two_new_tokens")),
+    Mutant("bench/out-checked-only-when-the-results-are-written", "bench/common.py",
+           '"--out", type=results_directory, default=', '"--out", default=',
+           ("tests/test_bench.py", "-k", "cannot_be_written and nanogpt")),  # the others would run their bench
+    Mutant("bench/results-of-the-same-second-overwritten", "bench/common.py",
+           "return next(directory / name for name in names if _claim(directory / name))",
+           'return directory / f"{stem}.json"', ("tests/test_bench.py", "-k", "same_second")),
 ]
 # fmt: on
 # The swapped-name mutant needs its table in the module: appended to hf.py with it.

@@ -78,6 +78,51 @@ def test_results_are_written_and_named_or_with_out_empty_not_written(tmp_path, m
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"] and capsys.readouterr().out == ""
 
 
+def test_results_of_the_same_second_are_each_kept(tmp_path, monkeypatch):
+    """Two runs finishing in the same second got the same name: the second overwrote the first."""
+    from datetime import datetime, timezone
+
+    from gptlab.bench import common
+
+    class Frozen(datetime):
+        @classmethod
+        def now(cls, tz=None):
+            return datetime(2026, 12, 8, 12, 0, 0, tzinfo=timezone.utc)
+
+    monkeypatch.setattr(common, "datetime", Frozen)
+    monkeypatch.setattr(common, "machine", lambda: {"cpu": "test"})
+    paths = [common.write_results("unit", {"rows": [n]}, tmp_path) for n in range(3)]
+    assert [p.name for p in paths] == ["unit-20261208-120000.json", "unit-20261208-120000-2.json",
+                                       "unit-20261208-120000-3.json"]  # fmt: skip
+    assert [json.loads(p.read_text())["rows"] for p in paths] == [[0], [1], [2]]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in paths)  # no temporary file left
+
+
+BENCHES_WITH_OUT = ["generate", "train", "gemm", "variants", "recipes", "nanogpt", "quantize", "speculative", "harness",
+                    "hooks", "formats", "serve"]  # fmt: skip
+
+
+@pytest.mark.parametrize("bench", BENCHES_WITH_OUT)
+def test_bench_out_that_cannot_be_written_is_refused_as_the_flag_is_read(bench, tmp_path, capsys, monkeypatch):
+    """An --out under a file was found only when the results were written, after the whole run
+    (minutes of llama.cpp in make bench): every bench now checks it as the flag is read."""
+    from gptlab.bench import common
+    from gptlab.cli import main as cli
+
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(SystemExit) as exit:
+        cli(["bench", bench, "--out", str(tmp_path / "afile" / "results")])
+    assert exit.value.code == 2
+    assert f"argument --out: {tmp_path}/afile/results: {tmp_path}/afile is a file, not a directory" in (
+        capsys.readouterr().err
+    )
+    monkeypatch.setattr(common.os, "access", lambda path, mode: False)  # a directory not ours, or read-only
+    with pytest.raises(SystemExit):
+        cli(["bench", bench, "--out", str(tmp_path / "new" / "results")])
+    assert f"argument --out: {tmp_path}/new/results: {tmp_path} cannot be written to" in capsys.readouterr().err
+    assert not (tmp_path / "new").exists()
+
+
 @pytest.mark.parametrize(
     "bench, flag",
     [("gemm", "--rounds"), ("variants", "--rounds"), ("train", "--steps"), ("generate", "--repeats"),

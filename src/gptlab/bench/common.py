@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import platform
@@ -98,18 +99,52 @@ def repeat_seconds(fn, repeats: int) -> list[float]:
 
 
 def add_out_argument(parser: argparse.ArgumentParser) -> None:
-    """--out: where a bench writes its results (write_results; '' writes none)."""
-    parser.add_argument("--out", default="bench/results", help="results directory ('' to skip writing)")
+    """--out: where a bench writes its results (write_results; '' writes none), checked as it is read."""
+    parser.add_argument(
+        "--out", type=results_directory, default="bench/results", help="results directory ('' to skip writing)"
+    )
+
+
+def results_directory(text: str) -> str:
+    """argparse's type for --out: '' (write nothing), or a directory that is there or can be made,
+    and written to. Checked as the flag is read: found after the benchmark ran, it lost the results."""
+    if not text:
+        return text
+    path = Path(text).expanduser()
+    there = next(p for p in (path, *path.parents) if p.exists())  # the directory, or the nearest one above it
+    if not there.is_dir():
+        raise argparse.ArgumentTypeError(f"{text}: {there} is a file, not a directory")
+    if not os.access(there, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"{text}: {there} cannot be written to")
+    return text
 
 
 def write_results(name: str, results: dict, out_dir: str | os.PathLike = "bench/results") -> Path | None:
-    """Write results (with the machine and a timestamp) to out_dir/NAME-YYYYmmdd-HHMMSS.json and
-    print its path; an empty out_dir (every bench's `--out ''`) writes nothing and returns None."""
+    """Write results (with the machine and a timestamp) to out_dir/NAME-YYYYmmdd-HHMMSS.json, or
+    -2.json, -3.json ... where a run of the same second has that name, and print its path; an empty
+    out_dir (every bench's `--out ''`) writes nothing and returns None."""
     if not str(out_dir):
         return None
     stamp = datetime.now(timezone.utc)
     payload = {"benchmark": name, "time": stamp.isoformat(timespec="seconds"), "machine": machine(), **results}
-    path = Path(out_dir) / f"{name}-{stamp:%Y%m%d-%H%M%S}.json"
-    atomic_write_text(path, json.dumps(payload, indent=2))
+    text = json.dumps(payload, indent=2)
+    path = new_file(Path(out_dir).expanduser(), f"{name}-{stamp:%Y%m%d-%H%M%S}")
+    atomic_write_text(path, text)
     print(f"results: {path}", flush=True)
     return path
+
+
+def new_file(directory: Path, stem: str) -> Path:
+    """directory/STEM.json, or STEM-2.json, ...: the first name no file has, taken (created empty,
+    exclusively) so that a run finishing in the same second never writes over another's results."""
+    directory.mkdir(parents=True, exist_ok=True)
+    names = (f"{stem}.json" if n == 1 else f"{stem}-{n}.json" for n in itertools.count(1))
+    return next(directory / name for name in names if _claim(directory / name))
+
+
+def _claim(path: Path) -> bool:
+    try:
+        path.open("x").close()
+    except FileExistsError:
+        return False
+    return True
