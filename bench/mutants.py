@@ -1004,6 +1004,13 @@ MUTANTS = [
     Mutant("bench/results-of-the-same-second-overwritten", "bench/common.py",
            "return next(directory / name for name in names if _claim(directory / name))",
            'return directory / f"{stem}.json"', ("tests/test_bench.py", "-k", "same_second")),
+    Mutant("bench/nanogpt-wall-time-of-zero-accepted", "bench/nanogpt.py", '"--seconds", type=positive_seconds,',
+           '"--seconds", type=float,', ("tests/test_bench.py", "-k", "wall_time")),
+    Mutant("bench/child-training-error-dropped", "bench/common.py",
+           "    if proc.returncode:\n        raise ValueError(", "    if proc.returncode:\n        raise RuntimeError(",
+           ("tests/test_bench.py", "-k", "why_gptlab_train_failed or failed_child")),
+    Mutant("bench/recipes-starts-without-prepared-data", "bench/recipes.py", "        check_prepared(args.data)\n", "",
+           ("tests/test_bench.py", "-k", "recipes_names")),
 ]
 # fmt: on
 # The swapped-name mutant needs its table in the module: appended to hf.py with it.

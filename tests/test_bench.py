@@ -943,15 +943,53 @@ def test_bench_generate_asks_gptlab_cpu_whether_bf16_is_native(flags, monkeypatc
         assert "avx512_bf16/amx_bf16/avx_ne_convert" in why
 
 
+def test_bench_nanogpt_refuses_a_wall_time_of_zero_or_less_as_the_flag_is_read(tmp_path, capsys):
+    """--seconds 0 ran nanoGPT for minutes, then died on gptlab train's refusal of max_time=0.0s."""
+    from gptlab.cli import main as cli
+
+    for seconds in ("0", "-5", "nan"):
+        with pytest.raises(SystemExit) as exit:
+            cli(["bench", "nanogpt", "--nanogpt-dir", str(tmp_path), "--seconds", seconds])
+        assert exit.value.code == 2
+        assert f"argument --seconds: must be more than 0 seconds, got {seconds}" in capsys.readouterr().err
+
+
+def test_bench_nanogpt_says_why_gptlab_train_failed(tmp_path):
+    """`gptlab train` failing was a CalledProcessError traceback, its stderr captured and dropped:
+    now an error with the last lines of what it said."""
+    from gptlab.bench import nanogpt
+
+    (tmp_path / "data").mkdir()
+    with pytest.raises(
+        ValueError, match=r"gptlab train failed \(exit 2\): gptlab train: error: .*no readable manifest"
+    ):
+        nanogpt.run_gptlab(tmp_path / "data", tmp_path / "work", 5.0)
+
+
+def test_a_failed_child_is_named_with_the_last_lines_it_wrote(capfd):
+    import sys
+
+    from gptlab.bench.common import run_child
+
+    script = "import sys; print('out'); [print(f'line {i}', file=sys.stderr) for i in range(20)]; sys.exit('boom')"
+    with pytest.raises(ValueError, match=r"^child failed \(exit 1\): line 13 / line 14 .* line 19 / boom$"):
+        run_child("child", [sys.executable, "-c", script], quiet=True)
+    assert capfd.readouterr().out == ""  # quiet: nothing passed on
+    run_child("child", [sys.executable, "-c", "import sys; print('out'); print('note', file=sys.stderr)"])
+    assert capfd.readouterr() == ("out\n", "note\n")  # passed on as it runs
+
+
 def test_bench_recipes_names_a_bad_run_or_points(tmp_path, capsys):
-    """--points without its step time was a KeyError, a malformed one an unpacking error, and
-    --runs naming a directory without evaluations plotted an empty curve and exited 0."""
+    """--points without its step time was a KeyError, a malformed one an unpacking error,
+    --runs naming a directory without evaluations plotted an empty curve and exited 0, and --data
+    without prepared data a CalledProcessError traceback after gptlab train started."""
     from gptlab.cli import main as cli
 
     (tmp_path / "empty").mkdir()
     cases = [(["--points", "x=600:5.0"], "give its step time with --step-seconds x=SECONDS"),
              (["--points", "x=600", "--step-seconds", "x=0.2"], "expected STEP:LOSS pairs"),
-             (["--runs", f"a={tmp_path / 'empty'}"], "no evaluations")]  # fmt: skip
+             (["--runs", f"a={tmp_path / 'empty'}"], "no evaluations"),
+             (["--data", str(tmp_path / "nope")], "no train.bin there")]  # fmt: skip
     for argv, message in cases:
         assert cli(["bench", "recipes", *argv, "--plot", str(tmp_path / "p.png"), "--out", ""]) == 2
         assert message in capsys.readouterr().err

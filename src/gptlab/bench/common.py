@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import collections
 import itertools
 import json
 import os
 import platform
+import subprocess
+import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -38,6 +41,48 @@ def positive(text: str) -> int:
     """argparse's type for a count (rounds, tokens, threads, sizes): an integer of at least 1, so
     that 0 is refused as the flag is read, not by what it breaks later ("no median for empty data")."""
     return at_least(1)(text)
+
+
+def positive_seconds(text: str) -> float:
+    """argparse's type for a duration in seconds: a number above 0 (0 or less ran for minutes first)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0 seconds, got {text}")
+    return value
+
+
+def check_prepared(data: str | os.PathLike) -> Path:
+    """`data` as a Path, or ValueError where it holds no prepared train.bin (before a run starts)."""
+    if not (Path(data) / "train.bin").is_file():
+        raise ValueError(f"--data {data}: no train.bin there (run `gptlab demo` or `gptlab prepare` first)")
+    return Path(data)
+
+
+def train_command(config: str | os.PathLike, settings: dict) -> list[str]:
+    """`gptlab train --config CONFIG --set KEY=VALUE ...`, run by this Python."""
+    cmd = [sys.executable, "-m", "gptlab", "train", "--config", str(config)]
+    for key, value in settings.items():
+        cmd += ["--set", f"{key}={value}"]
+    return cmd
+
+
+def run_child(what: str, cmd: list[str], *, quiet: bool = False, lines: int = 8) -> None:
+    """Run `cmd`, its stderr (and its stdout, unless quiet) passed on as it runs. Where it fails,
+    ValueError naming `what` with the last `lines` of its stderr (a CalledProcessError traceback
+    hid the child's own message, and with its output captured, the message itself)."""
+    last: collections.deque[str] = collections.deque(maxlen=lines)
+    stdout = subprocess.DEVNULL if quiet else None
+    with subprocess.Popen(cmd, stdout=stdout, stderr=subprocess.PIPE, text=True, errors="replace") as proc:
+        for line in proc.stderr:
+            if line.strip():
+                last.append(line.rstrip())
+            if not quiet:
+                sys.stderr.write(line)
+    if proc.returncode:
+        raise ValueError(f"{what} failed (exit {proc.returncode}): " + " / ".join(last))
 
 
 def machine() -> dict:

@@ -26,7 +26,15 @@ import tempfile
 import time
 from pathlib import Path
 
-from gptlab.bench.common import add_out_argument, positive, write_results
+from gptlab.bench.common import (
+    add_out_argument,
+    check_prepared,
+    positive,
+    positive_seconds,
+    run_child,
+    train_command,
+    write_results,
+)
 
 MODEL = dict(n_layer=4, n_head=4, n_embd=128, block_size=128, batch_size=8)
 
@@ -35,7 +43,7 @@ def parse_args(argv):
     p = argparse.ArgumentParser(prog="gptlab bench nanogpt", description=__doc__.split("\n\n")[0])
     p.add_argument("--nanogpt-dir", required=True, help="a checkout of karpathy/nanoGPT (train.py, model.py)")
     p.add_argument("--data", default="runs/demo/data", help="prepared demo data: train.bin, val.bin (gptlab demo)")
-    p.add_argument("--seconds", type=float, default=120.0, help="training wall time for each side")
+    p.add_argument("--seconds", type=positive_seconds, default=120.0, help="training wall time for each side")
     p.add_argument("--calibrate-iters", type=positive, default=15, help="nanoGPT iterations timed to size its run")
     p.add_argument("--work", default=None, help="working directory (default: a temporary one)")
     add_out_argument(p)
@@ -58,19 +66,10 @@ def settled(step_times: list[float]) -> list[float]:
 def run_gptlab(data: Path, work: Path, seconds: float) -> dict:
     """`gptlab train` with the demo config for `seconds`; its step times and the final model."""
     out = work / "gptlab"
-    cmd = [
-        sys.executable,
-        "-m",
-        "gptlab",
-        "train",
-        "--config",
-        str(Path(__file__).parents[1] / "configs" / "demo.toml"),
-    ]
-    for key, value in dict(data_dir=data, out_dir=out, max_time=f"{seconds}s", max_steps=10**9, optimizer="adamw", muon_lr=None,
-                           eval_interval=10**9, sample_tokens=0, progress="false", log_interval=1).items():  # fmt: skip
-        cmd += ["--set", f"{key}={value}"]
+    settings = dict(data_dir=data, out_dir=out, max_time=f"{seconds}s", max_steps=10**9, optimizer="adamw", muon_lr=None,
+                    eval_interval=10**9, sample_tokens=0, progress="false", log_interval=1)  # fmt: skip
     t0 = time.perf_counter()
-    subprocess.run(cmd, check=True, capture_output=True, text=True)
+    run_child("gptlab train", train_command(Path(__file__).parents[1] / "configs" / "demo.toml", settings), quiet=True)
     wall = time.perf_counter() - t0
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     step_s = settled([r["step_s"] for r in records if "step_s" in r])
@@ -139,8 +138,7 @@ def main(argv=None) -> int:
     nanogpt, data = Path(args.nanogpt_dir), Path(args.data)
     if not (nanogpt / "train.py").is_file() or not (nanogpt / "model.py").is_file():
         raise ValueError(f"--nanogpt-dir {nanogpt}: no train.py and model.py there (a karpathy/nanoGPT checkout)")
-    if not (data / "train.bin").is_file():
-        raise ValueError(f"--data {data}: no train.bin (run `gptlab demo` or `gptlab prepare` first)")
+    check_prepared(data)
     recipe = demo_recipe()
     from gptlab import gemm, kernels
 

@@ -16,11 +16,9 @@ in bench/results. `--runs NAME=DIR` plots finished runs instead of training.
 from __future__ import annotations
 
 import argparse
-import subprocess
-import sys
 from pathlib import Path
 
-from gptlab.bench.common import add_out_argument, positive, write_results
+from gptlab.bench.common import add_out_argument, check_prepared, positive, run_child, train_command, write_results
 
 CONFIG = Path(__file__).parents[1] / "configs" / "demo.toml"
 RECIPES = {
@@ -72,11 +70,9 @@ def train_recipe(name: str, data: str, work: Path, eval_interval: int) -> Path:
     out = work / name
     settings = {**RECIPES[name], "data_dir": data, "out_dir": out, "eval_interval": eval_interval,
                 "eval_steps": 33, "sample_tokens": 0, "progress": "false"}  # fmt: skip
-    cmd = [sys.executable, "-m", "gptlab", "train", "--config", str(CONFIG)]
-    for key, value in settings.items():
-        cmd += ["--set", f"{key}={value}"]
+    cmd = train_command(CONFIG, settings)
     print(f"{name}: {' '.join(cmd[3:])}")
-    subprocess.run(cmd, check=True)
+    run_child(f"gptlab train ({name})", cmd)
     return out
 
 
@@ -129,6 +125,7 @@ def main(argv=None) -> int:
     if args.runs or args.points:
         runs = {name: Path(d) for name, _, d in (r.partition("=") for r in args.runs)}
     else:
+        check_prepared(args.data)
         runs = {name: train_recipe(name, args.data, Path(args.work), args.eval_interval) for name in args.recipes}
     curves = {name: curve(d, seconds.get(name)) for name, d in runs.items()}
     for name, _, text in (p.partition("=") for p in args.points):
