@@ -1011,6 +1011,8 @@ MUTANTS = [
            ("tests/test_bench.py", "-k", "why_gptlab_train_failed or failed_child")),
     Mutant("bench/recipes-starts-without-prepared-data", "bench/recipes.py", "        check_prepared(args.data)\n", "",
            ("tests/test_bench.py", "-k", "recipes_names")),
+    Mutant("demo/set-out-dir-silently-replaced", "commands/demo.py", "    check_overrides(args.overrides)\n", "",
+           ("tests/test_cli.py", "-k", "directories_it_sets")),
 ]
 # fmt: on
 # The swapped-name mutant needs its table in the module: appended to hf.py with it.

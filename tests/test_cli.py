@@ -141,6 +141,17 @@ def test_demo_refuses_a_passage_of_no_tokens_before_training(tmp_path, capsys):
 
 
 @pytest.mark.parametrize(
+    "setting, key", [("out_dir=elsewhere", "out_dir"), ("data_dir=elsewhere", "data_dir"), ("out-dir = x", "out_dir")]
+)
+def test_demo_refuses_to_set_the_directories_it_sets_itself(setting, key, tmp_path, capsys):
+    """--set out_dir=... and --set data_dir=... were silently replaced by the demo's own, under --out."""
+    assert main(["demo", "--out", str(tmp_path / "demo"), "--set", "max_steps=1", "--set", setting]) == 2
+    err = one_line_error(capsys, "gptlab demo: error: ")
+    assert f"the demo sets {key} itself" in err and "give --out DIR instead" in err
+    assert not (tmp_path / "demo").exists()
+
+
+@pytest.mark.parametrize(
     "argv, env, threads", [([], {}, None), (["--threads", "2"], {}, 2), ([], {"OMP_NUM_THREADS": "4"}, None)]
 )
 def test_serve_decodes_on_every_core_unless_told(monkeypatch, capsys, argv, env, threads):

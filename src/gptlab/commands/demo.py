@@ -104,14 +104,15 @@ def run(args):
 
     if args.max_new_tokens < 1:  # before minutes of training, not after
         raise ValueError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    check_overrides(args.overrides)
     t0 = time.perf_counter()
     out = Path(args.out)
     corpus = find_corpus(args.input, out)
-    data_dir = prepared(corpus, out / "data")
+    data_dir = prepared(corpus, out / OWN_SETTINGS["data_dir"])
     print(f"corpus: {corpus} -> {data_dir} ({time.perf_counter() - t0:.1f}s)")
     config_path = args.config or resources.files("gptlab") / "configs" / "demo.toml"
     cfg = TrainConfig.from_toml(config_path, args.overrides).with_overrides(
-        {"data_dir": str(data_dir), "out_dir": str(out / "run")}
+        {"data_dir": str(data_dir), "out_dir": str(out / OWN_SETTINGS["out_dir"])}
     )
     if args.deadline is not None:
         cfg = fit_to_deadline(cfg, args.deadline, time.time())
@@ -133,6 +134,19 @@ def run(args):
     print(f"metrics:    {summary['metrics']}")
     print(f"loss plot:  {summary['plot']}")
     sys.stdout.flush()
+
+
+# TrainConfig settings the demo gives itself, under --out: a --set of them was silently replaced
+OWN_SETTINGS = {"data_dir": "data", "out_dir": "run"}
+
+
+def check_overrides(overrides: list[str]) -> None:
+    """ValueError for a --set of a setting the demo gives itself (OWN_SETTINGS), pointing to --out."""
+    for text in overrides:
+        key = text.lstrip("-").partition("=")[0].strip().replace("-", "_")  # as TrainConfig reads a --set
+        if key in OWN_SETTINGS:
+            raise ValueError(f"--set {text}: the demo sets {key} itself, to {OWN_SETTINGS[key]}/ under --out; "
+                             f"give --out DIR instead (default runs/demo)")  # fmt: skip
 
 
 def fit_to_deadline(cfg, deadline: float, now: float):
