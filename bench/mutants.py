@@ -1013,6 +1013,15 @@ MUTANTS = [
            ("tests/test_bench.py", "-k", "recipes_names")),
     Mutant("demo/set-out-dir-silently-replaced", "commands/demo.py", "    check_overrides(args.overrides)\n", "",
            ("tests/test_cli.py", "-k", "directories_it_sets")),
+    Mutant("bench/generate-flag-its-peer-ignores-only-warned", "bench/generate.py",
+           "            parser.error(f\"{', '.join(given)}: not read", "            log.warning(f\"{', '.join(given)}: not read",
+           ("tests/test_bench.py", "-k", "flags_its_peer")),
+    Mutant("bench/generate-batch-read-with-int", "bench/generate.py",
+           'return tuple(positive(size) for size in text.split(","))', 'return tuple(int(size) for size in text.split(","))',
+           ("tests/test_bench.py", "-k", "flags_its_peer")),
+    Mutant("bench/generate-unknown-mode-found-after-probing", "bench/generate.py",
+           'if unknown := [mode for mode in args.modes.split(",") if mode not in MODES]:', "if unknown := []:",
+           ("tests/test_bench.py", "-k", "transformers_cannot_run")),
 ]
 # fmt: on
 # The swapped-name mutant needs its table in the module: appended to hf.py with it.

@@ -57,12 +57,38 @@ def test_bench_generate_refuses_what_transformers_cannot_run_before_any_work(mon
         ValueError, match="llama-tiny uses RoPE positions, RMSNorm, SwiGLU MLP, no biases, an untied head"
     ):
         main(["--preset", "llama-tiny", "--prompt-len", "8", "--new-tokens", "8"])
-    with pytest.raises(ValueError, match="--batch 1,0: every batch size must be at least 1"):
-        main(["--preset", "gpt2-tiny", "--prompt-len", "4", "--new-tokens", "4", "--batch", "1,0"])
+    with pytest.raises(ValueError, match="--modes fp32,bogus: unknown bogus; choose from fp32, bf16"):
+        main(["--preset", "gpt2-tiny", "--prompt-len", "4", "--new-tokens", "4", "--modes", "fp32,bogus"])
     with pytest.raises(TypeError):  # past the checks: the run starts (with --no-hf, gptlab slides its window)
         main(["--preset", "llama-tiny", "--prompt-len", "200", "--new-tokens", "8", "--no-hf"])
     with pytest.raises(TypeError):  # the longest run transformers takes
         main(["--preset", "gpt2-tiny", "--prompt-len", "100", "--new-tokens", "28"])
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [(["--batch", "a"], "argument --batch: 'a': expected comma-separated batch sizes such as 1,8 (expected an "
+                        "integer, got 'a')"),
+     (["--batch", "1,,2"], "argument --batch: '1,,2': expected comma-separated batch sizes such as 1,8"),
+     (["--batch", "1,0"], "(must be at least 1, got 0)"),
+     (["--peer", "llama.cpp", "--batch", "1", "--compile"], "--batch, --compile: not read with --peer llama.cpp"),
+     (["--peer", "llama.cpp", "--prompt-len", "8", "--new-tokens", "8", "--no-hf"],
+      "--prompt-len, --new-tokens, --no-hf: not read with --peer llama.cpp, only with --peer transformers"),
+     (["--depth", "100"], "--depth: not read with --peer transformers, only with --peer llama.cpp"),
+     (["--kv-cache", "float32", "--peer-isa", "avx2"], "--kv-cache, --peer-isa: not read with --peer transformers"),
+     (["--no-eager"], "--no-eager skips the eager rows beside --compile's: give --compile too")],
+)  # fmt: skip
+def test_bench_generate_refuses_a_bad_batch_and_flags_its_peer_does_not_read(argv, message, capsys):
+    """--batch a was a bare int() ValueError; --peer llama.cpp silently ignored --batch, --prompt-len,
+    --new-tokens, --compile and --no-hf, and without it --depth and --kv-cache were ignored."""
+    from gptlab.bench.generate import parse_args
+
+    with pytest.raises(SystemExit) as exit:
+        parse_args(argv)
+    assert exit.value.code == 2 and message in capsys.readouterr().err
+    assert parse_args(["--peer", "llama.cpp", "--depth", "895"]).batch == (1, 8)  # the defaults, where not given
+    args = parse_args(["--batch", "1,4", "--compile", "--no-eager"])
+    assert (args.batch, args.depth, args.kv_cache, args.peer_isa, args.no_hf) == ((1, 4), 0, "auto", "native", False)
 
 
 def test_results_are_written_and_named_or_with_out_empty_not_written(tmp_path, monkeypatch, capsys):

@@ -261,24 +261,40 @@ def isa_env_missing(isa: str) -> dict:
     return {k: v for k, v in ISA_ENV[isa].items() if os.environ.get(k) != v}  # PyTorch's check is case-sensitive
 
 
+# Flags that one peer reads and the other does not (given with the other, they were silently
+# ignored): {peer: {flag's dest: its default}}. Their parser default is None, to tell them given.
+PEER_ONLY = {
+    "transformers": {"prompt_len": 64, "new_tokens": 256, "batch": (1, 8), "compile": False, "no_eager": False,
+                     "no_hf": False, "probe_mib": 512},
+    "llama.cpp": {"depth": 0, "kv_cache": "auto", "peer_isa": "native"},
+}  # fmt: skip
+
+
+def batch_sizes(text: str) -> tuple[int, ...]:
+    """argparse's type for --batch: comma-separated batch sizes, each at least 1."""
+    try:
+        return tuple(positive(size) for size in text.split(","))
+    except argparse.ArgumentTypeError as e:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated batch sizes such as 1,8 ({e})") from None
+
+
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="gptlab bench generate", description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="gpt2", help="model shape (random weights, seeded)")
-    p.add_argument("--prompt-len", type=positive, default=64)
+    p.add_argument("--prompt-len", type=positive, help="prompt tokens (default 64)")
     p.add_argument(
         "--new-tokens",
         type=at_least(2, " (decoding is timed over the tokens after the first, which the prompt's pass gives)"),
-        default=256,
+        help="new tokens (default 256)",
     )
-    p.add_argument("--batch", default="1,8", help="comma-separated batch sizes")
+    p.add_argument("--batch", type=batch_sizes, help="comma-separated batch sizes (default 1,8)")
     p.add_argument("--peer", choices=("transformers", "llama.cpp"), default="transformers", help="what to compare with")
     p.add_argument(
         "--peer-isa",
         choices=tuple(ISA_ENV),
-        default="native",
-        help="llama.cpp's build: for this CPU (default), or for a lower level, to stand in for a CPU of that level: "
-        "avx2 (AVX2-only CPUs such as AMD Zen 1-3), avx512-vnni (AVX-512 with VNNI, no BF16 or AMX: Intel's Ice "
-        "Lake servers); pair each with its settings for gptlab: "
+        help="llama.cpp's build: for this CPU (native, the default), or for a lower level, to stand in for a CPU of "
+        "that level: avx2 (AVX2-only CPUs such as AMD Zen 1-3), avx512-vnni (AVX-512 with VNNI, no BF16 or AMX: "
+        "Intel's Ice Lake servers); pair each with its settings for gptlab: "
         + "; ".join(f"{isa}: {' '.join(f'{k}={v}' for k, v in env.items())}" for isa, env in ISA_ENV.items() if env),
     )
     p.add_argument(
@@ -289,18 +305,19 @@ def parse_args(argv):
     p.add_argument(
         "--depth",
         type=int,
-        default=0,
         help="with --peer llama.cpp: decode after this many tokens of context (llama-bench -d), prefill not timed",
     )
     p.add_argument(
         "--kv-cache",
         choices=("auto", "float32", "bfloat16"),
-        default="auto",
-        help="with --peer llama.cpp: gptlab's KV cache dtype (auto: bf16 for int8/int4, the activations' otherwise)",
+        help="with --peer llama.cpp: gptlab's KV cache dtype (auto, the default: bf16 for int8/int4, the "
+        "activations' otherwise)",
     )
-    p.add_argument("--compile", action="store_true", help="also run gptlab with a torch.compile'd decode step")
-    p.add_argument("--no-eager", action="store_true", help="with --compile, skip the eager gptlab rows")
-    p.add_argument("--no-hf", action="store_true", help="skip transformers")
+    p.add_argument(
+        "--compile", action="store_true", default=None, help="also run gptlab with a torch.compile'd decode step"
+    )
+    p.add_argument("--no-eager", action="store_true", default=None, help="with --compile, skip the eager gptlab rows")
+    p.add_argument("--no-hf", action="store_true", default=None, help="skip transformers")
     p.add_argument("--repeats", type=positive, default=3)
     p.add_argument(
         "--threads",
@@ -308,19 +325,31 @@ def parse_args(argv):
         default=None,
         help="torch threads (default: torch's choice; with --peer llama.cpp os.cpu_count(), for both engines)",
     )
-    p.add_argument(
-        "--probe-mib", type=positive, default=512, help="bandwidth probe buffer (default 512 MiB, >> caches)"
-    )
+    p.add_argument("--probe-mib", type=positive, help="bandwidth probe buffer (default 512 MiB, >> caches)")
     p.add_argument("--seed", type=int, default=0)
     add_out_argument(p)
-    return p.parse_args(argv)
+    return with_peer_defaults(p, p.parse_args(argv))
+
+
+def with_peer_defaults(parser: argparse.ArgumentParser, args):
+    """args with the PEER_ONLY flags not given at their defaults; the parser's error for one given
+    that --peer does not read, and for --no-eager without --compile (nothing to skip beside)."""
+    for peer, flags in PEER_ONLY.items():
+        given = [f"--{name.replace('_', '-')}" for name in flags if getattr(args, name) is not None]
+        if given and peer != args.peer:
+            parser.error(f"{', '.join(given)}: not read with --peer {args.peer}, only with --peer {peer}")
+        for name, default in flags.items():
+            setattr(args, name, default if getattr(args, name) is None else getattr(args, name))
+    if args.no_eager and not args.compile:
+        parser.error("--no-eager skips the eager rows beside --compile's: give --compile too")
+    return args
 
 
 def plan_rows(args) -> list[dict]:
     """The (engine, mode, compiled, batch) rows to run, in order: every mode at the first batch
     size (batch 1, the goal figures) before the next batch size."""
     rows = []
-    for batch in [int(b) for b in args.batch.split(",")]:
+    for batch in args.batch:
         for mode in args.modes.split(","):
             if not args.no_eager or not args.compile:
                 rows.append(dict(engine="gptlab", mode=mode, compiled=False, batch=batch))
@@ -368,11 +397,12 @@ def run_row(row, models, hf_models, idx_by_batch, args, probe) -> dict:
 
 
 def check_run(args, config: GPTConfig) -> None:
-    """Refuse, before any work, a run the preset cannot take: transformers' GPT2LMHeadModel (unless
-    --no-hf) stops at the model's block_size positions, where gptlab slides its window, and runs
-    only GPT-2's own architecture."""
-    if min(int(b) for b in args.batch.split(",")) < 1:
-        raise ValueError(f"--batch {args.batch}: every batch size must be at least 1")
+    """Refuse, before any work, a mode not in MODES (build_mode's error came after minutes of
+    probing) and a run the preset cannot take: transformers' GPT2LMHeadModel (unless --no-hf)
+    stops at the model's block_size positions, where gptlab slides its window, and runs only
+    GPT-2's own architecture."""
+    if unknown := [mode for mode in args.modes.split(",") if mode not in MODES]:
+        raise ValueError(f"--modes {args.modes}: unknown {', '.join(unknown)}; choose from {', '.join(MODES)}")
     if args.no_hf:
         return
     if args.prompt_len + args.new_tokens > config.block_size:
@@ -407,10 +437,7 @@ def main(argv=None) -> int:
     for mode, why in skipped.items():
         print(f"skipping {mode}: {why}")
     gen = torch.Generator().manual_seed(args.seed)
-    idx_by_batch = {
-        b: torch.randint(0, config.vocab_size, (b, args.prompt_len), generator=gen)
-        for b in [int(x) for x in args.batch.split(",")]
-    }
+    idx_by_batch = {b: torch.randint(0, config.vocab_size, (b, args.prompt_len), generator=gen) for b in args.batch}
     print(f"machine: {machine()}")
     probe = BandwidthProbe(args.probe_mib * 2**20)
     bandwidth = probe.measure()
