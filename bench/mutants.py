@@ -1022,6 +1022,9 @@ MUTANTS = [
     Mutant("bench/generate-unknown-mode-found-after-probing", "bench/generate.py",
            'if unknown := [mode for mode in args.modes.split(",") if mode not in MODES]:', "if unknown := []:",
            ("tests/test_bench.py", "-k", "transformers_cannot_run")),
+    Mutant("bench/generate-noisy-repeat-not-run-again", "bench/generate.py",
+           "< repeats and len(tn) < 2 * repeats:", "< repeats and len(tn) < repeats:",
+           ("tests/test_bench.py", "-k", "own_prefill")),
 ]
 # fmt: on
 # The swapped-name mutant needs its table in the module: appended to hf.py with it.

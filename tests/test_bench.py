@@ -30,7 +30,8 @@ def test_bench_generate_writes_both_engines_and_the_bandwidth_shares(tmp_path, c
     assert ours["same_tokens_as_transformers"] is True
     for row in (ours, theirs):
         assert row["decode_tok_s"] > 0 and row["prefill_tok_s"] > 0
-        assert len(row["bandwidth_probes_gbs"]) == 2 and row["bandwidth_gbs"] == max(row["bandwidth_probes_gbs"])
+        # before the repeat and after it, and before a repeat run again (noise: 6 tokens' run beat 1 token's)
+        assert len(row["bandwidth_probes_gbs"]) in (2, 3) and row["bandwidth_gbs"] == max(row["bandwidth_probes_gbs"])
         limit = row["bandwidth_gbs"] * 1e9 / row["weight_bytes_per_token"]
         assert row["bandwidth_share"] == pytest.approx(row["decode_tok_s"] / limit, abs=1e-3)
     assert 0 < ours["linears_only_share"] and ours["linears_only_ms"] > 0
@@ -167,13 +168,15 @@ def test_bench_counts_below_one_are_refused_as_the_flag_is_read(bench, flag, cap
 def test_decode_is_timed_from_each_repeats_own_prefill(monkeypatch):
     """The best prefill and the best full run came from different repeats: a repeat whose prefill
     ran slow made the other's full run look shorter than prefill, and decode 3,000,000,000 tok/s.
-    Now each repeat's full run less its own prefill, the best of those, or an error if none."""
+    Now each repeat's full run less its own prefill, the best of those; a repeat without one is run
+    again, and where none gives one, an error."""
     from types import SimpleNamespace
 
     import gptlab.bench.generate as bench
 
     now = [0.0]
-    durations = iter([0.0, 1.0, 1.5, 1.6, 0.9])  # warm-up; repeat 1: prefill 1.0, full 1.5; repeat 2: 1.6, 0.9
+    # warm-up; repeat 1: prefill 1.0, full run 1.5; repeat 2: 1.6, 0.9 (noise), run again: 0.8, 1.4
+    durations = iter([0.0, 1.0, 1.5, 1.6, 0.9, 0.8, 1.4])
 
     def run(idx, n):
         now[0] += next(durations)
@@ -182,8 +185,8 @@ def test_decode_is_timed_from_each_repeats_own_prefill(monkeypatch):
     monkeypatch.setattr(bench, "time", SimpleNamespace(perf_counter=lambda: now[0]))
     result = bench.time_engine(run, torch.zeros(2, 4, dtype=torch.long), new_tokens=11, repeats=2)
     assert result["decode_tok_s"] == 2 * 10 / 0.5 and result["decode_ms_per_step"] == 50.0  # repeat 1's 0.5 s
-    assert result["prefill_tok_s"] == 2 * 4 / 1.0 and result["e2e_tok_s"] == round(2 * 11 / 0.9, 2)
-    durations = iter([0.0, 1.0, 0.9])
+    assert result["prefill_tok_s"] == 2 * 4 / 0.8 and result["e2e_tok_s"] == round(2 * 11 / 0.9, 2)
+    durations = iter([0.0, 1.0, 0.9, 1.0, 0.9])  # run again once (repeats=1), to no avail
     with pytest.raises(ValueError, match="took no longer than its 1-token prefill"):
         bench.time_engine(run, torch.zeros(1, 4, dtype=torch.long), new_tokens=11, repeats=1)
 

@@ -159,14 +159,16 @@ def hf_engine(hf):
 
 
 def time_engine(run, idx, new_tokens: int, repeats: int, probe: BandwidthProbe | None = None) -> dict:
-    """Best-of-`repeats` times for prefill (1 new token) and the full generation; with a probe,
-    the memory bandwidth measured before each repeat and after the last (`bandwidth_gbs`, best)."""
+    """Best-of-`repeats` times for prefill (1 new token), decoding (best_decode) and the full
+    generation; with a probe, the memory bandwidth measured before each repeat and after the last
+    (`bandwidth_gbs`, best). A repeat whose full run took no longer than its own prefill (noise on a
+    tiny model) is run again, up to `repeats` more times."""
     first_t0 = time.perf_counter()
     out = run(idx, new_tokens)  # warm-up; with a compiled step, this call compiles
     first = time.perf_counter() - first_t0
     t1, tn, bandwidths = [], [], []
     with torch.no_grad():
-        for _ in range(repeats):
+        while sum(n > one for one, n in zip(t1, tn, strict=True)) < repeats and len(tn) < 2 * repeats:
             if probe is not None:
                 bandwidths.append(probe.measure()["bandwidth_gbs"])
             t0 = time.perf_counter()
