@@ -1025,6 +1025,10 @@ MUTANTS = [
     Mutant("bench/generate-noisy-repeat-not-run-again", "bench/generate.py",
            "< repeats and len(tn) < 2 * repeats:", "< repeats and len(tn) < repeats:",
            ("tests/test_bench.py", "-k", "own_prefill")),
+    Mutant("bench/train-device-left-to-torch", "bench/train.py", '        check_device(args.device, "--device")\n',
+           "        pass\n", ("tests/test_bench.py", "-k", "device_it_cannot")),
+    Mutant("bench/quantize-model-checked-after-the-random-rows", "bench/quantize.py",
+           "            load_config(args.model)\n", "            pass\n", ("tests/test_bench.py", "-k", "quantize_checks")),
 ]
 # fmt: on
 # The swapped-name mutant needs its table in the module: appended to hf.py with it.

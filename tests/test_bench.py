@@ -92,6 +92,32 @@ def test_bench_generate_refuses_a_bad_batch_and_flags_its_peer_does_not_read(arg
     assert (args.batch, args.depth, args.kv_cache, args.peer_isa, args.no_hf) == ((1, 4), 0, "auto", "native", False)
 
 
+@pytest.mark.parametrize(
+    "device, message",
+    [("tpu", "--device tpu: not a device name"), ("cuda:0", "--device cuda:0: no CUDA device is available")],
+)
+def test_bench_train_names_a_device_it_cannot_use(device, message, monkeypatch, capsys):
+    """--device cuda on a CPU-only build was torch's AssertionError traceback, --device tpu a RuntimeError."""
+    from gptlab.bench import train
+    from gptlab.cli import main as cli
+
+    if device.startswith("cuda") and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    monkeypatch.setattr(train, "run_dtype", None)  # nothing runs before the check
+    assert cli(["bench", "train", "--device", device, "--out", ""]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_bench_quantize_checks_its_model_before_the_random_rows(tmp_path, monkeypatch, capsys):
+    """--model /nope was refused after minutes of the random gpt2 model's rows."""
+    from gptlab.bench import quantize
+    from gptlab.cli import main as cli
+
+    monkeypatch.setattr(quantize, "random_gpt2_rows", None)  # nothing runs before the check
+    assert cli(["bench", "quantize", "--model", str(tmp_path / "nope"), "--out", ""]) == 2
+    assert f"--model {tmp_path / 'nope'}: not a directory in the Hugging Face layout" in capsys.readouterr().err
+
+
 def test_results_are_written_and_named_or_with_out_empty_not_written(tmp_path, monkeypatch, capsys):
     """Every bench writes through write_results: a JSON file whose path it prints, or with `--out ''`
     nothing at all (gemm, nanogpt, recipes, serve, speculative and train wrote into the working

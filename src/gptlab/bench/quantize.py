@@ -156,7 +156,14 @@ def perplexity_rows(args, text: str) -> dict:
 
 
 def main(argv=None) -> int:
+    from gptlab.loading import load_config
+
     args = parse_args(argv or [])
+    if args.model:  # before minutes of the random model's rows
+        try:
+            load_config(args.model)
+        except ValueError as e:
+            raise ValueError(f"--model {e}") from e
     if args.threads:
         torch.set_num_threads(args.threads)
     text = Path(args.data).read_text()

@@ -153,7 +153,11 @@ def run_dtype(args, dtype_name: str, device) -> dict:
 def main(argv=None) -> int:
     import torch
 
+    from gptlab.loading import check_device
+
     args = parse_args(argv or [])
+    if args.device:  # a name torch does not know (tpu), or cuda on a CPU-only build, said as such
+        check_device(args.device, "--device")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     from gptlab import gemm, kernels
 
