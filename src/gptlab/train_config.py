@@ -213,7 +213,7 @@ class TrainConfig:
     def with_overrides(self, overrides: list[str] | dict) -> TrainConfig:
         """A copy with fields replaced; `overrides` is a dict or ["key=value", ...] (strings parsed by field type)."""
         if not isinstance(overrides, dict):
-            overrides = dict(_split_override(o) for o in overrides)
+            overrides = dict(split_override(o) for o in overrides)
         overrides = _renamed(overrides)
         fields = {f.name: f for f in dataclasses.fields(self)}
         unknown = sorted(set(overrides) - set(fields))
@@ -260,7 +260,7 @@ def _renamed(overrides: dict) -> dict:
     return out
 
 
-def _split_override(text: str) -> tuple[str, str]:
+def split_override(text: str) -> tuple[str, str]:
     """Split key=value (a leading -- and dashes in the key are accepted: --max-steps=5 is max_steps=5)."""
     key, sep, value = text.lstrip("-").partition("=")
     if not sep:

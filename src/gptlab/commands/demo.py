@@ -142,8 +142,10 @@ OWN_SETTINGS = {"data_dir": "data", "out_dir": "run"}
 
 def check_overrides(overrides: list[str]) -> None:
     """ValueError for a --set of a setting the demo gives itself (OWN_SETTINGS), pointing to --out."""
+    from gptlab.train_config import split_override
+
     for text in overrides:
-        key = text.lstrip("-").partition("=")[0].strip().replace("-", "_")  # as TrainConfig reads a --set
+        key = split_override(text)[0]
         if key in OWN_SETTINGS:
             raise ValueError(f"--set {text}: the demo sets {key} itself, to {OWN_SETTINGS[key]}/ under --out; "
                              f"give --out DIR instead (default runs/demo)")  # fmt: skip
