@@ -502,3 +502,7 @@ def test_compiled_decode_step_matches_eager():
     with model.hooks([("blocks.0.hook_resid_post", lambda x, hook: x + 1)]):
         with pytest.raises(ValueError, match="hooks registered"):
             generate(model, prompts, 10, temperature=0, compiled_step=step)
+    handle = model.transformer.h[0].mlp.register_forward_hook(lambda module, args, out: out + 1)  # torch's own
+    with pytest.raises(ValueError, match="hooks registered"):
+        generate(model, prompts, 10, temperature=0, compiled_step=step)
+    handle.remove()

@@ -454,6 +454,8 @@ def test_malformed_json_and_large_bodies(url, client):
     assert r.status_code == 400 and r.json()["error"]["message"].startswith(
         "prompt: must be str or list[str] or list[int]"
     )
+    r = post(url, {"model": NAME, "prompt": "hi", "stream": True, "stream_options": {"include_usage": "yes"}})
+    assert r.json()["error"]["message"].startswith("stream_options.include_usage: Input should be a valid boolean")
     r = post(url, {"model": NAME, "prompt": "x" * 100_000})
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
     assert_ok_after(client)

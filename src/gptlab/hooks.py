@@ -112,11 +112,6 @@ def _unknown(name: str, points: dict[str, HookPoint]) -> str:
     return f"no hook point {name} (the model has blocks 0-{len(blocks) - 1}; {hint}; model.hook_points() lists all {len(points)})"  # fmt: skip
 
 
-def hooked(model: nn.Module) -> bool:
-    """Whether any of the model's hook points has a hook registered."""
-    return any(isinstance(m, HookPoint) and m.active for m in model.modules())
-
-
 def _select(points: dict[str, HookPoint], names) -> list[HookPoint]:
     """names: None (all), a name, a list of names, or a predicate on names."""
     if names is None:

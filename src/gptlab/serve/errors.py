@@ -126,8 +126,9 @@ def _union_error(errors: list[dict], request: Request) -> APIError | None:
     model, loc = _body_model(request), tuple(errors[0].get("loc", ()))
     if model is None or len(loc) < 3 or loc[0] != "body" or loc[1] not in model.model_fields:
         return None
-    if not isinstance(model.model_fields[loc[1]].annotation, types.UnionType):
-        return None
+    annotation = model.model_fields[loc[1]].annotation
+    if not isinstance(annotation, types.UnionType) or len([t for t in annotation.__args__ if t is not type(None)]) < 2:
+        return None  # one type (or `X | None`: loc[2] is then a field of X, not a type's name)
     kinds = list(dict.fromkeys(str(e["loc"][2]) for e in errors if tuple(e["loc"][:2]) == loc[:2] and len(e["loc"]) > 2))  # fmt: skip
     got = json.dumps(errors[0].get("input"), default=str)[:200]
     return APIError(400, f"{loc[1]}: must be {' or '.join(kinds)} (got {got})", param=str(loc[1]), code="invalid_value")  # fmt: skip
