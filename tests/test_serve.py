@@ -591,6 +591,10 @@ def test_explorer_takes_token_ids_and_labels_split_characters(url, model, tok):
         probs = torch.softmax(model(torch.tensor([ids]))[0][0, -1], dim=-1)
     assert [c["id"] for c in data["candidates"]] == probs.topk(5).indices.tolist()
     assert data["prompt_tokens"] == ["c", "a", "f", "\\xc3"]
+    # <|endoftext|> in text is the token, as completions reads it: the page shows a pick after an
+    # empty prompt (<|endoftext|> alone) as "<|endoftext|>A", which read back as 15 byte tokens
+    picked = httpx.post(f"{url}/api/tokens", json={"prompt": [EOS, 65]}).json()["text"]
+    assert [t["id"] for t in httpx.post(f"{url}/api/tokens", json={"prompt": picked}).json()["tokens"]] == [EOS, 65]
     tokens = httpx.post(f"{url}/api/tokens", json={"prompt": ids + [10]}).json()
     assert [t["id"] for t in tokens["tokens"]] == ids + [10] and tokens["text"] == "caf\ufffd\n"
     assert [t["label"] for t in tokens["tokens"]][-2:] == ["\\xc3", "\\n"]

@@ -220,6 +220,17 @@ def test_a_picked_token_is_continued_by_its_id_in_chromium(browser):
         page.keyboard.press("Enter")
         page.wait_for_function(spans, arg=3)
         assert page.input_value("#prompt") == "caf"
+        # a pick after an empty prompt continues <|endoftext|>, shown as such; Go on it is no new step
+        page.fill("#prompt", "")
+        page.click("#go")
+        page.wait_for_function("document.querySelector('#status').textContent === '1 tokens'")
+        page.click(".candidate >> nth=0")
+        page.wait_for_function("document.querySelector('#status').textContent === '2 tokens'")
+        assert page.input_value("#prompt") == "<|endoftext|>\ufffd" and sent[-1]["prompt"] == [256, lead]
+        steps = page.evaluate(chips)
+        page.click("#go")
+        page.wait_for_function("document.querySelector('#status').textContent === '2 tokens'")
+        assert page.evaluate(chips) == steps  # the step's text was "\ufffd", the box's its decoding
     assert errors == [], errors
 
 

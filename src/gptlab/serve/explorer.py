@@ -1,7 +1,8 @@
 """The explorer's JSON endpoints: next-token candidates, per-token surprisal, attention maps, the
 logit lens and activation patching.
 
-All take {"prompt": str or [token ids], ...} by POST; an empty prompt means <|endoftext|> alone.
+All take {"prompt": str or [token ids], ...} by POST; an empty prompt means <|endoftext|> alone,
+and <|endoftext|> in a text is that token (as /v1/completions reads it).
 The page sends ids once a token was picked, so it continues from the token chosen (a piece of a
 character, or a token that re-encoding the text would merge with the one before) and not from
 its text. Each token comes with its `label` for display (`gptlab.inspect.token_label`: bytes of
@@ -91,7 +92,11 @@ class Explorer:
     def _ids(self, prompt: str | list[int], param: str = "prompt") -> list[int]:
         """The token ids of a prompt given as text or as ids (`param` names its field in errors)."""
         tok, c = self.state.tokenizer, self.state.model.config
-        ids = (tok.encode(prompt) if isinstance(prompt, str) else list(prompt)) or [tok.eot_token]
+        # <|endoftext|> in text is the token, as in completions: a pick after an empty prompt (read
+        # as <|endoftext|> alone) shows it, and the text must read back as the ids it shows
+        ids = (tok.encode(prompt, allowed_special="all") if isinstance(prompt, str) else list(prompt)) or [
+            tok.eot_token
+        ]
         bad = next((t for t in ids if not 0 <= t < c.vocab_size), None)
         if bad is not None:
             raise APIError(400, f"{param}: token id {bad} is outside the vocabulary [0, {c.vocab_size})", param=param, code="invalid_value")  # fmt: skip

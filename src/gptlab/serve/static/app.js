@@ -310,7 +310,8 @@ function renderHistory() {
     const item = document.createElement("li");
     const button = document.createElement("button");
     button.type = "button";
-    button.textContent = step.added !== null ? show(step.added) : `\u270e \u2026${show(step.text.slice(-16))}`;
+    const end = step.text.slice(-16).replace(/\n/g, "\\n").replace(/\t/g, "\\t"); // escaped as labels are
+    button.textContent = step.added !== null ? show(step.added) : `\u270e \u2026${show(end)}`;
     button.title = step.text;
     if (i === state.current) item.className = "current";
     button.addEventListener("click", () => goTo(i));
@@ -321,7 +322,8 @@ function renderHistory() {
 
 function record(step) {
   const last = state.history[state.current];
-  const same = last && last.text === step.text && JSON.stringify(last.ids) === JSON.stringify(step.ids);
+  // the same prompt: the same ids once a token was picked (the text shown may since be their decoding)
+  const same = last && (step.ids ? JSON.stringify(last.ids) === JSON.stringify(step.ids) : !last.ids && last.text === step.text);
   if (same) return; // Predict again on the same prompt is not a step (Back would seem to do nothing)
   state.history = state.history.slice(0, state.current + 1);
   state.history.push(step);
