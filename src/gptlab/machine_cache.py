@@ -22,7 +22,7 @@ import torch
 log = logging.getLogger(__name__)
 
 # Settings that hold the libraries to fewer instructions than the CPU has (e.g. to stand in for an
-# AVX2-only CPU, gptlab.bench.generate.AVX2_ENV): a timing taken without them does not hold with
+# AVX2-only CPU, gptlab.bench.isa.AVX2_ENV): a timing taken without them does not hold with
 # them (bf16 under ONEDNN_MAX_CPU_ISA=AVX2 on a Zen 5: 45 s a demo step).
 ISA_SETTINGS = ("GPTLAB_KERNELS", "GPTLAB_GEMM", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
 # Values that ask for what no setting gives (gptlab.kernels reads them stripped and lowercased): the

@@ -31,6 +31,7 @@ import torch
 
 from gptlab import cpu, hf, kernels
 from gptlab.bench.common import add_out_argument, at_least, machine, positive, repeat_seconds, write_results
+from gptlab.bench.isa import AVX2_ENV, ISA_ENV
 from gptlab.config import GPTConfig
 from gptlab.kv_cache import cache_dtype
 from gptlab.meta import meta_device
@@ -234,28 +235,6 @@ def time_linears(model, probe: BandwidthProbe | None = None, passes: int = 10, r
 
 # ---------------------------------------------------------------------------------------------
 # The run
-
-
-# What holds gptlab to the instruction set of a --peer-isa build of llama.cpp: its own kernels,
-# PyTorch's vectorized ops, oneDNN and MKL. Read when each library starts, so set before the run.
-# avx2: AVX2-only CPUs such as AMD Zen 1-3; avx512-vnni: Intel's Ice Lake servers (AVX-512 with
-# VNNI, no BF16 or AMX: this project's first Xeon; MKL's AVX512_E2 is Ice Lake's level).
-AVX2_ENV = {
-    "GPTLAB_KERNELS": "avx2",
-    "ATEN_CPU_CAPABILITY": "avx2",
-    "ONEDNN_MAX_CPU_ISA": "AVX2",
-    "MKL_ENABLE_INSTRUCTIONS": "AVX2",
-}
-ISA_ENV = {
-    "native": {},
-    "avx2": AVX2_ENV,
-    "avx512-vnni": {
-        "GPTLAB_KERNELS": "avx512",
-        "ATEN_CPU_CAPABILITY": "avx512",
-        "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_VNNI",
-        "MKL_ENABLE_INSTRUCTIONS": "AVX512_E2",
-    },
-}
 
 
 def isa_env_missing(isa: str) -> dict:

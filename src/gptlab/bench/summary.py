@@ -27,7 +27,7 @@ import logging
 from datetime import datetime, timezone
 from pathlib import Path
 
-from gptlab.bench.generate import ISA_ENV
+from gptlab.bench.isa import ISA_ENV
 
 log = logging.getLogger(__name__)
 
