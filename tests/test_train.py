@@ -479,7 +479,8 @@ def test_ddp_ranks_share_one_clock_under_max_time(byte_data, tmp_path):
     done, ranks = run_ranks(cfg, tmp_path / "ranks", DDP_LATE_RANK_S="1")
     assert done.returncode == 0, done.stderr[-3000:]
     steps = len(ranks[0]["lrs"])
-    assert steps > 3 and ranks[0]["lrs"] == ranks[1]["lrs"]  # the same lr at every step, to the bit
+    # the same lr at every step, to the bit (steps: ~2 s of two ranks; at least 2 on a loaded machine)
+    assert steps >= 2 and ranks[0]["lrs"] == ranks[1]["lrs"]
     assert run_files.latest_checkpoint(tmp_path / "run").name == run_files.checkpoint_name(steps)
 
 
