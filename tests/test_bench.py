@@ -20,8 +20,10 @@ needs_kernels = pytest.mark.skipif(
 
 
 def test_bench_generate_writes_both_engines_and_the_bandwidth_shares(tmp_path, capsys):
-    args = ["--preset", "gpt2-tiny", "--modes", "fp32", "--batch", "1", "--prompt-len", "5", "--new-tokens", "6",
-            "--repeats", "1", "--probe-mib", "16", "--out", str(tmp_path)]  # fmt: skip
+    # 32 new tokens, 2 repeats: with 6 and 1, a loaded CI machine once had both tries' full run
+    # no longer than their prefill, leaving no decode time to report
+    args = ["--preset", "gpt2-tiny", "--modes", "fp32", "--batch", "1", "--prompt-len", "5", "--new-tokens", "32",
+            "--repeats", "2", "--probe-mib", "16", "--out", str(tmp_path)]  # fmt: skip
     assert main(args) == 0
     (path,) = tmp_path.glob("generate-*.json")
     results = json.loads(path.read_text())
@@ -30,8 +32,8 @@ def test_bench_generate_writes_both_engines_and_the_bandwidth_shares(tmp_path, c
     assert ours["same_tokens_as_transformers"] is True
     for row in (ours, theirs):
         assert row["decode_tok_s"] > 0 and row["prefill_tok_s"] > 0
-        # before the repeat and after it, and before a repeat run again (noise: 6 tokens' run beat 1 token's)
-        assert len(row["bandwidth_probes_gbs"]) in (2, 3) and row["bandwidth_gbs"] == max(row["bandwidth_probes_gbs"])
+        # before each repeat and after the last, and before a repeat run again (noise: a full run beat its prefill)
+        assert 3 <= len(row["bandwidth_probes_gbs"]) <= 5 and row["bandwidth_gbs"] == max(row["bandwidth_probes_gbs"])
         limit = row["bandwidth_gbs"] * 1e9 / row["weight_bytes_per_token"]
         assert row["bandwidth_share"] == pytest.approx(row["decode_tok_s"] / limit, abs=1e-3)
     assert 0 < ours["linears_only_share"] and ours["linears_only_ms"] > 0
