@@ -892,6 +892,9 @@ MUTANTS = [
            ("tests/test_hooks.py", "-k", "order")),
     Mutant("hooks/targets-dropped", "hooks.py", 'if forward_kwargs.get("targets") is not None:', "if False:",
            ("tests/test_hooks.py", "-k", "names_filter")),
+    Mutant("speculative/draft-window-counted-from-the-row-start", "speculative.py",
+           "chunks = [r[d + n :] for r, d, n in", "chunks = [r[n:] for r, d, n in",
+           ("tests/test_speculative.py", "-k", "slides")),
     # the explorer page (tests/test_serve_browser.py drives it in Chromium)
     Mutant("explorer/picked-token-sent-as-its-text", "serve/static/app.js",
            '  return state.ids ?? $("prompt").value;', '  return $("prompt").value;',

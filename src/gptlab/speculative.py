@@ -343,14 +343,18 @@ class _Draft:
         self.model = model
         self.cache = RowCache(model, batch_size, max_len)
         self.keep = max_len * 3 // 4
+        self.dropped = [0] * batch_size  # each row's tokens before the cache's window (cut at a re-encode)
 
     def propose(self, rows, k, params, seen, generator) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Drafts (B, k) and, when sampling, the distributions they were drawn from, q (B, k, V)."""
         cache = self.cache
-        chunks = [r[n:] for r, n in zip(rows, cache.lengths, strict=True)]
+        # What the cache lacks of each row: counted from the window's start, not the row's (from
+        # the row's, once the window slid, every step's chunk outgrew the room and re-encoded)
+        chunks = [r[d + n :] for r, d, n in zip(rows, self.dropped, cache.lengths, strict=True)]
         if max(map(len, chunks)) + k - 1 > cache.room:  # encode again; leave room for k - 1 more
             fits = cache.cache.max_len - k + 1
             chunks = encode_rows(cache, rows, min(self.keep, fits), fits)
+            self.dropped = [len(r) - n - len(c) for r, n, c in zip(rows, cache.lengths, chunks, strict=True)]
         logits = cache.feed(chunks)[:, -1]  # (B, V)
         seen = None if seen is None else seen.clone()
         drafts, qs = [], []
