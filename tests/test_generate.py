@@ -468,6 +468,10 @@ def test_cli_bad_sampling_value_is_one_line_error(echo_dir, capsys):
     for flags, message in ignored.items():
         assert main(["generate", "--model", echo_dir, *flags]) == 2
         assert message in capsys.readouterr().err
+    # refused before the prompt is printed (it printed "abc", then the error)
+    assert main(["generate", "--model", echo_dir, "--prompt", "abc", "--compile", "--prompt-lookup", "2"]) == 2
+    said = capsys.readouterr()
+    assert "--compile compiles plain decoding" in said.err and said.out == ""
 
 
 def test_cli_sampling_flags_are_the_sampling_params_fields():

@@ -362,6 +362,7 @@ def test_prompt_lookup_proposes_what_followed_the_longest_match():
         (dict(num_draft_tokens=0), "num_draft_tokens"),
         (dict(prompt_lookup=2, draft_model="self"), "not both"),
         (dict(draft_model="other-vocab"), "vocabulary"),
+        (dict(draft_model="gpt2"), "draft_model must be a loaded model"),  # a spec: was an AttributeError
         (dict(prompt_lookup=2, window_keep=0), r"window_keep must be in \[1, block_size\], got 0"),  # was the default
         (dict(prompt_lookup=2, window_keep=33), "got 33"),
     ],
@@ -377,6 +378,14 @@ def test_bad_settings_raise_value_error(kwargs, match):
 
 
 # --- the benchmark -----------------------------------------------------------------------------------
+
+
+def test_bench_speculative_refuses_a_draft_of_more_blocks_than_the_model(tmp_path):
+    from gptlab.bench.speculative import main
+
+    # gpt2-tiny has 2 blocks: 5 was an AttributeError from the fused step
+    with pytest.raises(ValueError, match="--draft-layers 5: an early-exit draft takes at most the model's 2 blocks"):
+        main(["--model", "gpt2-tiny", "--draft-layers", "5", "--parts", "draft", "--out", str(tmp_path)])
 
 
 def test_bench_speculative_runs_every_part_and_keeps_plain_tokens(tmp_path, capsys):

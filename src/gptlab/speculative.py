@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 import torch
 
 from gptlab import kernels
+from gptlab.config import GPTConfig
 from gptlab.kv_cache import KVCache, model_device_dtype
 from gptlab.kv_cache import window_keep as window_keep_of
 from gptlab.sampling import SamplingParams, draw, probabilities, sample_next, seen_tokens
@@ -386,6 +387,8 @@ def check_speculation(model, draft_model, prompt_lookup: int, num_draft_tokens: 
         raise ValueError("choose one proposer: draft_model or prompt_lookup, not both")
     if draft_model is None:
         return
+    if not isinstance(getattr(draft_model, "config", None), GPTConfig):  # a spec string was an AttributeError
+        raise ValueError(f"draft_model must be a loaded model (gptlab.load_model(spec)), got {type(draft_model).__name__}")  # fmt: skip
     if draft_model.config.vocab_size != model.config.vocab_size:
         raise ValueError(
             f"the draft model's vocabulary ({draft_model.config.vocab_size}) differs from the model's "

@@ -66,6 +66,8 @@ def parse_args(argv) -> argparse.Namespace:
 def early_exit_draft(model: GPT, n_layer: int) -> GPT:
     """A draft made of the target's first n_layer blocks, its embeddings, final norm and head
     (shared tensors, no copy)."""
+    if not 1 <= n_layer <= model.config.n_layer:  # more blocks than it has: an AttributeError deep in the step
+        raise ValueError(f"--draft-layers {n_layer}: an early-exit draft takes at most the model's {model.config.n_layer} blocks")  # fmt: skip
     config = type(model.config).from_dict({**model.config.to_dict(), "n_layer": n_layer})
     with meta_device():
         draft = GPT(config)

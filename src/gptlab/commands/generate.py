@@ -113,6 +113,8 @@ def check_flags(args, params) -> None:
         raise ValueError("-i continues the conversation once per turn: drop --num-samples")
     if args.num_draft_tokens is not None and not (args.draft_model or args.prompt_lookup):
         raise ValueError("--num-draft-tokens sizes speculative decoding: add --draft-model or --prompt-lookup")
+    if args.compile and (args.draft_model or args.prompt_lookup):  # before the prompt is printed, not after
+        raise ValueError("--compile compiles plain decoding: it does not apply with --draft-model or --prompt-lookup")
 
 
 def read_prompt(args) -> str:
