@@ -127,7 +127,7 @@ def test_gptlabs_gemm_forced_without_gptlabs_kernels_is_torch_said_once(monkeypa
     gptlab.kernels` named gptlab's: the choice is torch, with one warning."""
     monkeypatch.setenv("GPTLAB_KERNELS", "0")
     monkeypatch.setenv("GPTLAB_GEMM", "gptlab")
-    gemm._warn_once.cache_clear()
+    kernels.warn_once.cache_clear()
     with caplog.at_level("WARNING", logger="gptlab.gemm"):
         assert gemm.gemm_choice() == gemm.prompt_gemm_choice(64) == gemm.bf16_prompt_gemm_choice() == "torch"
     said = [r.message for r in caplog.records if r.name == "gptlab.gemm"]

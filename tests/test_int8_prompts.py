@@ -223,7 +223,7 @@ def test_a_forced_int8_product_that_cannot_run_here_is_warned_of_once(
     monkeypatch.setenv("GPTLAB_KERNELS", "auto" if kernels_on else "0")
     monkeypatch.setenv("GPTLAB_INT8_GEMM", forced)
     monkeypatch.setattr(ops, "fbgemm_int8_is_exact", lambda: exact)
-    int8_prompts._warn_once.cache_clear()
+    kernels.warn_once.cache_clear()
     with caplog.at_level("WARNING", logger="gptlab.int8_prompts"):
         for _ in range(2):
             Int8Linear.from_linear(nn.Linear(32, 16), "int8").prepare()

@@ -11,7 +11,6 @@ a layer's y = b + x W^T, reading the weights in place up to NT_ROWS rows.
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 
@@ -71,15 +70,10 @@ def _gemm_env() -> str:
     if want not in GEMM_CHOICES:
         raise ValueError(f"GPTLAB_GEMM={want!r}: expected one of {', '.join(GEMM_CHOICES)}")
     if want == "gptlab" and kernels.library() is None:
-        _warn_once(f"GPTLAB_GEMM=gptlab is ignored: gptlab's kernels are not running ({kernels.available()[2]}); "
+        kernels.warn_once(log, f"GPTLAB_GEMM=gptlab is ignored: gptlab's kernels are not running ({kernels.available()[2]}); "
                    "PyTorch's GEMM runs")  # fmt: skip
         return "torch"
     return want
-
-
-@functools.cache
-def _warn_once(message: str) -> None:
-    log.warning(message)  # once per process, not once per layer
 
 
 def _gemm_choice(work: str) -> str:

@@ -124,12 +124,7 @@ def warn_if_forced_in_vain(kernel: bool, exact: bool, no_kernel: str) -> None:
     else:
         why = "without AVX-512 VNNI neither is taken (fbgemm's 16-bit sums would saturate)"
         used = "gptlab's int8 kernel" if kernel else "the weight-only product (bf16 activations)"
-    _warn_once(f"GPTLAB_INT8_GEMM={want} is ignored here: {why}; int8 prompts run {used}")
-
-
-@functools.cache
-def _warn_once(message: str) -> None:
-    log.warning(message)  # once per process, not once per layer
+    kernels.warn_once(log, f"GPTLAB_INT8_GEMM={want} is ignored here: {why}; int8 prompts run {used}")
 
 
 def measure(layer_class: type) -> dict[str, dict[str, float]]:

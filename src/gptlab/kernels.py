@@ -539,6 +539,13 @@ def check(status: int) -> None:
         raise MemoryError("gptlab kernels: out of memory for the activations' scratch buffer")
 
 
+@functools.cache
+def warn_once(logger: logging.Logger, message: str) -> None:
+    """logger.warning(message), once per process: a setting that every layer reads (GPTLAB_GEMM,
+    GPTLAB_INT8_GEMM) would say it once per layer."""
+    logger.warning(message)
+
+
 def describe() -> str:
     """One line for logs and benchmarks: the variant that runs on this CPU, or why none does."""
     float_ok, _, why = available()
