@@ -1032,6 +1032,9 @@ MUTANTS = [
            "        pass\n", ("tests/test_bench.py", "-k", "device_it_cannot")),
     Mutant("bench/quantize-model-checked-after-the-random-rows", "bench/quantize.py",
            "            load_config(args.model)\n", "            pass\n", ("tests/test_bench.py", "-k", "quantize_checks")),
+    Mutant("sft/rows-padded-with-gpt2s-end-whatever-the-tokenizer", "train/setup.py",
+           'common["pad_id"] = get_tokenizer(manifest["tokenizer"]).eot_token', 'common["pad_id"] = 50256',
+           ("tests/test_sft.py", "tests/test_classifier.py", "-k", "byte_tokenize")),
 ]
 # fmt: on
 # The swapped-name mutant needs its table in the module: appended to hf.py with it.

@@ -360,3 +360,20 @@ def test_a_text_longer_than_the_context_is_cut_with_a_warning(caplog):
     assert torch.equal(long, start)  # the same 16 tokens
     assert "text 0 is 44 tokens: its first 16 (block_size) are classified" in caplog.text
     assert "text 1" not in caplog.text
+
+
+def test_a_byte_tokenized_classifier_pads_with_the_byte_tokenizers_end(tmp_path):
+    """The loader padded with GPT-2's 50256 and the new classifier took it as pad_token_id: a byte
+    model (257 tokens) failed at its first batch ("token id 50256 outside the vocabulary")."""
+    from gptlab.loading import load_model
+    from gptlab.tokenizer import get_tokenizer
+    from gptlab.train import TrainConfig, train
+
+    write_records(tmp_path / "d.jsonl", n=12)
+    prepare_classify(tmp_path / "d.jsonl", tmp_path / "data", tokenizer="byte", labels=LABELS, val_fraction=0.25)
+    summary = train(TrainConfig(data_dir=str(tmp_path / "data"), out_dir=str(tmp_path / "r"), n_layer=1, n_head=2,
+                                n_embd=16, block_size=32, batch_size=4, max_steps=1, eval_interval=1, eval_steps=1,
+                                progress=False, precision="float32"))  # fmt: skip
+    clf = load_model(summary["checkpoint"])
+    assert clf.config.pad_token_id == 256
+    assert clf.classify(get_tokenizer("byte"), ["pos x", "neg y y y"]).shape == (2, 3)  # rows of two lengths

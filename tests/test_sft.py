@@ -212,3 +212,16 @@ def test_sft_training_learns_the_responses_and_resumes_exactly(tmp_path, layout)
     loader = ExampleLoader(tmp_path / "d", "train", 4, 128, layout=layout, seed=TrainConfig().seed)
     assert straight["tokens"] == resumed["tokens"] == sum(loader.batch(k)[0].numel() for k in range(8))
     assert (straight["tokens"] < 8 * 4 * 128) == (layout == "pad")
+
+
+@pytest.mark.parametrize("layout", ["pad", "pack"])
+def test_byte_tokenized_examples_are_padded_with_the_byte_tokenizers_end(tmp_path, layout):
+    """Rows were padded with GPT-2's <|endoftext|> (50256) whatever the data's tokenizer: a byte
+    model (257 tokens) stopped at its first batch with "token id 50256 outside the vocabulary"."""
+    from gptlab.train import TrainConfig, train
+
+    prepare_sft(write_jsonl(tmp_path / "a.jsonl", alpaca(12)), tmp_path / "d", tokenizer="byte", val_fraction=0.25)
+    summary = train(TrainConfig(data_dir=str(tmp_path / "d"), out_dir=str(tmp_path / "r"), n_layer=1, n_head=2,
+                                n_embd=16, block_size=256, batch_size=4, max_steps=1, sft_layout=layout,
+                                eval_interval=1, eval_steps=1, progress=False, sample_tokens=0, precision="float32"))  # fmt: skip
+    assert summary["val_loss"] > 0

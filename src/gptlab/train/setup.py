@@ -18,6 +18,7 @@ from gptlab.config import GPTConfig
 from gptlab.data import TokenLoader
 from gptlab.loading import load_model
 from gptlab.model import GPT
+from gptlab.tokenizer import get_tokenizer
 from gptlab.train.muon import Muon
 from gptlab.train_config import TrainConfig
 
@@ -109,16 +110,18 @@ def keep_freed_memory() -> bool:
     return all(mallopt(param, value) == 1 for param, value in MALLOC_SETTINGS.items())
 
 
-def build_model(cfg: TrainConfig, vocab_size: int, device: torch.device, labels: list[str] | None = None) -> GPT:
+def build_model(cfg: TrainConfig, vocab_size: int, device: torch.device, labels: list[str] | None = None,
+                pad_token_id: int = 50256) -> GPT:  # fmt: skip
     """A fresh model from the preset and overrides, or the weights named by init_from; with
-    `labels` (classification data), a classifier over them on that body. Then freezes what
-    cfg.trainable or LoRA (cfg.lora_rank) leaves out of training."""
+    `labels` (classification data), a classifier over them on that body, padded with pad_token_id
+    (the data's tokenizer's <|endoftext|>). Then freezes what cfg.trainable or LoRA (cfg.lora_rank)
+    leaves out of training."""
     model = _base_model(cfg, vocab_size, device)
     if labels is not None:
         from gptlab.classifier import from_language_model
 
         if not model.config.num_labels:
-            model = from_language_model(model, labels)
+            model = from_language_model(model, labels, pad_token_id)
         elif model.config.labels != list(labels):
             raise ValueError(f"{cfg.init_from} classifies {model.config.labels}; the data's labels are {labels}")
     if cfg.lora_rank:
@@ -241,6 +244,8 @@ def build_loaders(cfg: TrainConfig, manifest: dict, dist: Dist):
     common = dict(dtype=manifest["dtype"], rank=dist.rank, world_size=dist.world_size, seed=cfg.seed)
     kind = manifest.get("kind")
     if kind in ("classify", "sft"):  # whole examples: gptlab.classify_data, gptlab.sft
+        # padded with the data's own <|endoftext|>: GPT-2's 50256 is past a byte model's vocabulary
+        common["pad_id"] = get_tokenizer(manifest["tokenizer"]).eot_token
         if kind == "classify":
             from gptlab.classify_data import ClassifyLoader as Loader
         else:

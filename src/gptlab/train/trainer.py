@@ -12,6 +12,7 @@ import torch
 
 from gptlab import run_files
 from gptlab.data import read_manifest
+from gptlab.tokenizer import get_tokenizer
 from gptlab.train import checkpointing, evaluation, setup
 from gptlab.train.evaluation import forward_loss
 from gptlab.train.guards import SpikeGuard
@@ -44,7 +45,8 @@ class Trainer:
         # a LoRA run's base, resolved once: the checkpoint init_from names as the base is loaded
         self.lora_base = checkpointing.lora_base(cfg.init_from) if cfg.lora_rank else None
         labels = manifest["labels"] if manifest.get("kind") == "classify" else None
-        self.raw_model = setup.build_model(cfg, manifest["vocab_size"], self.device, labels).train()
+        pad = get_tokenizer(self.tokenizer_name).eot_token  # a new classifier's pad_token_id
+        self.raw_model = setup.build_model(cfg, manifest["vocab_size"], self.device, labels, pad).train()
         setup.check_tokens(cfg.data_dir, manifest, self.raw_model.config.vocab_size)
         # rank 0 measures precision=auto, and caches its timings; the others take its choice
         self.precision, why = setup.decided_on_rank0(self.dist, self.device, lambda: resolve_precision(
