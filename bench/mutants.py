@@ -1035,6 +1035,9 @@ MUTANTS = [
     Mutant("sft/rows-padded-with-gpt2s-end-whatever-the-tokenizer", "train/setup.py",
            'common["pad_id"] = get_tokenizer(manifest["tokenizer"]).eot_token', 'common["pad_id"] = 50256',
            ("tests/test_sft.py", "tests/test_classifier.py", "-k", "byte_tokenize")),
+    Mutant("classify/csv-byte-order-mark-kept", "sft.py",
+           'text = path.read_text(encoding="utf-8-sig")', 'text = path.read_text(encoding="utf-8")',
+           ("tests/test_classifier.py", "-k", "byte_order")),
 ]
 # fmt: on
 # The swapped-name mutant needs its table in the module: appended to hf.py with it.

@@ -377,3 +377,16 @@ def test_a_byte_tokenized_classifier_pads_with_the_byte_tokenizers_end(tmp_path)
     clf = load_model(summary["checkpoint"])
     assert clf.config.pad_token_id == 256
     assert clf.classify(get_tokenizer("byte"), ["pos x", "neg y y y"]).shape == (2, 3)  # rows of two lengths
+
+
+def test_a_csv_with_a_byte_order_mark_is_read_as_records(tmp_path):
+    """Excel's "CSV UTF-8" starts with a BOM: the first header read "\\ufefftext", so `prepare`
+    took the file for plain text and wrote its bytes as tokens, saying nothing."""
+    from gptlab.cli import main
+
+    (tmp_path / "a.csv").write_bytes(
+        "text,label\nhello there,pos\nbad day,neg\ngood,pos\nawful,neg\n".encode("utf-8-sig")
+    )
+    assert main(["prepare", "--input", str(tmp_path / "a.csv"), "--out", str(tmp_path / "d")]) == 0
+    manifest = json.loads((tmp_path / "d" / "manifest.json").read_text())
+    assert manifest["kind"] == "classify" and manifest["labels"] == ["neg", "pos"]

@@ -127,7 +127,7 @@ def read_records(inputs) -> list[dict]:
     order. Error messages count records from 1, across the inputs (JSONL syntax errors name the line)."""
     records = []
     for path in resolve_inputs(inputs):
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")  # a BOM (Excel's "CSV UTF-8") is not the first key
         try:
             if path.suffix == ".csv":
                 import csv
