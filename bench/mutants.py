@@ -752,8 +752,7 @@ MUTANTS = [
            "positions = (mask.long().cumsum(1) - 1).clamp(min=0)",
            "positions = torch.arange(T, device=idx.device).expand(B, T)", ("tests/test_classifier.py",)),
     Mutant("classify/labels-shuffled-in-batches", "classify_data.py",
-           "return x, torch.from_numpy(self.labels[chosen]), {\"attention_mask\": mask}",
-           "return x, torch.from_numpy(np.sort(self.labels[chosen])), {\"attention_mask\": mask}",
+           "labels = self.labels[chosen].copy()", "labels = np.sort(self.labels[chosen])",
            ("tests/test_classifier.py",)),
     Mutant("classify/empty-label-taken-as-a-label", "classify_data.py",
            'if r.get("label") is None or not str(r["label"]).strip():', 'if r.get("label") is None:',
@@ -1038,6 +1037,9 @@ MUTANTS = [
     Mutant("classify/csv-byte-order-mark-kept", "sft.py",
            'text = path.read_text(encoding="utf-8-sig")', 'text = path.read_text(encoding="utf-8")',
            ("tests/test_classifier.py", "-k", "byte_order")),
+    Mutant("classify/validation-wraps-around-and-scores-texts-twice", "classify_data.py",
+           "labels[self.positions(k) >= len(self)] = IGNORE", "labels[self.positions(k) < 0] = IGNORE",
+           ("tests/test_classifier.py", "-k", "scores_each")),
 ]
 # fmt: on
 # The swapped-name mutant needs its table in the module: appended to hf.py with it.

@@ -203,10 +203,10 @@ def lm_base(directory):
 def cls_config(tmp_path, out, max_steps, resume=False, **overrides):
     from gptlab.train import TrainConfig
 
+    settings = {"eval_interval": 3, "eval_steps": 2, **overrides}
     return TrainConfig(data_dir=str(tmp_path / "data"), out_dir=str(out), init_from=lm_base(tmp_path / "base"),
                        block_size=32, batch_size=4, max_steps=max_steps, lr=3e-3, warmup_steps=0, schedule="constant",
-                       eval_interval=3, eval_steps=2, progress=False, precision="float32", resume=resume,
-                       **overrides)  # fmt: skip
+                       progress=False, precision="float32", resume=resume, **settings)  # fmt: skip
 
 
 def test_lora_classifier_trains_resumes_loads_and_exports(tmp_path, capsys):
@@ -390,3 +390,23 @@ def test_a_csv_with_a_byte_order_mark_is_read_as_records(tmp_path):
     assert main(["prepare", "--input", str(tmp_path / "a.csv"), "--out", str(tmp_path / "d")]) == 0
     manifest = json.loads((tmp_path / "d" / "manifest.json").read_text())
     assert manifest["kind"] == "classify" and manifest["labels"] == ["neg", "pos"]
+
+
+def test_validation_scores_each_example_once(tmp_path):
+    """10 validation texts in batches of 4: the third batch wrapped around to texts 0 and 1, and
+    val_accuracy and val_loss were means over batches that counted those twice."""
+    import torch.nn.functional as F
+
+    from gptlab.train import Trainer
+
+    write_records(tmp_path / "d.jsonl")
+    prepare_classify(tmp_path / "d.jsonl", tmp_path / "data", labels=LABELS, val_fraction=0.25)
+    trainer = Trainer(cls_config(tmp_path, tmp_path / "run", 1, eval_interval=1, eval_steps=20))
+    summary = trainer.run()
+    assert trainer.val_loader.distinct_batches() == 3 and len(trainer.val_loader) == 10
+    whole = ClassifyLoader(tmp_path / "data", "val", 10, 32, mode="sequential", pad_id=PAD)
+    x, labels, extra = whole.batch(0)
+    with torch.no_grad():
+        logits, _ = trainer.raw_model.eval()(x, attention_mask=extra["attention_mask"])
+    assert summary["val_accuracy"] == pytest.approx(float((logits.argmax(-1) == labels).float().mean()), abs=1e-6)
+    assert summary["val_loss"] == pytest.approx(float(F.cross_entropy(logits, labels)), abs=1e-5)

@@ -20,6 +20,8 @@ from gptlab.classifier import GPTForSequenceClassification, pad_rows
 from gptlab.data import MANIFEST, CountedLoader, epoch_permutation, resolve_inputs, token_dtype
 from gptlab.tokenizer import get_tokenizer
 
+IGNORE = -100  # a label F.cross_entropy leaves out (its ignore_index)
+
 
 def prepare_classify(inputs, out_dir, *, tokenizer: str = "gpt2", labels: list[str] | None = None,
                      val_fraction: float = 0.1, seed: int = 0) -> dict:  # fmt: skip
@@ -94,24 +96,32 @@ class ClassifyLoader(CountedLoader):
     def __len__(self) -> int:
         return len(self.labels)
 
+    def positions(self, k: int) -> np.ndarray:
+        """This rank's positions in batch k in the endless stream of epochs (the first pass is 0..n-1)."""
+        first = (k * self.world_size + self.rank) * self.batch_size
+        return first + np.arange(self.batch_size)
+
     def indices(self, k: int) -> np.ndarray:
         """This rank's example indices in batch k."""
-        n, G = len(self), self.batch_size * self.world_size
-        flat = k * G + np.arange(G)  # positions in the endless stream of epochs
+        n, flat = len(self), self.positions(k)
         if self.mode == "sequential":
-            chosen = flat % n
-        else:
-            for e in np.unique(flat // n):
-                if e not in self._orders:
-                    self._orders[e] = epoch_permutation(self.seed, int(e), n)
-            chosen = np.asarray([self._orders[f // n][f % n] for f in flat])
-        return chosen[self.rank * self.batch_size : (self.rank + 1) * self.batch_size]
+            return flat % n
+        for e in np.unique(flat // n):
+            if e not in self._orders:
+                self._orders[e] = epoch_permutation(self.seed, int(e), n)
+        return np.asarray([self._orders[f // n][f % n] for f in flat])
 
     def batch(self, k: int):
+        """x (B, T), label ids (B,) and the attention mask. Sequential batches (validation) label the
+        rows that wrapped around to examples already given IGNORE (-100): the loss and the accuracy
+        leave them out, so a pass scores each example once (they counted the first ones twice)."""
         chosen = self.indices(k)
         rows = [self.tokens[self.offsets[i] : self.offsets[i + 1]][: self.block_size].tolist() for i in chosen]
         x, mask = pad_rows(rows, self.pad_id)
-        return x, torch.from_numpy(self.labels[chosen]), {"attention_mask": mask}
+        labels = self.labels[chosen].copy()
+        if self.mode == "sequential":
+            labels[self.positions(k) >= len(self)] = IGNORE
+        return x, torch.from_numpy(labels), {"attention_mask": mask}
 
 
 @torch.no_grad()

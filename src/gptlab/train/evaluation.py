@@ -21,18 +21,27 @@ def evaluate(trainer) -> dict:
     cfg = trainer.cfg
     trainer.model.eval()
     total = torch.zeros((), device=trainer.device)
-    correct = torch.zeros((), device=trainer.device)
+    correct, scored = torch.zeros((), device=trainer.device), torch.zeros((), device=trainer.device)
     classifier = bool(trainer.raw_model.config.num_labels)
     steps = min(cfg.eval_steps, trainer.val_loader.distinct_batches())  # past that: the same rows again
     for k in range(steps):
         batch = trainer.val_loader.batch(k)
         with autocast(trainer.device, trainer.precision):
             logits, loss = forward_loss(trainer.model, batch, trainer.device)
-        total += loss.float()
-        if classifier:  # logits (B, num_labels) against the labels (B,)
-            correct += (logits.argmax(-1).cpu() == batch[1]).float().mean().to(trainer.device)
-    val_loss = trainer.mean_over_ranks(total / steps)
-    extra = {"val_accuracy": trainer.mean_over_ranks(correct / steps)} if classifier else {}
+        if classifier:  # logits (B, num_labels) against the labels (B,), -100 on rows already scored
+            labels = batch[1].to(trainer.device)
+            rows = (labels != -100).sum()
+            total += loss.float() * rows if rows else 0.0  # a mean over the rows, not over the batches
+            correct += (logits.argmax(-1) == labels).sum()
+            scored += rows
+        else:
+            total += loss.float()
+    if classifier:
+        rows = trainer.mean_over_ranks(scored)
+        val_loss = trainer.mean_over_ranks(total) / rows
+        extra = {"val_accuracy": trainer.mean_over_ranks(correct) / rows}
+    else:
+        val_loss, extra = trainer.mean_over_ranks(total / steps), {}
     text = sample(trainer) if (trainer.dist.is_main or trainer.sharded) and not classifier else ""
     trainer.model.train()
     return dict(step=trainer.step_num, tokens=trainer.tokens_seen, val_loss=val_loss,
