@@ -1040,6 +1040,9 @@ MUTANTS = [
     Mutant("classify/validation-wraps-around-and-scores-texts-twice", "classify_data.py",
            "labels[self.positions(k) >= len(self)] = IGNORE", "labels[self.positions(k) < 0] = IGNORE",
            ("tests/test_classifier.py", "-k", "scores_each")),
+    Mutant("sft/bad-record-named-without-its-file", "sft.py",
+           'raise ValueError(f"{where}: {e}") from e', 'raise ValueError(f"record: {e}") from e',
+           ("tests/test_sft.py", "-k", "file_and_line")),
 ]
 # fmt: on
 # The swapped-name mutant needs its table in the module: appended to hf.py with it.

@@ -225,3 +225,23 @@ def test_byte_tokenized_examples_are_padded_with_the_byte_tokenizers_end(tmp_pat
                                 n_embd=16, block_size=256, batch_size=4, max_steps=1, sft_layout=layout,
                                 eval_interval=1, eval_steps=1, progress=False, sample_tokens=0, precision="float32"))  # fmt: skip
     assert summary["val_loss"] > 0
+
+
+def test_bad_records_name_their_file_and_line(tmp_path):
+    """The errors said "record 32" (counted across the inputs, blank lines skipped) or "the input
+    holds no records", naming no file: they name the file and its line."""
+    from gptlab.classify_data import prepare_classify
+
+    good = write_jsonl(tmp_path / "good.jsonl", alpaca(3))
+    (tmp_path / "bad.jsonl").write_text('{"instruction": "x", "output": "y"}\n\n{"instruction": "x"}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl line 3, record 5: record needs string fields output"):
+        prepare_sft([good, tmp_path / "bad.jsonl"], tmp_path / "d")
+    (tmp_path / "empty.jsonl").write_text("\n")
+    with pytest.raises(ValueError, match="empty.jsonl: no records"):
+        prepare_sft(tmp_path / "empty.jsonl", tmp_path / "d")
+    (tmp_path / "latin.jsonl").write_bytes('{"instruction": "caf\xe9", "output": "y"}\n'.encode("latin-1"))
+    with pytest.raises(ValueError, match="latin.jsonl: not UTF-8 text"):  # it was a bare UnicodeDecodeError
+        prepare_sft(tmp_path / "latin.jsonl", tmp_path / "d")
+    (tmp_path / "c.csv").write_text('text,label\nhello,a\n"two\nlines",b\nbye,\n')
+    with pytest.raises(ValueError, match=r"c.csv line 5, record 3: its `label` is missing"):
+        prepare_classify(tmp_path / "c.csv", tmp_path / "c")

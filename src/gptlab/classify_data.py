@@ -28,12 +28,13 @@ def prepare_classify(inputs, out_dir, *, tokenizer: str = "gpt2", labels: list[s
     """Tokenize `text`/`label` records into out_dir (see the module docstring); returns the manifest.
 
     Label names are `labels` in that order, else the records' labels sorted."""
-    from gptlab.sft import read_records, split_mask
+    from gptlab.sft import located_records, split_mask
 
-    records, tok = read_records(inputs), get_tokenizer(tokenizer)
-    for i, r in enumerate(records, start=1):  # a missing label was the label "None", an empty CSV cell ""
+    located, tok = located_records(inputs), get_tokenizer(tokenizer)
+    records = [r for r, _ in located]
+    for r, where in located:  # a missing label was the label "None", an empty CSV cell ""
         if r.get("label") is None or not str(r["label"]).strip():
-            raise ValueError(f"record {i}: its `label` is missing or empty, got {r!r}")
+            raise ValueError(f"{where}: its `label` is missing or empty, got {r!r}")
     names = list(labels) if labels else sorted({str(r["label"]) for r in records})
     if len(set(names)) != len(names):
         raise ValueError(f"labels name each label once, got {names}")
@@ -41,9 +42,9 @@ def prepare_classify(inputs, out_dir, *, tokenizer: str = "gpt2", labels: list[s
         raise ValueError(f"classification needs at least 2 labels, got {names}")
     index = {name: i for i, name in enumerate(names)}
     ids, ys = [], []
-    for i, r in enumerate(records, start=1):
+    for r, where in located:
         if not isinstance(r.get("text"), str) or str(r["label"]) not in index:
-            raise ValueError(f"record {i}: needs a string `text` and a `label` among {names}, got {r!r}")
+            raise ValueError(f"{where}: needs a string `text` and a `label` among {names}, got {r!r}")
         ids.append(tok.encode(r["text"]) or [tok.eot_token])
         ys.append(index[str(r["label"])])
     is_val = split_mask(len(records), val_fraction, seed)

@@ -123,31 +123,44 @@ def _json_line(path, number: int, line: str):
 
 
 def read_records(inputs) -> list[dict]:
-    """Every record of the JSON (a list), JSONL or CSV (with a header) files named by inputs, in
-    order. Error messages count records from 1, across the inputs (JSONL syntax errors name the line)."""
-    records = []
-    for path in resolve_inputs(inputs):
-        text = path.read_text(encoding="utf-8-sig")  # a BOM (Excel's "CSV UTF-8") is not the first key
-        try:
-            if path.suffix == ".csv":
-                import csv
-                import io
+    """Every record of the JSON (a list), JSONL or CSV (with a header) files named by inputs, in order."""
+    return [record for record, _ in located_records(inputs)]
 
-                rows = list(csv.DictReader(io.StringIO(text)))
-            elif path.suffix == ".json":
-                data = json.loads(text)
-                rows = data if isinstance(data, list) else [data]
-            else:
-                rows = [_json_line(path, n, line) for n, line in enumerate(text.splitlines(), start=1) if line.strip()]
+
+def located_records(inputs) -> list[tuple[dict, str]]:
+    """read_records' records, each with where it is for error messages: "FILE line N, record I"
+    (JSONL, CSV) or "FILE, record I" (a JSON list), records counted from 1 across the inputs."""
+    located, files = [], resolve_inputs(inputs)
+    for path in files:
+        for line, row in _file_rows(path):
+            where = f"{path}{f' line {line}' if line else ''}, record {len(located) + 1}"
+            if not isinstance(row, dict):
+                raise ValueError(f"{where} is not an object")
+            located.append((row, where))
+    if not located:
+        raise ValueError(f"{', '.join(map(str, files))}: no records (an empty file?)")
+    return located
+
+
+def _file_rows(path: Path) -> list[tuple[int | None, object]]:
+    """(line number, or None in a JSON list; value) of each record of one file."""
+    try:
+        text = path.read_text(encoding="utf-8-sig")  # a BOM (Excel's "CSV UTF-8") is not the first key
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text ({e})") from None
+    if path.suffix == ".csv":
+        import csv
+        import io
+
+        reader = csv.DictReader(io.StringIO(text))
+        return [(reader.line_num, row) for row in reader]  # line_num: the row's last line
+    if path.suffix == ".json":
+        try:
+            data = json.loads(text)
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}: not valid JSON ({e})") from e
-        for i, row in enumerate(rows, start=len(records) + 1):
-            if not isinstance(row, dict):
-                raise ValueError(f"{path}: record {i} is not an object")
-            records.append(row)
-    if not records:
-        raise ValueError("the input holds no records")
-    return records
+        return [(None, row) for row in (data if isinstance(data, list) else [data])]
+    return [(n, _json_line(path, n, line)) for n, line in enumerate(text.splitlines(), start=1) if line.strip()]
 
 
 def record_format(inputs) -> str | None:
@@ -208,13 +221,13 @@ def prepare_sft(
     split keeping the input order."""
     if train_on not in TRAIN_ON:
         raise ValueError(f"train_on must be one of {TRAIN_ON}, got {train_on!r}")
-    records, tmpl, tok = read_records(inputs), Template.load(template), get_tokenizer(tokenizer)
+    located, tmpl, tok = located_records(inputs), Template.load(template), get_tokenizer(tokenizer)
     examples = []
-    for i, record in enumerate(records, start=1):
+    for record, where in located:
         try:
             examples.append(encode_example(tok, tmpl.render(record), train_on))
         except ValueError as e:
-            raise ValueError(f"record {i}: {e}") from e
+            raise ValueError(f"{where}: {e}") from e
     is_val = split_mask(len(examples), val_fraction, seed)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
