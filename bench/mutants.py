@@ -1043,6 +1043,9 @@ MUTANTS = [
     Mutant("sft/bad-record-named-without-its-file", "sft.py",
            'raise ValueError(f"{where}: {e}") from e', 'raise ValueError(f"record: {e}") from e',
            ("tests/test_sft.py", "-k", "file_and_line")),
+    Mutant("lora/classifier-lm-head-target-unchecked", "lora.py",
+           'if model.config.num_labels and "lm_head" in settings.targets:', "if False:",
+           ("tests/test_lora.py", "-k", "classifiers_lm_head")),
 ]
 # fmt: on
 # The swapped-name mutant needs its table in the module: appended to hf.py with it.

@@ -337,3 +337,15 @@ def quantize_model_layer(layer, mode):
     q = Int8Linear.from_linear(layer) if mode == "int8" else Int4Linear.from_linear(layer, group_size=32)
     q.prepare()
     return q
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_an_adapter_on_a_classifiers_lm_head_is_refused_by_name(tied):
+    """A classifier has a score head, no lm_head: lora_targets=lm_head failed with an AttributeError
+    traceback (untied body) or blamed the tied embedding (tied)."""
+    from gptlab.classifier import from_language_model
+
+    torch.manual_seed(0)
+    lm = GPT(GPTConfig(vocab_size=300, block_size=16, n_layer=1, n_head=2, n_embd=16, tie_weights=tied))
+    with pytest.raises(ValueError, match="a classifier has no lm_head"):
+        apply_lora(from_language_model(lm, ["a", "b"]), LoRASettings(targets=("lm_head", "c_attn")))

@@ -115,6 +115,8 @@ def _module_slices(model, target: str) -> list[tuple[str, dict[str, tuple[int, i
 
 def apply_lora(model: nn.Module, settings: LoRASettings) -> nn.Module:
     """Freeze the model and wrap each targeted layer in a LoRALinear (in place; returns model)."""
+    if model.config.num_labels and "lm_head" in settings.targets:  # it failed as an AttributeError, or as "tied"
+        raise ValueError("a classifier has no lm_head (its score head trains whole beside the adapters): drop lm_head")
     if model.config.tie_weights and "lm_head" in settings.targets:
         raise ValueError("an adapter on lm_head would also change the tied token embedding: untie it or drop lm_head")
     for p in model.parameters():
