@@ -1046,6 +1046,8 @@ MUTANTS = [
     Mutant("lora/classifier-lm-head-target-unchecked", "lora.py",
            'if model.config.num_labels and "lm_head" in settings.targets:', "if False:",
            ("tests/test_lora.py", "-k", "classifiers_lm_head")),
+    Mutant("lora/peft-bias-on-b-left-out", "lora.py",
+           'if config.get("lora_bias"):', "if False:", ("tests/test_lora.py", "-k", "bias_on_b")),
 ]
 # fmt: on
 # The swapped-name mutant needs its table in the module: appended to hf.py with it.

@@ -349,3 +349,22 @@ def test_an_adapter_on_a_classifiers_lm_head_is_refused_by_name(tied):
     lm = GPT(GPTConfig(vocab_size=300, block_size=16, n_layer=1, n_head=2, n_embd=16, tie_weights=tied))
     with pytest.raises(ValueError, match="a classifier has no lm_head"):
         apply_lora(from_language_model(lm, ["a", "b"]), LoRASettings(targets=("lm_head", "c_attn")))
+
+
+def test_a_peft_adapter_with_a_bias_on_b_is_refused_not_loaded_without_it(tmp_path, idx):
+    """PEFT's lora_bias=True adds lora_B.bias tensors: they were left out, and the model gave
+    other logits than PEFT's (0.76 apart), saying nothing."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import GPT2LMHeadModel
+
+    base_model().save_pretrained(tmp_path / "base")
+    config = LoraConfig(r=4, target_modules=["c_attn"], fan_in_fan_out=True, lora_bias=True)
+    get_peft_model(GPT2LMHeadModel.from_pretrained(tmp_path / "base"), config).save_pretrained(tmp_path / "a")
+    model = base_model()
+    with pytest.raises(ValueError, match="lora_bias"):
+        load_adapter(model, tmp_path / "a")
+    settings = json.loads((tmp_path / "a" / "adapter_config.json").read_text())
+    (tmp_path / "a" / "adapter_config.json").write_text(json.dumps({**settings, "lora_bias": False}))
+    with pytest.raises(ValueError, match=r"lora_B.bias; gptlab reads lora_A and lora_B weights"):
+        load_adapter(model, tmp_path / "a")  # the tensors are there whatever the config says
+    assert not lora_layers(model)

@@ -230,6 +230,8 @@ def load_adapter(model: nn.Module, directory: str | os.PathLike) -> nn.Module:
         raise ValueError(f"{directory}: a {config.get('peft_type')} adapter; gptlab reads LORA")
     if config.get("use_dora") or config.get("use_rslora"):
         raise ValueError(f"{directory}: DoRA and rsLoRA adapters are not supported")
+    if config.get("lora_bias"):  # its lora_B.bias tensors were left out: other logits, silently
+        raise ValueError(f"{directory}: adapters with lora_bias (a bias on lora_B) are not supported")
     for key in ("r", "lora_alpha"):
         if not isinstance(config.get(key), int | float):
             raise ValueError(f"{directory}: adapter_config.json has no number {key!r}")
@@ -259,6 +261,9 @@ def _adapter_tensors(directory: Path, config: dict, tensors: dict, model: nn.Mod
     """The adapter's layers, {module name: (A, B, alpha)}, and its modules_to_save tensors, each
     checked against the model (`own`: its state dict): a module it lacks, or a shape of another
     width, is a ValueError."""
+    other = sorted(k for k in tensors if ".lora_" in k and not k.endswith((".lora_A.weight", ".lora_B.weight")))
+    if other:  # a bias on B, an embedding's adapter: tensors gptlab would leave out
+        raise ValueError(f"{directory}: the adapter holds {', '.join(other)}; gptlab reads lora_A and lora_B weights")
     names = sorted({k[len(PREFIX) :].rsplit(".lora_", 1)[0] for k in tensors if ".lora_" in k})
     saved = {k[len(PREFIX) :]: v for k, v in tensors.items() if ".lora_" not in k}  # PEFT's modules_to_save
     unknown = sorted(set(saved) - set(own))
