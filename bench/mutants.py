@@ -1048,6 +1048,9 @@ MUTANTS = [
            ("tests/test_lora.py", "-k", "classifiers_lm_head")),
     Mutant("lora/peft-bias-on-b-left-out", "lora.py",
            'if config.get("lora_bias"):', "if False:", ("tests/test_lora.py", "-k", "bias_on_b")),
+    Mutant("lora/no-targets-accepted", "train_config.py",
+           "        if not targets:  # no adapter", "        if False:  # no adapter",
+           ("tests/test_lora.py", "-k", "naming_no_layer")),
 ]
 # fmt: on
 # The swapped-name mutant needs its table in the module: appended to hf.py with it.

@@ -368,3 +368,13 @@ def test_a_peft_adapter_with_a_bias_on_b_is_refused_not_loaded_without_it(tmp_pa
     with pytest.raises(ValueError, match=r"lora_B.bias; gptlab reads lora_A and lora_B weights"):
         load_adapter(model, tmp_path / "a")  # the tensors are there whatever the config says
     assert not lora_layers(model)
+
+
+def test_lora_targets_naming_no_layer_are_refused(tmp_path):
+    """lora_targets="" (or ",") made no adapter: the run failed at its first backward with a
+    RuntimeError traceback ("element 0 of tensors does not require grad")."""
+    from gptlab.train import TrainConfig
+
+    for targets in ("", " , "):
+        with pytest.raises(ValueError, match="lora_targets names no layer"):
+            TrainConfig(lora_rank=4, lora_targets=targets, init_from=str(tmp_path))

@@ -181,6 +181,8 @@ class TrainConfig:
         from gptlab.lora import LoRASettings
 
         targets = tuple(t.strip() for t in self.lora_targets.split(",") if t.strip())
+        if not targets:  # no adapter: the run failed at its first backward, with a traceback
+            raise ValueError(f"TrainConfig.lora_targets names no layer, got {self.lora_targets!r}")
         return LoRASettings(rank=self.lora_rank, alpha=self.lora_alpha, dropout=self.lora_dropout, targets=targets)
 
     @property
