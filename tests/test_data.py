@@ -182,3 +182,15 @@ def test_a_sequential_pass_ends_where_the_batches_wrap_around(token_file):
     assert torch.equal(loader.batch(62)[0], loader.batch(0)[0]) and not torch.equal(
         loader.batch(61)[0], loader.batch(0)[0]
     )
+
+
+def test_a_tiny_input_keeps_a_token_in_each_split(tmp_path):
+    """2 tokens at val_fraction 0.9 gave val.bin both and train.bin none, which training then
+    failed to memory-map ("cannot mmap an empty file"); 1 token was "no text to tokenize"."""
+    (tmp_path / "two.txt").write_text("hello world")
+    m = prepare(tmp_path / "two.txt", tmp_path / "out", val_fraction=0.9, progress=False)
+    assert m["tokens"] == {"train": 1, "val": 1}
+    assert read_tokens(tmp_path / "out", "train").tolist() == [31373]  # "hello"
+    (tmp_path / "one.txt").write_text("hello")
+    with pytest.raises(ValueError, match="holds 1 token"):
+        prepare(tmp_path / "one.txt", tmp_path / "one", progress=False)

@@ -261,14 +261,15 @@ def _write_stream(encoded, path: Path, eot: int, dtype: np.dtype, total_chars, p
             bar.update(n_chars)
             bar.set_postfix_str(f"{n_tokens / max(time.perf_counter() - t0, 1e-9):,.0f} tok/s")
     bar.close()
-    if n_tokens < 2:
-        raise ValueError("the input holds no text to tokenize")
+    if n_tokens < 2:  # a train and a val split need a token each
+        raise ValueError(f"the input holds {n_tokens} token(s); a train and a validation split need at least 2")
     return n_tokens
 
 
 def _split(stream_path: Path, out_dir: Path, n_tokens: int, val_fraction: float, dtype: np.dtype) -> dict:
-    """Copy the token stream into train.bin (the start) and val.bin (the last val_fraction)."""
-    n_val = max(1, round(n_tokens * val_fraction))
+    """Copy the token stream into train.bin (the start) and val.bin (the last val_fraction); each
+    gets at least one token (a tiny input at a large fraction left train.bin empty)."""
+    n_val = min(n_tokens - 1, max(1, round(n_tokens * val_fraction)))
     tokens = np.memmap(stream_path, dtype=dtype, mode="r", shape=(n_tokens,))
     bounds = {"train": (0, n_tokens - n_val), "val": (n_tokens - n_val, n_tokens)}
     for split, (lo, hi) in bounds.items():
