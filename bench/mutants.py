@@ -857,6 +857,8 @@ MUTANTS = [
     Mutant("data/val-split-takes-every-token", "data.py",
            "n_val = min(n_tokens - 1, max(1, round(n_tokens * val_fraction)))",
            "n_val = max(1, round(n_tokens * val_fraction))", ("tests/test_data.py", "-k", "tiny_input")),
+    Mutant("data/truncated-token-file-unnamed", "data.py",
+           "    if size % dtype.itemsize:\n", "    if False:\n", ("tests/test_data.py", "-k", "loader_errors")),
     Mutant("generate/stop-escapes-left-literal", "commands/generate.py",
            "type=unescape, ", "", ("tests/test_generate.py", "-k", "sampling_flags")),
     Mutant("inspect/top-zero-accepted", "inspect.py", "or top < 1:", "or top < 0:",

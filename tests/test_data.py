@@ -172,6 +172,20 @@ def test_loader_errors(token_file, tmp_path):
         TokenLoader(tmp_path / "nope.bin", 2, 8)
     with pytest.raises(ValueError, match="needs at least"):
         TokenLoader(token_file, 2, 1000)
+    # numpy's own errors named no file ("cannot mmap an empty file", "Size of available data ...")
+    (tmp_path / "empty.bin").write_bytes(b"")
+    with pytest.raises(ValueError, match="empty.bin has 0 tokens; block_size 8 needs at least 9"):
+        TokenLoader(tmp_path / "empty.bin", 2, 8)
+    (tmp_path / "cut.bin").write_bytes(token_file.read_bytes()[:-1])
+    with pytest.raises(ValueError, match="cut.bin has 1999 bytes, not a whole number of uint16 tokens"):
+        TokenLoader(tmp_path / "cut.bin", 2, 8)
+    # training's check of the files passes an empty one on to the loader's message
+    from gptlab.train.setup import check_tokens
+
+    (tmp_path / "train.bin").write_bytes(b"")
+    (tmp_path / "val.bin").write_bytes(token_file.read_bytes())
+    manifest = {"dtype": "uint16", "tokenizer": "gpt2", "vocab_size": 50257, "tokens": {"train": 0, "val": 1000}}
+    check_tokens(tmp_path, manifest, 50257)
 
 
 def test_a_sequential_pass_ends_where_the_batches_wrap_around(token_file):

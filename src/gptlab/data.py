@@ -299,6 +299,15 @@ def read_manifest(data_dir: str | os.PathLike) -> dict:
 # TokenLoader: memory-mapped (x, y) batches
 
 
+def open_tokens(path: Path, dtype: np.dtype) -> np.ndarray:
+    """A token file, memory-mapped read-only. An empty file is an empty array (numpy cannot map
+    it); a size that is not whole tokens (a truncated copy, another dtype) is an error naming it."""
+    size = path.stat().st_size
+    if size % dtype.itemsize:
+        raise ValueError(f"{path} has {size} bytes, not a whole number of {dtype.name} tokens (truncated?)")
+    return np.memmap(path, dtype=dtype, mode="r") if size else np.zeros(0, dtype)
+
+
 def epoch_permutation(seed: int, epoch: int, n: int) -> np.ndarray:
     """The order of n examples in one epoch, seeded by (seed, epoch)."""
     import torch
@@ -368,7 +377,7 @@ class TokenLoader(CountedLoader):
         self.path = Path(path)
         if not self.path.is_file():
             raise ValueError(f"token file {self.path} does not exist")
-        self.tokens = np.memmap(self.path, dtype=np.dtype(dtype), mode="r")
+        self.tokens = open_tokens(self.path, np.dtype(dtype))
         self.batch_size, self.block_size = batch_size, block_size
         if len(self.tokens) < block_size + 1:
             raise ValueError(

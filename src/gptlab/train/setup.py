@@ -15,7 +15,7 @@ import torch.nn as nn
 
 from gptlab import compile_cache, run_files
 from gptlab.config import GPTConfig
-from gptlab.data import TokenLoader
+from gptlab.data import TokenLoader, open_tokens
 from gptlab.loading import load_model
 from gptlab.model import GPT
 from gptlab.tokenizer import get_tokenizer
@@ -332,8 +332,8 @@ def check_tokens(data_dir, manifest: dict, model_vocab: int) -> None:
             raise ValueError(
                 f"{path} has {path.stat().st_size} bytes; the manifest says {expected} ({manifest['tokens'][split]} {dtype.name} tokens)"
             )
-        tokens = np.memmap(path, dtype=dtype, mode="r")
-        top = max(int(tokens[s : s + (1 << 24)].max()) for s in range(0, len(tokens), 1 << 24))
+        tokens = open_tokens(path, dtype)  # an empty one: the loader names the tokens its block_size needs
+        top = max((int(tokens[s : s + (1 << 24)].max()) for s in range(0, len(tokens), 1 << 24)), default=-1)
         if top >= model_vocab:
             raise ValueError(
                 f"{path} holds token id {top}, outside the model's {model_vocab}-token vocabulary (tokenizer {manifest['tokenizer']!r})"
