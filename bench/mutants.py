@@ -859,6 +859,8 @@ MUTANTS = [
            "n_val = max(1, round(n_tokens * val_fraction))", ("tests/test_data.py", "-k", "tiny_input")),
     Mutant("data/truncated-token-file-unnamed", "data.py",
            "    if size % dtype.itemsize:\n", "    if False:\n", ("tests/test_data.py", "-k", "loader_errors")),
+    Mutant("data/jsonl-text-records-tokenized-as-json", "data.py",
+           'if path.suffix == ".jsonl":', "if False:", ("tests/test_data.py", "-k", "json_records")),
     Mutant("generate/stop-escapes-left-literal", "commands/generate.py",
            "type=unescape, ", "", ("tests/test_generate.py", "-k", "sampling_flags")),
     Mutant("inspect/top-zero-accepted", "inspect.py", "or top < 1:", "or top < 0:",

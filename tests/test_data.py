@@ -208,3 +208,25 @@ def test_a_tiny_input_keeps_a_token_in_each_split(tmp_path):
     (tmp_path / "one.txt").write_text("hello")
     with pytest.raises(ValueError, match="holds 1 token"):
         prepare(tmp_path / "one.txt", tmp_path / "one", progress=False)
+
+
+def test_json_records_of_text_are_documents_not_json(tmp_path):
+    """A JSONL of {"text": ...} records (the usual pretraining dump) was tokenized as JSON: braces,
+    keys, quotes and \\n escapes became training text. Each record's text is a document now, as a
+    `datasets` dataset's "text" column is; other JSON stays text."""
+    docs = ["First line.\nSecond line.", "", "Zweite Geschichte: naïve 🙂", "Third <|endoftext|> literal"]
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": d, "id": i}) + "\n\n" for i, d in enumerate(docs)))
+    (tmp_path / "more.json").write_text(json.dumps([{"text": "a list"}, {"text": "of records"}]))
+    tok = get_tokenizer("gpt2")
+    want = [t for d in [*docs[:1], *docs[2:], "a list", "of records"] for t in [tok.eot_token, *tok.encode(d)]][1:]
+    for workers in (1, 2):
+        out = tmp_path / f"out{workers}"
+        m = prepare([tmp_path / "docs.jsonl", tmp_path / "more.json"], out, workers=workers, progress=False)
+        assert np.concatenate([read_tokens(out, "train"), read_tokens(out, "val")]).tolist() == want
+        assert len(m["sources"]) == 2 and m["sources"][0]["sha256"]
+    (tmp_path / "other.jsonl").write_text('{"title": "x"}\n')  # no "text": the file is text
+    m = prepare(tmp_path / "other.jsonl", tmp_path / "other", progress=False, tokenizer="byte")
+    assert m["tokens"]["train"] + m["tokens"]["val"] == len('{"title": "x"}\n')
+    (tmp_path / "bad.jsonl").write_text('{"text": "x"}\n{"body": "y"}\n')
+    with pytest.raises(ValueError, match='bad.jsonl: line 2 has no "text"'):
+        prepare(tmp_path / "bad.jsonl", tmp_path / "bad", progress=False)

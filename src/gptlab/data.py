@@ -112,14 +112,66 @@ def _last_safe_cut(text: str) -> int:
 
 
 def _documents(inputs: list[Path], piece_chars: int, sources: list[dict]) -> Iterator[tuple[str, bool]]:
-    """(text piece, starts_a_new_document) for every piece of every input file."""
+    """(text piece, starts_a_new_document) for every piece of every input file; a file of
+    {"text": ...} records gives each record's text as a document."""
     for path in inputs:
         hasher = hashlib.sha256()
-        first = True
-        for piece in _read_pieces(path, piece_chars, hasher):
-            yield piece, first
-            first = False
+        texts = _record_texts(path)
+        if texts is not None:
+            yield from ((text, True) for text in texts if text)
+            with open(path, "rb") as f:
+                for block in iter(lambda: f.read(1 << 24), b""):
+                    hasher.update(block)
+        else:
+            first = True
+            for piece in _read_pieces(path, piece_chars, hasher):
+                yield piece, first
+                first = False
         sources.append({"path": str(path), "bytes": path.stat().st_size, "sha256": hasher.hexdigest()})
+
+
+def _record_texts(path: Path) -> Iterator[str] | None:
+    """The "text" of every record when path is a .json list or .jsonl whose first record has a
+    "text" string (as a `datasets` dataset's "text" column: the JSON around it is no training
+    text); None for any other file, which is read as text."""
+    if path.suffix == ".jsonl":
+        with open(path, "rb") as f:
+            first = _json_or_none(next((line for line in f if line.strip()), b""))
+        records = _jsonl_records(path)
+    elif path.suffix == ".json":
+        data = _json_or_none(path.read_bytes())
+        first = data[0] if isinstance(data, list) and data else None
+        records = ((f"record {i}", value) for i, value in enumerate(data if first is not None else [], start=1))
+    else:
+        return None
+    if not (isinstance(first, dict) and isinstance(first.get("text"), str)):
+        return None
+    return _texts_of(path, records)
+
+
+def _json_or_none(raw: bytes):
+    try:
+        return json.loads(raw)
+    except ValueError:  # JSONDecodeError, UnicodeDecodeError
+        return None
+
+
+def _jsonl_records(path: Path) -> Iterator[tuple[str, object]]:
+    """("line N", value) of each non-blank line of a JSONL file, streamed."""
+    with open(path, "rb") as f:
+        for number, line in enumerate(f, start=1):
+            if line.strip():
+                try:
+                    yield f"line {number}", json.loads(line)
+                except ValueError as e:  # not JSON, or not UTF-8
+                    raise ValueError(f"{path}: line {number} is not valid JSON ({e})") from None
+
+
+def _texts_of(path: Path, records) -> Iterator[str]:
+    for where, record in records:
+        if not (isinstance(record, dict) and isinstance(record.get("text"), str)):
+            raise ValueError(f'{path}: {where} has no "text" string, as the first record does')
+        yield record["text"]
 
 
 def _hf_documents(name: str, sources: list[dict]) -> Iterator[tuple[str, bool]]:
@@ -178,15 +230,25 @@ def _encoded_pieces(pieces: Iterator[tuple[str, bool]], tokenizer_name: str, wor
     method = "fork" if "fork" in get_all_start_methods() else "spawn"
     with ProcessPoolExecutor(workers, mp_context=get_context(method)) as pool:
         # map() submits everything it is given; feed it in windows so memory stays bounded.
-        it = tasks()
         done = 0
-        while True:
-            window = [t for _, t in zip(range(4 * workers), it, strict=False)]
-            if not window:
-                return
-            for ids in pool.map(_encode_piece, window):
+        for window in _windows(tasks(), 4 * workers * PIECE_CHARS):
+            # small documents (JSONL records) go to a worker many at a time, not one message each
+            for ids in pool.map(_encode_piece, window, chunksize=-(-len(window) // (4 * workers))):
                 yield ids, *meta[done]
                 done += 1
+
+
+def _windows(tasks: Iterator, n_chars: int) -> Iterator[list]:
+    """The tasks in lists of about n_chars of text each."""
+    window, size = [], 0
+    for task in tasks:
+        window.append(task)
+        size += len(task[1])
+        if size >= n_chars:
+            yield window
+            window, size = [], 0
+    if window:
+        yield window
 
 
 def prepare(

@@ -8,7 +8,11 @@ FORMATS = ("auto", "text", "sft", "classify")
 
 
 def add_arguments(parser):
-    parser.add_argument("--input", nargs="+", help="text FILE, DIR or GLOB (several allowed), or a `datasets` name")
+    parser.add_argument(
+        "--input",
+        nargs="+",
+        help='text FILE, DIR or GLOB (several allowed; JSON/JSONL of {"text": ...} records: their texts), or a `datasets` name',
+    )
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--tokenizer", default="gpt2", help="gpt2 (default) or byte")
     parser.add_argument("--val-fraction", type=float, default=0.1, help="the last fraction of tokens for validation")
