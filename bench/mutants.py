@@ -861,6 +861,8 @@ MUTANTS = [
            "    if size % dtype.itemsize:\n", "    if False:\n", ("tests/test_data.py", "-k", "loader_errors")),
     Mutant("data/jsonl-text-records-tokenized-as-json", "data.py",
            'if path.suffix == ".jsonl":', "if False:", ("tests/test_data.py", "-k", "json_records")),
+    Mutant("data/rerun-keeps-the-old-manifest-while-splits-are-replaced", "data.py",
+           "        (out_dir / MANIFEST).unlink(missing_ok=True)\n", "", ("tests/test_data.py", "-k", "stale_manifest")),
     Mutant("generate/stop-escapes-left-literal", "commands/generate.py",
            "type=unescape, ", "", ("tests/test_generate.py", "-k", "sampling_flags")),
     Mutant("inspect/top-zero-accepted", "inspect.py", "or top < 1:", "or top < 0:",

@@ -230,3 +230,23 @@ def test_json_records_of_text_are_documents_not_json(tmp_path):
     (tmp_path / "bad.jsonl").write_text('{"text": "x"}\n{"body": "y"}\n')
     with pytest.raises(ValueError, match='bad.jsonl: line 2 has no "text"'):
         prepare(tmp_path / "bad.jsonl", tmp_path / "bad", progress=False)
+
+
+def test_a_rerun_stopped_while_writing_leaves_no_stale_manifest(two_docs, tmp_path, monkeypatch):
+    """prepare again into the same --out, stopped after the new train.bin but before val.bin and
+    manifest.json: the old manifest described the old files beside a new train.bin."""
+    out = tmp_path / "out"
+    prepare(two_docs / "a.txt", out, progress=False)
+    real = data.atomic_write
+
+    def stop_at_val(path, write):
+        if path.name == "val.bin":
+            raise KeyboardInterrupt
+        real(path, write)
+
+    monkeypatch.setattr(data, "atomic_write", stop_at_val)
+    with pytest.raises(KeyboardInterrupt):
+        prepare(two_docs / "b.txt", out, progress=False)
+    with pytest.raises(ValueError, match="no readable manifest.json"):
+        data.read_manifest(out)
+    assert sorted(p.name for p in out.iterdir()) == ["train.bin", "val.bin"]  # no temporary file left

@@ -287,6 +287,9 @@ def prepare(
         n_tokens = _write_stream(
             _encoded_pieces(pieces, tokenizer, workers), stream_path, tok.eot_token, dtype, total_chars, progress
         )
+        # An earlier run's manifest would describe the old files while train.bin and val.bin are
+        # replaced one after the other: a run stopped in between must leave no manifest at all.
+        (out_dir / MANIFEST).unlink(missing_ok=True)
         counts = _split(stream_path, out_dir, n_tokens, val_fraction, dtype)
     finally:
         stream_path.unlink(missing_ok=True)
