@@ -2,6 +2,8 @@
 
 import json
 import random
+import sys
+import types
 
 import numpy as np
 import pytest
@@ -250,3 +252,18 @@ def test_a_rerun_stopped_while_writing_leaves_no_stale_manifest(two_docs, tmp_pa
     with pytest.raises(ValueError, match="no readable manifest.json"):
         data.read_manifest(out)
     assert sorted(p.name for p in out.iterdir()) == ["train.bin", "val.bin"]  # no temporary file left
+
+
+def test_a_mistyped_directory_is_named_as_a_path_not_only_as_a_dataset(tmp_path, monkeypatch):
+    """A name like data/raww (no such directory) is tried as a `datasets` name; its failure said
+    only "Couldn't reach 'data/raww' on the Hub", not that no such file or directory exists."""
+
+    def offline(name, split):
+        raise ConnectionError(f"Couldn't reach '{name}' on the Hub (LocalEntryNotFoundError)")
+
+    monkeypatch.setitem(
+        sys.modules, "datasets", types.SimpleNamespace(load_dataset=offline)
+    )  # no Hub, installed or not
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=r"input data/raww: no such file, directory or glob match, .*Couldn't reach"):
+        prepare("data/raww", tmp_path / "out", progress=False)

@@ -180,7 +180,11 @@ def _hf_documents(name: str, sources: list[dict]) -> Iterator[tuple[str, bool]]:
         import datasets
     except ImportError as e:
         raise ValueError(f"input {name}: not a file, and the `datasets` package is not installed") from e
-    ds = datasets.load_dataset(name, split="train")
+    try:
+        ds = datasets.load_dataset(name, split="train")
+    except Exception as e:  # not found, no network, ...: and most often a mistyped path
+        raise ValueError(f"input {name}: no such file, directory or glob match, nor a `datasets` dataset "
+                         f"that loads ({type(e).__name__}: {e})") from e  # fmt: skip
     if "text" not in ds.column_names:
         raise ValueError(f"dataset {name} has no 'text' column (columns: {ds.column_names})")
     sources.append({"dataset": name, "rows": len(ds), "fingerprint": getattr(ds, "_fingerprint", None)})
