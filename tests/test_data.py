@@ -1,5 +1,6 @@
 """gptlab.data: prepare (text -> token files) and TokenLoader (memory-mapped batches)."""
 
+import hashlib
 import json
 import random
 import sys
@@ -267,3 +268,15 @@ def test_a_mistyped_directory_is_named_as_a_path_not_only_as_a_dataset(tmp_path,
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ValueError, match=r"input data/raww: no such file, directory or glob match, .*Couldn't reach"):
         prepare("data/raww", tmp_path / "out", progress=False)
+
+
+def test_a_windows_file_is_read_in_pieces_with_the_same_ids(tmp_path):
+    """A CRLF file had no place to cut (the cut needed a non-space right before \\n), so it was read
+    whole into one piece: all of a large corpus in memory, one worker, no progress until the end."""
+    text = corpus(300, 3).replace("\n", "\r\n")
+    (tmp_path / "win.txt").write_bytes(text.encode())
+    pieces = list(data._read_pieces(tmp_path / "win.txt", 500, hashlib.sha256()))
+    assert len(pieces) > 10 and "".join(pieces) == text
+    prepare(tmp_path / "win.txt", tmp_path / "out", workers=2, piece_chars=500, progress=False)
+    ids = np.concatenate([read_tokens(tmp_path / "out", "train"), read_tokens(tmp_path / "out", "val")])
+    assert ids.tolist() == get_tokenizer("gpt2").encode(text)

@@ -37,9 +37,9 @@ MANIFEST = "manifest.json"
 SPLITS = ("train", "val")
 PIECE_CHARS = 1 << 20  # text handed to one worker task
 PARALLEL_MIN_CHARS = 8 << 20  # below this, encoding in-process beats starting workers
-# A piece ends after a newline that sits between two non-space characters: GPT-2's pre-tokenizer
-# splits there on its own, so cutting there does not change the ids.
-_SAFE_CUT = re.compile(r"\S\n(?=\S)")
+# A piece ends after a newline (\n or a Windows file's \r\n) that sits between two non-space
+# characters: GPT-2's pre-tokenizer splits there on its own, so cutting there does not change the ids.
+_SAFE_CUT = re.compile(r"\S\r?\n(?=\S)")
 
 
 def token_dtype(n_vocab: int) -> np.dtype:
@@ -103,7 +103,7 @@ def _last_safe_cut(text: str) -> int:
     """The end of the last safe piece in text (0 if none)."""
     start = max(0, len(text) - PIECE_CHARS // 4)
     while True:
-        cuts = [m.start() + 2 for m in _SAFE_CUT.finditer(text, start)]
+        cuts = [m.end() for m in _SAFE_CUT.finditer(text, start)]
         if cuts:
             return cuts[-1]
         if start == 0:
