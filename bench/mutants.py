@@ -869,6 +869,8 @@ MUTANTS = [
     Mutant("data/crlf-file-read-as-one-piece", "data.py",
            '_SAFE_CUT = re.compile(r"\\S\\r?\\n(?=\\S)")', '_SAFE_CUT = re.compile(r"\\S\\n(?=\\S)")',
            ("tests/test_data.py", "-k", "windows_file")),
+    Mutant("data/workers-below-one-run-in-process", "data.py",
+           "    if workers is not None and workers < 1:", "    if False:", ("tests/test_data.py", "-k", "glob_and_errors")),
     Mutant("generate/stop-escapes-left-literal", "commands/generate.py",
            "type=unescape, ", "", ("tests/test_generate.py", "-k", "sampling_flags")),
     Mutant("inspect/top-zero-accepted", "inspect.py", "or top < 1:", "or top < 0:",

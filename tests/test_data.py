@@ -76,6 +76,8 @@ def test_prepare_glob_and_errors(two_docs, tmp_path):
         prepare(str(tmp_path / "missing*.txt"), tmp_path / "x", progress=False)
     with pytest.raises(ValueError, match="val_fraction"):
         prepare(two_docs, tmp_path / "x", val_fraction=1.5, progress=False)
+    with pytest.raises(ValueError, match="workers must be at least 1"):  # was run in-process, unsaid
+        prepare(two_docs, tmp_path / "x", workers=0, progress=False)
 
 
 def test_prepare_into_its_input_directory_twice_reads_the_same_files(two_docs, capsys):

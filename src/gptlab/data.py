@@ -271,6 +271,8 @@ def prepare(
     """
     if not 0.0 < val_fraction < 1.0:
         raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
+    if workers is not None and workers < 1:  # 0 or -3 ran in-process, as if asked for
+        raise ValueError(f"workers must be at least 1 (leave it unset to choose by input size), got {workers}")
     tok = get_tokenizer(tokenizer)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
