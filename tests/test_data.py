@@ -270,6 +270,9 @@ def test_a_mistyped_directory_is_named_as_a_path_not_only_as_a_dataset(tmp_path,
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ValueError, match=r"input data/raww: no such file, directory or glob match, .*Couldn't reach"):
         prepare("data/raww", tmp_path / "out", progress=False)
+    (tmp_path / "data" / "raw").mkdir(parents=True)  # there, but empty: not looked up as a dataset
+    with pytest.raises(ValueError, match="input directory data/raw holds no files"):
+        prepare("data/raw", tmp_path / "out", progress=False)
 
 
 def test_a_windows_file_is_read_in_pieces_with_the_same_ids(tmp_path):

@@ -196,6 +196,8 @@ def _could_be_dataset(spec) -> bool:
     """A string like "user/name" that is no path or glob: try it as a `datasets` name."""
     if not isinstance(spec, str) or any(c in spec for c in "*?[") or spec.startswith((".", "/", "~")):
         return False
+    if Path(spec).exists():  # an empty directory: "holds no files", not a Hub look-up
+        return False
     if Path(spec).suffix in TEXT_SUFFIXES:  # a mistyped file name, not a dataset: "no such file"
         return False
     try:
