@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from gptlab import data
-from gptlab.data import TokenLoader, prepare, token_dtype
+from gptlab.data import IGNORE, TokenLoader, prepare, token_dtype
 from gptlab.tokenizer import ENDOFTEXT, get_tokenizer
 
 
@@ -201,6 +201,25 @@ def test_a_sequential_pass_ends_where_the_batches_wrap_around(token_file):
     assert torch.equal(loader.batch(62)[0], loader.batch(0)[0]) and not torch.equal(
         loader.batch(61)[0], loader.batch(0)[0]
     )
+
+
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_rows_that_wrap_around_have_no_targets(token_file, world_size):
+    """124 windows in sequential batches of 3 (or 3 ranks of 1 row): batch 41's last two rows are
+    windows 0 and 1 again; their targets are IGNORE, so that an evaluation pass scores each once."""
+    loaders = [TokenLoader(token_file, 3 // world_size, 8, mode="sequential", rank=r, world_size=world_size)
+               for r in range(world_size)]  # fmt: skip
+
+    def global_batch(k):
+        return [torch.cat(t) for t in zip(*(loader.batch(k) for loader in loaders), strict=True)]
+
+    x, y = global_batch(41)
+    assert torch.equal(x[1:], global_batch(0)[0][:2])  # wrapped around
+    assert (y[1:] == IGNORE).all() and not (y[0] == IGNORE).any()
+    assert torch.equal(x[0, 1:], y[0, :-1])  # x itself keeps the tokens
+    assert not (global_batch(40)[1] == IGNORE).any()
+    random = TokenLoader(token_file, 3, 8, seed=1)  # training batches never wrap: every target counts
+    assert not any((random.batch(k)[1] == IGNORE).any() for k in range(50))
 
 
 def test_a_tiny_input_keeps_a_token_in_each_split(tmp_path):

@@ -227,6 +227,28 @@ def test_byte_tokenized_examples_are_padded_with_the_byte_tokenizers_end(tmp_pat
     assert summary["val_loss"] > 0
 
 
+@pytest.mark.parametrize("layout", ["pad", "pack"])
+def test_validation_loss_scores_each_response_token_once(tmp_path, layout):
+    """10 validation examples in batches of 4 (pad): the last batch wrapped around to examples 0
+    and 1, and val_loss was a mean over batches, so those counted twice; it is a mean over the
+    response tokens of one pass."""
+    from gptlab.train import TrainConfig, Trainer
+
+    prepare_sft(write_jsonl(tmp_path / "a.jsonl", alpaca(40)), tmp_path / "d", val_fraction=0.25)
+    trainer = Trainer(TrainConfig(data_dir=str(tmp_path / "d"), out_dir=str(tmp_path / "r"), n_layer=1, n_head=2,
+                                  n_embd=16, block_size=64, batch_size=4, max_steps=1, sft_layout=layout,
+                                  eval_interval=1, eval_steps=100, progress=False, sample_tokens=0,
+                                  precision="float32"))  # fmt: skip
+    summary = trainer.run()
+    rows = trainer.val_loader.units()
+    assert rows % 4 != 0  # the last batch wraps around
+    whole = ExampleLoader(tmp_path / "d", "val", rows, 64, layout=layout, mode="sequential")
+    x, y, extra = whole.batch(0)
+    with torch.no_grad():
+        _, loss = trainer.raw_model.eval()(x, y, **extra)
+    assert summary["val_loss"] == pytest.approx(float(loss), abs=1e-5)  # measured: 1.3e-6 apart
+
+
 def test_bad_records_name_their_file_and_line(tmp_path):
     """The errors said "record 32" (counted across the inputs, blank lines skipped) or "the input
     holds no records", naming no file: they name the file and its line."""

@@ -16,7 +16,7 @@ import torch
 
 from gptlab import run_files
 from gptlab.checkpoint import load_native, save_model
-from gptlab.data import prepare
+from gptlab.data import TokenLoader, prepare
 from gptlab.train import SpikeGuard, TrainConfig, Trainer, TrainingDiverged, lr_at, parse_duration, train
 from test_data import corpus
 
@@ -300,6 +300,18 @@ def test_training_reduces_loss_and_writes_the_run(byte_data, tmp_path):
     assert model.config.vocab_size == 257
     state = json.loads((out / "latest" / "train_state.json").read_text())
     assert state["config"]["max_steps"] == 30 and state["step"] == 30
+
+
+def test_validation_scores_each_window_once(byte_data, tmp_path):
+    """95 validation windows in batches of 4: the last batch wrapped around to windows 0-2, and
+    val_loss was a mean over batches, counting those twice and the last window as much as a batch."""
+    trainer = Trainer(config(byte_data, tmp_path / "run", max_steps=1, eval_interval=1, eval_steps=1000))
+    summary = trainer.run()
+    assert trainer.val_loader.units() == 95 and trainer.val_loader.distinct_batches() == 24
+    whole = TokenLoader(byte_data / "val.bin", 95, 32, mode="sequential")  # every window once
+    with torch.no_grad():
+        _, loss = trainer.raw_model.eval()(*whole.batch(0))
+    assert summary["val_loss"] == pytest.approx(float(loss), abs=1e-5)  # measured: 7e-7 apart
 
 
 class FakeLibc:

@@ -17,10 +17,8 @@ import torch
 
 from gptlab.atomic import atomic_write, atomic_write_text
 from gptlab.classifier import GPTForSequenceClassification, pad_rows
-from gptlab.data import MANIFEST, CountedLoader, epoch_permutation, resolve_inputs, token_dtype
+from gptlab.data import IGNORE, MANIFEST, CountedLoader, epoch_permutation, resolve_inputs, token_dtype
 from gptlab.tokenizer import get_tokenizer
-
-IGNORE = -100  # a label F.cross_entropy leaves out (its ignore_index)
 
 
 def prepare_classify(inputs, out_dir, *, tokenizer: str = "gpt2", labels: list[str] | None = None,
@@ -97,11 +95,6 @@ class ClassifyLoader(CountedLoader):
     def __len__(self) -> int:
         return len(self.labels)
 
-    def positions(self, k: int) -> np.ndarray:
-        """This rank's positions in batch k in the endless stream of epochs (the first pass is 0..n-1)."""
-        first = (k * self.world_size + self.rank) * self.batch_size
-        return first + np.arange(self.batch_size)
-
     def indices(self, k: int) -> np.ndarray:
         """This rank's example indices in batch k."""
         n, flat = len(self), self.positions(k)
@@ -120,8 +113,7 @@ class ClassifyLoader(CountedLoader):
         rows = [self.tokens[self.offsets[i] : self.offsets[i + 1]][: self.block_size].tolist() for i in chosen]
         x, mask = pad_rows(rows, self.pad_id)
         labels = self.labels[chosen].copy()
-        if self.mode == "sequential":
-            labels[self.positions(k) >= len(self)] = IGNORE
+        labels[self.wrapped(k)] = IGNORE
         return x, torch.from_numpy(labels), {"attention_mask": mask}
 
 

@@ -37,6 +37,7 @@ MANIFEST = "manifest.json"
 SPLITS = ("train", "val")
 PIECE_CHARS = 1 << 20  # text handed to one worker task
 PARALLEL_MIN_CHARS = 8 << 20  # below this, encoding in-process beats starting workers
+IGNORE = -100  # a target the loss leaves out (F.cross_entropy's ignore_index)
 # A piece ends after a newline (\n or a Windows file's \r\n) that sits between two non-space
 # characters: GPT-2's pre-tokenizer splits there on its own, so cutting there does not change the ids.
 _SAFE_CUT = re.compile(r"\S\r?\n(?=\S)")
@@ -399,6 +400,20 @@ class CountedLoader:
         """What one sequential pass covers (windows, or examples or rows of examples)."""
         raise NotImplementedError
 
+    def positions(self, k: int) -> np.ndarray:
+        """This rank's positions in batch k in the endless stream of epochs (the first pass is
+        0 .. units-1), (B,): rank r takes rows r*B ... (r+1)*B of each global batch."""
+        first = (k * self.world_size + self.rank) * self.batch_size
+        return first + np.arange(self.batch_size)
+
+    def wrapped(self, k: int) -> np.ndarray:
+        """Which of this rank's rows in sequential batch k wrapped around to the first units, (B,)
+        bool: their targets are IGNORE, so an evaluation pass scores each unit once (the last
+        batch counted the first rows twice)."""
+        if self.mode != "sequential":
+            return np.zeros(self.batch_size, dtype=bool)
+        return self.positions(k) >= self.units()
+
     def distinct_batches(self) -> int:
         """Sequential batches before they wrap around to the first again: more evaluation steps
         than this score the same rows twice."""
@@ -474,16 +489,16 @@ class TokenLoader(CountedLoader):
         if self.mode == "random":  # any start 0 .. n - T - 1
             g = torch.Generator().manual_seed(self.seed * 1_000_003 + k)
             starts = torch.randint(n - T, (self.global_batch,), generator=g).numpy()
-        else:  # back-to-back windows; (n - 1) // T of them fit
-            rows = k * self.global_batch + np.arange(self.global_batch)
-            starts = (rows % ((n - 1) // T)) * T
-        return starts[self.rank * self.batch_size : (self.rank + 1) * self.batch_size]
+            return starts[self.rank * self.batch_size : (self.rank + 1) * self.batch_size]
+        return (self.positions(k) % self.units()) * T  # back-to-back windows; (n - 1) // T of them fit
 
     def batch(self, k: int):
-        """Batch k as (x, y), each an int64 tensor (B, T)."""
+        """Batch k as (x, y), each an int64 tensor (B, T); y is IGNORE on the rows of a sequential
+        batch that wrapped around (`wrapped`)."""
         import torch
 
         T = self.block_size
         windows = np.stack([self.tokens[s : s + T + 1] for s in self.offsets(k)]).astype(np.int64)  # (B, T+1)
-        w = torch.from_numpy(windows)
-        return w[:, :-1], w[:, 1:]  # (B, T), (B, T)
+        x, y = windows[:, :-1], windows[:, 1:].copy()  # (B, T), (B, T)
+        y[self.wrapped(k)] = IGNORE
+        return torch.from_numpy(x), torch.from_numpy(y)

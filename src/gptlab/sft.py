@@ -30,12 +30,11 @@ from pathlib import Path
 import numpy as np
 
 from gptlab.atomic import atomic_write, atomic_write_text
-from gptlab.data import MANIFEST, CountedLoader, epoch_permutation, read_manifest, resolve_inputs, token_dtype
+from gptlab.data import IGNORE, MANIFEST, CountedLoader, epoch_permutation, read_manifest, resolve_inputs, token_dtype
 from gptlab.tokenizer import get_tokenizer
 
 log = logging.getLogger(__name__)
 
-IGNORE = -100
 LAYOUTS = ("pack", "pad")
 TRAIN_ON = ("response", "all")
 
@@ -353,7 +352,7 @@ class ExampleLoader(CountedLoader):
         first, out, e = k * G, [], 0
         if self.mode == "sequential":  # one pass, wrapping around
             rows = self.epoch_rows(0)
-            return [rows[(first + self.rank * self.batch_size + j) % len(rows)] for j in range(self.batch_size)]
+            return [rows[p % len(rows)] for p in self.positions(k)]
         while first >= len(self.epoch_rows(e)):
             first -= len(self.epoch_rows(e))
             e += 1
@@ -383,6 +382,7 @@ class ExampleLoader(CountedLoader):
                 y[r, at : at + n] = np.where(mask[1 : n + 1], ids[1 : n + 1], IGNORE)
                 seg[r, at : at + n] = s
                 at += n
+        y[self.wrapped(k)] = IGNORE  # a sequential pass scores each example once
         extra = {"segments": torch.from_numpy(seg)} if self.layout == "pack" else {}
         return torch.from_numpy(x), torch.from_numpy(y), extra
 

@@ -206,9 +206,7 @@ def response_loss(model, loaders) -> float:
     for loader in loaders:
         examples = len(loader.examples)
         for k in range(-(-examples // loader.batch_size)):
-            x, y, _ = loader.batch(k)
-            rows = min(loader.batch_size, examples - k * loader.batch_size)  # the last batch wraps around
-            x, y = x[:rows], y[:rows]
+            x, y, _ = loader.batch(k)  # y is -100 on the rows of the last batch that wrap around
             logits, _ = model(x)
             total += float(torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum"))
             count += int((y != -100).sum())

@@ -8,6 +8,7 @@ import math
 
 import torch
 
+from gptlab.data import IGNORE
 from gptlab.sampling import NonFiniteProbabilities
 from gptlab.train.precision import autocast
 
@@ -17,31 +18,28 @@ log = logging.getLogger(__name__)
 @torch.no_grad()
 def evaluate(trainer) -> dict:
     """Validation loss and perplexity over the first eval_steps batches of val.bin (at most one
-    pass over it), and a sample."""
+    pass over it: rows that wrap around are left out), as a mean over every target scored, and
+    a sample."""
     cfg = trainer.cfg
     trainer.model.eval()
-    total = torch.zeros((), device=trainer.device)
-    correct, scored = torch.zeros((), device=trainer.device), torch.zeros((), device=trainer.device)
+    zero = torch.zeros((), device=trainer.device)
+    total, scored, correct = zero.clone(), zero.clone(), zero.clone()
     classifier = bool(trainer.raw_model.config.num_labels)
     steps = min(cfg.eval_steps, trainer.val_loader.distinct_batches())  # past that: the same rows again
     for k in range(steps):
         batch = trainer.val_loader.batch(k)
         with autocast(trainer.device, trainer.precision):
             logits, loss = forward_loss(trainer.model, batch, trainer.device)
-        if classifier:  # logits (B, num_labels) against the labels (B,), -100 on rows already scored
-            labels = batch[1].to(trainer.device)
-            rows = (labels != -100).sum()
-            total += loss.float() * rows if rows else 0.0  # a mean over the rows, not over the batches
-            correct += (logits.argmax(-1) == labels).sum()
-            scored += rows
-        else:
-            total += loss.float()
-    if classifier:
-        rows = trainer.mean_over_ranks(scored)
-        val_loss = trainer.mean_over_ranks(total) / rows
-        extra = {"val_accuracy": trainer.mean_over_ranks(correct) / rows}
-    else:
-        val_loss, extra = trainer.mean_over_ranks(total / steps), {}
+        targets = batch[1].to(trainer.device)  # (B, T) next tokens, or (B,) labels; IGNORE where left out
+        counted = (targets != IGNORE).sum()  # what the batch's loss is a mean over
+        if counted:  # a mean over every target of the pass, not over batches: each is scored once
+            total += loss.float() * counted
+            scored += counted
+        if classifier:  # logits (B, num_labels)
+            correct += (logits.argmax(-1) == targets).sum()
+    scored = trainer.mean_over_ranks(scored)
+    val_loss = trainer.mean_over_ranks(total) / scored
+    extra = {"val_accuracy": trainer.mean_over_ranks(correct) / scored} if classifier else {}
     text = sample(trainer) if (trainer.dist.is_main or trainer.sharded) and not classifier else ""
     trainer.model.train()
     return dict(step=trainer.step_num, tokens=trainer.tokens_seen, val_loss=val_loss,
