@@ -162,6 +162,19 @@ def test_damaged_files_are_refused(tmp_path):
         llmc.load(tmp_path / "vp.bin")
 
 
+def test_a_header_asking_for_a_million_layers_is_refused_by_the_size_before_building(tmp_path, monkeypatch):
+    header = np.zeros(256, dtype="<i4")
+    header[:8] = [20240326, 3, 1024, 50257, 1_000_000, 12, 768, 50304]
+    (tmp_path / "damaged.bin").write_bytes(header.tobytes() + bytes(1000))
+
+    def build(config):  # building a million meta layers first took minutes: a hang on a 2 KB file
+        raise AssertionError(f"a {config.n_layer}-layer model was built before the file's size was checked")
+
+    monkeypatch.setattr(llmc, "GPT", build)
+    with pytest.raises(ValueError, match="2,024 bytes; an llm.c 1000000-layer model"):
+        llmc.load(tmp_path / "damaged.bin")
+
+
 def test_padded_vocabulary_is_a_multiple_of_128():
     assert [llmc.padded_vocab(v) for v in (50257, 50304, 65, 128)] == [50304, 50304, 128, 128]
 

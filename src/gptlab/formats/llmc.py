@@ -92,6 +92,14 @@ def read_header(path: str | os.PathLike) -> dict:
     return {"version": version, "dtype": VERSIONS[version], **fields}
 
 
+def file_size(header: dict) -> int:
+    """The bytes of a file with this header, as llm.c's fill_in_parameter_sizes counts them: the
+    header, wte (Vp, C), wpe (maxT, C), L layers of 12*C*C + 13*C values, and lnfw, lnfb (C)."""
+    C, L = header["C"], header["L"]
+    n_values = (header["Vp"] + header["maxT"]) * C + L * (12 * C * C + 13 * C) + 2 * C
+    return HEADER_INTS * 4 + n_values * header["dtype"].itemsize
+
+
 def config_from_header(header: dict) -> GPTConfig:
     return GPTConfig(
         vocab_size=header["V"],
@@ -112,17 +120,16 @@ def load(path: str | os.PathLike, *, device=None, dtype=None) -> GPT:
     header = read_header(path)
     config = config_from_header(header)
     file_dtype = header["dtype"]
+    size = path.stat().st_size
+    if size != file_size(header):  # before building: a damaged header can ask for a million layers
+        raise ValueError(
+            f"{path}: {size:,} bytes; an llm.c {config.n_layer}-layer model with header {header} takes "
+            f"{file_size(header):,}"
+        )
     with meta_device():
         model = GPT(config)
     expected = model.state_dict()
     names = tensor_order(config.n_layer)
-    n_values = sum(expected[n].numel() for n in names) + (header["Vp"] - header["V"]) * header["C"]
-    size = path.stat().st_size
-    if size != HEADER_INTS * 4 + n_values * file_dtype.itemsize:
-        raise ValueError(
-            f"{path}: {size:,} bytes; an llm.c {config.n_layer}-layer model with header {header} takes "
-            f"{HEADER_INTS * 4 + n_values * file_dtype.itemsize:,}"
-        )
     state = {}
     with open(path, "rb") as f:
         f.seek(HEADER_INTS * 4)
