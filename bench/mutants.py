@@ -583,6 +583,9 @@ MUTANTS = [
     Mutant("llmc/file-size-unchecked-before-building-the-model", "formats/llmc.py",
            "    if size != file_size(header):  # before building", "    if False:  # before building",
            ("tests/test_formats_llmc.py", "-k", "million")),
+    Mutant("hf/untied-head-exported-as-tied", "hf.py",
+           '"tie_word_embeddings": config.tie_weights,', '"tie_word_embeddings": True,',
+           ("tests/test_hf.py", "-k", "untied")),
     # quantization
     # int8 prompts through oneDNN (x quantized per row) or fbgemm, whichever the probe timed faster
     Mutant("int8-prompts/onednn-row-scales-dropped", "quantize.py",

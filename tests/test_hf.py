@@ -268,7 +268,7 @@ def test_exported_tokenizer_matches_gptlab(tmp_path):
     assert theirs.model_max_length == 64
 
 
-@pytest.mark.parametrize("name", ["odd-heads", "n-inner"])
+@pytest.mark.parametrize("name", ["odd-heads", "n-inner", "untied"])
 def test_transformers_to_gptlab_to_transformers(zoo, tmp_path, caplog, name):
     original, directory = zoo.get(name)
     hf.load_pretrained(directory).save_pretrained(tmp_path)
@@ -278,6 +278,19 @@ def test_transformers_to_gptlab_to_transformers(zoo, tmp_path, caplog, name):
     idx = inputs(original.config)
     with torch.no_grad():  # the same weights; gelu_new and gelu_pytorch_tanh may differ in the last bit
         assert (again(idx).logits - original(idx).logits).abs().max() <= 1e-5
+
+
+def test_an_untied_head_exports_as_its_own_lm_head(tmp_path, caplog):
+    """GPT2LMHeadModel holds an untied head (tie_word_embeddings=False; it was refused as unrepresentable)."""
+    ours = tiny_model(vocab_size=300, tie_weights=False)
+    randomize(ours, seed=2)
+    ours.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["tie_word_embeddings"] is False
+    theirs = hf_load_cleanly(tmp_path, caplog)
+    assert not torch.equal(theirs.lm_head.weight, theirs.transformer.wte.weight)
+    assert max_diff(ours, theirs, inputs(theirs.config)) <= TOL
+    back = hf.load_pretrained(tmp_path)
+    assert not back.config.tie_weights and torch.equal(back.lm_head.weight, ours.lm_head.weight)
 
 
 @pytest.mark.parametrize("variant", [v for v in VARIANTS if v != "gpt2"])

@@ -202,7 +202,7 @@ def config_to_hf(config: GPTConfig, dtype: torch.dtype) -> dict:
         "scale_attn_weights": True,
         "scale_attn_by_inverse_layer_idx": False,
         "reorder_and_upcast_attn": False,
-        "tie_word_embeddings": True,
+        "tie_word_embeddings": config.tie_weights,  # untied: lm_head.weight is in the file
         "use_cache": True,
         "bos_token_id": eot,
         "eos_token_id": eot,
@@ -473,8 +473,8 @@ def download(repo_id: str, *, config_only: bool = False) -> Path:
 def save_pretrained(model: GPT, directory: str | os.PathLike, *, tokenizer: str = "gpt2") -> None:
     """Write `model` as a transformers GPT2LMHeadModel directory, with GPT-2's tokenizer files.
 
-    Only a plain GPT-2 (learned positions, LayerNorm, GELU MLP, biases, tied head) has a
-    GPT2LMHeadModel equivalent; anything else raises ValueError. The tokenizer files are written
+    Only a plain GPT-2 (learned positions, LayerNorm, GELU MLP, biases; the head tied or not) has
+    a GPT2LMHeadModel equivalent; anything else raises ValueError. The tokenizer files are written
     when `tokenizer` is "gpt2" and the vocabulary covers GPT-2's 50,257 tokens.
     """
     config = model.config
@@ -505,8 +505,7 @@ def not_gpt2(config: GPTConfig) -> list[str]:
         "RMSNorm": config.norm != "layernorm",
         "SwiGLU MLP": config.mlp == "swiglu",
         "no biases": not config.bias,
-        "an untied head": not config.tie_weights,
-    }
+    }  # an untied head is tie_word_embeddings=False with its own lm_head.weight
     return [name for name, on in variants.items() if on]
 
 
@@ -520,7 +519,7 @@ def _check_exportable(config: GPTConfig) -> None:
 
 
 def _hf_state(model: GPT) -> dict[str, torch.Tensor]:
-    """The model's tensors under transformers' names, Conv1D weights transposed, the tied head omitted."""
+    """The model's tensors under transformers' names, Conv1D weights transposed, a tied head omitted."""
     own = model.state_dict()
     table = name_table(model.config)
     unexpected = sorted(set(own) - {name for name, _ in table.values()} - {HEAD_TENSOR})
