@@ -586,6 +586,9 @@ MUTANTS = [
     Mutant("hf/untied-head-exported-as-tied", "hf.py",
            '"tie_word_embeddings": config.tie_weights,', '"tie_word_embeddings": True,',
            ("tests/test_hf.py", "-k", "untied")),
+    Mutant("hf/embedding-stored-as-lm-head-refused", "hf.py",
+           'head_is_wte = tied and not {"wte.weight", PREFIX + "wte.weight"} & set(names)', "head_is_wte = False",
+           ("tests/test_hf.py", "-k", "layouts")),
     # quantization
     # int8 prompts through oneDNN (x quantized per row) or fbgemm, whichever the probe timed faster
     Mutant("int8-prompts/onednn-row-scales-dropped", "quantize.py",

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from safetensors.torch import save_model as safetensors_save_model
 
 transformers = pytest.importorskip("transformers")
 from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel  # noqa: E402
@@ -195,9 +196,12 @@ def write_layout(layout: str, model: GPT2LMHeadModel, directory: Path) -> None:
         torch.save(legacy_state(model, with_masked_bias=True), directory / hf.BIN_FILE)
     elif layout == "legacy-safetensors":
         save_file(legacy_state(model, with_masked_bias=False), directory / hf.SAFETENSORS_FILE, {"format": "pt"})
+    elif layout == "save-model":  # safetensors' own save_model keeps a tied pair under lm_head.weight alone
+        safetensors_save_model(model, directory / hf.SAFETENSORS_FILE, {"format": "pt"})
+        assert "transformer.wte.weight" not in load_file(directory / hf.SAFETENSORS_FILE)
 
 
-@pytest.mark.parametrize("layout", ["bin", "sharded", "legacy-bin", "legacy-safetensors"])
+@pytest.mark.parametrize("layout", ["bin", "sharded", "legacy-bin", "legacy-safetensors", "save-model"])
 def test_layouts_load_identically(zoo, tmp_path, layout):
     theirs, directory = zoo.get("odd-heads")
     write_layout(layout, theirs, tmp_path)

@@ -6,7 +6,8 @@ in the Hub layout: `config.json` with `model.safetensors`, sharded safetensors w
 Both tensor layouts are accepted: what `transformers` writes today (`transformer.wte.weight`,
 ...) and the older one of OpenAI's checkpoints on the Hub, written from `GPT2Model` (no
 `transformer.` prefix, no `lm_head.weight`, and the causal-mask buffers `h.N.attn.bias` /
-`h.N.attn.masked_bias`, the only tensors ever ignored).
+`h.N.attn.masked_bias`, the only tensors ever ignored). A tied embedding stored under
+`lm_head.weight` alone (safetensors' save_model) is the embedding.
 
 The model is built on the meta device and the converted tensors are assigned one by one.
 safetensors data is read with plain file reads (not a memory map) straight into tensors of the
@@ -115,14 +116,18 @@ def name_table(config: GPTConfig) -> dict[str, tuple[str, bool]]:
 def to_modern_names(names, tied: bool) -> dict[str, str]:
     """File tensor name -> modern HF name, dropping mask buffers (and a tied head, as transformers does).
 
-    Legacy files (no name starts with `transformer.`) get the prefix added to every tensor.
+    Legacy files (no name starts with `transformer.`) get the prefix added to every tensor. A tied
+    pair stored once under lm_head.weight alone is the embedding, as transformers reads it:
+    safetensors' save_model keeps the first of a shared tensor's names, and that is lm_head.weight.
     """
     legacy = not any(n.startswith(PREFIX) for n in names)
+    head_is_wte = tied and not {"wte.weight", PREFIX + "wte.weight"} & set(names)
     out = {}
     for name in names:
-        if MASK_BUFFER.match(name) or (tied and name == HEAD_TENSOR):
-            continue
-        out[name] = PREFIX + name if legacy and name != HEAD_TENSOR else name
+        if name == HEAD_TENSOR and head_is_wte:
+            out[name] = PREFIX + "wte.weight"
+        elif not (MASK_BUFFER.match(name) or (tied and name == HEAD_TENSOR)):
+            out[name] = PREFIX + name if legacy and name != HEAD_TENSOR else name
     return out
 
 
