@@ -589,6 +589,9 @@ MUTANTS = [
     Mutant("hf/embedding-stored-as-lm-head-refused", "hf.py",
            'head_is_wte = tied and not {"wte.weight", PREFIX + "wte.weight"} & set(names)', "head_is_wte = False",
            ("tests/test_hf.py", "-k", "layouts")),
+    Mutant("hf/earlier-exports-tokenizer-left-beside-a-byte-model", "hf.py",
+           "            (directory / name).unlink(missing_ok=True)", "            pass",
+           ("tests/test_hf.py", "-k", "earlier_exports_tokenizer")),
     # quantization
     # int8 prompts through oneDNN (x quantized per row) or fbgemm, whichever the probe timed faster
     Mutant("int8-prompts/onednn-row-scales-dropped", "quantize.py",

@@ -330,6 +330,16 @@ def test_an_export_that_fails_midway_leaves_no_config_beside_new_weights(tmp_pat
         load_model(str(tmp_path))
 
 
+def test_an_export_without_a_tokenizer_leaves_no_earlier_exports_tokenizer(tmp_path):
+    """Over an earlier GPT-2 export, a byte-level model's export left GPT-2's vocab.json and
+    merges.txt beside it: AutoTokenizer read them as its tokenizer, ids past its 256 tokens."""
+    gpt2_like().save_pretrained(tmp_path)
+    assert (tmp_path / "vocab.json").is_file()
+    hf.save_pretrained(tiny_model(vocab_size=256), tmp_path, tokenizer="byte")
+    assert {p.name for p in tmp_path.iterdir()} == {"config.json", "model.safetensors"}
+    assert hf.load_pretrained(tmp_path).config.vocab_size == 256
+
+
 def test_export_command_refuses_variants(tmp_path, capsys):
     save_model(tiny_model(**VARIANTS["llama"]), tmp_path / "native")
     assert main(["export", "--model", str(tmp_path / "native"), "--out", str(tmp_path / "hf")]) == 2

@@ -42,6 +42,7 @@ SAFETENSORS_FILE = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 BIN_FILE = "pytorch_model.bin"
 BIN_INDEX = "pytorch_model.bin.index.json"
+TOKENIZER_FILES = ("vocab.json", "merges.txt", "tokenizer_config.json")  # what write_tokenizer_files writes
 PREFIX = "transformer."
 
 # HF name (after the `transformer.` prefix) -> True where the tensor is a Conv1D weight, stored
@@ -493,7 +494,9 @@ def save_pretrained(model: GPT, directory: str | os.PathLike, *, tokenizer: str 
     atomic_write(directory / SAFETENSORS_FILE, lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
     if tokenizer == "gpt2" and config.vocab_size >= 50257:
         write_tokenizer_files(directory, config.block_size)
-    else:
+    else:  # an earlier export's GPT-2 files would be loaded as this model's tokenizer by AutoTokenizer
+        for name in TOKENIZER_FILES:
+            (directory / name).unlink(missing_ok=True)
         log.warning(
             "%s: no tokenizer files written (tokenizer %r, vocab_size %d)", directory, tokenizer, config.vocab_size
         )
