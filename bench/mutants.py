@@ -592,6 +592,9 @@ MUTANTS = [
     Mutant("hf/earlier-exports-tokenizer-left-beside-a-byte-model", "hf.py",
            "            (directory / name).unlink(missing_ok=True)", "            pass",
            ("tests/test_hf.py", "-k", "earlier_exports_tokenizer")),
+    Mutant("export/lora-run-sent-to-the-format-unmerged", "commands/export.py",
+           "    elif lora_layers(model):  # gguf", "    elif False:  # gguf",
+           ("tests/test_lora.py", "-k", "without_merge")),
     # quantization
     # int8 prompts through oneDNN (x quantized per row) or fbgemm, whichever the probe timed faster
     Mutant("int8-prompts/onednn-row-scales-dropped", "quantize.py",

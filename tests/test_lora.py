@@ -232,6 +232,26 @@ def test_every_command_takes_adapter_and_export_merges_it(tmp_path, idx):
     assert main(["next", "--model", base, "--adapter", adapter, "--prompt", "Hello"]) in (0, None)
 
 
+@pytest.mark.parametrize("out", ["hf", "m.gguf", "m.bin"])
+def test_exporting_a_lora_runs_checkpoint_without_merge_asks_for_merge(tmp_path, capsys, out):
+    """A LoRA run's checkpoint carries its adapters: every format asks for --merge (gguf and llmc
+    named "tensors GPT-2 does not" and asked for "a float model", which it is)."""
+    import json
+
+    from gptlab.checkpoint import save_model
+    from gptlab.cli import main
+
+    save_model(base_model(), tmp_path / "base")
+    model = apply_lora(base_model(), LoRASettings(rank=4, alpha=8, targets=TARGETS))
+    save_adapter(model, tmp_path / "run", base_model=str(tmp_path / "base"))
+    meta = {"format": "gptlab", "lora_base": str(tmp_path / "base"), "config": model.config.to_dict()}
+    (tmp_path / "run" / "gptlab.json").write_text(json.dumps(meta))  # as train/checkpointing.py writes it
+    assert main(["export", "--model", str(tmp_path / "run"), "--out", str(tmp_path / out)]) == 2
+    assert "LoRA run's checkpoint: pass --merge" in capsys.readouterr().err
+    assert not (tmp_path / out).exists()
+    assert main(["export", "--model", str(tmp_path / "run"), "--merge", "--out", str(tmp_path / out)]) == 0
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "int8", "int4"])
 def test_lora_training_trains_adapters_only_and_resumes_exactly(tmp_path, precision, monkeypatch):
     """TrainConfig's lora_* settings, on an fp32, bf16, int8 or int4 base (QLoRA: its kernels run forward,

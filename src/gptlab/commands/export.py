@@ -49,12 +49,14 @@ def run(args):
     model = model_from_args(args)
     if model.config.num_labels and fmt != "hf":
         raise ValueError(f"{args.model} is a classifier: --format {fmt} holds language models; use --format hf")
-    if args.merge:  # the adapter of --adapter, or of a LoRA run's checkpoint
-        from gptlab.lora import lora_layers, merge
+    from gptlab.lora import lora_layers, merge
 
+    if args.merge:  # the adapter of --adapter, or of a LoRA run's checkpoint
         if not lora_layers(model):
             raise ValueError(f"--merge: {args.model} carries no adapter (pass --adapter DIR)")
         merge(model)
+    elif lora_layers(model):  # gguf and llmc named only "tensors GPT-2 does not" and asked for a float model
+        raise ValueError(f"{args.model} is a LoRA run's checkpoint: pass --merge to fold its adapters into the weights")
     if fmt == "hf":
         from gptlab.hf import save_pretrained
 
