@@ -258,6 +258,19 @@ def test_quantized_tiny_model_generates_like_its_dequantized_reference(name, tra
     assert F.cosine_similarity(logits.flatten(), float_logits.flatten(), dim=0) > (0.99 if name != "int4" else 0.95)
 
 
+@pytest.mark.parametrize("out", ["hf", "m.gguf", "m.bin"])
+def test_exporting_a_quantized_model_asks_for_its_float_original(tmp_path, capsys, out):
+    """The formats hold float weights: a gptlab int8 model was refused as having "tensors GPT-2
+    does not" (its scales) with the advice to "export a float model"; gguf now also points at
+    llama.cpp's own types."""
+    save_quantized(quantize_model(tiny_model(n_embd=64), "int8"), tmp_path / "q")
+    assert main(["export", "--model", str(tmp_path / "q"), "--out", str(tmp_path / out)]) == 2
+    err = capsys.readouterr().err
+    assert "quantized by gptlab (int8)" in err and "export the float model it was quantized from" in err
+    assert ("--outtype q8_0 or q4_0" in err) == out.endswith(".gguf")
+    assert not (tmp_path / out).exists()
+
+
 @pytest.mark.parametrize("name", list(SCHEMES))
 def test_save_and_load_round_trip(tmp_path, name):
     scheme = dict(SCHEMES[name])

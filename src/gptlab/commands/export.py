@@ -57,6 +57,7 @@ def run(args):
         merge(model)
     elif lora_layers(model):  # gguf and llmc named only "tensors GPT-2 does not" and asked for a float model
         raise ValueError(f"{args.model} is a LoRA run's checkpoint: pass --merge to fold its adapters into the weights")
+    check_not_quantized(model, args.model, fmt)
     if fmt == "hf":
         from gptlab.hf import save_pretrained
 
@@ -71,14 +72,23 @@ def run(args):
         print(f"wrote {args.out}: {model.num_params():,} parameters, GGUF {args.outtype.upper()}")
         print(f"run it with llama.cpp, e.g. llama-cli -m {args.out}")
     else:
-        from gptlab.formats.llmc import save
+        from gptlab.formats.llmc import padded_vocab, save
 
         stored = next(model.parameters()).dtype  # as stored by default: llm.c holds fp32 or bf16
         dtype = dtype or (stored if stored in (torch.float32, torch.bfloat16) else torch.float32)
         save(model, args.out, dtype=dtype)
-        bf16 = dtype == torch.bfloat16
-        print(
-            f"wrote {args.out}: {model.num_params():,} parameters, llm.c version {5 if bf16 else 3} ({'bf16' if bf16 else 'fp32'})"
-        )
+        bf16, vocab = dtype == torch.bfloat16, model.config.vocab_size
+        print(f"wrote {args.out}: {model.num_params():,} parameters, llm.c version {5 if bf16 else 3} "
+              f"({'bf16' if bf16 else 'fp32'}, vocabulary padded {vocab:,} -> {padded_vocab(vocab):,})")  # fmt: skip
         build = "train_gpt2cu" if bf16 else "train_gpt2cu built with PRECISION=FP32 (or train_gpt2.c)"
         print(f"continue training it in llm.c: {build} -e {args.out}")
+
+
+def check_not_quantized(model, name: str, fmt: str) -> None:
+    """Refuse a gptlab-quantized model by name (the formats named its scales "tensors GPT-2 does
+    not have"), pointing gguf at llama.cpp's own 8- and 4-bit types."""
+    scheme = getattr(model, "quantization", None)  # quantize.quantize_model's record
+    if scheme:
+        hint = ", with --outtype q8_0 or q4_0 for llama.cpp's 8- or 4-bit types" if fmt == "gguf" else ""
+        raise ValueError(f"{name} is quantized by gptlab ({scheme['mode']}) and --format {fmt} holds float weights: "
+                         f"export the float model it was quantized from{hint}")  # fmt: skip
