@@ -5,6 +5,8 @@ comparison with llama.cpp's convert_hf_to_gguf.py output, byte for byte, and lla
 the exported file are in `gptlab bench formats` (they need the llama.cpp build).
 """
 
+import logging
+
 import gguf
 import numpy as np
 import pytest
@@ -172,6 +174,15 @@ def test_variants_llamacpp_gpt2_cannot_run_are_refused(tmp_path, variant):
 def test_models_without_gpt2s_tokenizer_are_refused(tmp_path):
     with pytest.raises(ValueError, match="GPT-2's tokenizer"):
         export_gguf(gpt2_model(vocab_size=257), tmp_path / "m.gguf", tokenizer="byte")
+
+
+def test_export_logs_no_temporary_file_name(tmp_path, model, caplog):
+    """gguf's writer logged "Writing the following files: .../.m.gguf.XXXX.tmp" (and the file's
+    endianness) at INFO, which the command line showed: the temporary file, not the output."""
+    with caplog.at_level(logging.INFO):
+        export_gguf(model, tmp_path / "m.gguf")
+    assert not [r.getMessage() for r in caplog.records if r.name.startswith("gguf")]
+    assert logging.getLogger("gguf.gguf_writer").level == logging.NOTSET  # the writer's level is given back
 
 
 def test_export_command_picks_gguf_from_the_suffix(tmp_path, model, f32_file, capsys):

@@ -502,7 +502,7 @@ def save_pretrained(model: GPT, directory: str | os.PathLike, *, tokenizer: str 
         )
     # config.json last: a directory with a config.json holds complete weights.
     atomic_write_text(directory / CONFIG_FILE, json.dumps(config_to_hf(config, dtype), indent=2))
-    log.info("wrote %s (Hugging Face GPT2LMHeadModel layout)", directory)
+    log.debug("wrote %s (Hugging Face GPT2LMHeadModel layout)", directory)
 
 
 def not_gpt2(config: GPTConfig) -> list[str]:

@@ -24,6 +24,7 @@ no place in llama.cpp's gpt2 and raise ValueError.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -123,21 +124,33 @@ def export_gguf(model: GPT, path: str | os.PathLike, *, outtype: str = "f32", to
     path = Path(path)
 
     def write(tmp: str) -> None:
-        writer = gguf.GGUFWriter(tmp, ARCH)
-        for gguf_name, (tensor, ttype) in tensors.items():
-            writer.add_tensor_info(gguf_name, tuple(tensor.shape), np.dtype(np.float32), _nbytes(tensor.shape, ttype), raw_dtype=ttype)  # fmt: skip
-        _add_metadata(writer, config, file_type, name or path.stem)
-        _add_tokenizer(writer, config.vocab_size)
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_ti_data_to_file()
-        for tensor, ttype in tensors.values():  # converted one at a time: at most one extra tensor in memory
-            array = tensor.to("cpu", torch.float32).numpy()  # no copy for a float32 CPU model
-            writer.write_tensor_data(gguf.quants.quantize(array, ttype))
-        writer.close()
+        with _quiet(logging.getLogger("gguf.gguf_writer")):  # its INFO lines named the temporary file
+            writer = gguf.GGUFWriter(tmp, ARCH)
+            for gguf_name, (tensor, ttype) in tensors.items():
+                writer.add_tensor_info(gguf_name, tuple(tensor.shape), np.dtype(np.float32), _nbytes(tensor.shape, ttype), raw_dtype=ttype)  # fmt: skip
+            _add_metadata(writer, config, file_type, name or path.stem)
+            _add_tokenizer(writer, config.vocab_size)
+            writer.write_header_to_file()
+            writer.write_kv_data_to_file()
+            writer.write_ti_data_to_file()
+            for tensor, ttype in tensors.values():  # converted one at a time: at most one extra tensor in memory
+                array = tensor.to("cpu", torch.float32).numpy()  # no copy for a float32 CPU model
+                writer.write_tensor_data(gguf.quants.quantize(array, ttype))
+            writer.close()
 
     atomic_write(path, write)
-    log.info("wrote %s: GGUF %s, %d tensors", path, outtype.upper(), len(tensors))
+    log.debug("wrote %s: GGUF %s, %d tensors", path, outtype.upper(), len(tensors))
+
+
+@contextlib.contextmanager
+def _quiet(logger: logging.Logger):
+    """`logger` at WARNING and above only, for the duration."""
+    level = logger.level
+    logger.setLevel(max(level, logging.WARNING))
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def _gguf_tensors(model: GPT, qtype: QTYPE) -> dict[str, tuple[torch.Tensor, QTYPE]]:

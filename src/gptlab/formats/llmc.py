@@ -215,7 +215,9 @@ def save(model: GPT, path: str | os.PathLike, *, dtype: torch.dtype = torch.floa
                 _write(f, tensor, dtype)
 
     atomic_write(path, write)
-    log.info("wrote llm.c checkpoint %s (version %d, vocabulary padded %d -> %d)", path, version, config.vocab_size, vp)
+    log.debug(
+        "wrote llm.c checkpoint %s (version %d, vocabulary padded %d -> %d)", path, version, config.vocab_size, vp
+    )
 
 
 def _shapes_with_biases(config: GPTConfig) -> dict[str, torch.Size]:
