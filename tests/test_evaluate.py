@@ -391,3 +391,24 @@ def test_cli_eval_hellaswag_and_a_bad_line(tmp_path, byte_model_dir, capsys):
     assert main([*args, "--json", str(tmp_path / "x.json")]) == 2
     assert "h.jsonl:5: not valid JSON" in capsys.readouterr().err
     assert not (tmp_path / "x.json").exists()
+
+
+def strict_json(path):
+    """The file's JSON as a strict reader (jq, JavaScript) takes it: no bare NaN or Infinity."""
+
+    def refuse(constant):
+        raise ValueError(f"{path}: {constant} is not JSON")
+
+    return json.loads(path.read_text(), parse_constant=refuse)
+
+
+def test_cli_eval_json_has_no_bare_nan_or_infinity(tmp_path, byte_model_dir):
+    """Text of only <|endoftext|> after its first token has no bytes to score: bits per byte is
+    NaN, and `--json` wrote it as a bare NaN, which is not JSON (jq and JSON.parse refuse it)."""
+    np.array([256] * 5, dtype=np.uint16).tofile(tmp_path / "val.bin")  # the byte tokenizer's <|endoftext|>
+    out = tmp_path / "ppl.json"
+    args = ["eval", "--model", str(byte_model_dir), "--task", "perplexity", "--data", str(tmp_path / "val.bin")]
+    assert main([*args, "--json", str(out), "--no-progress"]) == 0
+    result = strict_json(out)
+    assert (result["bytes"], result["bits_per_byte"], result["tokens"]) == (0, None, 4)
+    assert math.isfinite(result["loss"])

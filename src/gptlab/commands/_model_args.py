@@ -112,12 +112,29 @@ def add_json_argument(parser, help: str = "also write the results as JSON") -> N
 
 
 def write_json(path, data) -> None:
-    """Write `data` as indented JSON, atomically (an unwritable path raises OSError: exit code 2)."""
+    """Write `data` as indented JSON, atomically (an unwritable path raises OSError: exit code 2).
+
+    A NaN or infinite number is written as null (as JavaScript's JSON.stringify writes it): JSON
+    has no such numbers, and the bare NaN / Infinity that Python writes are refused by jq, by
+    JSON.parse and by every strict reader (bits per byte of text with no bytes is NaN)."""
     import json
 
     from gptlab.atomic import atomic_write_text
 
-    atomic_write_text(path, json.dumps(data, indent=2) + "\n")
+    atomic_write_text(path, json.dumps(_finite(data), indent=2, allow_nan=False) + "\n")
+
+
+def _finite(value):
+    """`value` with every NaN or infinite float inside it (dicts, lists) replaced by None."""
+    import math
+
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: _finite(v) for key, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
 
 
 def quoted(label: str) -> str:
