@@ -50,6 +50,29 @@ def test_generate_until_is_gptlabs_greedy_text_cut_at_the_stop(saved):
     assert text == free[: free.index(stop)]
 
 
+def test_generation_kwargs_are_read_as_lm_eval_reads_them(saved):
+    """generate_until read only until, max_gen_toks, do_sample, temperature and seed: a task's
+    max_new_tokens (lm-eval's alias) fell back to 256 tokens, top_k/top_p were dropped, and a
+    temperature without do_sample decoded greedily where lm-eval's backends sample."""
+    model, path = saved
+    lm = gptlab.harness.GptlabLM(pretrained=path, dtype="float32")
+    context = "ROMEO:\n"
+
+    def generate(**gen_kwargs):
+        (text,) = lm.generate_until([SimpleNamespace(args=(context, gen_kwargs))], disable_tqdm=True)
+        return text
+
+    greedy = generate_text(model, lm.tok, context, 5, temperature=0)
+    assert generate(until=[], max_new_tokens=5) == greedy
+    assert generate(until=[], max_tokens=5, do_sample=True, temperature=1.0, top_k=1) == greedy  # top_k kept
+    sampled = generate_text(model, lm.tok, context, 5, temperature=1.5, seed=3)
+    assert sampled != greedy
+    assert generate(until=[], max_gen_toks=5, temperature=1.5, seed=3) == sampled  # no do_sample: sampled
+    assert generate(until=[], max_gen_toks=5, num_beams=1) == greedy
+    with pytest.raises(ValueError, match="generation_kwargs num_beams not supported"):
+        generate(until=[], max_gen_toks=5, num_beams=4)
+
+
 def test_gptlab_eval_harness_prints_lm_evals_table_and_writes_its_results(lmeval_workdir, saved, capsys):
     _, path = saved
     out = lmeval_workdir / "results.json"

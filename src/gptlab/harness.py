@@ -30,6 +30,7 @@ import torch
 from lm_eval import utils
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
+from lm_eval.models.utils import normalize_gen_kwargs
 from tqdm import tqdm
 
 from gptlab.chunked_loss import token_logprobs
@@ -39,6 +40,8 @@ from gptlab.quantize import quantize_model
 from gptlab.tokenizer import get_tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": None}
+DEFAULT_MAX_GEN_TOKS = 256  # lm-eval's default, where a task names no max_gen_toks
+SAMPLING_KWARGS = ("top_k", "top_p", "min_p", "repetition_penalty", "seed")  # generation_kwargs taken as they are
 
 
 @register_model("gptlab")
@@ -152,16 +155,24 @@ class GptlabLM(TemplateLM):
         return out
 
     def _generation_settings(self, gen_kwargs: dict) -> tuple[SamplingParams, list[str]]:
-        """lm-eval's generation_kwargs as (SamplingParams, stop strings): greedy unless do_sample."""
-        kwargs = dict(gen_kwargs)
-        until = kwargs.pop("until", None) or []
-        until = [until] if isinstance(until, str) else list(until)
-        max_new = int(kwargs.pop("max_gen_toks", 256))
+        """lm-eval's generation_kwargs as (SamplingParams, stop strings), read as lm-eval's own
+        backends read them (normalize_gen_kwargs): max_gen_toks or its aliases (max_new_tokens,
+        max_tokens, ...), sampling when do_sample or, without it, a temperature above 0; top_k,
+        top_p, min_p, repetition_penalty and seed as gptlab's sampling settings. Any other key is
+        refused rather than ignored."""
+        kwargs = dict(normalize_gen_kwargs(gen_kwargs, DEFAULT_MAX_GEN_TOKS))
+        until = [s for s in kwargs.pop("until") if s is not None]  # until: null is [None] there
+        max_new = int(kwargs.pop("max_gen_toks"))
         if not 1 <= max_new < self.max_length:
             raise ValueError(f"max_gen_toks must be in [1, max_length {self.max_length}), got {max_new}")
-        temperature = float(kwargs.pop("temperature", 1.0)) if kwargs.pop("do_sample", False) else 0.0
-        seed = kwargs.pop("seed", None)
-        return sampling_params(None, max_new, temperature=temperature, seed=seed), until
+        do_sample, temperature = kwargs.pop("do_sample"), float(kwargs.pop("temperature", 1.0))
+        fields = {name: kwargs.pop(name) for name in SAMPLING_KWARGS if name in kwargs}
+        if kwargs.get("num_beams", 1) == 1:  # one beam is plain decoding (some tasks spell it out)
+            kwargs.pop("num_beams", None)
+        if kwargs:
+            raise ValueError(f"generation_kwargs {', '.join(sorted(kwargs))} not supported by --model gptlab "
+                             f"(it takes until, max_gen_toks, do_sample, temperature, {', '.join(SAMPLING_KWARGS)})")  # fmt: skip
+        return sampling_params(None, max_new, temperature=temperature if do_sample else 0.0, **fields), until
 
     def _generate(self, rows: list[list[int]], params: SamplingParams, until: list[str]) -> list[str]:
         """The continuations of token rows (one batch through gptlab's decode engine), each cut at
