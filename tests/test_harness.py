@@ -123,6 +123,16 @@ def test_harness_applies_the_adapter_and_refuses_what_it_would_not_use(lmeval_wo
     assert "is a classifier: --task perplexity" in capsys.readouterr().err
 
 
+def test_a_batch_size_below_one_or_auto_is_refused(saved):
+    """batch_size=-1 in model_args scored nothing (every result None, a crash later in lm-eval),
+    0 failed inside range(), and `auto` (lm-eval's CLI) was int()'s message."""
+    model, _ = saved
+    for bad in (0, -1, "auto", "auto:4", True):
+        with pytest.raises(ValueError, match="batch_size must be an integer >= 1"):
+            gptlab.harness.GptlabLM(pretrained=model, batch_size=bad)
+    assert gptlab.harness.GptlabLM(pretrained=model, batch_size="3").batch_size == 3  # model_args' strings
+
+
 def test_an_unknown_harness_task_is_a_clear_error(lmeval_workdir, saved, capsys):
     _, path = saved
     assert main(["eval", "--model", path, "--harness", "tiny_choice,no_such_task", "--include-path", str(TASKS)]) == 2

@@ -44,6 +44,19 @@ DEFAULT_MAX_GEN_TOKS = 256  # lm-eval's default, where a task names no max_gen_t
 SAMPLING_KWARGS = ("top_k", "top_p", "min_p", "repetition_penalty", "seed")  # generation_kwargs taken as they are
 
 
+def _batch_size(value: int | str) -> int:
+    """lm-eval's batch_size (an int, or a string from model_args or its CLI) as a count >= 1: 0
+    failed inside range() and a negative one scored nothing (every result None)."""
+    try:
+        size = int(value)
+    except (TypeError, ValueError):
+        size = 0
+    if size < 1 or isinstance(value, bool):
+        raise ValueError(f"batch_size must be an integer >= 1, got {value!r} (--model gptlab does not search for "
+                         "one as `auto` does: give it, e.g. 16)")  # fmt: skip
+    return size
+
+
 @register_model("gptlab")
 class GptlabLM(TemplateLM):
     """lm-eval's view of one gptlab model (see the module docstring). `pretrained` is a `--model`
@@ -68,7 +81,7 @@ class GptlabLM(TemplateLM):
         if self.model.config.num_labels:
             raise ValueError(f"{pretrained} is a classifier: lm-eval's tasks score a language model")
         self.model.eval()
-        self.batch_size = int(batch_size)
+        self.batch_size = _batch_size(batch_size)
         self.max_length = int(self.model.config.block_size if max_length is None else max_length)  # 0 is refused
         if not 1 <= self.max_length <= self.model.config.block_size:
             raise ValueError(f"max_length must be in [1, {self.model.config.block_size}], got {self.max_length}")
