@@ -792,6 +792,8 @@ MUTANTS = [
     Mutant("harness/negative-batch-size-accepted", "harness.py",
            "if size < 1 or isinstance(value, bool):", "if size == 0 or isinstance(value, bool):",
            ("tests/test_harness.py", "-k", "batch_size_below")),
+    Mutant("serve/openai-four-stop-limit", "serve/completions.py", "MAX_STOPS = 16", "MAX_STOPS = 4",
+           ("tests/test_serve_lmeval.py", "-k", "more_than_four")),
     Mutant("serve/text-offset-in-tokens", "serve/completions.py",
            "offset += len(text.decode(self.state.tokenizer.decode_bytes([token])))", "offset += 1",
            SERVE_LMEVAL_TESTS),

@@ -37,3 +37,28 @@ def test_local_completions_against_gptlab_serve_equals_model_hf(lmeval_workdir):
     # measured: word perplexity 2.3e-7 apart (~2.4e7: the same windows, fp32 both ways);
     # accuracies equal, the generated texts equal
     assert_same(served, hf)
+
+
+def test_generate_until_with_more_than_four_stop_strings(lmeval_workdir):
+    """lm-eval's client adds <|endoftext|> to a task's `until`: humaneval's five stop strings
+    became six, and the server refused more than four (OpenAI's limit), so such a task failed
+    through gptlab serve where `--model hf` runs it."""
+    from types import SimpleNamespace
+
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
+
+    from gptlab.generation import generate_text
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=50257, block_size=BLOCK, n_layer=2, n_head=2, n_embd=64)).eval()
+    model.save_pretrained(lmeval_workdir / "model")
+    tok, context = get_tokenizer("gpt2"), "ROMEO:\n"
+    free = generate_text(model, tok, context, 12, temperature=0)
+    until = ["\nclass", "\ndef", "\n#", "\nif", free[4:6]]  # humaneval's, the last one where greedy text has it
+    with running(create_app(model, tok, name="tiny")) as url:
+        lm = LocalCompletionsAPI(model="tiny", base_url=f"{url}/v1/completions", tokenizer_backend="huggingface",
+                                 tokenizer=str(lmeval_workdir / "model"), max_length=BLOCK + 1, max_retries=1,
+                                 tokenized_requests=True)  # fmt: skip
+        request = SimpleNamespace(args=(context, {"until": until, "max_gen_toks": 12, "do_sample": False}))
+        (text,) = lm.generate_until([request], disable_tqdm=True)
+    assert text == free[: free.index(free[4:6])]

@@ -35,7 +35,7 @@ from gptlab.serve.errors import APIError
 from gptlab.serve.scheduler import GenerationRequest, QueueFull
 
 MAX_LOGPROBS = 20
-MAX_STOPS = 4
+MAX_STOPS = 16  # OpenAI takes 4; lm-eval's client adds <|endoftext|> to a task's own (humaneval has 5)
 
 Prompt = str | list[str] | list[int] | list[list[int]]
 
