@@ -260,6 +260,26 @@ def test_logit_lens_plot_colours_the_top_probability(tmp_path):
     assert ones / zeros == pytest.approx(1 / 5, rel=0.1)  # labels cover part of each cell
 
 
+def test_plots_draw_dollar_signs_as_text(tmp_path, monkeypatch):
+    """A token such as "$$", or prices in a prompt, is text: matplotlib read two `$` as mathtext,
+    so the plots failed ("ParseException: Expected end of text") or drew the title as maths."""
+    import matplotlib.text
+
+    gpt2 = get_tokenizer("gpt2")
+    figures, save = [], gi._save_figure
+    monkeypatch.setattr(gi, "_save_figure", lambda fig, path: (figures.append(fig), save(fig, path)))
+    title = "from $5 to $10 $$"
+    gi.plot_attention(torch.eye(3).repeat(2, 1, 1), ["$$", " $", "5"], tmp_path / "a.png", title=title)
+    dollars = gpt2.encode("$$")[0]  # one token
+    lens = dict(top_probs=[[[0.9], [0.1]]], top_ids=[[[dollars], [dollars]]], input_ids=[dollars, dollars], layers=["embed"])  # fmt: skip
+    gi.plot_logit_lens(lens, gpt2, tmp_path / "l.png", title=title)
+    gi.plot_patching(torch.eye(2), torch.eye(2), ["$$", "$1"], tmp_path / "p.png", title=title)
+    for name in ("a.png", "l.png", "p.png"):
+        assert (tmp_path / name).read_bytes().startswith(PNG_SIGNATURE)
+    texts = [t for fig in figures for t in fig.findobj(matplotlib.text.Text) if "$" in t.get_text()]
+    assert len(texts) >= 3 * 2 and not any(t.get_parse_math() for t in texts)  # labels and titles, as written
+
+
 def test_cli_attention_writes_png(tmp_path, model_dir, capsys):
     grid, one = tmp_path / "grid.png", tmp_path / "one.png"
     assert main(["attention", "--model", model_dir, "--prompt", "Hello there", "--layer", "1", "--out", str(grid)]) == 0

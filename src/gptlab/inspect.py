@@ -329,6 +329,11 @@ def _pyplot():
     return plt
 
 
+# Text drawn as it reads: matplotlib would take a string with two `$` (a token such as "$$", a
+# prompt of prices) as mathtext, and fail to parse it or draw it as maths.
+PLAIN = dict(parse_math=False)
+
+
 def _visible(label: str) -> str:
     """A blank token label drawn as open boxes, so a plot shows that a space is there."""
     return label if label.strip() else label.replace(" ", "\u2423")
@@ -336,8 +341,8 @@ def _visible(label: str) -> str:
 
 def _label_axes(ax, labels: list[str], fontsize: float, *, xlabel: bool, ylabel: bool) -> None:
     ticks = range(len(labels))
-    ax.set_xticks(ticks, labels, rotation=90, fontsize=fontsize)
-    ax.set_yticks(ticks, labels, fontsize=fontsize)
+    ax.set_xticks(ticks, labels, rotation=90, fontsize=fontsize, **PLAIN)
+    ax.set_yticks(ticks, labels, fontsize=fontsize, **PLAIN)
     if xlabel:
         ax.set_xlabel("key (attended to)", fontsize=fontsize + 1)
     if ylabel:
@@ -371,7 +376,7 @@ def plot_attention(probs: torch.Tensor, labels: list[str], path, *, title: str, 
         if n > 1:
             ax.set_title(f"head {heads[k]}", fontsize=fontsize + 2)
     fig.colorbar(image, ax=axes.ravel().tolist(), shrink=0.6, label="attention probability")
-    fig.suptitle(title)
+    fig.suptitle(title, **PLAIN)
     _save_figure(fig, path)
     plt.close(fig)
 
@@ -395,13 +400,14 @@ def plot_logit_lens(lens: dict, tokenizer: Tokenizer, path, *, title: str) -> No
                 va="center",
                 fontsize=7,
                 color=color,
+                **PLAIN,
             )
     inputs = [_visible(token_label(tokenizer, i)) for i in lens["input_ids"]]
-    ax.set_xticks(range(T), inputs, rotation=90, fontsize=8)
+    ax.set_xticks(range(T), inputs, rotation=90, fontsize=8, **PLAIN)
     ax.set_yticks(range(L), lens["layers"], fontsize=8)
     ax.set_xlabel("input token (prediction is for the next position)")
     fig.colorbar(image, ax=ax, label="top-1 probability")
-    ax.set_title(title)
+    ax.set_title(title, **PLAIN)
     _save_figure(fig, path)
     plt.close(fig)
 
@@ -419,11 +425,11 @@ def plot_patching(patched: torch.Tensor, attribution: torch.Tensor, columns: lis
         image = ax.imshow(
             grid.float().cpu().numpy(), cmap="RdBu", vmin=-limit, vmax=limit, aspect="auto", origin="lower"
         )
-        ax.set_xticks(range(U), [_visible(c) for c in columns], rotation=90, fontsize=8)
+        ax.set_xticks(range(U), [_visible(c) for c in columns], rotation=90, fontsize=8, **PLAIN)
         ax.set_yticks(range(L), [str(i) for i in range(L)], fontsize=8)
         ax.set_ylabel("layer")
         ax.set_title(name)
     fig.colorbar(image, ax=list(axes), label="share of the clean-corrupted difference restored")
-    fig.suptitle(title)
+    fig.suptitle(title, **PLAIN)
     _save_figure(fig, path)
     plt.close(fig)
