@@ -313,6 +313,20 @@ def test_cli_lens_trace_next_info_write_files(tmp_path, model_dir, capsys):
     assert "1. tokenize: 13 tokens" in out and "block 1" in out and "FLOPs per token" in out
 
 
+@pytest.mark.parametrize("command", ["trace", "attention", "lens", "next", "patch"])
+def test_cli_refuses_a_classifier_in_one_line(tmp_path, model_dir, capsys, command):
+    """A sequence classifier has no next-token head: each command failed with a traceback inside
+    the model (no attribute lm_head, forward() got attn_probs, an IndexError on its label logits)."""
+    from gptlab.classifier import from_language_model
+    from gptlab.loading import load_model
+
+    save_model(from_language_model(load_model(model_dir), ["neg", "pos"]), tmp_path / "cls", tokenizer="byte")
+    prompt = ["--clean", "ab", "--corrupt", "ac", "--answers", "x", "y"] if command == "patch" else ["--prompt", "ab"]
+    extra = ["--layer", "0", "--out", str(tmp_path / "a.png")] if command == "attention" else []
+    assert main([command, "--model", str(tmp_path / "cls"), *prompt, *extra]) == 2
+    assert "is a sequence classifier (labels neg, pos), not a language model" in capsys.readouterr().err
+
+
 def test_info_counts_a_quantized_checkpoint_like_its_float_model(tmp_path, model_dir, capsys):
     from gptlab.loading import load_model
     from gptlab.quantize import quantize_model, save_quantized

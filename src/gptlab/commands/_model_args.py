@@ -82,12 +82,18 @@ def check_out_is_not_read(args) -> None:
                          "weights; choose another path")  # fmt: skip
 
 
-def load(args):
-    """(model, tokenizer) for args.model on the requested device and dtype, in eval mode."""
+def load(args, *, classifier: bool = False):
+    """(model, tokenizer) for args.model on the requested device and dtype, in eval mode.
+
+    A sequence classifier has no next-token head: only the commands that take one (`classifier`)
+    load it; the others refuse it in one line rather than fail inside the model."""
     from gptlab.loading import tokenizer_name
     from gptlab.tokenizer import get_tokenizer
 
     model = model_from_args(args)
+    if model.config.num_labels and not classifier:
+        raise ValueError(f"{args.model} is a sequence classifier (labels {', '.join(model.label_names())}), not a "
+                         "language model: it predicts no next token; use gptlab classify")  # fmt: skip
     tokenizer = get_tokenizer(tokenizer_name(args.model))
     if tokenizer.n_vocab > model.config.vocab_size:
         raise ValueError(

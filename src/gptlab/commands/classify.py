@@ -10,7 +10,7 @@ def add_arguments(parser):
 
 
 def run(args):
-    model, tokenizer = load(args)
+    model, tokenizer = load(args, classifier=True)
     if not model.config.num_labels:
         raise ValueError(f"{args.model} is a language model, not a classifier (it has no num_labels)")
     names = model.label_names()

@@ -49,7 +49,7 @@ def run(args):
     check_flags(args)
     if args.harness:
         return run_harness(args)
-    model, tokenizer = load(args)
+    model, tokenizer = load(args, classifier=True)
     if model.config.num_labels and args.task != "classify":
         raise ValueError(f"{args.model} is a classifier: --task {args.task} scores a language model (use --task classify)")  # fmt: skip
     progress = not args.no_progress
