@@ -49,6 +49,23 @@ def test_info_totals_match_every_variant(variant):
     assert head["params"] == (0 if model.config.tie_weights else model.lm_head.weight.numel())
 
 
+def test_info_of_a_classifier_counts_its_score_head(tmp_path, capsys):
+    """A classifier has a (num_labels, n_embd) score and no lm_head: gptlab info built a language
+    model from its config (a tied 97 x 32 head counted in the FLOPs, the score left out of the
+    total), and model_info counted a vocabulary-sized head matmul it never runs."""
+    from gptlab.classifier import from_language_model
+
+    model = from_language_model(tiny_model(), ["a", "b", "c"])
+    info = gi.model_info(model)
+    assert info["total"] == model.num_params() == tiny_model().num_params() + 3 * 32
+    assert info["flops"]["matmul_params"] == _linear_weights(model)  # the blocks' and the score's
+    assert info["components"][-1] == dict(component="classification head (score)", params=3 * 32, note="", share=pytest.approx(96 / info["total"]))  # fmt: skip
+    save_model(model, tmp_path / "cls", tokenizer="byte")
+    assert main(["info", str(tmp_path / "cls"), "--json", str(tmp_path / "i.json")]) == 0
+    written = json.loads((tmp_path / "i.json").read_text())
+    assert written["total"] == info["total"] and written["flops"] == info["flops"]
+
+
 def test_gpt2_info():
     with torch.device("meta"):
         model = GPT(GPTConfig.from_name("gpt2"))

@@ -51,17 +51,18 @@ def matrices(config: GPTConfig) -> list[tuple[str, int, int, int]]:
     """Every weight matrix a token is multiplied by, as (name, count, out_features, in_features).
 
     The head is listed even when tied to the token embedding: the lookup is free, the head matmul
-    is not.
+    is not. A classifier's head is its `score` (num_labels, n_embd): it has no lm_head.
     """
     C, hidden = config.n_embd, config.mlp_hidden
     fc_out = 2 * hidden if config.mlp == "swiglu" else hidden
     L = config.n_layer
+    head = ("score", 1, config.num_labels, C) if config.num_labels else ("lm_head", 1, config.vocab_size, C)
     return [
         ("attn.c_attn", L, 3 * C, C),
         ("attn.c_proj", L, C, C),
         ("mlp.c_fc", L, fc_out, C),
         ("mlp.c_proj", L, C, hidden),
-        ("lm_head", 1, config.vocab_size, C),
+        head,
     ]
 
 

@@ -16,18 +16,18 @@ def add_arguments(parser):
 
 
 def run(args):
+    from gptlab.classifier import model_for
     from gptlab.config import PRESETS, GPTConfig
     from gptlab.inspect import model_info
     from gptlab.loading import load_config
     from gptlab.meta import meta_device
-    from gptlab.model import GPT
 
     if args.model and args.model_opt and args.model != args.model_opt:
         raise ValueError(f"two models: {args.model} and --model {args.model_opt}; give one")
     spec = args.model_opt or args.model or "gpt2"
     config = GPTConfig.from_name(spec) if spec in PRESETS and not Path(spec).exists() else load_config(spec)
     with meta_device():  # shapes are all the breakdown needs; a quantized model counts its logical weights
-        model = GPT(config)
+        model = model_for(config)  # a classifier has a score head where a language model's head is
     info = model_info(model, args.context)
     print_info(spec, info)
     if args.json:
