@@ -297,6 +297,32 @@ def test_plots_draw_dollar_signs_as_text(tmp_path, monkeypatch):
     assert len(texts) >= 3 * 2 and not any(t.get_parse_math() for t in texts)  # labels and titles, as written
 
 
+def test_plots_of_long_prompts_stay_drawable(tmp_path, monkeypatch):
+    """Figures grew with the prompt: GPT-2's 12 heads over 300 tokens asked for a 36,600-pixel
+    square (~5 GB; longer prompts were killed for memory), and a lens or patching grid passed
+    matplotlib's 65,536-pixel limit. They are capped, with every k-th token labelled in order."""
+    figures = []
+
+    def measure(fig, path):  # before drawing: an oversized figure is not rendered
+        figures.append(fig)
+        width, height = fig.get_size_inches()
+        assert max(width, height) <= (40 if len(figures) == 1 else 160)  # 4,800 and 19,200 pixels at 120 dpi
+
+    monkeypatch.setattr(gi, "_save_figure", measure)
+    T = 300
+    labels = [f"t{i}" for i in range(T)]
+    gi.plot_attention(torch.full((4, T, T), 1 / T), labels, tmp_path / "a.png", title="4 heads")
+    lens = dict(top_probs=[[[0.5]] * 600] * 3, top_ids=[[[65]] * 600] * 3, input_ids=[66] * 600, layers=["embed", "block 0", "block 1"])  # fmt: skip
+    gi.plot_logit_lens(lens, BYTE, tmp_path / "l.png", title="lens")
+    gi.plot_patching(torch.zeros(2, 600), torch.zeros(2, 600), labels * 2, tmp_path / "p.png", title="patch")
+    ax = figures[0].axes[0]
+    ticks = [int(t) for t in ax.get_xticks()]
+    step = ticks[1]
+    assert 1 < step < T / 10 and ticks == list(range(0, T, step))  # thinned, not dropped
+    assert [t.get_text() for t in ax.get_xticklabels()] == labels[::step]  # each tick its own token
+    assert [t.get_text() for t in ax.get_yticklabels()] == labels[::step]
+
+
 def test_cli_attention_writes_png(tmp_path, model_dir, capsys):
     grid, one = tmp_path / "grid.png", tmp_path / "one.png"
     assert main(["attention", "--model", model_dir, "--prompt", "Hello there", "--layer", "1", "--out", str(grid)]) == 0

@@ -335,15 +335,33 @@ def _pyplot():
 PLAIN = dict(parse_math=False)
 
 
+# However long the prompt, a figure stays within these sizes (inches, at 120 dpi). An attention
+# grid grows as T x T: GPT-2's 12 heads over 300 tokens asked for a 36,600-pixel square (~5 GB to
+# draw) and longer prompts were killed for memory; a lens or patching grid grows as T and passed
+# matplotlib's 65,536-pixel limit at ~550 tokens. Labels are then thinned to what fits.
+MAX_SQUARE_INCHES = 40.0  # an attention figure's width and height: 4,800 pixels
+MAX_WIDE_INCHES = 160.0  # a lens or patching figure's width: 19,200 pixels
+
+
+def _every(n: int, inches: float, points: float) -> int:
+    """Label every k-th of n cells spread over `inches` so that labels `points` high do not
+    overlap (k = 1 while every label fits)."""
+    return max(1, math.ceil(n * points * 1.3 / 72 / max(inches, 1e-6)))
+
+
+def _ticks(set_ticks, labels: list[str], step: int, **kwargs) -> None:
+    """Tick every `step`-th cell with its own label (set_ticks: an axis's set_xticks/set_yticks)."""
+    set_ticks(range(0, len(labels), step), labels[::step], **PLAIN, **kwargs)
+
+
 def _visible(label: str) -> str:
     """A blank token label drawn as open boxes, so a plot shows that a space is there."""
     return label if label.strip() else label.replace(" ", "\u2423")
 
 
-def _label_axes(ax, labels: list[str], fontsize: float, *, xlabel: bool, ylabel: bool) -> None:
-    ticks = range(len(labels))
-    ax.set_xticks(ticks, labels, rotation=90, fontsize=fontsize, **PLAIN)
-    ax.set_yticks(ticks, labels, fontsize=fontsize, **PLAIN)
+def _label_axes(ax, labels: list[str], fontsize: float, step: int, *, xlabel: bool, ylabel: bool) -> None:
+    _ticks(ax.set_xticks, labels, step, rotation=90, fontsize=fontsize)
+    _ticks(ax.set_yticks, labels, step, fontsize=fontsize)
     if xlabel:
         ax.set_xlabel("key (attended to)", fontsize=fontsize + 1)
     if ylabel:
@@ -362,18 +380,19 @@ def plot_attention(probs: torch.Tensor, labels: list[str], path, *, title: str, 
     heads = heads if heads is not None else list(range(n))
     cols = math.ceil(math.sqrt(n))
     rows = math.ceil(n / cols)
-    side = max(3.0, 0.25 * T + 1.2)
+    side = min(max(3.0, 0.25 * T + 1.2), (MAX_SQUARE_INCHES - 1.5) / cols)  # a panel's
     fig, axes = plt.subplots(
         rows, cols, figsize=(cols * side + 1.5, rows * side + 0.6), squeeze=False, layout="constrained"
     )
     labels = [_visible(label) for label in labels]
     fontsize = max(5.0, min(10.0, 200 / max(T, 1)))
+    step = _every(T, side - 1.2, fontsize)
     for k, ax in enumerate(axes.flat):
         if k >= n:
             ax.axis("off")
             continue
         image = ax.imshow(grid[k].numpy(), cmap="viridis", vmin=0.0, vmax=1.0)
-        _label_axes(ax, labels, fontsize, xlabel=k // cols == rows - 1 or k + cols >= n, ylabel=k % cols == 0)
+        _label_axes(ax, labels, fontsize, step, xlabel=k // cols == rows - 1 or k + cols >= n, ylabel=k % cols == 0)
         if n > 1:
             ax.set_title(f"head {heads[k]}", fontsize=fontsize + 2)
     fig.colorbar(image, ax=axes.ravel().tolist(), shrink=0.6, label="attention probability")
@@ -388,9 +407,11 @@ def plot_logit_lens(lens: dict, tokenizer: Tokenizer, path, *, title: str) -> No
     probs = torch.tensor(lens["top_probs"])[..., 0]  # (layers, T)
     ids = [[row[0] for row in layer] for layer in lens["top_ids"]]
     L, T = probs.shape
-    fig, ax = plt.subplots(figsize=(max(4.0, 0.9 * T + 2), max(3.0, 0.4 * L + 1.5)), layout="constrained")
+    width = min(max(4.0, 0.9 * T + 2), MAX_WIDE_INCHES)
+    fig, ax = plt.subplots(figsize=(width, max(3.0, 0.4 * L + 1.5)), layout="constrained")
     image = ax.imshow(probs.numpy(), cmap="Blues", vmin=0.0, vmax=1.0, aspect="auto", origin="lower")
-    for layer in range(L):
+    cell_text = (width - 2) / T >= 0.5  # room for a token in each cell (past ~300 positions, colour alone)
+    for layer in range(L if cell_text else 0):
         for pos in range(T):
             color = "white" if probs[layer, pos] > 0.6 else "black"
             ax.text(
@@ -404,7 +425,7 @@ def plot_logit_lens(lens: dict, tokenizer: Tokenizer, path, *, title: str) -> No
                 **PLAIN,
             )
     inputs = [_visible(token_label(tokenizer, i)) for i in lens["input_ids"]]
-    ax.set_xticks(range(T), inputs, rotation=90, fontsize=8, **PLAIN)
+    _ticks(ax.set_xticks, inputs, _every(T, width - 2, 8), rotation=90, fontsize=8)
     ax.set_yticks(range(L), lens["layers"], fontsize=8)
     ax.set_xlabel("input token (prediction is for the next position)")
     fig.colorbar(image, ax=ax, label="top-1 probability")
@@ -418,7 +439,8 @@ def plot_patching(patched: torch.Tensor, attribution: torch.Tensor, columns: lis
     attribution patching's estimate of it, on one colour scale (0 corrupted, 1 clean)."""
     plt = _pyplot()
     L, U = patched.shape
-    fig, axes = plt.subplots(1, 2, figsize=(2 * max(4.0, 0.6 * U + 2), max(3.0, 0.4 * L + 1.5)), layout="constrained")
+    width = min(max(4.0, 0.6 * U + 2), MAX_WIDE_INCHES / 2)  # each grid's
+    fig, axes = plt.subplots(1, 2, figsize=(2 * width, max(3.0, 0.4 * L + 1.5)), layout="constrained")
     limit = max(float(patched.abs().max()), float(attribution.abs().max()), 1e-6)
     for ax, grid, name in zip(
         axes, (patched, attribution), ("activation patching", "attribution patching"), strict=True
@@ -426,7 +448,7 @@ def plot_patching(patched: torch.Tensor, attribution: torch.Tensor, columns: lis
         image = ax.imshow(
             grid.float().cpu().numpy(), cmap="RdBu", vmin=-limit, vmax=limit, aspect="auto", origin="lower"
         )
-        ax.set_xticks(range(U), [_visible(c) for c in columns], rotation=90, fontsize=8, **PLAIN)
+        _ticks(ax.set_xticks, [_visible(c) for c in columns], _every(U, width - 2, 8), rotation=90, fontsize=8)
         ax.set_yticks(range(L), [str(i) for i in range(L)], fontsize=8)
         ax.set_ylabel("layer")
         ax.set_title(name)
