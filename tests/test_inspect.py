@@ -370,6 +370,20 @@ def test_cli_refuses_a_classifier_in_one_line(tmp_path, model_dir, capsys, comma
     assert "is a sequence classifier (labels neg, pos), not a language model" in capsys.readouterr().err
 
 
+def test_cli_reads_endoftext_in_a_prompt_as_the_token(tmp_path, model_dir, capsys):
+    """<|endoftext|> in --prompt is token 256 of the byte tokenizer (50256 of GPT-2's), as in the
+    explorer's /api/next and /api/lens: the commands read it as 13 characters of text."""
+    from gptlab.loading import load_model
+
+    assert main(["trace", "--model", model_dir, "--prompt", "<|endoftext|>ab", "--json", str(tmp_path / "t.json")]) == 0
+    assert [t["id"] for t in json.loads((tmp_path / "t.json").read_text())["tokens"]] == [256, 97, 98]
+    assert main(["next", "--model", model_dir, "--prompt", "<|endoftext|>ab", "--json", str(tmp_path / "n.json")]) == 0
+    expected = gi.next_tokens(load_model(model_dir), BYTE, torch.tensor([[256, 97, 98]]))
+    written = json.loads((tmp_path / "n.json").read_text())["next"]
+    assert [t["id"] for t in written] == [t["id"] for t in expected]
+    assert [t["prob"] for t in written] == pytest.approx([t["prob"] for t in expected])
+
+
 def test_info_counts_a_quantized_checkpoint_like_its_float_model(tmp_path, model_dir, capsys):
     from gptlab.loading import load_model
     from gptlab.quantize import quantize_model, save_quantized

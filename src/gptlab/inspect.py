@@ -35,10 +35,11 @@ def token_label(tokenizer: Tokenizer, token_id: int) -> str:
 
 def encode_prompt(tokenizer: Tokenizer, prompt: str, block_size: int, flag: str = "--prompt") -> list[int]:
     """Token ids of a prompt; an empty prompt or one longer than the context is a ValueError
-    (naming the command's `flag` for it)."""
+    (naming the command's `flag` for it). `<|endoftext|>` in the text is that token, as in the
+    explorer's and the completions API's prompts."""
     if not prompt:
         raise ValueError(f"the prompt is empty: give some text with {flag}")
-    ids = tokenizer.encode(prompt)
+    ids = tokenizer.encode(prompt, allowed_special="all")
     if len(ids) > block_size:
         raise ValueError(f"{flag} is {len(ids)} tokens, longer than the model's context of {block_size}")
     return ids
