@@ -384,6 +384,26 @@ def test_cli_reads_endoftext_in_a_prompt_as_the_token(tmp_path, model_dir, capsy
     assert [t["prob"] for t in written] == pytest.approx([t["prob"] for t in expected])
 
 
+def test_logits_that_overflow_are_an_error_not_nan(tmp_path, capsys):
+    """Embeddings past float16's 65,504 make every logit NaN: next crashed ("cannot convert
+    float NaN to integer"), lens and trace wrote NaN into their JSON (not JSON), patch called the
+    prompts equal. In float32 the same model reads fine."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=257, block_size=16, n_layer=2, n_head=2, n_embd=16))
+    with torch.no_grad():
+        model.transformer.wte.weight.add_(1e5)  # inf in float16
+    save_model(model, tmp_path / "m", tokenizer="byte")
+    common = ["--model", str(tmp_path / "m"), "--prompt", "abc", "--dtype"]
+    assert main(["next", *common, "float32"]) == 0
+    for command in ("next", "lens", "trace"):
+        assert main([command, *common, "float16", "--json", str(tmp_path / "out.json")]) == 2
+        assert "logits are not finite (NaN or inf)" in capsys.readouterr().err
+        assert not (tmp_path / "out.json").exists()
+    patch = ["patch", "--model", str(tmp_path / "m"), "--clean", "ab", "--corrupt", "ac", "--answers", "x", "y"]
+    assert main([*patch, "--dtype", "float16"]) == 2
+    assert "the metric is NaN or inf in 1 of 1 rows" in capsys.readouterr().err
+
+
 def test_info_counts_a_quantized_checkpoint_like_its_float_model(tmp_path, model_dir, capsys):
     from gptlab.loading import load_model
     from gptlab.quantize import quantize_model, save_quantized

@@ -38,6 +38,9 @@ def _per_row(metric: Metric, logits: torch.Tensor) -> torch.Tensor:
     if not isinstance(value, torch.Tensor) or value.shape != logits.shape[:1]:
         got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
         raise ValueError(f"the metric must return one value per row, shape ({logits.size(0)},), got {got}: e.g. logits[:, -1, right] - logits[:, -1, wrong], without .mean()")  # fmt: skip
+    if not torch.isfinite(value).all():  # else a NaN span read as "no difference" and the grid as zeros
+        bad = int((~torch.isfinite(value)).sum())
+        raise ValueError(f"the metric is NaN or inf in {bad} of {value.numel()} rows: the model's activations overflowed (float16 holds at most 65,504) or its weights hold NaN; run it in float32 or bfloat16")  # fmt: skip
     return value
 
 
