@@ -927,6 +927,8 @@ MUTANTS = [
            "    if not torch.isfinite(logits).all():", "    if False:", ("tests/test_inspect.py", "-k", "overflow")),
     Mutant("patching/nan-metric-read-as-no-difference", "patching.py",
            "    if not torch.isfinite(value).all():", "    if False:", ("tests/test_inspect.py", "-k", "overflow")),
+    Mutant("cli/empty-json-path-writes-nothing", "commands/next.py", "if args.json is not None:", "if args.json:",
+           ("tests/test_inspect.py", "-k", "bad_input")),
     Mutant("config/toml-table-beside-train-ignored", "train_config.py", "if tables:  #", "if False:  #",
            ("tests/test_train.py", "-k", "toml")),
     Mutant("quantize/lora-run-written-unmerged", "commands/quantize.py",

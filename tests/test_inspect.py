@@ -437,6 +437,12 @@ def test_info_gpt2_prints_the_total(capsys):
         (["info", "--context", "65"], "context must be in [1, 64]"),  # FLOPs and a KV cache it never holds
         (["info", "--context", "0"], "context must be in [1, 64]"),
         (["info", "gpt2-tiny"], "two models"),  # the positional one was ignored
+        # an empty --out or --json (an unset shell variable) wrote nothing and exited 0
+        (["lens", "--prompt", "hi", "--out", ""], "cannot write ."),
+        (["lens", "--prompt", "hi", "--json", ""], "cannot write ."),
+        (["next", "--prompt", "hi", "--json", ""], "cannot write ."),
+        (["trace", "--prompt", "hi", "--json", ""], "cannot write ."),
+        (["info", "--json", ""], "cannot write ."),
     ],
 )
 def test_cli_bad_input(tmp_path, model_dir, capsys, argv, message):

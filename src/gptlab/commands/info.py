@@ -30,7 +30,7 @@ def run(args):
         model = model_for(config)  # a classifier has a score head where a language model's head is
     info = model_info(model, args.context)
     print_info(spec, info)
-    if args.json:
+    if args.json is not None:
         write_json(args.json, {"model": spec, **info})
 
 

@@ -35,8 +35,8 @@ def run(args):
         print(
             f"  {name:<9}" + "  ".join(f"{quoted(label(i))} {p:.2f}" for i, p in zip(ids[-1], probs[-1], strict=True))
         )
-    if args.out:
+    if args.out is not None:
         plot_logit_lens(lens, tokenizer, args.out, title=f"logit lens: {args.model}")
         print(f"wrote {args.out}")
-    if args.json:
+    if args.json is not None:
         write_json(args.json, lens)

@@ -19,5 +19,5 @@ def run(args):
     for rank, t in enumerate(tokens, start=1):
         bar = "#" * round(40 * t["prob"])
         print(f"{rank:>3}. {quoted(t['token']):<20} id {t['id']:>6}  {100 * t['prob']:7.3f}%  {bar}".rstrip())
-    if args.json:
+    if args.json is not None:
         write_json(args.json, {"prompt": args.prompt, "next": tokens})

@@ -56,9 +56,9 @@ def run(args):
     data = {"over": args.over, "columns": columns, "clean": result["clean"], "corrupt": result["corrupt"],
             "grid": result["grid"].tolist(), "normalized": normalized.tolist(),
             "attribution": attribution.tolist()}  # fmt: skip
-    if args.out:
+    if args.out is not None:
         plot_patching(normalized, attribution / span, columns, args.out,
                       title=f"{args.model}: {args.clean!r} -> {args.corrupt!r}")  # fmt: skip
         print(f"wrote {args.out}")
-    if args.json:
+    if args.json is not None:
         write_json(args.json, data)

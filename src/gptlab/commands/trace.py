@@ -16,7 +16,7 @@ def run(args):
     idx = prompt_ids(args, model, tokenizer)
     result = trace(model, tokenizer, idx, top=args.top)
     print_trace(result)
-    if args.json:
+    if args.json is not None:
         write_json(args.json, result)
 
 
