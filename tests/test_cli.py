@@ -45,8 +45,8 @@ def test_public_api_names_are_the_functions():
 # for machine output, dashes in flag names, global flags after the subcommand too, and every user
 # error one line on stderr with exit code 2.
 
-LOADS_A_MODEL = ("eval", "trace", "attention", "lens", "next", "generate", "serve", "export", "quantize")
-WRITES_JSON = ("info", "eval", "trace", "lens", "next")
+LOADS_A_MODEL = ("eval", "trace", "attention", "lens", "next", "patch", "classify", "generate", "serve", "export", "quantize")  # fmt: skip
+WRITES_JSON = ("info", "eval", "trace", "lens", "next", "patch", "classify")
 
 
 def parser_of(name):
