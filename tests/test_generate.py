@@ -438,6 +438,25 @@ def test_cli_generate_streams_the_continuation(echo_model, echo_dir, capsys, mon
     assert capsys.readouterr().out == PATTERN + generate_text(model, tok, PATTERN, 30, temperature=0) + "\n"
 
 
+def test_cli_generate_reads_endoftext_in_the_prompt_as_the_token(echo_model, echo_dir, capsys, monkeypatch):
+    """--prompt "<|endoftext|>..." was 13 characters of text, where completions, the explorer and
+    the inspect commands (next, lens, ...) read the token: the same prompt, other predictions."""
+    from gptlab import generation
+    from gptlab.cli import main
+
+    model, tok = echo_model
+    fed, stream = [], generation.stream_text
+    monkeypatch.setattr(
+        generation, "stream_text", lambda m, t, prompt, **kw: fed.append(prompt) or stream(m, t, prompt, **kw)
+    )
+    prompt = "<|endoftext|>" + PATTERN
+    assert (
+        main(["generate", "--model", echo_dir, "--prompt", prompt, "--temperature", "0", "--max-new-tokens", "9"]) == 0
+    )
+    assert fed == [[tok.eot_token, *tok.encode(PATTERN)]]
+    assert capsys.readouterr().out == prompt + "".join(stream(model, tok, fed[0], 9, temperature=0)) + "\n"
+
+
 def test_cli_interactive_keeps_the_conversation(echo_model, echo_dir, capsys, monkeypatch):
     import io
 

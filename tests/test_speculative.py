@@ -7,8 +7,9 @@ import itertools
 import pytest
 import torch
 
-from conftest import tiny_model
+from conftest import tiny_config, tiny_model
 from gptlab import speculative as spec
+from gptlab.classifier import model_for
 from gptlab.config import GPTConfig
 from gptlab.generation import generate, generate_text, stream_text
 from gptlab.model import GPT
@@ -362,6 +363,7 @@ def test_prompt_lookup_proposes_what_followed_the_longest_match():
         (dict(num_draft_tokens=0), "num_draft_tokens"),
         (dict(prompt_lookup=2, draft_model="self"), "not both"),
         (dict(draft_model="other-vocab"), "vocabulary"),
+        (dict(draft_model="classifier"), "the draft model is a sequence classifier"),  # was a traceback inside it
         (dict(draft_model="gpt2"), "draft_model must be a loaded model"),  # a spec: was an AttributeError
         (dict(prompt_lookup=2, window_keep=0), r"window_keep must be in \[1, block_size\], got 0"),  # was the default
         (dict(prompt_lookup=2, window_keep=33), "got 33"),
@@ -373,6 +375,8 @@ def test_bad_settings_raise_value_error(kwargs, match):
         kwargs["draft_model"] = model
     elif kwargs.get("draft_model") == "other-vocab":
         kwargs["draft_model"] = tiny_model(0, vocab_size=50)
+    elif kwargs.get("draft_model") == "classifier":
+        kwargs["draft_model"] = model_for(tiny_config(num_labels=2, labels=["a", "b"], pad_token_id=0)).eval()
     with pytest.raises(ValueError, match=match):
         next(spec.decode(model, [[1, 2]], SamplingParams(max_new_tokens=3), **kwargs))
 

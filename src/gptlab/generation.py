@@ -504,7 +504,7 @@ class TextDecoder:
 def stream_text(
     model,
     tokenizer,
-    prompt: str,
+    prompt: str | list[int],
     max_new_tokens: int | None = None,
     *,
     sampling: SamplingParams | None = None,
@@ -517,7 +517,8 @@ def stream_text(
     num_draft_tokens: int = 4,
     **fields,
 ) -> Iterator[str]:
-    """Yield the continuation of `prompt` piece by piece as it is generated.
+    """Yield the continuation of `prompt` (text, `<|endoftext|>` in it plain text as the
+    tokenizer reads it, or token ids) piece by piece as it is generated.
 
     Every piece is valid UTF-8 text: bytes of a character split across tokens are held until the
     character is complete. Generation ends at the tokenizer's end-of-text token (unless
@@ -531,7 +532,7 @@ def stream_text(
     params = sampling_params(sampling, max_new_tokens, seed=seed, **fields)
     if params.num_samples != 1:
         raise ValueError("stream_text makes one continuation (num_samples=1); call it again for more")
-    ids = tokenizer.encode(prompt)
+    ids = tokenizer.encode(prompt) if isinstance(prompt, str) else [int(i) for i in prompt]
     eos_id = tokenizer.eot_token if stop_at_eos else None
     text = TextDecoder(tokenizer, params.stop)
     steps = generate_tokens(model, [ids], params, eos_id=eos_id, bos_id=tokenizer.eot_token, generator=generator,
@@ -552,6 +553,6 @@ def stream_text(
         yield piece
 
 
-def generate_text(model, tokenizer, prompt: str, max_new_tokens: int | None = None, **kwargs) -> str:
+def generate_text(model, tokenizer, prompt: str | list[int], max_new_tokens: int | None = None, **kwargs) -> str:
     """The continuation of `prompt` as one string (see `stream_text` for the arguments)."""
     return "".join(stream_text(model, tokenizer, prompt, max_new_tokens, **kwargs))

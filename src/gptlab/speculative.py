@@ -389,6 +389,8 @@ def check_speculation(model, draft_model, prompt_lookup: int, num_draft_tokens: 
         return
     if not isinstance(getattr(draft_model, "config", None), GPTConfig):  # a spec string was an AttributeError
         raise ValueError(f"draft_model must be a loaded model (gptlab.load_model(spec)), got {type(draft_model).__name__}")  # fmt: skip
+    if draft_model.config.num_labels:  # its head scores labels: it proposes no next token
+        raise ValueError("the draft model is a sequence classifier, not a language model: it cannot propose tokens")
     if draft_model.config.vocab_size != model.config.vocab_size:
         raise ValueError(
             f"the draft model's vocabulary ({draft_model.config.vocab_size}) differs from the model's "

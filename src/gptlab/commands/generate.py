@@ -88,7 +88,8 @@ def run(args):
 
     def continue_text(prompt: str) -> str:
         pieces = []
-        for piece in stream_text(model, tokenizer, prompt, sampling=one, generator=generator,
+        ids = tokenizer.encode(prompt, allowed_special="all")  # <|endoftext|> is the token, as in completions
+        for piece in stream_text(model, tokenizer, ids, sampling=one, generator=generator,
                                  compiled_step=compiled_step, **speculation):  # fmt: skip
             print(piece, end="", flush=True)
             pieces.append(piece)
