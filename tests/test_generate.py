@@ -400,6 +400,17 @@ def test_bad_input_raises_value_error(kwargs, match):
         generate(model, args.pop("idx"), args.pop("max_new_tokens"), **args)
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_nan_logits_are_an_error_not_token_0(temperature):
+    """Greedy decoding of NaN logits (a float16 overflow, a NaN weight) gave token 0 at every step,
+    silently (the argmax of a NaN row is its first NaN); sampling already refused them."""
+    model = tiny_model()
+    with torch.no_grad():
+        model.transformer.ln_f.weight[0] = float("nan")
+    with pytest.raises(ValueError, match="the model's logits are not finite"):
+        generate(model, torch.tensor([[1, 2]]), 3, temperature=temperature)
+
+
 # --- command line ----------------------------------------------------------------------------------
 
 

@@ -710,6 +710,24 @@ def test_batch_steps_decode_with_a_module_replaced_before_the_next_request():
     assert after == generate(model, [prompt], 8, temperature=0)[0][3:] and after != before
 
 
+def test_a_model_with_nan_logits_is_a_clear_server_error_not_a_completion(tok):
+    """A model whose logits are NaN (float16 overflow, a NaN weight): greedy completions answered
+    200 with token 0 repeated ("\\u0000\\u0000"), echoed logprobs and the explorer's lens failed as
+    "internal error: ValueError", /api/next showed probabilities of null. Each is a 500 naming it."""
+    broken = serve_model()
+    with torch.no_grad():
+        broken.transformer.ln_f.weight[0] = float("nan")  # every logit NaN
+    with running(create_app(broken, tok, name=NAME)) as base:
+        asks = [("/v1/completions", {"model": NAME, "prompt": "abc", "max_tokens": 3, "temperature": 0}),
+                ("/v1/completions", {"model": NAME, "prompt": "abc", "max_tokens": 3}),
+                ("/v1/completions", {"model": NAME, "prompt": "abc", "max_tokens": 0, "echo": True, "logprobs": 1}),
+                ("/api/next", {"prompt": "abc"}), ("/api/tokens", {"prompt": "abc"}), ("/api/lens", {"prompt": "abc"})]  # fmt: skip
+        for path, body in asks:
+            r = httpx.post(base + path, json=body, timeout=60)
+            assert r.status_code == 500, (path, body, r.text)
+            assert "the model's logits are not finite" in r.json()["error"]["message"], (path, body)
+
+
 def test_serve_command_loads_a_saved_model(tmp_path, model, monkeypatch):
     """`gptlab serve --model DIR` serves that model's weights and tokenizer under the directory's
     name (the uvicorn server itself is stubbed); --max-batch 0 is refused."""

@@ -17,6 +17,7 @@ import torch.nn as nn
 
 from gptlab.config import GPTConfig
 from gptlab.model import GPT
+from gptlab.sampling import check_finite
 from gptlab.tokenizer import Tokenizer
 
 # ----------------------------------------------------------------------------- tokens
@@ -190,11 +191,7 @@ def residual_streams(model: GPT, idx: torch.Tensor) -> tuple[torch.Tensor, list[
 def _top(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The k largest probabilities and their ids; ValueError for NaN or infinite logits, which
     have no distribution (they were printed as NaN, written to JSON as NaN, or crashed a table)."""
-    if not torch.isfinite(logits).all():
-        raise ValueError(
-            "the model's logits are not finite (NaN or inf): its activations overflowed (float16 holds at most "
-            "65,504) or its weights hold NaN; run it in float32 or bfloat16"
-        )
+    check_finite(logits)
     probs = torch.softmax(logits.float(), dim=-1)
     return probs.topk(min(k, probs.size(-1)), dim=-1)  # values, indices
 

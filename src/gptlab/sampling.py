@@ -250,13 +250,28 @@ def sample_next(
     temperature 0, without building the one-hot."""
     logits = _penalised(logits, params, seen)
     if params.greedy:
-        return ops.argmax(logits)
+        ids = ops.argmax(logits)  # (B,): the first NaN of a row that holds one
+        best = logits.gather(-1, ids.unsqueeze(-1))  # (B, 1)
+        if not bool((best > float("-inf")).all()):  # NaN (or a row of -inf): was token 0, silently
+            raise NonFiniteProbabilities(NOT_FINITE)
+        return ids
     probs = F.softmax(_warped(logits, params), dim=-1)  # (B, V)
     return draw(probs, generator).to(logits.device)  # (B,)
 
 
 class NonFiniteProbabilities(ValueError):
     """A distribution to draw from holds inf or NaN, or sums to 0 (a diverged model's logits)."""
+
+
+NOT_FINITE = ("the model's logits are not finite (NaN or inf): its activations overflowed (float16 holds at most "
+              "65,504) or its weights hold NaN; run it in float32 or bfloat16")  # fmt: skip
+
+
+def check_finite(logits: torch.Tensor) -> None:
+    """NonFiniteProbabilities (a ValueError) where `logits` hold NaN or inf: they give no
+    distribution to read probabilities, a table or an argmax from."""
+    if not bool(torch.isfinite(logits).all()):
+        raise NonFiniteProbabilities(NOT_FINITE)
 
 
 def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -273,6 +288,8 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch
     cdf = probs.double().cumsum(dim=-1)  # (B, V); float64, so a token's share is its probability to ~1e-16
     total = cdf[:, -1:]  # (B, 1)
     if not bool(((total > 0) & torch.isfinite(total)).all()):
-        raise NonFiniteProbabilities("probabilities must be finite and non-negative with a positive sum in every row")
+        raise NonFiniteProbabilities(
+            f"probabilities must be finite and non-negative with a positive sum in every row ({NOT_FINITE})"
+        )
     ids = torch.searchsorted(cdf, u * total, right=True)  # the first entry whose cumulative mass exceeds it: never a 0
     return ids.clamp_(max=probs.size(-1) - 1).squeeze(-1)  # (B,)

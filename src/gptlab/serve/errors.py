@@ -20,6 +20,8 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from gptlab.sampling import NonFiniteProbabilities
+
 log = logging.getLogger(__name__)
 
 TYPES = {
@@ -181,6 +183,10 @@ def install_error_handlers(app: FastAPI) -> None:
             return APIError(400, f"the request body is not UTF-8 JSON: {exc.__cause__}", code="invalid_json").response()  # fmt: skip
         code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status_code)
         return APIError(exc.status_code, str(exc.detail), code=code).response(headers=exc.headers)  # 405: Allow
+
+    @app.exception_handler(NonFiniteProbabilities)
+    async def not_finite(request: Request, exc: NonFiniteProbabilities):  # the model's, not the request's
+        return APIError(500, str(exc), code="non_finite_logits").response()
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception):

@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from gptlab.inspect import token_label
 from gptlab.kernels import release_threads
+from gptlab.sampling import check_finite
 from gptlab.serve.errors import APIError
 
 
@@ -118,6 +119,7 @@ class Explorer:
     @torch.no_grad()
     def _logits(self, ids: list[int]) -> torch.Tensor:
         logits, _ = self.state.model(self._tensor(ids))  # (1, T, V)
+        check_finite(logits)  # NaN was shown as a probability of null
         return logits[0].float()  # (T, V)
 
     def info(self) -> dict:

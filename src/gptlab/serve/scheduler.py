@@ -34,7 +34,7 @@ import torch
 from gptlab import speculative
 from gptlab.generation import TokenSampler, decode_step, model_device_dtype
 from gptlab.kv_cache import KVCache
-from gptlab.sampling import SamplingParams
+from gptlab.sampling import SamplingParams, check_finite
 
 log = logging.getLogger(__name__)
 
@@ -444,6 +444,7 @@ class Scheduler:
     def _token_scores(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> list[tuple[float, list]]:
         """(logprob of the chosen token, top-k [(token, logprob)]) per row, from the model's raw
         distribution (before temperature and the sampling filters, as OpenAI reports it)."""
+        check_finite(logits)  # NaN logprobs are not JSON: the response failed as "internal error: ValueError"
         logp = torch.log_softmax(logits.float(), dim=-1)  # (n, V)
         chosen = logp.gather(1, tokens[:, None])[:, 0].tolist()
         if k:
