@@ -1133,6 +1133,8 @@ MUTANTS = [
     Mutant("serve/non-finite-logits-an-anonymous-500", "serve/errors.py",
            'return APIError(500, str(exc), code="non_finite_logits").response()', "raise exc",
            ("tests/test_serve.py", "-k", "nan_logits")),
+    Mutant("train/seed-past-64-bits-accepted", "train_config.py",
+           "or not abs(self.seed) < SEED_LIMIT:", "or False:", ("tests/test_train.py", "-k", "nonsense")),
     Mutant("data/wrapped-rows-past-the-pass-kept", "data.py",
            "        return self.positions(k) >= self.units()", "        return self.positions(k) < 0",
            ("tests/test_data.py", "tests/test_train.py", "-k", "wrap or each_window_once")),

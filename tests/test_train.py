@@ -173,12 +173,24 @@ def test_counts_of_zero_are_refused_not_read_as_another_setting():
     ("spike_zscore=inf", "spike_zscore must be a finite"), ("beta2=nan", "beta2 must be a finite"),
     ("beta1=1", r"beta1 must be in \[0, 1\), got 1.0"), ("beta2=-0.1", "beta2 must be in"),
     ("dropout=1", "dropout must be in"),
+    ("seed=1099511627776", "seed must be an integer of magnitude below 2\\*\\*40"),  # overflowed at the first batch
 ])  # fmt: skip
 def test_nonsense_numbers_are_refused(setting, message):
     """spike_zscore <= 0 skipped healthy updates until the run stopped as diverged; lr=inf (or nan)
     passed and trained on NaN."""
     with pytest.raises(ValueError, match=f"TrainConfig.{message}"):
         TrainConfig().with_overrides([setting])
+
+
+def test_the_largest_seeds_load_their_batches(byte_data):
+    """A seed past ~9e12 passed TrainConfig and failed at the first batch ("Overflow when unpacking
+    long long"): seed * 1,000,003 + k must fit 64 bits. The largest accepted seeds load."""
+    from gptlab.data import epoch_permutation
+
+    for seed in (2**40 - 1, -(2**40 - 1)):
+        assert TrainConfig(seed=seed).seed == seed
+        TokenLoader(byte_data / "train.bin", 2, 8, seed=seed).batch(10**6)
+        epoch_permutation(seed, 10**6, 5)
 
 
 def test_max_time_parsing():

@@ -16,6 +16,7 @@ from pathlib import Path
 SCHEDULES = ("cosine", "constant", "wsd")
 PRECISIONS = ("auto", "float32", "bfloat16", "float16")
 OPTIMIZERS = ("adamw", "muon")
+SEED_LIMIT = 2**40  # the loaders seed batch k with seed * 1_000_003 + k: a 64-bit integer
 # Old key -> new key. `dtype` meant the autocast precision here but the weight dtype in
 # `--dtype`/`load_model` (issue 15); old configs keep working with a warning.
 RENAMED = {"dtype": "precision"}
@@ -109,6 +110,9 @@ class TrainConfig:
         for name in ("warmup_steps", "log_interval", "sample_tokens"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
                 raise ValueError(f"TrainConfig.{name} must be a non-negative integer, got {getattr(self, name)!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not abs(self.seed) < SEED_LIMIT:
+            raise ValueError(f"TrainConfig.seed must be an integer of magnitude below 2**40, got {self.seed!r} (the "
+                             "loaders seed each batch with seed * 1,000,003 + k, which must fit 64 bits)")  # fmt: skip
         self._check_numbers()
         if not (self.lr > 0 and 0 <= self.final_lr <= self.lr):
             raise ValueError(f"TrainConfig needs lr > 0 and 0 <= min_lr <= lr, got lr={self.lr}, min_lr={self.min_lr}")
