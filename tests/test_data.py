@@ -78,6 +78,7 @@ def test_prepare_glob_and_errors(two_docs, tmp_path):
         prepare(two_docs, tmp_path / "x", val_fraction=1.5, progress=False)
     with pytest.raises(ValueError, match="workers must be at least 1"):  # was run in-process, unsaid
         prepare(two_docs, tmp_path / "x", workers=0, progress=False)
+    assert not (tmp_path / "x").exists()  # a mistyped input left an empty output directory behind
 
 
 def test_prepare_into_its_input_directory_twice_reads_the_same_files(two_docs, capsys):

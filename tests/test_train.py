@@ -550,6 +550,16 @@ def test_missing_data_directory(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+def test_a_validation_split_shorter_than_a_window_says_how_to_grow_it(tmp_path):
+    """A small corpus at 1% validation: val.bin was "too short for block_size" with no word of
+    --val-fraction, the setting that made it so."""
+    (tmp_path / "c.txt").write_text(corpus(200, 3))
+    prepare(tmp_path / "c.txt", tmp_path / "d", tokenizer="byte", val_fraction=0.001, progress=False)
+    with pytest.raises(ValueError, match=r"val.bin has \d+ tokens; block_size 32 needs at least 33: prepare with a "
+                                         r"larger --val-fraction \(now 0.001\)"):  # fmt: skip
+        train(config(tmp_path / "d", tmp_path / "run"))
+
+
 def test_token_file_outside_the_model_vocabulary(byte_data, tmp_path):
     out = tmp_path / "byte-run"
     train(config(byte_data, out, max_steps=2, eval_interval=2))

@@ -278,7 +278,6 @@ def prepare(
         raise ValueError(f"workers must be at least 1 (leave it unset to choose by input size), got {workers}")
     tok = get_tokenizer(tokenizer)
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     sources: list[dict] = []
     try:
         files = resolve_inputs(inputs, exclude=out_dir)  # not a run before's outputs inside the input
@@ -288,6 +287,7 @@ def prepare(
         if not _could_be_dataset(inputs):
             raise
         total_chars, pieces = None, _hf_documents(str(inputs), sources)
+    out_dir.mkdir(parents=True, exist_ok=True)  # once the inputs are found: a mistyped one left an empty out_dir
     if workers is None:
         workers = min(os.cpu_count() or 1, 8) if (total_chars or PARALLEL_MIN_CHARS) >= PARALLEL_MIN_CHARS else 1
     dtype = token_dtype(tok.n_vocab)

@@ -255,7 +255,11 @@ def build_loaders(cfg: TrainConfig, manifest: dict, dist: Dist):
         return tuple(Loader(cfg.data_dir, split, cfg.batch_size, cfg.block_size, mode=mode, **common)
                      for split, mode in (("train", "random"), ("val", "sequential")))  # fmt: skip
     train = TokenLoader(Path(cfg.data_dir) / "train.bin", cfg.batch_size, cfg.block_size, mode="random", **common)
-    val = TokenLoader(Path(cfg.data_dir) / "val.bin", cfg.batch_size, cfg.block_size, mode="sequential", **common)
+    try:
+        val = TokenLoader(Path(cfg.data_dir) / "val.bin", cfg.batch_size, cfg.block_size, mode="sequential", **common)
+    except ValueError as e:  # too short for one window: the split was made too small for this block_size
+        raise ValueError(f"{e}: prepare with a larger --val-fraction (now {manifest.get('val_fraction', '?')}), "
+                         "or train with a smaller block_size") from None  # fmt: skip
     return train, val
 
 
