@@ -79,7 +79,13 @@ def test_gptlab_eval_harness_prints_lm_evals_table_and_writes_its_results(lmeval
     code = main(["eval", "--model", path, "--harness", "tiny_choice,tiny_rolling", "--include-path", str(TASKS),
                  "--limit", "6", "--batch-size", "4", "--json", str(out), "--no-progress"])  # fmt: skip
     assert code in (0, None)
-    assert "|tiny_choice |" in capsys.readouterr().out  # lm-eval's own table
+    printed = capsys.readouterr()
+    assert "|tiny_choice |" in printed.out  # lm-eval's own table
+    assert "it/s]" not in printed.err  # --no-progress: lm-eval's bars and the backend's drew all the same
+    import lm_eval.api.task
+    from tqdm import tqdm
+
+    assert lm_eval.api.task.tqdm is tqdm  # given back
     result = json.loads(out.read_text())
     assert result["n-samples"]["tiny_choice"]["effective"] == 6
     direct = evaluate(gptlab.harness.GptlabLM(pretrained=path, batch_size=4), None, ["tiny_choice"])

@@ -1,7 +1,9 @@
 """gptlab eval: perplexity / bits per byte, HellaSwag, LAMBADA, or any lm-evaluation-harness task
 (--harness, through gptlab.harness); a table on screen and a JSON file."""
 
+import contextlib
 import json
+import sys
 import time
 
 from gptlab.commands._model_args import add_json_argument, add_model_arguments, load, write_json
@@ -144,7 +146,8 @@ def run_harness(args):
     lm = GptlabLM(pretrained=args.model, dtype=args.dtype, batch_size=args.batch_size or 16, max_length=args.max_length,
                   device=resolve_device(args.device), adapter=args.adapter)  # fmt: skip
     start = time.perf_counter()
-    out = simple_evaluate(model=lm, tasks=tasks, limit=args.limit, task_manager=manager, log_samples=False)
+    with bars_disabled(args.no_progress):  # lm-eval's bars and the backend's (they take no flag for it)
+        out = simple_evaluate(model=lm, tasks=tasks, limit=args.limit, task_manager=manager, log_samples=False)
     print(make_table(out))
     result = {"model": args.model, "dtype": args.dtype, "tasks": tasks, "limit": args.limit,
               "results": out["results"], "n-samples": out.get("n-samples"), "versions": out.get("versions"),
@@ -152,6 +155,36 @@ def run_harness(args):
     path = args.json or "eval-harness.json"
     write_json(path, json.loads(json.dumps(result, default=str)))  # lm-eval's values include numpy scalars
     print(f"results written to {path}")
+
+
+@contextlib.contextmanager
+def bars_disabled(disabled: bool):
+    """No progress bars meanwhile, when `disabled`. lm-eval has no switch for its own, and tqdm
+    reads TQDM_DISABLE only as it is imported: the `tqdm` of lm-eval's modules and of gptlab's
+    backend is replaced meanwhile by one that draws nothing; the datasets library has a switch."""
+    if not disabled:
+        yield
+        return
+    from datasets.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+    from tqdm import tqdm
+
+    def quiet(*args, **kwargs):
+        return tqdm(*args, **{**kwargs, "disable": True})
+
+    users = [m for name, m in list(sys.modules.items())
+             if name.split(".")[0] == "lm_eval" or name == "gptlab.harness"]  # fmt: skip
+    users = [m for m in users if getattr(m, "tqdm", None) is tqdm]
+    datasets_before = are_progress_bars_disabled()
+    disable_progress_bars()
+    for module in users:
+        module.tqdm = quiet
+    try:
+        yield
+    finally:
+        for module in users:
+            module.tqdm = tqdm
+        if not datasets_before:
+            enable_progress_bars()
 
 
 def print_table(result: dict) -> None:
