@@ -1169,6 +1169,9 @@ MUTANTS = [
     Mutant("lora/no-targets-accepted", "train_config.py",
            "        if not targets:  # no adapter", "        if False:  # no adapter",
            ("tests/test_lora.py", "-k", "naming_no_layer")),
+    Mutant("cli/out-over-a-file-of-another-training-checkpoint-written", "commands/_model_args.py",
+           "if out.exists() and (out.parent / STATE_FILE).is_file():", "if False:",
+           ("tests/test_cli.py", "-k", "writing_over")),
 ]
 # fmt: on
 # The swapped-name mutant needs its table in the module: appended to hf.py with it.

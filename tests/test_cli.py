@@ -293,3 +293,24 @@ def test_writing_over_the_model_read_is_refused_and_keeps_it(tmp_path, capsys, m
     assert main([*argv[:3], "--out", str(beside), *command[1:]]) == 0
     monkeypatch.setenv("HOME", str(tmp_path))  # --out=~/x, a ~ no shell expands: under home, not ./~
     assert main([*argv[:3], "--out=~/home-copy", *command[1:]]) == 0 and (tmp_path / "home-copy").exists()
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "optimizer.pt"])
+def test_writing_over_a_file_of_another_training_checkpoint_is_refused(tmp_path, capsys, name):
+    """--out naming a file of a training checkpoint other than the --model read is refused and the
+    file kept: `gptlab export --out runs/b/latest/model.safetensors --format gguf` replaced run b's
+    weights with the export of another model."""
+    from conftest import tiny_model
+    from gptlab.checkpoint import save_model
+
+    save_model(tiny_model(), tmp_path / "model", tokenizer="byte")
+    other = tmp_path / "run" / "ckpt-000005"
+    save_model(tiny_model(), other, tokenizer="byte")
+    (other / "train_state.json").write_text("{}")
+    (other / "optimizer.pt").write_bytes(b"optimizer state")
+    before = {p.name: p.read_bytes() for p in other.iterdir()}
+    argv = ["export", "--model", str(tmp_path / "model"), "--format", "llmc", "--out", str(other / name)]
+    assert main(argv) == 2
+    assert "is a file of a training checkpoint" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in other.iterdir()} == before
+    assert main([*argv[:-1], str(other / "new.bin")]) == 0  # a new file in its folder is written

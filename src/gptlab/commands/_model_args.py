@@ -80,6 +80,9 @@ def check_out_is_not_read(args) -> None:
     if (out / STATE_FILE).is_file() or (out / LATEST).is_symlink():
         raise ValueError(f"--out {args.out} is a training checkpoint or run: writing there would replace its "
                          "weights; choose another path")  # fmt: skip
+    if out.exists() and (out.parent / STATE_FILE).is_file():  # another run's model.safetensors, optimizer.pt
+        raise ValueError(f"--out {args.out} is a file of a training checkpoint: writing there would replace it; "
+                         "choose another path")  # fmt: skip
 
 
 def load(args, *, classifier: bool = False):
