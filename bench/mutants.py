@@ -1172,6 +1172,8 @@ MUTANTS = [
     Mutant("cli/out-over-a-file-of-another-training-checkpoint-written", "commands/_model_args.py",
            "if out.exists() and (out.parent / STATE_FILE).is_file():", "if False:",
            ("tests/test_cli.py", "-k", "writing_over")),
+    Mutant("config/rope-theta-unchecked", "config.py",
+           'if not 0 < self.rope_theta < float("inf"):', "if False:", ("tests/test_config.py",)),
 ]
 # fmt: on
 # The swapped-name mutant needs its table in the module: appended to hf.py with it.

@@ -40,6 +40,8 @@ def test_llama_preset_combines_variants():
         (dict(layer_norm_eps="1e-5"), "layer_norm_eps"),  # a string from a hand-edited config: was a TypeError
         (dict(bias="no"), "bias"),  # was taken as true
         (dict(labels=3, num_labels=3), "labels"),
+        (dict(pos_embedding="rope", rope_theta=-1.0), "rope_theta"),  # NaN angles: NaN or wrong logits
+        (dict(pos_embedding="rope", rope_theta=float("nan")), "rope_theta"),
     ],
 )
 def test_bad_values_name_the_field(kwargs, field):

@@ -59,6 +59,8 @@ class GPTConfig:
             raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout!r}")
         if not self.layer_norm_eps > 0:
             raise ValueError(f"GPTConfig.layer_norm_eps must be positive, got {self.layer_norm_eps!r}")
+        if not 0 < self.rope_theta < float("inf"):  # 0, negative or NaN made NaN rotary angles
+            raise ValueError(f"GPTConfig.rope_theta must be a positive finite number, got {self.rope_theta!r}")
         _check_choice("pos_embedding", self.pos_embedding, POS_EMBEDDINGS)
         _check_choice("norm", self.norm, NORMS)
         _check_choice("mlp", self.mlp, MLPS)
