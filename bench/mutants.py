@@ -1174,6 +1174,9 @@ MUTANTS = [
            ("tests/test_cli.py", "-k", "writing_over")),
     Mutant("config/rope-theta-unchecked", "config.py",
            'if not 0 < self.rope_theta < float("inf"):', "if False:", ("tests/test_config.py",)),
+    Mutant("train/other-ranks-log-the-configs-warnings", "commands/train.py",
+           "    if not main:  # before the config is read", "    if False:  # before the config is read",
+           ("tests/test_cli.py", "-k", "rank_0_alone")),
 ]
 # fmt: on
 # The swapped-name mutant needs its table in the module: appended to hf.py with it.

@@ -314,3 +314,25 @@ def test_writing_over_a_file_of_another_training_checkpoint_is_refused(tmp_path,
     assert "is a file of a training checkpoint" in capsys.readouterr().err
     assert {p.name: p.read_bytes() for p in other.iterdir()} == before
     assert main([*argv[:-1], str(other / "new.bin")]) == 0  # a new file in its folder is written
+
+
+def test_train_under_torchrun_warns_about_the_config_on_rank_0_alone(tmp_path, monkeypatch, caplog):
+    """README: under torchrun the ranks other than 0 print errors only. The config's warnings (the
+    old key `dtype`) came from every rank, as they were logged before the rank was consulted."""
+    import logging
+
+    import gptlab.train
+
+    monkeypatch.setattr(gptlab.train, "train", lambda cfg: {})
+    argv = ["train", "--set", "dtype=float32", "--set", f"out_dir={tmp_path / 'run'}"]
+    root = logging.getLogger()
+    level = root.level
+    try:
+        for rank, warned in (("1", False), ("0", True)):
+            monkeypatch.setenv("RANK", rank)
+            root.setLevel(logging.INFO)
+            caplog.clear()
+            assert main(argv) == 0
+            assert any("'dtype' is deprecated" in r.getMessage() for r in caplog.records) == warned, rank
+    finally:
+        root.setLevel(level)

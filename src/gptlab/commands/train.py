@@ -26,13 +26,13 @@ def add_arguments(parser):
 def run(args):
     from gptlab.train import TrainConfig, TrainingDiverged, train
 
+    main = os.environ.get("RANK", "0") == "0"  # under torchrun rank 0 alone reports; the others say only errors
+    if not main:  # before the config is read: its warnings (a renamed key) came from every rank
+        logging.getLogger().setLevel(logging.ERROR)
     flags = {name: True for name in ("resume", "fsdp", "compile") if getattr(args, name)}
     overrides = list(args.overrides)
     cfg = TrainConfig.from_toml(args.config, overrides) if args.config else TrainConfig().with_overrides(overrides)
     cfg = cfg.with_overrides(flags)
-    main = os.environ.get("RANK", "0") == "0"  # under torchrun rank 0 alone reports; the others say only errors
-    if not main:
-        logging.getLogger().setLevel(logging.ERROR)
     try:
         summary = train(cfg)
     except TrainingDiverged as e:
