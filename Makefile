@@ -1,5 +1,6 @@
 # Two commands do all set-up on a fresh machine: `make demo` and `make test`.
-# TORCH_SPEC defaults to the CPU build; with a GPU, e.g. `make test TORCH_SPEC=torch`.
+# TORCH_SPEC: pip's arguments for torch (unquoted, so an index can follow: `make test
+# TORCH_SPEC="torch==2.13.0 --index-url URL"`; quote a `>=` within it), e.g. `make test TORCH_SPEC=torch`.
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
@@ -18,7 +19,7 @@ install: $(STAMP)
 $(CORE): pyproject.toml setup.py Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) src/gptlab/kernel_build.py & $(PY) -m pip install -q "$(TORCH_SPEC)"; status=$$?; wait; exit $$status
+	$(PY) src/gptlab/kernel_build.py & $(PY) -m pip install -q $(TORCH_SPEC); status=$$?; wait; exit $$status
 	$(PY) -m pip install -q -e .
 	$(PY) -m gptlab.kernels  # pip built every kernel variant (setup.py); say which one this CPU runs
 	touch $@

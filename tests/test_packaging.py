@@ -71,3 +71,19 @@ def test_python_below_3_11_gets_tomli_for_the_toml_configs():
     tomli = requirement("tomli")
     assert tomli.marker is not None and tomli.marker.evaluate({"python_version": "3.10"})
     assert not tomli.marker.evaluate({"python_version": "3.11"})  # not installed where tomllib exists
+
+
+def test_torch_spec_passes_pip_an_index_as_the_readme_shows(tmp_path):
+    """README: `make test TORCH_SPEC="torch==2.13.0 --index-url ..."` picks a build. The Makefile
+    quoted TORCH_SPEC into one argument, which pip refused as an invalid requirement."""
+    import shlex
+    import subprocess
+
+    venv = tmp_path / "venv"
+    spec = "torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128"
+    done = subprocess.run(["make", "-n", "-C", str(ROOT), f"VENV={venv}", f"TORCH_SPEC={spec}",
+                           f"{venv}/.installed-core"], capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    line = next(line for line in done.stdout.splitlines() if "index-url" in line)
+    pip = line.split("&", 1)[1].split(";", 1)[0]  # kernel_build.py & PIP; status=...
+    assert shlex.split(pip)[-5:] == ["install", "-q", *shlex.split(spec)], pip
