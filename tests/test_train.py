@@ -396,6 +396,17 @@ def test_a_diverged_model_is_evaluated_without_a_sample_and_stopped_by_the_guard
         SpikeGuard(zscore=6.0, window=10, max_bad_steps=0).check(2083648768.0, float("nan"), 1)
 
 
+def test_weights_whose_loss_is_nan_are_not_checkpointed_as_good(byte_data, tmp_path):
+    """lr 1e6 breaks the weights at step 1 (finite loss and gradients there; NaN from step 2 on,
+    updates skipped): ckpt-000005 was written of those weights, and the guard's message called it
+    "the last good checkpoint". No checkpoint is written of weights whose loss is not finite."""
+    cfg = config(byte_data, tmp_path / "run", max_steps=40, eval_interval=5, lr=1e6, min_lr=0, grad_clip=0,
+                 warmup_steps=0, schedule="constant")  # fmt: skip
+    with pytest.raises(TrainingDiverged, match=r"the last good checkpoint is none \(no checkpoint written yet\)"):
+        train(cfg)
+    assert not list((tmp_path / "run").glob("ckpt-*"))
+
+
 def test_gradient_spike_is_skipped(byte_data, tmp_path):
     trainer = Trainer(config(byte_data, tmp_path / "run", max_steps=30, spike_window=10, spike_zscore=4.0))
     for _ in range(12):

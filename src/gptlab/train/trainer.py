@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -187,7 +188,7 @@ class Trainer:
                 if self.step_num % cfg.eval_interval == 0 or at_end:
                     last_eval = self._eval_and_log(metrics, bar)
                 if self.step_num % cfg.save_every == 0 or at_end:
-                    self.save_checkpoint()
+                    self._save_if_sound(record["loss"])
         finally:
             bar.close()
             if metrics:
@@ -201,6 +202,16 @@ class Trainer:
                     checkpoint=str(self.last_checkpoint) if self.last_checkpoint else None,
                     metrics=str(self.out_dir / run_files.METRICS), plot=str(plot) if plot else None,
                     seconds=time.perf_counter() - t0, steps_run=self.step_num - start_step)  # fmt: skip
+
+    def _save_if_sound(self, loss: float) -> None:
+        """A checkpoint, unless the last step's loss (agreed by the ranks) was not finite: an update
+        before it broke the weights (skipped updates leave them as they are), and their checkpoint
+        was named "the last good checkpoint" by the guard and pushed good ones out."""
+        if math.isfinite(loss):
+            self.save_checkpoint()
+        elif self.dist.is_main:
+            log.warning("step %d: no checkpoint: these weights give a loss of %s (the last good checkpoint is %s)",
+                        self.step_num, loss, self.last_checkpoint or "none")  # fmt: skip
 
     def _eval_and_log(self, metrics, bar) -> dict:
         result = self.evaluate()
