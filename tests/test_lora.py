@@ -390,6 +390,22 @@ def test_a_peft_adapter_with_a_bias_on_b_is_refused_not_loaded_without_it(tmp_pa
     assert not lora_layers(model)
 
 
+@pytest.mark.parametrize("bias", ["all", "lora_only"])
+def test_a_peft_adapter_that_trained_the_biases_is_refused_by_its_setting(tmp_path, bias):
+    """PEFT's bias="all"/"lora_only" saves the layers' trained biases: refused as holding
+    "...c_attn.base_layer.bias, which this model does not have", which named no setting."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import GPT2LMHeadModel
+
+    base_model().save_pretrained(tmp_path / "base")
+    config = LoraConfig(r=4, target_modules=["c_attn"], fan_in_fan_out=True, bias=bias)
+    get_peft_model(GPT2LMHeadModel.from_pretrained(tmp_path / "base"), config).save_pretrained(tmp_path / "a")
+    model = base_model()
+    with pytest.raises(ValueError, match=f"adapters trained with bias='{bias}'"):
+        load_adapter(model, tmp_path / "a")
+    assert not lora_layers(model)
+
+
 def test_lora_targets_naming_no_layer_are_refused(tmp_path):
     """lora_targets="" (or ",") made no adapter: the run failed at its first backward with a
     RuntimeError traceback ("element 0 of tensors does not require grad")."""

@@ -232,6 +232,9 @@ def load_adapter(model: nn.Module, directory: str | os.PathLike) -> nn.Module:
         raise ValueError(f"{directory}: DoRA and rsLoRA adapters are not supported")
     if config.get("lora_bias"):  # its lora_B.bias tensors were left out: other logits, silently
         raise ValueError(f"{directory}: adapters with lora_bias (a bias on lora_B) are not supported")
+    if config.get("bias", "none") != "none":  # was "holds ...base_layer.bias, which this model does not have"
+        raise ValueError(f"{directory}: adapters trained with bias={config['bias']!r} (the layers' biases trained "
+                         "too) are not supported; gptlab reads bias='none' adapters")  # fmt: skip
     for key in ("r", "lora_alpha"):
         if not isinstance(config.get(key), int | float):
             raise ValueError(f"{directory}: adapter_config.json has no number {key!r}")
