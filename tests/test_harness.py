@@ -129,6 +129,23 @@ def test_harness_applies_the_adapter_and_refuses_what_it_would_not_use(lmeval_wo
     assert "is a classifier: --task perplexity" in capsys.readouterr().err
 
 
+def test_a_gpt_object_takes_the_dtype_as_a_spec_does(saved):
+    """With a GPT object as `pretrained`, dtype=bfloat16 was dropped: the fp32 model's numbers."""
+    import copy
+
+    model, path = saved
+    requests = [(None, [464, 3290, 318], [257, 1332]), (None, [40], [716])]
+
+    def scores(**model_args):
+        return gptlab.harness.GptlabLM(**model_args)._loglikelihood_tokens(requests, disable_tqdm=True)
+
+    lm = gptlab.harness.GptlabLM(pretrained=copy.deepcopy(model), dtype="bfloat16", device="cpu")
+    assert lm.model.transformer.wte.weight.dtype == torch.bfloat16
+    by_spec = scores(pretrained=path, dtype="bfloat16")
+    assert lm._loglikelihood_tokens(requests, disable_tqdm=True) == by_spec
+    assert scores(pretrained=model) != by_spec  # auto: as it is, fp32
+
+
 def test_a_batch_size_below_one_or_auto_is_refused(saved):
     """batch_size=-1 in model_args scored nothing (every result None, a crash later in lm-eval),
     0 failed inside range(), and `auto` (lm-eval's CLI) was int()'s message."""

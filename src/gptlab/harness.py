@@ -60,7 +60,8 @@ def _batch_size(value: int | str) -> int:
 @register_model("gptlab")
 class GptlabLM(TemplateLM):
     """lm-eval's view of one gptlab model (see the module docstring). `pretrained` is a `--model`
-    spec or a GPT already loaded; `quantize` (int8, int4) quantizes it after loading."""
+    spec or a GPT already loaded (moved to `device`, converted to `dtype` unless auto: in place);
+    `quantize` (int8, int4) quantizes it after loading."""
 
     def __init__(self, pretrained, dtype: str = "auto", batch_size: int | str = 1, max_length: int | None = None,
                  device: str = "cpu", quantize: str | None = None, adapter: str | None = None, **kwargs):  # fmt: skip
@@ -70,8 +71,8 @@ class GptlabLM(TemplateLM):
         if isinstance(pretrained, str):
             self.model = load_model(pretrained, device=device, dtype=DTYPES[dtype], adapter=adapter)
             self.tok = get_tokenizer(tokenizer_name(pretrained))
-        else:
-            self.model, self.tok = pretrained, get_tokenizer("gpt2")
+        else:  # a GPT already made: dtype and device apply to it as they would to a spec's
+            self.model, self.tok = pretrained.to(device=device, dtype=DTYPES[dtype]), get_tokenizer("gpt2")
             if adapter:
                 from gptlab.lora import load_adapter
 
