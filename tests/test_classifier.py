@@ -280,6 +280,12 @@ def test_head_only_classifier_saves_natively_and_a_language_model_is_refused(tmp
     assert not torch.equal(tuned.transformer.ln_f.weight, base.transformer.ln_f.weight)  # the head trains
     assert main(["classify", "--model", str(tmp_path / "base"), "--text", "hi"]) == 2  # a clear error, exit 2
     assert main(["export", "--model", summary["checkpoint"], "--out", str(tmp_path / "m.gguf")]) == 2
+    # the README's export of a head-trained classifier: no --merge (it has no adapter to fold in)
+    assert main(["export", "--model", summary["checkpoint"], "--merge", "--out", str(tmp_path / "hf")]) == 2
+    assert main(["export", "--model", summary["checkpoint"], "--out", str(tmp_path / "hf")]) == 0
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["architectures"] == [
+        "GPT2ForSequenceClassification"
+    ]
     # quantize holds language models: a classifier is refused (it was an AttributeError on lm_head)
     assert main(["quantize", "--model", summary["checkpoint"], "--mode", "int8", "--out", str(tmp_path / "q")]) == 2
     assert not (tmp_path / "q").exists()
