@@ -22,6 +22,16 @@ def test_help_lists_commands_without_importing_torch():
         assert name in out
 
 
+def test_a_reader_that_leaves_early_is_no_error():
+    """`gptlab info gpt2 | head -1`: the command printed "gptlab info: error: [Errno 32] Broken
+    pipe" and exited 2. Its output's reader closed before it wrote: quiet, 141 as for SIGPIPE."""
+    child = subprocess.Popen([sys.executable, "-m", "gptlab", "info", "gpt2"], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE)  # fmt: skip
+    child.stdout.close()  # the reader leaves before the first line
+    err = child.stderr.read().decode()
+    assert child.wait(timeout=120) == 141 and err == ""
+
+
 def test_python_m_gptlab_info(capsys):
     assert main(["info", "gpt2"]) == 0
     assert "124,439,808" in capsys.readouterr().out

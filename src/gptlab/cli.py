@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import re
 import sys
 from importlib import import_module
@@ -36,6 +37,7 @@ COMMANDS = {
     "serve": "OpenAI-compatible completions API with dynamic batching, and a web explorer",
 }
 INTERRUPTED = 130  # 128 + SIGINT, as shells report it
+BROKEN_PIPE = 141  # 128 + SIGPIPE: what shells report for a writer whose reader left
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -79,6 +81,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"gptlab {name}: interrupted", file=sys.stderr)
         return INTERRUPTED
+    except BrokenPipeError:  # `gptlab info | head`: the reader has all it wants; no "error: Broken pipe"
+        _stdout_to_devnull()
+        return BROKEN_PIPE
     except ImportError as e:
         if (message := missing_package(e)) is None:
             raise  # gptlab's own import failed: a bug, keep the traceback
@@ -87,6 +92,15 @@ def main(argv: list[str] | None = None) -> int:
         return fail(name, f"{e.filename}: {e.strerror}" if e.filename and e.strerror else str(e))
     except ValueError as e:
         return fail(name, str(e))
+
+
+def _stdout_to_devnull() -> None:
+    """Point standard output at /dev/null, so that Python's flush at exit does not fail on the
+    closed pipe again (Python's documented recipe for BrokenPipeError)."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError):  # no file descriptor behind sys.stdout (captured, replaced)
+        pass
 
 
 def fail(command: str, message: str) -> int:
