@@ -165,6 +165,44 @@ def test_scheduler_mixed_batch_equals_generate(model, fast, kv_cache, monkeypatc
     assert reasons == {"stop", "length"}, "some rows should end at eos before max_new_tokens (tune the cases)"
 
 
+def test_one_requests_nan_logits_end_that_request_alone():
+    """Position 20's embedding is NaN: a row reaching it has NaN logits, at admission (a longer
+    prompt) or while decoding. Its error failed every request decoding beside it (and one at
+    admission stayed in the batch to do so at the next step). It alone ends with the error now;
+    the others, which stop short of position 20, equal generate."""
+    model = tiny_model(0, vocab_size=257, block_size=128)
+    with torch.no_grad():
+        model.transformer.wpe.weight[20] = float("nan")
+    short, long = SamplingParams(max_new_tokens=15, temperature=0), SamplingParams(max_new_tokens=60, temperature=0)
+    cases = [([1, 2, 3], short), (list(range(30, 40)), long), ([4, 5, 6], short), (list(range(25)), long)]
+
+    async def main():
+        scheduler = Scheduler(model, max_batch=8, max_queue=8)
+        scheduler.start()
+        loop = asyncio.get_running_loop()
+
+        async def one(i, prompt, params):
+            request = GenerationRequest(prompt, params, loop, asyncio.Queue(), index=i)
+            scheduler.submit(request)
+            tokens = []
+            while (event := await request.events.get())[0] != "done":
+                tokens += [row[0] for row in event[2] if row is not None]
+            return tokens, event[2]
+
+        try:
+            return await asyncio.gather(*(one(i, *c) for i, c in enumerate(cases))), scheduler.load()
+        finally:
+            scheduler.close()
+
+    outs, load = asyncio.run(main())
+    assert load["max_rows"] >= 3  # decoded together
+    for (prompt, params), (tokens, reason) in zip(cases, outs, strict=True):
+        if len(prompt) + params.max_new_tokens > 20:  # reaches position 20: mid-decode, or at admission
+            assert reason.startswith("error: ") and "logits are not finite" in reason
+        else:
+            assert reason == "length" and tokens == generate(model, [prompt], sampling=params)[0][len(prompt) :]
+
+
 def test_scheduler_queue_bound(model):
     scheduler = Scheduler(model, max_batch=2, max_queue=2)  # not started: nothing leaves the queue
     loop = asyncio.new_event_loop()

@@ -34,7 +34,7 @@ import torch
 from gptlab import speculative
 from gptlab.generation import TokenSampler, decode_step, model_device_dtype
 from gptlab.kv_cache import KVCache
-from gptlab.sampling import SamplingParams, check_finite
+from gptlab.sampling import NonFiniteProbabilities, SamplingParams, check_finite
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +92,7 @@ class _Group:
     start: int
     sampler: TokenSampler  # the request's sampling state: seen tokens, finished rows, steps
     last: torch.Tensor  # (n,) the tokens to feed next
+    error: str | None = None  # why its rows cannot go on (their logits were not finite): retired with it
 
     @property
     def n(self) -> int:
@@ -352,7 +353,7 @@ class Scheduler:
         group = _Group(request, start, sampler, last=placeholder)
         self.groups.append(group)
         if not request.prompt_only:
-            self._sample(group, logits[-1:].expand(n, -1))
+            self._sample_or_fail(group, logits[-1:].expand(n, -1))
         self.stats["max_rows"] = max(self.stats["max_rows"], self.cache.rows)
         self._retire_done()
 
@@ -392,8 +393,16 @@ class Scheduler:
         logits = self.cache.step(tokens)  # (rows, V)
         self.stats["steps"] += 1
         for g in self.groups:
-            self._sample(g, logits[g.start : g.start + g.n])
+            self._sample_or_fail(g, logits[g.start : g.start + g.n])
         self._retire_done()
+
+    def _sample_or_fail(self, g: _Group, logits: torch.Tensor) -> None:
+        """_sample, or the group's error where its logits are not finite: its own rows' (a float16
+        overflow of one prompt), so the batch's other requests go on (all of them failed)."""
+        try:
+            self._sample(g, logits)
+        except NonFiniteProbabilities as e:
+            g.error = f"error: {e}"
 
     def _sample(self, g: _Group, logits: torch.Tensor) -> None:
         """Draw the group's next tokens from logits (n, V) with its TokenSampler; emit them."""
@@ -416,7 +425,9 @@ class Scheduler:
         for g in self.groups:
             request = g.request
             exhausted = request.prompt_only or g.sampler.steps >= request.params.max_new_tokens
-            if self._end(request, g.sampler.finished.tolist(), exhausted=exhausted) is None:
+            if g.error is not None:
+                request.emit("done", request.index, g.error)
+            elif self._end(request, g.sampler.finished.tolist(), exhausted=exhausted) is None:
                 keep.append(g)
                 continue
             self.cache.release(g.start, g.n)
