@@ -1165,6 +1165,8 @@ MUTANTS = [
            "            self._sample_or_fail(g, logits[g.start : g.start + g.n])",
            "            self._sample(g, logits[g.start : g.start + g.n])",
            ("tests/test_serve.py", "-k", "nan_logits_end_that")),
+    Mutant("classify/empty-json-path-writes-nothing", "commands/classify.py",
+           "    if args.json is not None:", "    if args.json:", ("tests/test_classifier.py", "-k", "trains_resumes_loads_and_exports")),
     Mutant("data/wrapped-rows-past-the-pass-kept", "data.py",
            "        return self.positions(k) >= self.units()", "        return self.positions(k) < 0",
            ("tests/test_data.py", "tests/test_train.py", "-k", "wrap or each_window_once")),

@@ -255,6 +255,7 @@ def test_lora_classifier_trains_resumes_loads_and_exports(tmp_path, capsys):
     assert main(["classify", "--model", ckpt, "--text", text, "--json", str(tmp_path / "c.json")]) == 0
     got = json.loads((tmp_path / "c.json").read_text())
     assert got["labels"] == LABELS
+    assert main(["classify", "--model", ckpt, "--text", text, "--json", ""]) == 2  # wrote nothing, exit 0
     torch.testing.assert_close(torch.tensor(got["probabilities"]), loaded.classify(tok, [text])[0], atol=1e-6, rtol=0)
     assert main(["eval", "--task", "classify", "--model", ckpt, "--data", str(tmp_path / "d.jsonl"),
                  "--json", str(tmp_path / "e.json")]) == 0  # fmt: skip

@@ -22,6 +22,6 @@ def run(args):
         best = max(range(len(names)), key=row.__getitem__)
         for i, (name, p) in enumerate(zip(names, row, strict=True)):
             print(f"{'*' if i == best else ' '} {name:<{width}}  {p:.4f}")
-    if args.json:
+    if args.json is not None:  # "" (an unset shell variable) is refused, not taken as no file
         result = {"labels": names, "probabilities": probs[0] if len(args.text) == 1 else probs}
         write_json(args.json, result)
