@@ -146,6 +146,16 @@ def test_a_gpt_object_takes_the_dtype_as_a_spec_does(saved):
     assert scores(pretrained=model) != by_spec  # auto: as it is, fp32
 
 
+def test_a_gpt_object_stays_on_its_device_unless_one_is_given(saved):
+    """device defaulted to "cpu": a caller's CUDA model was moved to the CPU in place, unsaid.
+    Here the meta device stands in for a GPU."""
+    import copy
+
+    model, _ = saved
+    lm = gptlab.harness.GptlabLM(pretrained=copy.deepcopy(model).to("meta"))
+    assert lm._device.type == lm.model.transformer.wte.weight.device.type == "meta"
+
+
 def test_a_batch_size_below_one_or_auto_is_refused(saved):
     """batch_size=-1 in model_args scored nothing (every result None, a crash later in lm-eval),
     0 failed inside range(), and `auto` (lm-eval's CLI) was int()'s message."""

@@ -64,14 +64,14 @@ class GptlabLM(TemplateLM):
     `quantize` (int8, int4) quantizes it after loading."""
 
     def __init__(self, pretrained, dtype: str = "auto", batch_size: int | str = 1, max_length: int | None = None,
-                 device: str = "cpu", quantize: str | None = None, adapter: str | None = None, **kwargs):  # fmt: skip
+                 device: str | None = None, quantize: str | None = None, adapter: str | None = None, **kwargs):  # fmt: skip
         super().__init__()
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
         if isinstance(pretrained, str):
-            self.model = load_model(pretrained, device=device, dtype=DTYPES[dtype], adapter=adapter)
+            self.model = load_model(pretrained, device=device or "cpu", dtype=DTYPES[dtype], adapter=adapter)
             self.tok = get_tokenizer(tokenizer_name(pretrained))
-        else:  # a GPT already made: dtype and device apply to it as they would to a spec's
+        else:  # a GPT already made: dtype and device apply to it as to a spec's (no device: where it is)
             self.model, self.tok = pretrained.to(device=device, dtype=DTYPES[dtype]), get_tokenizer("gpt2")
             if adapter:
                 from gptlab.lora import load_adapter
@@ -86,7 +86,7 @@ class GptlabLM(TemplateLM):
         self.max_length = int(self.model.config.block_size if max_length is None else max_length)  # 0 is refused
         if not 1 <= self.max_length <= self.model.config.block_size:
             raise ValueError(f"max_length must be in [1, {self.model.config.block_size}], got {self.max_length}")
-        self._device = torch.device(device)
+        self._device = next(self.model.parameters()).device
 
     @property
     def eot_token_id(self) -> int:
