@@ -249,6 +249,22 @@ def test_validation_loss_scores_each_response_token_once(tmp_path, layout):
     assert summary["val_loss"] == pytest.approx(float(loss), abs=1e-5)  # measured: 1.3e-6 apart
 
 
+def test_the_record_format_is_judged_from_the_first_record_alone(tmp_path, monkeypatch):
+    """record_format parsed the whole first file to read its first record: every line of a JSONL
+    pretraining dump (gigabytes) into memory before tokenizing began."""
+    from gptlab import sft
+
+    write_jsonl(tmp_path / "a.jsonl", alpaca(200))
+    parsed, parse = [], sft._json_line
+    monkeypatch.setattr(sft, "_json_line", lambda *a: parsed.append(a[1]) or parse(*a))
+    assert sft.record_format(tmp_path / "a.jsonl") == "sft" and parsed == [1]
+    (tmp_path / "b.csv").write_text("text,label\nhi,pos\nho,neg\n")
+    assert sft.record_format(tmp_path / "b.csv") == "classify"
+    (tmp_path / "c.jsonl").write_text("\n[1, 2]\n")
+    with pytest.raises(ValueError, match="c.jsonl line 2, record 1 is not an object"):
+        sft.record_format(tmp_path / "c.jsonl")
+
+
 def test_bad_records_name_their_file_and_line(tmp_path):
     """The errors said "record 32" (counted across the inputs, blank lines skipped) or "the input
     holds no records", naming no file: they name the file and its line."""

@@ -20,10 +20,12 @@ Batch k is a pure function of (seed, k), as with gptlab.data.TokenLoader, so res
 
 from __future__ import annotations
 
+import csv
 import json
 import logging
 import os
 import string
+from collections.abc import Iterator
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -141,25 +143,24 @@ def located_records(inputs) -> list[tuple[dict, str]]:
     return located
 
 
-def _file_rows(path: Path) -> list[tuple[int | None, object]]:
-    """(line number, or None in a JSON list; value) of each record of one file."""
-    try:
-        text = path.read_text(encoding="utf-8-sig")  # a BOM (Excel's "CSV UTF-8") is not the first key
+def _file_rows(path: Path) -> Iterator[tuple[int | None, object]]:
+    """(line number, or None in a JSON list; value) of each record of one file, read as it goes
+    (JSONL and CSV line by line: record_format reads the first record alone)."""
+    try:  # utf-8-sig: a BOM (Excel's "CSV UTF-8") is not the first key
+        with open(path, encoding="utf-8-sig", newline="" if path.suffix == ".csv" else None) as f:
+            if path.suffix == ".csv":
+                reader = csv.DictReader(f)
+                yield from ((reader.line_num, row) for row in reader)  # line_num: the row's last line
+            elif path.suffix == ".json":
+                try:
+                    data = json.load(f)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}: not valid JSON ({e})") from e
+                yield from ((None, row) for row in (data if isinstance(data, list) else [data]))
+            else:
+                yield from ((n, _json_line(path, n, line)) for n, line in enumerate(f, start=1) if line.strip())
     except UnicodeDecodeError as e:
         raise ValueError(f"{path}: not UTF-8 text ({e})") from None
-    if path.suffix == ".csv":
-        import csv
-        import io
-
-        reader = csv.DictReader(io.StringIO(text))
-        return [(reader.line_num, row) for row in reader]  # line_num: the row's last line
-    if path.suffix == ".json":
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}: not valid JSON ({e})") from e
-        return [(None, row) for row in (data if isinstance(data, list) else [data])]
-    return [(n, _json_line(path, n, line)) for n, line in enumerate(text.splitlines(), start=1) if line.strip()]
 
 
 def record_format(inputs) -> str | None:
@@ -171,7 +172,9 @@ def record_format(inputs) -> str | None:
         return None
     if not files or any(p.suffix not in (".json", ".jsonl", ".csv") for p in files):
         return None
-    first = read_records(files[0])[0]
+    _, first = next(_file_rows(files[0]), (None, None))  # not the whole file: a pretraining dump may be GBs
+    if not isinstance(first, dict):
+        read_records(files[0])  # its error names the file and line (no records, or not an object)
     if "messages" in first or "instruction" in first:
         return "sft"
     return "classify" if "text" in first and "label" in first else None
