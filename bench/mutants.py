@@ -1112,7 +1112,7 @@ MUTANTS = [
            'common["pad_id"] = get_tokenizer(manifest["tokenizer"]).eot_token', 'common["pad_id"] = 50256',
            ("tests/test_sft.py", "tests/test_classifier.py", "-k", "byte_tokenize")),
     Mutant("classify/csv-byte-order-mark-kept", "sft.py",
-           'text = path.read_text(encoding="utf-8-sig")', 'text = path.read_text(encoding="utf-8")',
+           'with open(path, encoding="utf-8-sig",', 'with open(path, encoding="utf-8",',
            ("tests/test_classifier.py", "-k", "byte_order")),
     Mutant("classify/validation-wraps-around-and-scores-texts-twice", "classify_data.py",
            "labels[self.wrapped(k)] = IGNORE", "pass", ("tests/test_classifier.py", "-k", "scores_each")),
