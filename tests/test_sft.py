@@ -252,11 +252,11 @@ def test_validation_loss_scores_each_response_token_once(tmp_path, layout):
 def test_the_record_format_is_judged_from_the_first_record_alone(tmp_path, monkeypatch):
     """record_format parsed the whole first file to read its first record: every line of a JSONL
     pretraining dump (gigabytes) into memory before tokenizing began."""
-    from gptlab import sft
+    from gptlab import data, sft
 
     write_jsonl(tmp_path / "a.jsonl", alpaca(200))
-    parsed, parse = [], sft._json_line
-    monkeypatch.setattr(sft, "_json_line", lambda *a: parsed.append(a[1]) or parse(*a))
+    parsed, parse = [], data._json_line
+    monkeypatch.setattr(data, "_json_line", lambda *a: parsed.append(a[1]) or parse(*a))
     assert sft.record_format(tmp_path / "a.jsonl") == "sft" and parsed == [1]
     (tmp_path / "b.csv").write_text("text,label\nhi,pos\nho,neg\n")
     assert sft.record_format(tmp_path / "b.csv") == "classify"

@@ -15,6 +15,7 @@ own rows of the same global batch.
 from __future__ import annotations
 
 import codecs
+import csv
 import glob
 import hashlib
 import json
@@ -133,47 +134,55 @@ def _documents(inputs: list[Path], piece_chars: int, sources: list[dict]) -> Ite
 
 
 def _record_texts(path: Path) -> Iterator[str] | None:
-    """The "text" of every record when path is a .json list or .jsonl whose first record has a
+    """The "text" of every record when path is a .json or .jsonl file whose first record has a
     "text" string (as a `datasets` dataset's "text" column: the JSON around it is no training
     text); None for any other file, which is read as text."""
-    if path.suffix == ".jsonl":
-        with open(path, "rb") as f:
-            first = _json_or_none(next((line for line in f if line.strip()), b""))
-        records = _jsonl_records(path)
-    elif path.suffix == ".json":
-        data = _json_or_none(path.read_bytes())
-        first = data[0] if isinstance(data, list) and data else None
-        records = ((f"record {i}", value) for i, value in enumerate(data if first is not None else [], start=1))
-    else:
+    if path.suffix not in (".json", ".jsonl"):
+        return None
+    try:
+        _, first = next(record_rows(path), (None, None))
+    except ValueError:  # not JSON (or not UTF-8): text
         return None
     if not (isinstance(first, dict) and isinstance(first.get("text"), str)):
         return None
-    return _texts_of(path, records)
+    return _texts_of(path, record_rows(path))
 
 
-def _json_or_none(raw: bytes):
-    try:
-        return json.loads(raw)
-    except ValueError:  # JSONDecodeError, UnicodeDecodeError
-        return None
-
-
-def _jsonl_records(path: Path) -> Iterator[tuple[str, object]]:
-    """("line N", value) of each non-blank line of a JSONL file, streamed."""
-    with open(path, "rb") as f:
-        for number, line in enumerate(f, start=1):
-            if line.strip():
-                try:
-                    yield f"line {number}", json.loads(line)
-                except ValueError as e:  # not JSON, or not UTF-8
-                    raise ValueError(f"{path}: line {number} is not valid JSON ({e})") from None
-
-
-def _texts_of(path: Path, records) -> Iterator[str]:
-    for where, record in records:
+def _texts_of(path: Path, rows) -> Iterator[str]:
+    for i, (line, record) in enumerate(rows, start=1):
         if not (isinstance(record, dict) and isinstance(record.get("text"), str)):
+            where = f"line {line}" if line else f"record {i}"
             raise ValueError(f'{path}: {where} has no "text" string, as the first record does')
         yield record["text"]
+
+
+def record_rows(path: Path) -> Iterator[tuple[int | None, object]]:
+    """(line number, or None in a JSON list; value) of each record of a .json (a list, or one
+    value), .jsonl or .csv (with a header) file, read as it goes: JSONL and CSV line by line, so
+    that a first record is read alone (sft.record_format, _record_texts)."""
+    try:  # utf-8-sig: a BOM (Excel's "CSV UTF-8") is not the first key
+        with open(path, encoding="utf-8-sig", newline="" if path.suffix == ".csv" else None) as f:
+            if path.suffix == ".csv":
+                reader = csv.DictReader(f)
+                yield from ((reader.line_num, row) for row in reader)  # line_num: the row's last line
+            elif path.suffix == ".json":
+                try:
+                    data = json.load(f)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}: not valid JSON ({e})") from e
+                yield from ((None, row) for row in (data if isinstance(data, list) else [data]))
+            else:
+                yield from ((n, _json_line(path, n, line)) for n, line in enumerate(f, start=1) if line.strip())
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text ({e})") from None
+
+
+def _json_line(path, number: int, line: str):
+    """One JSONL line's value; a ValueError naming the file's line when it is not JSON."""
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: line {number} is not valid JSON ({e.msg}, column {e.colno})") from None
 
 
 def _hf_documents(name: str, sources: list[dict]) -> Iterator[tuple[str, bool]]:

@@ -20,19 +20,26 @@ Batch k is a pure function of (seed, k), as with gptlab.data.TokenLoader, so res
 
 from __future__ import annotations
 
-import csv
 import json
 import logging
 import os
 import string
-from collections.abc import Iterator
 from dataclasses import dataclass, fields
 from pathlib import Path
 
 import numpy as np
 
 from gptlab.atomic import atomic_write, atomic_write_text
-from gptlab.data import IGNORE, MANIFEST, CountedLoader, epoch_permutation, read_manifest, resolve_inputs, token_dtype
+from gptlab.data import (
+    IGNORE,
+    MANIFEST,
+    CountedLoader,
+    epoch_permutation,
+    read_manifest,
+    record_rows,
+    resolve_inputs,
+    token_dtype,
+)
 from gptlab.tokenizer import get_tokenizer
 
 log = logging.getLogger(__name__)
@@ -115,14 +122,6 @@ class Template:
         return parts
 
 
-def _json_line(path, number: int, line: str):
-    """One JSONL line's value; a ValueError naming the file's line when it is not JSON."""
-    try:
-        return json.loads(line)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: line {number} is not valid JSON ({e.msg}, column {e.colno})") from None
-
-
 def read_records(inputs) -> list[dict]:
     """Every record of the JSON (a list), JSONL or CSV (with a header) files named by inputs, in order."""
     return [record for record, _ in located_records(inputs)]
@@ -133,7 +132,7 @@ def located_records(inputs) -> list[tuple[dict, str]]:
     (JSONL, CSV) or "FILE, record I" (a JSON list), records counted from 1 across the inputs."""
     located, files = [], resolve_inputs(inputs)
     for path in files:
-        for line, row in _file_rows(path):
+        for line, row in record_rows(path):
             where = f"{path}{f' line {line}' if line else ''}, record {len(located) + 1}"
             if not isinstance(row, dict):
                 raise ValueError(f"{where} is not an object")
@@ -141,26 +140,6 @@ def located_records(inputs) -> list[tuple[dict, str]]:
     if not located:
         raise ValueError(f"{', '.join(map(str, files))}: no records (an empty file?)")
     return located
-
-
-def _file_rows(path: Path) -> Iterator[tuple[int | None, object]]:
-    """(line number, or None in a JSON list; value) of each record of one file, read as it goes
-    (JSONL and CSV line by line: record_format reads the first record alone)."""
-    try:  # utf-8-sig: a BOM (Excel's "CSV UTF-8") is not the first key
-        with open(path, encoding="utf-8-sig", newline="" if path.suffix == ".csv" else None) as f:
-            if path.suffix == ".csv":
-                reader = csv.DictReader(f)
-                yield from ((reader.line_num, row) for row in reader)  # line_num: the row's last line
-            elif path.suffix == ".json":
-                try:
-                    data = json.load(f)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}: not valid JSON ({e})") from e
-                yield from ((None, row) for row in (data if isinstance(data, list) else [data]))
-            else:
-                yield from ((n, _json_line(path, n, line)) for n, line in enumerate(f, start=1) if line.strip())
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{path}: not UTF-8 text ({e})") from None
 
 
 def record_format(inputs) -> str | None:
@@ -172,7 +151,7 @@ def record_format(inputs) -> str | None:
         return None
     if not files or any(p.suffix not in (".json", ".jsonl", ".csv") for p in files):
         return None
-    _, first = next(_file_rows(files[0]), (None, None))  # not the whole file: a pretraining dump may be GBs
+    _, first = next(record_rows(files[0]), (None, None))  # not the whole file: a pretraining dump may be GBs
     if not isinstance(first, dict):
         read_records(files[0])  # its error names the file and line (no records, or not an object)
     if "messages" in first or "instruction" in first:
