@@ -30,13 +30,13 @@ def evaluate(trainer) -> dict:
         batch = trainer.val_loader.batch(k)
         with autocast(trainer.device, trainer.precision):
             logits, loss = forward_loss(trainer.model, batch, trainer.device)
-        targets = batch[1].to(trainer.device)  # (B, T) next tokens, or (B,) labels; IGNORE where left out
-        counted = (targets != IGNORE).sum()  # what the batch's loss is a mean over
+        targets = batch[1]  # (B, T) next tokens, or (B,) labels, on the CPU; IGNORE where left out
+        counted = int((targets != IGNORE).sum())  # what the batch's loss is a mean over
         if counted:  # a mean over every target of the pass, not over batches: each is scored once
             total += loss.float() * counted
             scored += counted
         if classifier:  # logits (B, num_labels)
-            correct += (logits.argmax(-1) == targets).sum()
+            correct += (logits.argmax(-1) == targets.to(logits.device)).sum()
     scored = trainer.mean_over_ranks(scored)
     val_loss = trainer.mean_over_ranks(total) / scored
     extra = {"val_accuracy": trainer.mean_over_ranks(correct) / scored} if classifier else {}
