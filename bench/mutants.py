@@ -417,7 +417,7 @@ MUTANTS = [
     Mutant("train/gelu-backward-drops-the-incoming-gradient", "csrc/decode_step.c",
            "vf_mul(vf_load_n(dy + i, n - i), vf_add(left, right))", "vf_add(left, right)", FUSED_TESTS),
     Mutant("prompt/gelu-in-place-under-a-hook", "model.py",
-           "inplace=not self.hook_pre.active)", "inplace=True)", FUSED_TESTS),
+           "inplace=not self._c_fc_output_seen())", "inplace=True)", FUSED_TESTS),
     Mutant("gemm/head-products-ignore-the-choice", "gemm.py",
            'return gemm_choice() == "gptlab"', "return True", GEMM_TESTS),
     # whose GEMM an Intel CPU runs, measured (gemm_probe.py)
@@ -1203,6 +1203,9 @@ MUTANTS = [
            ("tests/test_cli.py", "-k", "writing_over")),
     Mutant("config/rope-theta-unchecked", "config.py",
            'if not 0 < self.rope_theta < float("inf"):', "if False:", ("tests/test_config.py",)),
+    Mutant("model/gelu-overwrites-what-a-c-fc-hook-kept", "model.py",
+           "return any(m._forward_hooks for m in self.c_fc.modules())", "return False",
+           ("tests/test_model.py", "-k", "torch_hook_on_c_fc")),
     Mutant("train/other-ranks-log-the-configs-warnings", "commands/train.py",
            "    if not main:  # before the config is read", "    if False:  # before the config is read",
            ("tests/test_cli.py", "-k", "rank_0_alone")),

@@ -334,3 +334,17 @@ def test_a_prompts_last_layer_runs_the_last_position_only(variant_model, padded)
         hooked, _ = model(idx, positions=positions, last_only=True, kv_cache=new_cache(model, B, T), key_mask=key_mask)
     assert seen == [T] and rows[-1] == B * T  # a hook on the last block sees every position
     torch.testing.assert_close(hooked[:, -1], want[:, -1], rtol=0, atol=1e-6)
+
+
+def test_a_torch_hook_on_c_fc_keeps_the_output_it_was_given():
+    """The GELU runs in place over c_fc's output in inference; a plain PyTorch forward hook that
+    keeps that output (collecting MLP pre-activations) read the GELU's values instead."""
+    model = tiny_model()
+    mlp = model.transformer.h[0].mlp
+    kept = []
+    mlp.c_fc.register_forward_hook(lambda module, args, out: kept.append(out))
+    x = torch.randn(1, 5, 32)
+    with torch.no_grad():
+        mlp(x)
+        expected = x @ mlp.c_fc.weight.T + mlp.c_fc.bias
+    torch.testing.assert_close(kept[0], expected)

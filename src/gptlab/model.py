@@ -239,8 +239,15 @@ class MLP(nn.Module):
             h = F.silu(self.hook_pre(gate)) * self.hook_pre_linear(up)
         else:
             h = self.hook_pre(h)  # c_fc's fresh output: the GELU may overwrite it unless a hook sees it
-            h = ops.gelu(h, approximate=self.gelu_approximate, inplace=not self.hook_pre.active)
+            h = ops.gelu(h, approximate=self.gelu_approximate, inplace=not self._c_fc_output_seen())
         return self.dropout(self.c_proj(self.hook_post(h)))  # (B, T, C)
+
+    def _c_fc_output_seen(self) -> bool:
+        """Whether a hook may hold c_fc's output: hook_pre, or a plain PyTorch forward hook on c_fc
+        (or a layer inside it, or every module's), which an in-place GELU would overwrite."""
+        if self.hook_pre.active or nn.modules.module._global_forward_hooks:
+            return True
+        return any(m._forward_hooks for m in self.c_fc.modules())
 
 
 class Block(nn.Module):
