@@ -348,3 +348,17 @@ def test_a_torch_hook_on_c_fc_keeps_the_output_it_was_given():
         mlp(x)
         expected = x @ mlp.c_fc.weight.T + mlp.c_fc.bias
     torch.testing.assert_close(kept[0], expected)
+
+
+@pytest.mark.parametrize("pos", ["learned", "rope"])
+def test_packed_runs_that_reuse_an_id_stay_apart(pos):
+    """segments marks runs of equal ids: a later run with an earlier run's id (0, 1, 0) is its own
+    example, as its positions restarting say; its queries saw the first run's keys."""
+    model = tiny_model(pos_embedding=pos)
+    g = torch.Generator().manual_seed(0)
+    examples = [torch.randint(0, 97, (1, n), generator=g) for n in (4, 3, 5)]
+    segments = torch.tensor([[0] * 4 + [1] * 3 + [0] * 5])
+    with torch.no_grad():
+        packed, _ = model(torch.cat(examples, dim=1), segments=segments)
+        alone = torch.cat([model(x)[0] for x in examples], dim=1)
+    torch.testing.assert_close(packed, alone, rtol=0, atol=1e-5)

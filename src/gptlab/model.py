@@ -132,13 +132,26 @@ def causal_mask(T: int, S: int, device) -> torch.Tensor:
     return torch.ones(T, S, dtype=torch.bool, device=device).tril(diagonal=S - T)
 
 
+def _segment_starts(segments: torch.Tensor) -> torch.Tensor:
+    """(B, T) ids of packed examples -> (B, T) bool, True where a run of equal ids (an example) begins."""
+    starts = torch.ones_like(segments, dtype=torch.bool)
+    starts[:, 1:] = segments[:, 1:] != segments[:, :-1]
+    return starts
+
+
 def segment_positions(segments: torch.Tensor) -> torch.Tensor:
     """(B, T) ids of packed examples -> each token's position inside its example, (B, T)."""
     T = segments.size(1)
     t = torch.arange(T, device=segments.device).expand_as(segments)  # (B, T)
-    starts = torch.ones_like(segments, dtype=torch.bool)
-    starts[:, 1:] = segments[:, 1:] != segments[:, :-1]  # True where an example begins
-    return t - torch.cummax(torch.where(starts, t, 0), dim=1).values
+    return t - torch.cummax(torch.where(_segment_starts(segments), t, 0), dim=1).values
+
+
+def segment_mask(segments: torch.Tensor) -> torch.Tensor:
+    """(B, T) ids of packed examples -> (B, 1, T, T) bool: causal, and only within the query's own
+    run of equal ids (a later run that reuses an id is another example)."""
+    runs = _segment_starts(segments).cumsum(dim=1)  # (B, T) each token's run number
+    T = segments.size(1)
+    return causal_mask(T, T, segments.device) & (runs[:, None, :, None] == runs[:, None, None, :])
 
 
 def _extremes(t: torch.Tensor) -> tuple[int, int]:
@@ -404,7 +417,7 @@ class GPT(nn.Module):
         x = self.transformer.drop(x)
         mask = self._attention_mask(T, start, kv_cache, key_mask, idx.device)
         if segments is not None:  # (B, 1, T, T): causal, and only within the query's own example
-            mask = causal_mask(T, T, idx.device) & (segments[:, None, :, None] == segments[:, None, None, :])
+            mask = segment_mask(segments)
         last = len(self.transformer.h) - 1
         ln_f = self.transformer.ln_f
         every_position = getattr(ln_f, "hooked", False)  # a hooked final norm sees every position
