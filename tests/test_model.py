@@ -362,3 +362,39 @@ def test_packed_runs_that_reuse_an_id_stay_apart(pos):
         packed, _ = model(torch.cat(examples, dim=1), segments=segments)
         alone = torch.cat([model(x)[0] for x in examples], dim=1)
     torch.testing.assert_close(packed, alone, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("pos", ["learned", "rope"])
+@pytest.mark.parametrize("shape", [(1, 3), (3,)], ids=["one-row", "1d"])
+def test_one_row_of_positions_serves_every_row(pos, shape):
+    """positions (1, T) or (T,) broadcast over the batch, as the modules read them; the C step
+    (2 rows of 3 tokens: it takes them) read B*T positions from the T given: NaN logits (rope)."""
+    from gptlab.generation import new_cache
+
+    model = tiny_model(pos_embedding=pos)
+    idx = torch.tensor([[5, 6, 7], [8, 9, 10]])
+    with torch.no_grad():
+        want, _ = model(idx)
+        got, _ = model(idx, kv_cache=new_cache(model, 2, 8), positions=torch.arange(3).reshape(shape))
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "positions, key_mask, message",
+    [
+        (torch.arange(8)[None], None, r"positions must be \(B, T\) = \(2, 3\)"),  # C read its first 6
+        (torch.zeros(3, 3, dtype=torch.long), None, r"positions must be \(B, T\) = \(2, 3\)"),
+        (torch.arange(3.0)[None], None, "positions must be integer"),
+        (None, torch.ones(2, 8), "key_mask must be a bool"),  # C read the floats' bytes as bools
+        (None, torch.ones(2, 2, dtype=torch.bool), r"key_mask must be a bool \(B, S\) tensor with S >= 3"),
+        (None, torch.ones(8, dtype=torch.bool), "key_mask must be a bool"),
+    ],
+    ids=["positions-too-long", "positions-rows", "positions-float", "mask-float", "mask-short", "mask-1d"],
+)
+def test_positions_and_key_mask_of_another_shape_are_value_errors(positions, key_mask, message):
+    from gptlab.generation import new_cache
+
+    model = tiny_model()
+    idx = torch.tensor([[5, 6, 7], [8, 9, 10]])
+    with torch.no_grad(), pytest.raises(ValueError, match=message):
+        model(idx, kv_cache=new_cache(model, 2, 8), positions=positions, key_mask=key_mask)

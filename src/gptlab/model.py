@@ -164,6 +164,34 @@ def _extremes(t: torch.Tensor) -> tuple[int, int]:
     return int(t.min()), int(t.max())
 
 
+def _batch_positions(positions: torch.Tensor, B: int, T: int) -> torch.Tensor:
+    """positions (B, T), or one row (1, T) or (T,) for every row, as (B, T); else a ValueError (the
+    C step reads B*T of them)."""
+    if not isinstance(positions, torch.Tensor) or positions.dtype.is_floating_point or positions.dtype is torch.bool:
+        raise ValueError(f"positions must be integer position ids, got {_describe(positions)}")
+    if tuple(positions.shape) not in ((B, T), (1, T), (T,)):
+        raise ValueError(f"positions must be (B, T) = {(B, T)} or one row (1, T), got {tuple(positions.shape)}")
+    return positions.expand(B, T)
+
+
+def _batch_key_mask(key_mask: torch.Tensor, B: int, S: int) -> torch.Tensor:
+    """key_mask (B, S') or one row (1, S') for every row, S' >= S slots, as (B, S'); else a
+    ValueError (the C step reads B rows of S bools)."""
+    if not (
+        isinstance(key_mask, torch.Tensor)
+        and key_mask.dtype is torch.bool
+        and key_mask.dim() == 2
+        and key_mask.size(0) in (1, B)
+        and key_mask.size(1) >= S
+    ):
+        shape = tuple(key_mask.shape) if isinstance(key_mask, torch.Tensor) else ""
+        raise ValueError(
+            f"key_mask must be a bool (B, S) tensor with S >= {S} (B = {B}, or 1 for every row), "
+            f"got {_describe(key_mask)} {shape}"
+        )
+    return key_mask.expand(B, -1)
+
+
 def _rows_dtype(wte: nn.Module) -> torch.dtype:
     """The dtype of the rows a token embedding gives: an nn.Embedding's weight's, or the `dtype`
     of one that reads its rows elsewhere (gptlab.quantize.QuantizedEmbedding)."""
@@ -374,7 +402,8 @@ class GPT(nn.Module):
         """Next-token logits (B, T, vocab_size) and, given targets (B, T), the mean cross-entropy.
 
         Generation passes `kv_cache` (a KVCache; new keys go to slots kv_cache.pos...), per-row
-        `positions` (B, T) and `key_mask` (B, S_max) bool, False at padding slots. `segments`
+        `positions` (B, T) and `key_mask` (B, S_max) bool, False at padding slots (either may be one
+        row, (1, ...), for every row; positions (T,) too; another shape is a ValueError). `segments`
         (B, T) int marks packed examples (gptlab.sft): attention stays inside each run of equal
         ids and positions restart at each run, as if every example had its own row. `attn_probs`,
         a list, collects each layer's attention probabilities through the explicit path.
@@ -392,6 +421,10 @@ class GPT(nn.Module):
             if kv_cache is not None or positions is not None or segments.shape != idx.shape:
                 raise ValueError("segments (B, T) packs examples for a full pass: no kv_cache, no positions")
             positions = segment_positions(segments)  # (B, T)
+        elif positions is not None:
+            positions = _batch_positions(positions, B, T)  # (B, T)
+        if key_mask is not None:
+            key_mask = _batch_key_mask(key_mask, B, kv_cache.max_len if isinstance(start, torch.Tensor) else start + T)
         if positions is None:
             positions = (start + torch.arange(T, device=idx.device)).expand(B, T)  # (B, T)
         learned = self.config.pos_embedding == "learned"
