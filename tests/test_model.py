@@ -398,3 +398,12 @@ def test_positions_and_key_mask_of_another_shape_are_value_errors(positions, key
     idx = torch.tensor([[5, 6, 7], [8, 9, 10]])
     with torch.no_grad(), pytest.raises(ValueError, match=message):
         model(idx, kv_cache=new_cache(model, 2, 8), positions=positions, key_mask=key_mask)
+
+
+@pytest.mark.parametrize("return_logits", [True, False])
+def test_targets_with_last_only_is_a_value_error(model, return_logits):
+    """last_only computes the last position alone: a loss over every position has nothing to read
+    (was cross_entropy's batch-size error, or an IndexError in the chunked loss)."""
+    idx = torch.tensor([[1, 2, 3]])
+    with pytest.raises(ValueError, match="last_only computes the last position only: pass no targets"):
+        model(idx, idx, last_only=True, return_logits=return_logits)

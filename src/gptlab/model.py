@@ -438,6 +438,8 @@ class GPT(nn.Module):
                 raise ValueError(f"position {top} exceeds block_size {self.config.block_size}")
         if targets is not None and not head:
             raise ValueError("head=False returns hidden states, not a loss: pass no targets")
+        if targets is not None and last_only:
+            raise ValueError("last_only computes the last position only: pass no targets")
         fused = head and kv_cache is not None and targets is None and attn_probs is None
         if fused and fused_step.applies(self, idx, kv_cache):
             # (B, T|1, V), embedding included: one C call
