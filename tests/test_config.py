@@ -42,6 +42,8 @@ def test_llama_preset_combines_variants():
         (dict(labels=3, num_labels=3), "labels"),
         (dict(pos_embedding="rope", rope_theta=-1.0), "rope_theta"),  # NaN angles: NaN or wrong logits
         (dict(pos_embedding="rope", rope_theta=float("nan")), "rope_theta"),
+        (dict(n_inner=True), "n_inner"),  # was a 1-wide MLP
+        (dict(layer_norm_eps=float("inf")), "layer_norm_eps"),  # every norm's output was its bias
     ],
 )
 def test_bad_values_name_the_field(kwargs, field):

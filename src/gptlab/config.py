@@ -57,8 +57,8 @@ class GPTConfig:
             raise ValueError(f"GPTConfig.n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout!r}")
-        if not self.layer_norm_eps > 0:
-            raise ValueError(f"GPTConfig.layer_norm_eps must be positive, got {self.layer_norm_eps!r}")
+        if not 0 < self.layer_norm_eps < float("inf"):  # inf made every norm's output its bias
+            raise ValueError(f"GPTConfig.layer_norm_eps must be a positive finite number, got {self.layer_norm_eps!r}")
         if not 0 < self.rope_theta < float("inf"):  # 0, negative or NaN made NaN rotary angles
             raise ValueError(f"GPTConfig.rope_theta must be a positive finite number, got {self.rope_theta!r}")
         _check_choice("pos_embedding", self.pos_embedding, POS_EMBEDDINGS)
@@ -66,7 +66,9 @@ class GPTConfig:
         _check_choice("mlp", self.mlp, MLPS)
         if self.pos_embedding == "rope" and self.head_size % 2 != 0:
             raise ValueError(f"GPTConfig.n_embd/n_head must be even for rope, got {self.head_size}")
-        if self.n_inner is not None and (not isinstance(self.n_inner, int) or self.n_inner <= 0):
+        if self.n_inner is not None and (
+            isinstance(self.n_inner, bool) or not isinstance(self.n_inner, int) or self.n_inner <= 0
+        ):
             raise ValueError(f"GPTConfig.n_inner must be a positive integer or None, got {self.n_inner!r}")
         if isinstance(self.num_labels, bool) or not isinstance(self.num_labels, int) or self.num_labels < 0:
             raise ValueError(f"GPTConfig.num_labels must be a non-negative integer, got {self.num_labels!r}")
