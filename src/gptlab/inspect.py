@@ -106,7 +106,8 @@ def weight_memory(model: GPT, group_size: int = 64) -> dict[str, int]:
     int8 and int4 (the gptlab quantize schemes) quantize every matrix in matrices(), the head
     included (once when tied), with a bf16 scale per output channel (int8) or a bf16 scale and zero
     point per group of `group_size` inputs (int4); every other parameter (embedding tables not
-    shared with the head, position table, biases, norms) is counted at bf16.
+    shared with the head, position table, biases, norms) is counted at fp32, as quantize keeps
+    them from an fp32 model (they were counted at bf16: an untied model's file was 1.8x that).
     """
     total = model.num_params()
     mats = matrices(model.config)
@@ -117,8 +118,8 @@ def weight_memory(model: GPT, group_size: int = 64) -> dict[str, int]:
     return {
         "fp32": 4 * total,
         "bf16": 2 * total,
-        "int8": n_mat + 2 * rows + 2 * rest,
-        "int4": (n_mat + 1) // 2 + 4 * groups + 2 * rest,
+        "int8": n_mat + 2 * rows + 4 * rest,
+        "int4": (n_mat + 1) // 2 + 4 * groups + 4 * rest,
     }
 
 

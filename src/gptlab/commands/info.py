@@ -65,6 +65,8 @@ def print_info(spec: str, info: dict) -> None:
         print(
             f"  {name:<5} {_bytes(kv['per_token']):>12} per token   {_bytes(kv['full_context']):>12} at {kv['context']} tokens"
         )
-    print("weight memory (int8/int4: every matrix incl. the head quantized, bf16 scales; the rest bf16)")
+    print(
+        "weight memory (int8/int4: every matrix incl. the head quantized, bf16 scales; the rest fp32, as quantize keeps it)"
+    )
     for name, n in info["weights"].items():
         print(f"  {name:<5} {_bytes(n):>12}  ({n:,} bytes)")
