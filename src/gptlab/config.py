@@ -101,14 +101,20 @@ class GPTConfig:
 
     @property
     def is_gpt2(self) -> bool:
-        """True when the model has an exact Hugging Face GPT2LMHeadModel equivalent."""
-        return (
-            self.pos_embedding == "learned"
-            and self.norm == "layernorm"
-            and self.mlp == "gelu"
-            and self.bias
-            and self.tie_weights
-        )
+        """True when transformers' GPT2LMHeadModel holds the model exactly (gptlab.hf exports it):
+        no variant of `not_gpt2`. An untied head and the exact GELU are GPT-2 too."""
+        return not self.not_gpt2
+
+    @property
+    def not_gpt2(self) -> list[str]:
+        """The variant switches that GPT2LMHeadModel cannot represent, by name."""
+        variants = {  # the exact GELU (nanoGPT's) is GPT2LMHeadModel's activation_function="gelu"
+            "RoPE positions": self.pos_embedding != "learned",
+            "RMSNorm": self.norm != "layernorm",
+            "SwiGLU MLP": self.mlp == "swiglu",
+            "no biases": not self.bias,
+        }  # an untied head is tie_word_embeddings=False with its own lm_head.weight
+        return [name for name, on in variants.items() if on]
 
     @classmethod
     def from_name(cls, name: str, **overrides: Any) -> GPTConfig:

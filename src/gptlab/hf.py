@@ -505,20 +505,8 @@ def save_pretrained(model: GPT, directory: str | os.PathLike, *, tokenizer: str 
     log.debug("wrote %s (Hugging Face GPT2LMHeadModel layout)", directory)
 
 
-def not_gpt2(config: GPTConfig) -> list[str]:
-    """The variant switches of `config` that transformers' GPT2LMHeadModel cannot represent (none:
-    the model exports to it)."""
-    variants = {  # the exact GELU (nanoGPT's) is GPT2LMHeadModel's activation_function="gelu"
-        "RoPE positions": config.pos_embedding != "learned",
-        "RMSNorm": config.norm != "layernorm",
-        "SwiGLU MLP": config.mlp == "swiglu",
-        "no biases": not config.bias,
-    }  # an untied head is tie_word_embeddings=False with its own lm_head.weight
-    return [name for name, on in variants.items() if on]
-
-
 def _check_exportable(config: GPTConfig) -> None:
-    used = ", ".join(not_gpt2(config))
+    used = ", ".join(config.not_gpt2)
     if not used:
         return
     raise ValueError(

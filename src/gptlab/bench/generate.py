@@ -29,7 +29,7 @@ import time
 
 import torch
 
-from gptlab import cpu, hf, kernels
+from gptlab import cpu, kernels
 from gptlab.bench.common import add_out_argument, at_least, machine, positive, repeat_seconds, write_results
 from gptlab.bench.isa import AVX2_ENV, ISA_ENV
 from gptlab.config import GPTConfig
@@ -389,7 +389,7 @@ def check_run(args, config: GPTConfig) -> None:
     if args.prompt_len + args.new_tokens > config.block_size:
         raise ValueError(f"--prompt-len {args.prompt_len} + --new-tokens {args.new_tokens} is past {args.preset}'s "
                          f"{config.block_size} positions, where transformers stops: shorten them, or add --no-hf")  # fmt: skip
-    if used := hf.not_gpt2(config):
+    if used := config.not_gpt2:
         raise ValueError(
             f"{args.preset} uses {', '.join(used)}, which transformers' GPT2LMHeadModel cannot run: add --no-hf"
         )
