@@ -180,6 +180,13 @@ def test_prepare_command_writes_and_shows_marked_examples(tmp_path, capsys):
     assert render_example(tmp_path / "d", 0).count("[[") == 1
     main(["prepare", "--input", str(src), "--out", str(tmp_path / "all"), "--train-on", "all"])
     assert json.loads((tmp_path / "all" / "manifest.json").read_text())["trained_tokens"] == manifest["tokens"]
+    assert main(["prepare", "--out", str(tmp_path / "d"), "--show", "1"]) == 0  # a directory prepared before
+    assert f"[[{trained}]]" in capsys.readouterr().out
+    (tmp_path / "t.txt").write_text("plain text, not instructions")
+    main(["prepare", "--input", str(tmp_path / "t.txt"), "--out", str(tmp_path / "text"), "--no-progress"])
+    capsys.readouterr()
+    assert main(["prepare", "--out", str(tmp_path / "text"), "--show", "1"]) == 2  # was "no train.mask.bin"
+    assert "holds text data" in capsys.readouterr().err
 
 
 def test_bad_records_name_the_problem(tmp_path):

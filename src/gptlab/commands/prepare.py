@@ -34,10 +34,14 @@ def add_arguments(parser):
 
 def run(args):
     from gptlab import sft
+    from gptlab.data import read_manifest
 
     if not args.input:
         if not args.show:
             raise ValueError("prepare needs --input (or --show N to look at a prepared SFT directory)")
+        kind = read_manifest(args.out).get("kind", "text")  # it said "no train.mask.bin" of a text directory
+        if kind != "sft":
+            raise ValueError(f"--show marks the trained-on tokens of instruction data; {args.out} holds {kind} data")
     else:
         args.input = _input_files(args)
         fmt = args.format if args.format != "auto" else sft.record_format(args.input) or "text"
