@@ -1237,6 +1237,9 @@ MUTANTS = [
     Mutant("train/other-ranks-log-the-configs-warnings", "commands/train.py",
            "    if not main:  # before the config is read", "    if False:  # before the config is read",
            ("tests/test_cli.py", "-k", "rank_0_alone")),
+    Mutant("quantize/scales-of-another-float-dtype-loaded", "quantize.py",
+           "    _check_quantized_dtypes(model, state, str(directory))\n", "",
+           ("tests/test_quantize.py", "-k", "another_float_dtype")),
 ]
 # fmt: on
 # The swapped-name mutant needs its table in the module: appended to hf.py with it.

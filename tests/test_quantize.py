@@ -402,6 +402,17 @@ def test_bad_inputs(tmp_path):
         load_model(str(tmp_path / "q4"))
 
 
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_scales_stored_in_another_float_dtype_are_refused(tmp_path, mode):
+    """int8 scales stored as fp16 loaded and the kernels read their bits as bf16 (logits ~1e-25);
+    int4's were a RuntimeError from the kernel. Quantized buffers must have the kernels' dtypes."""
+    save_quantized(quantize_model(tiny_model(), mode, group_size=32), tmp_path / "q")
+    weights = load_file(tmp_path / "q" / "model.safetensors")
+    save_file({k: v.half() if k.endswith(".scales") else v for k, v in weights.items()}, tmp_path / "q" / "model.safetensors")  # fmt: skip
+    with pytest.raises(ValueError, match=r"scales is torch.float16, the model expects torch.bfloat16"):
+        load_model(str(tmp_path / "q"))
+
+
 def test_cli_quantize(tmp_path, capsys):
     save_model(tiny_model(n_embd=64), tmp_path / "float")
     out = tmp_path / "q4"

@@ -537,6 +537,7 @@ def load_quantized(directory: str | os.PathLike, *, device=None) -> GPT:
         state = load_file(directory / WEIGHTS_FILE, device=str(device or "cpu"))
     except Exception as e:  # safetensors raises its own error types for damaged files
         raise ValueError(f"{directory / WEIGHTS_FILE}: cannot read weights ({e})") from e
+    _check_quantized_dtypes(model, state, str(directory))
     load_state_strict(model, state, str(directory))
     if isinstance(model.transformer.wte, QuantizedEmbedding):  # its rows in the stored model's dtype
         model.transformer.wte.dtype = model.transformer.ln_f.weight.dtype
@@ -545,6 +546,19 @@ def load_quantized(directory: str | os.PathLike, *, device=None) -> GPT:
             m.prepare()
     model.quantization = scheme_dict(mode, group_size, activations)
     return model.eval()
+
+
+def _check_quantized_dtypes(model: GPT, state: dict[str, torch.Tensor], source: str) -> None:
+    """The quantized layers' buffers must be stored in the exact dtypes the kernels read (the
+    codes, and bf16 scales and zeros): fp16 scales were read as bf16 bits (logits near 0)."""
+    for name, m in model.named_modules():
+        if isinstance(m, QuantizedLinear):
+            for buffer_name, buffer in m.named_buffers(recurse=False):
+                stored = state.get(f"{name}.{buffer_name}")
+                if stored is not None and stored.dtype != buffer.dtype:
+                    raise ValueError(
+                        f"{source}: tensor {name}.{buffer_name} is {stored.dtype}, the model expects {buffer.dtype}"
+                    )
 
 
 def _swap_empty(model: GPT, mode: str, group_size: int | None, activations: str) -> None:
