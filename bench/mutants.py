@@ -1240,6 +1240,9 @@ MUTANTS = [
     Mutant("quantize/scales-of-another-float-dtype-loaded", "quantize.py",
            "    _check_quantized_dtypes(model, state, str(directory))\n", "",
            ("tests/test_quantize.py", "-k", "another_float_dtype")),
+    Mutant("quantize/float-group-size-passes-the-check", "quantize.py",
+           "    return isinstance(group_size, int) and not isinstance(group_size, bool) and group_size in GROUP_SIZES",
+           "    return group_size in GROUP_SIZES", ("tests/test_quantize.py", "-k", "not_an_int")),
 ]
 # fmt: on
 # The swapped-name mutant needs its table in the module: appended to hf.py with it.

@@ -413,6 +413,19 @@ def test_scales_stored_in_another_float_dtype_are_refused(tmp_path, mode):
         load_model(str(tmp_path / "q"))
 
 
+def test_a_group_size_that_is_not_an_int_is_refused(tmp_path):
+    """64.0 == 64 passed the check and failed later as a TypeError from torch (shapes need ints),
+    from quantize_model and from a gptlab.json whose group_size was written as 32.0."""
+    with pytest.raises(ValueError, match="group size must be one of"):
+        quantize_model(tiny_model(), "int4", group_size=32.0)
+    save_quantized(quantize_model(tiny_model(), "int4", group_size=32), tmp_path / "q")
+    meta = json.loads((tmp_path / "q" / "gptlab.json").read_text())
+    meta["quantization"]["group_size"] = 32.0
+    (tmp_path / "q" / "gptlab.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="group size must be one of .*got 32.0"):
+        load_model(str(tmp_path / "q"))
+
+
 def test_cli_quantize(tmp_path, capsys):
     save_model(tiny_model(n_embd=64), tmp_path / "float")
     out = tmp_path / "q4"

@@ -128,8 +128,13 @@ def unpack_int4(nibbles: torch.Tensor) -> torch.Tensor:
     return torch.stack([low, high], dim=-1).flatten(-2)  # (N, K)
 
 
+def is_group_size(group_size) -> bool:
+    """Whether group_size is one of GROUP_SIZES as an int (64.0 == 64, but shapes need ints; True == 1)."""
+    return isinstance(group_size, int) and not isinstance(group_size, bool) and group_size in GROUP_SIZES
+
+
 def check_group_size(in_features: int, group_size: int) -> None:
-    if group_size not in GROUP_SIZES:
+    if not is_group_size(group_size):
         raise ValueError(f"int4 group size must be one of {GROUP_SIZES}, got {group_size!r}")
     if in_features % group_size:
         raise ValueError(f"int4 group size {group_size} does not divide the input dimension {in_features}")
@@ -584,7 +589,7 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
 def _check_scheme(mode, group_size, activations) -> None:
     if mode not in MODES:
         raise ValueError(f"unknown quantization mode {mode!r}; choose one of {MODES}")
-    if mode == "int4" and group_size not in GROUP_SIZES:
+    if mode == "int4" and not is_group_size(group_size):
         raise ValueError(f"int4 group size must be one of {GROUP_SIZES}, got {group_size!r}")
     if mode == "int8" and activations not in ACTIVATIONS:
         raise ValueError(f"int8 activations must be one of {ACTIVATIONS}, got {activations!r}")
