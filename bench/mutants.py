@@ -1243,6 +1243,9 @@ MUTANTS = [
     Mutant("quantize/float-group-size-passes-the-check", "quantize.py",
            "    return isinstance(group_size, int) and not isinstance(group_size, bool) and group_size in GROUP_SIZES",
            "    return group_size in GROUP_SIZES", ("tests/test_quantize.py", "-k", "not_an_int")),
+    Mutant("loading/quantized-model-ignores-dtype", "loading.py",
+           "            return model.to(dtype) if dtype is not None else model\n", "            return model\n",
+           ("tests/test_quantize.py", "-k", "in_a_dtype")),
 ]
 # fmt: on
 # The swapped-name mutant needs its table in the module: appended to hf.py with it.

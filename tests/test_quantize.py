@@ -314,6 +314,20 @@ def test_a_moved_or_converted_quantized_model_rebinds_its_kernels(tmp_path, mode
                for m in model.modules() if isinstance(m, QuantizedLinear))  # fmt: skip
 
 
+def test_loading_a_quantized_model_in_a_dtype_converts_its_float_rest(tmp_path):
+    """load_model(dtype=...) (every command's --dtype) was ignored for a quantized directory: one
+    quantized from fp16 ran in fp16 under generate's default --dtype float32."""
+    model = quantize_model(tiny_model(n_embd=64).half(), "int4", group_size=32)
+    save_quantized(model, tmp_path / "q")
+    idx = torch.tensor([[3, 1, 4]])
+    with torch.no_grad():
+        assert load_model(str(tmp_path / "q"))(idx)[0].dtype is torch.float16  # None: as stored
+        for dtype in (torch.float32, torch.bfloat16):
+            loaded = load_model(str(tmp_path / "q"), dtype=dtype)
+            assert loaded.transformer.ln_f.weight.dtype is dtype and loaded(idx)[0].dtype is dtype
+            assert loaded.lm_head.scales.dtype is torch.bfloat16 and loaded.quantization == model.quantization
+
+
 def test_quantized_models_keep_a_bf16_kv_cache(tmp_path):
     """A quantized model with fp32 activations caches its keys and values in bf16 by default, also
     after a round trip through its files; model.kv_cache_dtype overrides it, for any model."""

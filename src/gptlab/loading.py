@@ -37,7 +37,7 @@ def load_model(spec: str, *, device=None, dtype=None, adapter=None) -> GPT:
     """The model a --model spec names, in eval mode on `device` (default cpu).
 
     `dtype` converts float weights (None keeps the stored dtype; HF and fresh presets: float32);
-    a quantized model keeps its stored scheme. `adapter`, a PEFT LoRA directory (gptlab.lora),
+    a quantized model keeps its stored scheme and converts the rest (norms, biases, activations). `adapter`, a PEFT LoRA directory (gptlab.lora),
     is applied on top. Raises ValueError for a spec that names no model.
     """
     if device is not None:
@@ -75,8 +75,9 @@ def _load_base(spec: str, *, device=None, dtype=None) -> GPT:
         meta = read_meta(path)
         if meta.get("lora_base"):  # a LoRA run's checkpoint: its base, then its adapters
             return _lora_run(path, meta, device=device, dtype=dtype)
-        if meta.get("quantization"):
-            return load_quantized(path, device=device)
+        if meta.get("quantization"):  # dtype converts the float rest; the quantized layers keep their scheme
+            model = load_quantized(path, device=device)
+            return model.to(dtype) if dtype is not None else model
         return load_native(path, device=device, dtype=dtype)
     if (read_foreign := reader_for(path)) is not None:  # nanoGPT's ckpt.pt, llm.c's .bin
         return read_foreign(path, device=device, dtype=dtype)
