@@ -220,6 +220,44 @@ def test_scheduler_queue_bound(model):
         loop.close()
 
 
+def test_a_request_cancelled_while_it_waits_still_ends():
+    """A client that gives up while its request waits in the queue: the request was dropped
+    without its "done" event, so its handler awaited events forever (a task per such client,
+    and `gptlab serve` then hung at shutdown waiting for it). It ends "cancelled" now, whether
+    dropped by the worker or by a submit that finds the queue full."""
+    model = tiny_model(0, vocab_size=257, block_size=512)
+
+    async def main():
+        scheduler = Scheduler(model, max_batch=1, max_queue=1)
+        scheduler.start()
+        loop = asyncio.get_running_loop()
+        make = lambda: GenerationRequest([1, 2], SamplingParams(max_new_tokens=500), loop, asyncio.Queue())
+
+        async def until(done):
+            while not done(scheduler.load()):
+                await asyncio.sleep(0.01)
+
+        running, waiting, dropped_by_submit = make(), make(), make()
+        try:
+            scheduler.submit(running)
+            await until(lambda load: load["active"])
+            scheduler.submit(waiting)
+            waiting.cancel()  # the worker drops it once a row frees
+            await until(lambda load: not load["active"] and not load["queued"])
+            scheduler.submit(running := make())
+            await until(lambda load: load["active"])
+            scheduler.submit(dropped_by_submit)
+            dropped_by_submit.cancel()
+            scheduler.submit(make())  # the queue is full: the cancelled one is dropped to make room
+            ends = [await asyncio.wait_for(r.events.get(), 2) for r in (waiting, dropped_by_submit)]
+            running.cancel()
+            return ends
+        finally:
+            scheduler.close()
+
+    assert asyncio.run(main()) == [("done", 0, "cancelled")] * 2
+
+
 # ---------------------------------------------------------------------------------------------
 # The OpenAI API through the official client
 

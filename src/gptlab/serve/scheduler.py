@@ -266,9 +266,8 @@ class Scheduler:
             raise ValueError(f"prompt of {len(request.prompt)} tokens + {new} new ones feeds {fed}, past the context {block}")  # fmt: skip
         with self._cond:
             if len(self.waiting) >= self.max_queue:  # first drop requests whose clients left
-                kept = deque(r for r in self.waiting if not r.cancelled)
-                self.stats["cancelled"] += len(self.waiting) - len(kept)
-                self.waiting = kept
+                for dropped in [r for r in self.waiting if r.cancelled]:
+                    self._drop(dropped)
             if len(self.waiting) >= self.max_queue:
                 raise QueueFull(f"{len(self.waiting)} requests are already waiting (max_queue={self.max_queue})")
             self.waiting.append(request)
@@ -320,11 +319,17 @@ class Scheduler:
     def _next_waiting(self) -> GenerationRequest | None:
         with self._cond:
             while self.waiting and self.waiting[0].cancelled:
-                self.waiting.popleft()
-                self.stats["cancelled"] += 1
+                self._drop(self.waiting[0])
             if self.waiting and self._rows() + self.waiting[0].params.num_samples <= self.max_batch:
                 return self.waiting.popleft()
         return None
+
+    def _drop(self, request: GenerationRequest) -> None:
+        """Take a cancelled request out of the queue (under _cond); it ends "cancelled", as one
+        decoding does: its handler awaits that event (forever, had it none)."""
+        self.waiting.remove(request)
+        self.stats["cancelled"] += 1
+        request.emit("done", request.index, "cancelled")
 
     def _admit(self) -> None:
         """Prefill waiting requests while there are free rows (first come, first served)."""
