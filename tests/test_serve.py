@@ -327,6 +327,19 @@ def test_greedy_and_unseeded(client, model, tok):
     assert {x.text for x in b.choices} != {x.text for x in c.choices}, "unseeded requests should differ"
 
 
+def test_null_fields_take_openai_defaults(url, client):
+    """OpenAI's API takes null for every optional field, meaning its default (the openai client
+    sends null for an argument given as None); n, stream, echo and prompt were 400s here."""
+    body = dict(model=NAME, max_tokens=5, temperature=0)
+    expected = post(url, body).json()
+    got = post(url, body | dict(n=None, stream=None, echo=None, prompt=None))
+    assert got.status_code == 200, got.text
+    assert got.json()["choices"] == expected["choices"] and got.json()["usage"] == expected["usage"]
+    greedy = dict(model=NAME, prompt="ab", max_tokens=4, temperature=0)
+    out = client.completions.create(**greedy, n=None, stream=None, echo=None)
+    assert out.choices == client.completions.create(**greedy).choices  # one choice, not streamed, not echoed
+
+
 def test_streaming(client, url, model, tok):
     kwargs = dict(model=NAME, prompt="Once upon", max_tokens=40, temperature=0.8, seed=5)
     whole = client.completions.create(**kwargs, extra_body={"ignore_eos": True})

@@ -27,7 +27,7 @@ from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from gptlab.generation import TextDecoder
 from gptlab.sampling import SamplingParams
@@ -38,6 +38,7 @@ MAX_LOGPROBS = 20
 MAX_STOPS = 16  # OpenAI takes 4; lm-eval's client adds <|endoftext|> to a task's own (humaneval has 5)
 
 Prompt = str | list[str] | list[int] | list[list[int]]
+NULL_MEANS_DEFAULT = ("prompt", "n", "stream", "echo")  # null is their default: never None past validation
 
 
 class StreamOptions(BaseModel):
@@ -54,17 +55,17 @@ class CompletionRequest(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)  # the JSON types the schema states: no true for 1
 
     model: str
-    prompt: Prompt = "<|endoftext|>"
+    prompt: Prompt | None = "<|endoftext|>"
     max_tokens: int | None = Field(16, ge=0)
     temperature: float | None = Field(1.0, ge=0, le=2)
     top_p: float | None = Field(1.0, gt=0, le=1)
-    n: int = Field(1, ge=1)
-    stream: bool = False
+    n: int | None = Field(1, ge=1)
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=-(2**63), lt=2**64)  # what torch.Generator.manual_seed takes
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    echo: bool = False
+    echo: bool | None = False
     best_of: int | None = None
     presence_penalty: float | None = 0.0
     frequency_penalty: float | None = 0.0
@@ -78,6 +79,15 @@ class CompletionRequest(BaseModel):
     ignore_eos: bool = False
     return_token_ids: bool = False
     prompt_lookup: int = Field(0, ge=0, le=16)  # 0: off
+
+    @model_validator(mode="after")
+    def _null_is_the_default(self):
+        """OpenAI takes null for any optional field, meaning its default; past this, only the
+        fields where null means "not set" (max_tokens, temperature, top_k, ...) hold None."""
+        for name in NULL_MEANS_DEFAULT:
+            if getattr(self, name) is None:
+                setattr(self, name, type(self).model_fields[name].default)
+        return self
 
 
 class ChoiceText:
