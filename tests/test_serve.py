@@ -103,6 +103,32 @@ def assert_ok_after(client):
 # The scheduler alone
 
 
+def decode_all(scheduler, cases, spacing: float = 0.0):
+    """Each case (prompt, params[, eos_id]) submitted to `scheduler` (started here, closed after),
+    the i-th after i * spacing s: per case (each row's tokens, why it ended), and scheduler.load()."""
+
+    async def one(i, prompt, params, eos_id=None):
+        if spacing:
+            await asyncio.sleep(spacing * i)
+        request = GenerationRequest(prompt, params, asyncio.get_running_loop(), asyncio.Queue(), index=i, eos_id=eos_id)
+        scheduler.submit(request)
+        rows = [[] for _ in range(params.num_samples)]
+        while (event := await request.events.get())[0] != "done":
+            for j, row in enumerate(event[2]):
+                if row is not None:
+                    rows[j].append(row[0])
+        return rows, event[2]
+
+    async def main():
+        scheduler.start()
+        try:
+            return await asyncio.gather(*(one(i, *c) for i, c in enumerate(cases))), scheduler.load()
+        finally:
+            scheduler.close()
+
+    return asyncio.run(main())
+
+
 @pytest.mark.parametrize("kv_cache", [None, torch.bfloat16], ids=["cache-fp32", "cache-bf16"])
 @pytest.mark.parametrize("fast", [True, False], ids=["kernels", "torch"])
 def test_scheduler_mixed_batch_equals_generate(model, fast, kv_cache, monkeypatch):
@@ -130,30 +156,10 @@ def test_scheduler_mixed_batch_equals_generate(model, fast, kv_cache, monkeypatc
             eos_id = free[min(2, len(free) - 1)]
         cases.append((prompt, params, eos_id))
 
-    async def main():
-        scheduler = Scheduler(model, max_batch=8, max_queue=16, cache_len=model.config.block_size)
-        assert scheduler.cache.cache.layers[0][0].dtype == (kv_cache or torch.float32)
-        scheduler.cache.cache_len = 120  # a short cache forces shifts (the buffers are larger: harmless)
-        scheduler.start()
-        loop = asyncio.get_running_loop()
-
-        async def one(i, prompt, params, eos_id):
-            await asyncio.sleep(0.003 * i)
-            request = GenerationRequest(prompt, params, loop, asyncio.Queue(), index=i, eos_id=eos_id)
-            scheduler.submit(request)
-            rows = [[] for _ in range(params.num_samples)]
-            while (event := await request.events.get())[0] != "done":
-                for j, row in enumerate(event[2]):
-                    if row is not None:
-                        rows[j].append(row[0])
-            return rows, event[2]
-
-        try:
-            return await asyncio.gather(*(one(i, *c) for i, c in enumerate(cases))), scheduler.load()
-        finally:
-            scheduler.close()
-
-    outs, load = asyncio.run(main())
+    scheduler = Scheduler(model, max_batch=8, max_queue=16, cache_len=model.config.block_size)
+    assert scheduler.cache.cache.layers[0][0].dtype == (kv_cache or torch.float32)
+    scheduler.cache.cache_len = 120  # a short cache forces shifts (the buffers are larger: harmless)
+    outs, load = decode_all(scheduler, cases, spacing=0.003)
     assert load["max_rows"] > 3, "requests were not batched together"
     reasons = set()
     for (prompt, p, eos_id), (rows, reason) in zip(cases, outs, strict=True):
@@ -176,27 +182,9 @@ def test_one_requests_nan_logits_end_that_request_alone():
     short, long = SamplingParams(max_new_tokens=15, temperature=0), SamplingParams(max_new_tokens=60, temperature=0)
     cases = [([1, 2, 3], short), (list(range(30, 40)), long), ([4, 5, 6], short), (list(range(25)), long)]
 
-    async def main():
-        scheduler = Scheduler(model, max_batch=8, max_queue=8)
-        scheduler.start()
-        loop = asyncio.get_running_loop()
-
-        async def one(i, prompt, params):
-            request = GenerationRequest(prompt, params, loop, asyncio.Queue(), index=i)
-            scheduler.submit(request)
-            tokens = []
-            while (event := await request.events.get())[0] != "done":
-                tokens += [row[0] for row in event[2] if row is not None]
-            return tokens, event[2]
-
-        try:
-            return await asyncio.gather(*(one(i, *c) for i, c in enumerate(cases))), scheduler.load()
-        finally:
-            scheduler.close()
-
-    outs, load = asyncio.run(main())
+    outs, load = decode_all(Scheduler(model, max_batch=8, max_queue=8), cases)
     assert load["max_rows"] >= 3  # decoded together
-    for (prompt, params), (tokens, reason) in zip(cases, outs, strict=True):
+    for (prompt, params), ([tokens], reason) in zip(cases, outs, strict=True):
         if len(prompt) + params.max_new_tokens > 20:  # reaches position 20: mid-decode, or at admission
             assert reason.startswith("error: ") and "logits are not finite" in reason
         else:
