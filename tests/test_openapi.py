@@ -48,6 +48,7 @@ def served_model(case):
 # (method, path, whether it takes input that can be invalid: a body or a path parameter)
 OPERATIONS = [
     ("POST", "/v1/completions", True),
+    ("POST", "/v1/chat/completions", True),
     ("GET", "/v1/models", False),
     ("GET", "/v1/models/{model_id}", False),  # any string is a valid model id (404 if not served)
     ("GET", "/health", False),
@@ -102,8 +103,8 @@ def test_every_operation_declares_its_errors_with_the_error_body(client):
             for code in codes - {"200"}:
                 ref = operation["responses"][code]["content"]["application/json"]["schema"]["$ref"]
                 assert ref == "#/components/schemas/ErrorBody"
-    completions = document["paths"]["/v1/completions"]["post"]["responses"]
-    assert {"400", "404", "429"} <= set(completions)
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        assert {"400", "404", "429"} <= set(document["paths"][path]["post"]["responses"]), path
 
 
 @pytest.mark.parametrize(
@@ -148,7 +149,13 @@ def test_405_says_which_methods_are_allowed(client):
 
 
 @pytest.mark.parametrize(
-    "path, param", [("/v1/completions", "model"), ("/api/next", "body"), ("/api/attention", "body")]
+    "path, param",
+    [
+        ("/v1/completions", "model"),
+        ("/v1/chat/completions", "model"),
+        ("/api/next", "body"),
+        ("/api/attention", "body"),
+    ],
 )
 def test_a_missing_body_names_what_is_missing(client, path, param):
     response = client.post(path)
@@ -158,6 +165,8 @@ def test_a_missing_body_names_what_is_missing(client, path, param):
     assert "body is missing" in error["message"]
     if param == "model":
         assert "model" in error["message"]
+    if path == "/v1/chat/completions":
+        assert "messages" in error["message"]
 
 
 def test_a_missing_field_is_named(client):

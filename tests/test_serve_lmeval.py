@@ -62,3 +62,30 @@ def test_generate_until_with_more_than_four_stop_strings(lmeval_workdir):
         request = SimpleNamespace(args=(context, {"until": until, "max_gen_toks": 12, "do_sample": False}))
         (text,) = lm.generate_until([request], disable_tqdm=True)
     assert text == free[: free.index(free[4:6])]
+
+
+def test_local_chat_completions_gets_the_reply_to_the_conversation_as_fine_tuned():
+    """lm-eval's `local-chat-completions` client (`--apply_chat_template`: the chat history sent as
+    messages, no tokenizer) gets from /v1/chat/completions the reply `generate` gives on the
+    conversation rendered as for fine-tuning (gptlab.sft), cut at the task's `until`."""
+    import json
+    from types import SimpleNamespace
+
+    from lm_eval.models.api_models import JsonChatStr
+    from lm_eval.models.openai_completions import LocalChatCompletion
+
+    from test_serve import serve_model
+    from test_serve_chat import first_new_pair, sampled, trained_prompt
+
+    model, tok = serve_model(), get_tokenizer("byte")
+    messages = [{"role": "user", "content": "ROMEO:"}]
+    kwargs = {"until": None, "max_gen_toks": 40, "do_sample": True, "temperature": 1.0}  # lm-eval sends seed 1234
+    free = tok.decode(sampled(model, trained_prompt(tok, messages), 40, temperature=1.0, seed=1234)[0])
+    cut = first_new_pair(free, 6) - 1
+    kwargs["until"] = [free[cut : cut + 2]]
+    with running(create_app(model, tok, name="tiny")) as url:
+        lm = LocalChatCompletion(model="tiny", base_url=f"{url}/v1/chat/completions", tokenizer_backend=None,
+                                 tokenized_requests=False, max_retries=1)  # fmt: skip
+        request = SimpleNamespace(args=(JsonChatStr(json.dumps(messages)), kwargs))
+        (text,) = lm.generate_until([request], disable_tqdm=True)
+    assert text == free[:cut] and len(text) >= 5

@@ -34,7 +34,7 @@ COMMANDS = {
     "bench": "benchmarks against the peers (generate, train); results go to bench/results/",
     "export": "write a model as Hugging Face GPT2LMHeadModel, GGUF (llama.cpp) or an llm.c checkpoint",
     "quantize": "write an int8 or int4 copy of a model (every linear layer incl. the head)",
-    "serve": "OpenAI-compatible completions API with dynamic batching, and a web explorer",
+    "serve": "OpenAI-compatible completions and chat API with dynamic batching, and a web explorer",
 }
 INTERRUPTED = 130  # 128 + SIGINT, as shells report it
 BROKEN_PIPE = 141  # 128 + SIGPIPE: what shells report for a writer whose reader left

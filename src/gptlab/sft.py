@@ -106,6 +106,16 @@ class Template:
             raise ValueError(f"record needs string fields {', '.join(missing)} (Alpaca) or `messages` (chat)")
         return [(self.prompt_for(record["instruction"], record.get("input") or ""), False), (record["output"], True)]
 
+    def chat_prompt(self, messages) -> list[tuple[str, bool]]:
+        """A conversation rendered as `render` renders a chat record, then the assistant's head:
+        what a model fine-tuned on such records is given to answer (gptlab serve's chat API)."""
+        return [*self._chat(messages), (self.turn("assistant")[0], False)]
+
+    def turn(self, role: str) -> tuple[str, str]:
+        """(head, tail): what the template puts before and after a message of `role`."""
+        head, tail = getattr(self, role).split("{content}")
+        return head, tail
+
     def _chat(self, messages) -> list[tuple[str, bool]]:
         if not isinstance(messages, list) or not messages:
             raise ValueError("`messages` must be a non-empty list")
@@ -114,7 +124,7 @@ class Template:
             role, content = (m.get("role"), m.get("content")) if isinstance(m, dict) else (None, None)
             if role not in ("system", "user", "assistant") or not isinstance(content, str):
                 raise ValueError(f"a message needs role system/user/assistant and string content, got {m!r}")
-            head, tail = getattr(self, role).split("{content}")
+            head, tail = self.turn(role)
             if role == "assistant":
                 parts += [(head, False), (content + tail, True)]
             else:
@@ -172,8 +182,11 @@ def split_mask(n: int, val_fraction: float, seed: int) -> np.ndarray:
     return is_val
 
 
-def encode_example(tok, parts: list[tuple[str, bool]], train_on: str = "response") -> tuple[list[int], list[int]]:
-    """(ids, mask) of one rendered example, <|endoftext|> appended; mask 1 on trained tokens.
+def encode_example(
+    tok, parts: list[tuple[str, bool]], train_on: str = "response", *, end: bool = True
+) -> tuple[list[int], list[int]]:
+    """(ids, mask) of one rendered example, <|endoftext|> appended (end=False: not, for a
+    prompt to continue); mask 1 on trained tokens.
 
     Each part is encoded on its own, so the mask's edges fall on token boundaries."""
     ids, mask = [], []
@@ -181,8 +194,9 @@ def encode_example(tok, parts: list[tuple[str, bool]], train_on: str = "response
         piece = tok.encode(text)
         ids += piece
         mask += [int(is_response or train_on == "all")] * len(piece)
-    ids.append(tok.eot_token)
-    mask.append(1)  # the end: the model learns to stop
+    if end:
+        ids.append(tok.eot_token)
+        mask.append(1)  # the end: the model learns to stop
     return ids, mask
 
 

@@ -1,4 +1,4 @@
-"""gptlab serve: an OpenAI-compatible completions API and the web explorer for one model."""
+"""gptlab serve: an OpenAI-compatible completions and chat API and the web explorer for one model."""
 
 import argparse
 import socket
@@ -16,6 +16,7 @@ def add_arguments(parser):
     parser.add_argument("--max-queue", type=int, default=64, help="waiting requests before answering 429 (default 64)")
     parser.add_argument("--max-body", type=int, default=1 << 20, help="largest request body in bytes (default 1 MiB)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: OMP_NUM_THREADS, else every core)")  # fmt: skip
+    parser.add_argument("--template", default=None, help="chat template for /v1/chat/completions: the JSON file given to `gptlab prepare --template` (default: the built-in one)")  # fmt: skip
     parser.add_argument("--draft-model", default=None, help="speculative decoding: a smaller model with the same tokenizer proposes tokens")  # fmt: skip
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
@@ -39,11 +40,13 @@ def run(args):
     import uvicorn
 
     from gptlab.serve.app import create_app
+    from gptlab.sft import Template
 
     for flag in ("max_batch", "max_queue", "max_body"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be at least 1")
     check_listen(args.host, args.port)
+    template = Template.load(args.template)  # a bad file fails before the model loads
     if args.threads is not None and args.threads < 1:
         raise ValueError("--threads must be at least 1")
     if args.threads is not None:
@@ -57,7 +60,7 @@ def run(args):
     )
     app = create_app(
         model, tokenizer, name=name, max_batch=args.max_batch, max_queue=args.max_queue, max_body_bytes=args.max_body,
-        draft_model=draft,
+        draft_model=draft, template=template,
     )  # fmt: skip
     threads = torch.get_num_threads()
     print(f"gptlab serve: {name} on http://{args.host}:{args.port}/ (OpenAI API under /v1), {threads} decoding thread{'s' * (threads > 1)}", flush=True)  # fmt: skip

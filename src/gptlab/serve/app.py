@@ -1,5 +1,5 @@
-"""The FastAPI application: OpenAI-compatible completions, /tokenize and /detokenize, the explorer
-page and its JSON API.
+"""The FastAPI application: OpenAI-compatible completions and chat completions, /tokenize and
+/detokenize, the explorer page and its JSON API.
 
 `create_app(model, tokenizer, name=...)` builds it; the scheduler's worker thread starts and stops
 with the app's lifespan. `gptlab serve` runs it under uvicorn.
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 
 from fastapi import FastAPI
@@ -17,17 +17,20 @@ from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
 
 from gptlab.kernels import release_threads
+from gptlab.serve.chat import ChatCompletions
 from gptlab.serve.completions import Completions
 from gptlab.serve.errors import APIError, BodyLimit, declare_errors, install_error_handlers
 from gptlab.serve.explorer import Explorer
 from gptlab.serve.scheduler import Scheduler
 from gptlab.serve.tokenize import Tokenization
+from gptlab.sft import Template
 
 MAX_BODY_BYTES = 1 << 20
 # The error statuses each operation answers besides 413 and 500 (which any can), for the OpenAPI
 # document; tests/test_openapi.py checks the server against it.
 ERRORS = {
     "/v1/completions": (400, 404, 429),
+    "/v1/chat/completions": (400, 404, 429),
     "/v1/models/{model_id}": (404,),  # the OpenAPI path (the route takes a "/" in it)
     "/api/next": (400,),
     "/api/tokens": (400,),
@@ -42,13 +45,15 @@ ERRORS = {
 
 @dataclass
 class ServerState:
-    """What every route needs: the model, its tokenizer, its public name and the scheduler."""
+    """What every route needs: the model, its tokenizer, its public name and the scheduler (and
+    the chat template, for /v1/chat/completions)."""
 
     model: object
     tokenizer: object
     name: str
     scheduler: Scheduler
     created: int
+    template: Template = field(default_factory=Template)
 
 
 def static_dir() -> str:
@@ -65,15 +70,17 @@ def create_app(
     max_body_bytes: int = MAX_BODY_BYTES,
     cache_len: int | None = None,
     draft_model=None,
+    template: Template | None = None,
 ) -> FastAPI:
     """The server for one model. max_batch: rows decoded together; max_queue: requests waiting
     beyond that before answering 429; max_body_bytes: larger request bodies get 413; draft_model:
-    decode requests speculatively with this model proposing (gptlab.speculative)."""
+    decode requests speculatively with this model proposing (gptlab.speculative); template: how
+    chat messages are rendered, as the model was fine-tuned on them (default: gptlab.sft's)."""
     if tokenizer.n_vocab > model.config.vocab_size:
         raise ValueError(f"tokenizer {tokenizer.name} has {tokenizer.n_vocab} tokens, the model only {model.config.vocab_size}")  # fmt: skip
     model.eval()
     scheduler = Scheduler(model, max_batch=max_batch, max_queue=max_queue, cache_len=cache_len, draft_model=draft_model)
-    state = ServerState(model, tokenizer, name, scheduler, int(time.time()))
+    state = ServerState(model, tokenizer, name, scheduler, int(time.time()), template or Template())
 
     @asynccontextmanager
     async def lifespan(app):
@@ -87,7 +94,9 @@ def create_app(
     app = FastAPI(title="gptlab", lifespan=lifespan, docs_url="/docs", redoc_url=None)
     app.state.gptlab = state
     install_error_handlers(app)
-    app.include_router(Completions(state).router)
+    completions = Completions(state)
+    app.include_router(completions.router)
+    app.include_router(ChatCompletions(state, completions).router)
     app.include_router(Explorer(state).router)
     app.include_router(Tokenization(state).router)
 

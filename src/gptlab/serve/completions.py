@@ -24,6 +24,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
+from typing import ClassVar
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -49,13 +50,14 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class CompletionRequest(BaseModel):
-    """The body of POST /v1/completions (OpenAI's fields, then gptlab's extras)."""
+class SamplingRequest(BaseModel):
+    """What the bodies of /v1/completions and /v1/chat/completions share (OpenAI's fields, then
+    gptlab's extras)."""
 
     model_config = ConfigDict(extra="ignore", strict=True)  # the JSON types the schema states: no true for 1
+    null_means_default: ClassVar[tuple[str, ...]] = ("n", "stream")
 
     model: str
-    prompt: Prompt | None = "<|endoftext|>"
     max_tokens: int | None = Field(16, ge=0)
     temperature: float | None = Field(1.0, ge=0, le=2)
     top_p: float | None = Field(1.0, gt=0, le=1)
@@ -64,13 +66,9 @@ class CompletionRequest(BaseModel):
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=-(2**63), lt=2**64)  # what torch.Generator.manual_seed takes
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    echo: bool | None = False
-    best_of: int | None = None
     presence_penalty: float | None = 0.0
     frequency_penalty: float | None = 0.0
     logit_bias: dict | None = None
-    suffix: str | None = None
     user: str | None = None
     # gptlab's extras
     top_k: int | None = Field(SamplingParams.top_k, ge=0)  # 0 (or null): off
@@ -84,10 +82,22 @@ class CompletionRequest(BaseModel):
     def _null_is_the_default(self):
         """OpenAI takes null for any optional field, meaning its default; past this, only the
         fields where null means "not set" (max_tokens, temperature, top_k, ...) hold None."""
-        for name in NULL_MEANS_DEFAULT:
+        for name in self.null_means_default:
             if getattr(self, name) is None:
                 setattr(self, name, type(self).model_fields[name].default)
         return self
+
+
+class CompletionRequest(SamplingRequest):
+    """The body of POST /v1/completions."""
+
+    null_means_default: ClassVar[tuple[str, ...]] = NULL_MEANS_DEFAULT
+
+    prompt: Prompt | None = "<|endoftext|>"
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool | None = False
+    best_of: int | None = None
+    suffix: str | None = None
 
 
 class ChoiceText:
@@ -231,20 +241,30 @@ class Completions:
             raise APIError(400, str(e), param=str(e).split()[0], code="invalid_value") from e
 
     async def create(self, body: CompletionRequest, request: Request):
-        if body.model != self.state.name:
-            raise APIError(404, f"The model `{body.model}` does not exist; this server serves `{self.state.name}`", param="model", code="model_not_found")  # fmt: skip
+        check_model(self.state, body.model)
         prompts = self.prompts(body)
         params = self.params(body, prompts)
-        run = CompletionRun(self.state, body, prompts, params)
-        run.submit()
-        watcher = asyncio.create_task(_cancel_on_disconnect(request, run))
-        if body.stream:
-            return StreamingResponse(run.stream(watcher), media_type="text/event-stream")
-        try:
-            return JSONResponse(await run.collect())
-        finally:
-            watcher.cancel()
-            run.cancel()
+        return await respond(CompletionRun(self.state, body, prompts, params), request)
+
+
+def check_model(state, model: str) -> None:
+    """404 unless `model` is the served model's name."""
+    if model != state.name:
+        raise APIError(404, f"The model `{model}` does not exist; this server serves `{state.name}`", param="model", code="model_not_found")  # fmt: skip
+
+
+async def respond(run: CompletionRun, request: Request):
+    """Submit the run; its whole response, or its server-sent events (stream). The client going
+    away cancels it."""
+    run.submit()
+    watcher = asyncio.create_task(_cancel_on_disconnect(request, run))
+    if run.body.stream:
+        return StreamingResponse(run.stream(watcher), media_type="text/event-stream")
+    try:
+        return JSONResponse(await run.collect())
+    finally:
+        watcher.cancel()
+        run.cancel()
 
 
 async def _cancel_on_disconnect(request: Request, run: CompletionRun) -> None:
@@ -257,21 +277,22 @@ async def _cancel_on_disconnect(request: Request, run: CompletionRun) -> None:
 
 
 class CompletionRun:
-    """One /v1/completions request in flight: its scheduler requests and its choices' text."""
+    """One /v1/completions request in flight: its scheduler requests and its choices' text.
+    The chat API's run (gptlab.serve.chat) is this one answering in chat's shapes."""
+
+    OBJECT, CHUNK_OBJECT, ID_PREFIX = "text_completion", "text_completion", "cmpl-"
 
     def __init__(self, state, body: CompletionRequest, prompts: list[list[int]], params: SamplingParams):
         self.state, self.body, self.prompts, self.params = state, body, prompts, params
         self.n = params.num_samples
         self.eos_id = None if body.ignore_eos else state.tokenizer.eot_token
         self.prompt_logprobs = body.echo and body.logprobs is not None
-        self.id, self.created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        self.id, self.created = f"{self.ID_PREFIX}{uuid.uuid4().hex}", int(time.time())
         self.events: asyncio.Queue = asyncio.Queue()
-        tok, want_lp = state.tokenizer, body.logprobs is not None
-        self.prompt_texts = [tok.decode(p) for p in prompts]
+        self.prompt_texts = [state.tokenizer.decode(p) for p in prompts]
         self.choices = []
         for text in self.prompt_texts:
-            offset = len(text) if body.echo else 0
-            self.choices += [ChoiceText(tok, params.stop, want_lp, offset) for _ in range(self.n)]
+            self.choices += [self.new_choice(len(text) if body.echo else 0) for _ in range(self.n)]
         loop = asyncio.get_running_loop()
         self.requests = [
             GenerationRequest(
@@ -290,6 +311,9 @@ class CompletionRun:
         ]
         self.prompt_entries: list[list | None] = [None] * len(prompts)
         self.done = 0
+
+    def new_choice(self, offset: int) -> ChoiceText:
+        return ChoiceText(self.state.tokenizer, self.params.stop, self.body.logprobs is not None, offset)
 
     def submit(self) -> None:
         try:
@@ -373,23 +397,32 @@ class CompletionRun:
         async for index, text, more, _ in self.pieces():
             texts[index].append(text)
             entries[index] += more
-        choices = []
-        for index, choice in enumerate(self.choices):
-            text = "".join(texts[index])
-            if self.body.echo:
-                echo_text, echo_entries = self._echo_piece(index // self.n)
-                text, entries[index] = echo_text + text, echo_entries + entries[index]
-            lp = logprobs_json(entries[index]) if self.body.logprobs is not None else None
-            choices.append(dict(index=index, text=text, logprobs=lp, finish_reason=choice.finish_reason, **self._choice_extras(index)))  # fmt: skip
-        return dict(id=self.id, object="text_completion", created=self.created, model=self.state.name, choices=choices, usage=self.usage())  # fmt: skip
+        choices = [self.choice_json(i, "".join(texts[i]), entries[i]) for i in range(len(self.choices))]
+        return dict(id=self.id, object=self.OBJECT, created=self.created, model=self.state.name, choices=choices, usage=self.usage())  # fmt: skip
+
+    def choice_json(self, index: int, text: str, entries: list) -> dict:
+        """Choice `index` of the whole response, from its text and logprob entries."""
+        if self.body.echo:
+            echo_text, echo_entries = self._echo_piece(index // self.n)
+            text, entries = echo_text + text, echo_entries + entries
+        lp = logprobs_json(entries) if self.body.logprobs is not None else None
+        return dict(index=index, text=text, logprobs=lp, finish_reason=self.choices[index].finish_reason, **self._choice_extras(index))  # fmt: skip
+
+    def event(self, choices: list[dict], **extra) -> str:
+        """One server-sent event: a chunk holding `choices`."""
+        data = dict(id=self.id, object=self.CHUNK_OBJECT, created=self.created, model=self.state.name, choices=choices, **extra)  # fmt: skip
+        return f"data: {json.dumps(data)}\n\n"
+
+    def opening(self, **extra) -> list[str]:
+        """Events sent before any text (none: a completion chunk carries only text)."""
+        return []
 
     def _chunk(self, index: int, text: str, entries: list, finish: str | None, **extra) -> str:
         lp = logprobs_json(entries) if self.body.logprobs is not None else None
         choice = dict(index=index, text=text, logprobs=lp, finish_reason=finish)
         if finish is not None:
             choice.update(self._choice_extras(index))
-        data = dict(id=self.id, object="text_completion", created=self.created, model=self.state.name, choices=[choice], **extra)  # fmt: skip
-        return f"data: {json.dumps(data)}\n\n"
+        return self.event([choice], **extra)
 
     async def stream(self, watcher: asyncio.Task) -> AsyncIterator[str]:
         """Server-sent events: one chunk per piece of text, then [DONE]. With stream_options'
@@ -398,6 +431,8 @@ class CompletionRun:
         include_usage = self.body.stream_options is not None and self.body.stream_options.include_usage
         extra = {"usage": None} if include_usage else {}
         try:
+            for event in self.opening(**extra):
+                yield event
             started: set[int] = set()
             async for index, text, entries, finish in self.pieces():
                 if self.body.echo and index not in started:
@@ -406,8 +441,7 @@ class CompletionRun:
                     text, entries = echo_text + text, echo_entries + entries
                 yield self._chunk(index, text, entries, finish, **extra)
             if include_usage:
-                data = dict(id=self.id, object="text_completion", created=self.created, model=self.state.name, choices=[], usage=self.usage())  # fmt: skip
-                yield f"data: {json.dumps(data)}\n\n"
+                yield self.event([], usage=self.usage())
         except APIError as e:
             yield f"data: {json.dumps(e.body())}\n\n"
         finally:
