@@ -1276,6 +1276,14 @@ MUTANTS = [
     Mutant("loading/quantized-model-ignores-dtype", "loading.py",
            "            return model.to(dtype) if dtype is not None else model\n", "            return model\n",
            ("tests/test_quantize.py", "-k", "in_a_dtype")),
+    Mutant("quantize/out-under-a-file-found-after-quantizing", "commands/quantize.py",
+           "    check_out_path(args.out, directory=True)\n", "", ("tests/test_cli.py", "-k", "cannot_be_written")),
+    Mutant("cli/out-that-is-a-file-taken-for-a-directory", "commands/_model_args.py",
+           "    above = (path, *path.parents) if directory else path.parents",
+           "    above = path.parents", ("tests/test_cli.py", "-k", "cannot_be_written")),
+    Mutant("prepare/out-under-a-file-found-after-tokenizing", "commands/prepare.py",
+           "        check_out_path(args.out, directory=True)", "        pass",
+           ("tests/test_sft.py", "-k", "before_tokenizing")),
 ]
 # fmt: on
 # The swapped-name mutant needs its table in the module: appended to hf.py with it.

@@ -305,6 +305,34 @@ def test_writing_over_the_model_read_is_refused_and_keeps_it(tmp_path, capsys, m
     assert main([*argv[:3], "--out=~/home-copy", *command[1:]]) == 0 and (tmp_path / "home-copy").exists()
 
 
+@pytest.mark.parametrize(
+    ("command", "directory"),
+    [(["quantize", "--mode", "int8"], True), (["export"], True), (["export", "--format", "llmc"], False)],
+)
+def test_an_out_that_cannot_be_written_is_refused_before_loading(tmp_path, capsys, monkeypatch, command, directory):
+    """A directory's --out that is a file, a file's --out that is a directory, or one under a file
+    was refused only as the result was written: after loading (and quantizing) the model."""
+    from conftest import tiny_model
+    from gptlab import loading
+    from gptlab.checkpoint import save_model
+
+    save_model(tiny_model(), tmp_path / "model", tokenizer="byte")
+    (tmp_path / "afile").write_text("kept")
+    (tmp_path / "adir").mkdir()
+    monkeypatch.setattr(loading, "load_model", lambda *a, **k: pytest.fail("loaded the model"))
+    cases = {"afile/sub": "afile is a file, not a directory"}
+    cases.update(
+        {"afile": "afile is a file, not a directory"}
+        if directory
+        else {"adir": "adir is a directory; name the file to write"}
+    )
+    for out, message in cases.items():
+        argv = [command[0], "--model", str(tmp_path / "model"), "--out", str(tmp_path / out), *command[1:]]
+        assert main(argv) == 2, out
+        assert capsys.readouterr().err == f"gptlab {command[0]}: error: --out {tmp_path / out}: {tmp_path}/{message}\n"
+    assert (tmp_path / "afile").read_text() == "kept" and not any((tmp_path / "adir").iterdir())
+
+
 @pytest.mark.parametrize("name", ["model.safetensors", "optimizer.pt"])
 def test_writing_over_a_file_of_another_training_checkpoint_is_refused(tmp_path, capsys, name):
     """--out naming a file of a training checkpoint other than the --model read is refused and the

@@ -189,6 +189,17 @@ def test_prepare_command_writes_and_shows_marked_examples(tmp_path, capsys):
     assert "holds text data" in capsys.readouterr().err
 
 
+def test_prepare_refuses_an_out_under_a_file_before_tokenizing(tmp_path, capsys, monkeypatch):
+    """`gptlab prepare --out FILE/d` of instruction records failed only after tokenizing them all."""
+    from gptlab import sft
+
+    (tmp_path / "afile").write_text("kept")
+    monkeypatch.setattr(sft, "encode_example", lambda *a, **k: pytest.fail("tokenized the records"))
+    src = write_jsonl(tmp_path / "a.jsonl", alpaca())
+    assert main(["prepare", "--input", str(src), "--out", str(tmp_path / "afile" / "d")]) == 2
+    assert f"{tmp_path}/afile is a file, not a directory" in capsys.readouterr().err
+
+
 def test_bad_records_name_the_problem(tmp_path):
     with pytest.raises(ValueError, match="record 2: record needs string fields output"):  # counted from 1
         prepare_sft(write_jsonl(tmp_path / "a.jsonl", [alpaca()[0], {"instruction": "x"}]), tmp_path / "d")

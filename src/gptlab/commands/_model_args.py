@@ -1,5 +1,6 @@
 """What the subcommands that load a model share (the CLI conventions in the README): the --model,
---device, --dtype (and --prompt) options, turning them into a model and tokenizer, and --json."""
+--device, --dtype (and --prompt) options, turning them into a model and tokenizer, --json, and
+the checks of an --out (prepare's too)."""
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -83,6 +84,21 @@ def check_out_is_not_read(args) -> None:
     if out.exists() and (out.parent / STATE_FILE).is_file():  # another run's model.safetensors, optimizer.pt
         raise ValueError(f"--out {args.out} is a file of a training checkpoint: writing there would replace it; "
                          "choose another path")  # fmt: skip
+
+
+def check_out_path(out: str, *, directory: bool) -> None:
+    """Refuse an --out that cannot be written, before the work whose result it holds (found as the
+    result was written, `gptlab quantize` had loaded and quantized the model first): a directory's
+    --out that is a file, a file's --out that is a directory, or one under a file."""
+    from pathlib import Path
+
+    path = Path(out)
+    if not directory and path.is_dir():
+        raise ValueError(f"--out {out}: {path} is a directory; name the file to write")
+    above = (path, *path.parents) if directory else path.parents
+    there = next(p for p in above if p.exists())  # the nearest path that is there: it must be a directory
+    if not there.is_dir():
+        raise ValueError(f"--out {out}: {there} is a file, not a directory")
 
 
 def load(args, *, classifier: bool = False):

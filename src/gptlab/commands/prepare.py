@@ -34,6 +34,7 @@ def add_arguments(parser):
 
 def run(args):
     from gptlab import sft
+    from gptlab.commands._model_args import check_out_path
     from gptlab.data import read_manifest
 
     if not args.input:
@@ -43,6 +44,7 @@ def run(args):
         if kind != "sft":
             raise ValueError(f"--show marks the trained-on tokens of instruction data; {args.out} holds {kind} data")
     else:
+        check_out_path(args.out, directory=True)  # before tokenizing: writing found it after
         args.input = _input_files(args)
         fmt = args.format if args.format != "auto" else sft.record_format(args.input) or "text"
         if args.show and fmt != "sft":

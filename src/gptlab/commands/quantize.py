@@ -3,7 +3,7 @@
 import os
 from pathlib import Path
 
-from gptlab.commands._model_args import add_model_arguments, check_out_is_not_read, model_from_args
+from gptlab.commands._model_args import add_model_arguments, check_out_is_not_read, check_out_path, model_from_args
 
 
 def add_arguments(parser):
@@ -36,6 +36,7 @@ def run(args):
     if args.group_size is not None and args.mode != "int4":  # int8 has one scale per output row, no groups
         raise ValueError("--group-size applies to --mode int4 only")
     check_out_is_not_read(args)
+    check_out_path(args.out, directory=True)
     model = model_from_args(args)
     if lora_layers(model):  # a quantized file holds plain weights: --adapter's (or a LoRA run's) is folded in
         merge(model)
