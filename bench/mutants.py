@@ -1284,6 +1284,8 @@ MUTANTS = [
     Mutant("prepare/out-under-a-file-found-after-tokenizing", "commands/prepare.py",
            "        check_out_path(args.out, directory=True)", "        pass",
            ("tests/test_sft.py", "-k", "before_tokenizing")),
+    Mutant("quantize/unknown-record-keys-loaded-silently", "quantize.py",
+           "    _check_record_keys(scheme, directory)\n", "", ("tests/test_quantize.py", "-k", "unknown_keys")),
 ]
 # fmt: on
 # The swapped-name mutant needs its table in the module: appended to hf.py with it.

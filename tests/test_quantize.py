@@ -440,6 +440,22 @@ def test_a_group_size_that_is_not_an_int_is_refused(tmp_path):
         load_model(str(tmp_path / "q"))
 
 
+@pytest.mark.parametrize(
+    ("mode", "extra", "named"),
+    [("int8", {"activation": "int8"}, "'activation'"), ("int4", {"activations": "int8"}, "'activations'"),
+     ("int4", {"bits": 3, "symmetric": True}, "'bits', 'symmetric'")],
+)  # fmt: skip
+def test_unknown_keys_of_the_quantization_record_are_refused(tmp_path, mode, extra, named):
+    """A misspelt key (int8's "activation": "int8" loaded weight-only kernels) or one a newer version
+    writes (int4 with int8 activations) loaded silently as another scheme."""
+    save_quantized(quantize_model(tiny_model(), mode, group_size=32), tmp_path / "q")
+    meta = json.loads((tmp_path / "q" / "gptlab.json").read_text())
+    meta["quantization"].update(extra)
+    (tmp_path / "q" / "gptlab.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match=f"unknown key.* {named} in its {mode} quantization record"):
+        load_model(str(tmp_path / "q"))
+
+
 def test_cli_quantize(tmp_path, capsys):
     save_model(tiny_model(n_embd=64), tmp_path / "float")
     out = tmp_path / "q4"

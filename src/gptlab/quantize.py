@@ -534,6 +534,7 @@ def load_quantized(directory: str | os.PathLike, *, device=None) -> GPT:
     mode, group_size = scheme.get("mode"), scheme.get("group_size")
     activations = scheme.get("activations", DEFAULT_ACTIVATIONS)
     _check_scheme(mode, group_size, activations)
+    _check_record_keys(scheme, directory)
     config = GPTConfig.from_dict(meta["config"])
     with meta_device():
         model = GPT(config)
@@ -551,6 +552,17 @@ def load_quantized(directory: str | os.PathLike, *, device=None) -> GPT:
             m.prepare()
     model.quantization = scheme_dict(mode, group_size, activations)
     return model.eval()
+
+
+def _check_record_keys(scheme: dict, directory: Path) -> None:
+    """Refuse keys scheme_dict does not write for the mode: a misspelt one ("activation") or one of
+    a newer version's scheme loaded silently as another scheme."""
+    known = scheme_dict(scheme["mode"], None, DEFAULT_ACTIVATIONS)
+    unknown = sorted(set(scheme) - set(known))
+    if unknown:
+        names = ", ".join(repr(k) for k in unknown)
+        raise ValueError(f"{directory}: unknown key(s) {names} in its {scheme['mode']} quantization record "
+                         f"(known: {', '.join(known)}); was it written by a newer gptlab?")  # fmt: skip
 
 
 def _check_quantized_dtypes(model: GPT, state: dict[str, torch.Tensor], source: str) -> None:
