@@ -493,7 +493,7 @@ MUTANTS = [
     Mutant("loss/targets-not-shifted", "data.py", "x, y = windows[:, :-1], windows[:, 1:].copy()", "x, y = windows[:, :-1], windows[:, :-1].copy()",
            LOSS_TESTS),
     Mutant("loss/chunked-ignore-index-not-honoured", "chunked_loss.py",
-           "valid = t_c != IGNORE_INDEX", "valid = t_c == t_c", LOSS_TESTS),
+           "valid = t_c != IGNORE", "valid = t_c == t_c", LOSS_TESTS),
     Mutant("loss/chunked-head-gradient-not-accumulated", "chunked_loss.py",
            "accumulate=not first, bf16=bf16)  # the first", "accumulate=False, bf16=bf16)  # the first", LOSS_TESTS),
     Mutant("loss/one-hot-added-to-the-input-gradient", "chunked_loss.py",
@@ -574,7 +574,7 @@ MUTANTS = [
            "if (grad) inv[r] = t[r] != -100 ? 1.0f / sum : 0.0f;", "if (grad) inv[r] = 1.0f / sum;", LOSS_TESTS),
     Mutant("loss/c-softmax-sums-of-one-thread", "csrc/loss.c",
            "for (int i = 0; i < nt; i++) sum +=", "for (int i = 0; i < 1; i++) sum +=", LOSS_TESTS),
-    Mutant("loss/ignore-index-wrong", "model.py", "ignore_index=-100)", "ignore_index=-1)", LOSS_TESTS),
+    Mutant("loss/ignore-index-wrong", "model.py", "ignore_index=IGNORE)", "ignore_index=-1)", LOSS_TESTS),
     # the Hugging Face name table
     Mutant("hf/c-proj-not-transposed", "hf.py", '"attn.c_proj.weight": True,', '"attn.c_proj.weight": False,',
            HF_TESTS),
@@ -1286,6 +1286,7 @@ MUTANTS = [
            ("tests/test_sft.py", "-k", "before_tokenizing")),
     Mutant("quantize/unknown-record-keys-loaded-silently", "quantize.py",
            "    _check_record_keys(scheme, directory)\n", "", ("tests/test_quantize.py", "-k", "unknown_keys")),
+    Mutant("loss/ignore-target-not-pytorchs-ignore-index", "data.py", "IGNORE = -100  #", "IGNORE = -1  #", LOSS_TESTS),
 ]
 # fmt: on
 # The swapped-name mutant needs its table in the module: appended to hf.py with it.

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from conftest import tiny_model
 from gptlab import kernels, ops
 from gptlab.chunked_loss import _LinearCrossEntropy, linear_cross_entropy, token_logprobs
+from gptlab.data import IGNORE
 from gptlab.quantize import Int8Linear
 
 
@@ -16,8 +17,8 @@ def test_matches_plain_cross_entropy_and_its_gradients(chunk_rows):
     x = torch.randn(3, 7, 16, requires_grad=True)
     w = torch.randn(50, 16, requires_grad=True)
     t = torch.randint(0, 50, (3, 7))
-    t[0, :3] = -100  # ignored positions
-    ref = F.cross_entropy((x @ w.t()).view(-1, 50), t.view(-1), ignore_index=-100)
+    t[0, :3] = IGNORE  # ignored positions
+    ref = F.cross_entropy((x @ w.t()).view(-1, 50), t.view(-1), ignore_index=IGNORE)
     gx, gw = torch.autograd.grad(ref, (x, w))
     loss = linear_cross_entropy(x, w, t, chunk_rows=chunk_rows)
     fx, fw = torch.autograd.grad(loss * 1.0, (x, w))
@@ -75,7 +76,7 @@ def test_the_c_softmax_given_the_maxima_reads_the_logits_once_to_the_same_bits()
     torch.manual_seed(2)
     logits = torch.randn(1000, 37 + 16)[:, :37] * 4  # (V, n), rows 53 apart
     t = torch.randint(0, 1000, (37,))
-    t[3] = -100
+    t[3] = IGNORE
     found, given = logits.clone(), logits.clone()
     a = ops.softmax_exp_(found, t)
     b = ops.softmax_exp_(given, t, logits.amax(dim=0))
@@ -173,12 +174,12 @@ def test_the_c_softmax_runs_and_agrees_with_pytorchs(monkeypatch):
 
 def head_inputs(seed: int, ignored: list[int]):
     """37 rows of 16 features, a head over 1,000 tokens (not a multiple of 16), targets with the
-    `ignored` rows set to -100."""
+    `ignored` rows set to IGNORE."""
     torch.manual_seed(seed)
     x = torch.randn(37, 16, requires_grad=True)
     w = torch.randn(1000, 16, requires_grad=True)
     t = torch.randint(0, 1000, (37,))
-    t[ignored] = -100
+    t[ignored] = IGNORE
     return x, w, t
 
 
@@ -209,7 +210,7 @@ def test_a_target_outside_the_vocabulary_is_refused(c_kernels):
 def test_the_c_softmax_refuses_a_target_outside_the_vocabulary():
     """Called directly (linear_cross_entropy checks first), the kernel never writes past a row."""
     with pytest.raises(ValueError, match="target 10 outside the vocabulary"):
-        ops.softmax_xent_(torch.randn(10, 3), torch.tensor([1, 10, -100]))  # (V, n)
+        ops.softmax_xent_(torch.randn(10, 3), torch.tensor([1, 10, IGNORE]))  # (V, n)
 
 
 @pytest.mark.usefixtures("kernel_variant")
@@ -273,11 +274,11 @@ def test_the_c_softmax_gradient_is_softmax_minus_one_hot_and_zero_where_ignored(
     V, n = 1000, 37
     logits = torch.randn(n, V) * 3  # (n, V)
     t = torch.randint(0, V, (n,))
-    t[[2, 30]] = -100
+    t[[2, 30]] = IGNORE
     z = logits.t().contiguous()  # (V, n)
     loss = ops.softmax_xent_(z, t)
     ref = torch.softmax(logits, -1) - F.one_hot(t.clamp_min(0), V)  # (n, V)
-    ref[t == -100] = 0.0
+    ref[t == IGNORE] = 0.0
     torch.testing.assert_close(z.t(), ref, rtol=0, atol=1e-6)
     torch.testing.assert_close(loss, F.cross_entropy(logits, t, reduction="none"), rtol=1e-6, atol=1e-5)
 
@@ -301,7 +302,7 @@ def test_a_batch_with_every_target_ignored_has_zero_loss_and_gradients(c_kernels
     torch.manual_seed(7)
     x = torch.randn(2, 5, 16, requires_grad=True)
     w = torch.randn(1000, 16, requires_grad=True)
-    t = torch.full((2, 5), -100)
+    t = torch.full((2, 5), IGNORE)
     with kernels.use_kernels(c_kernels):
         loss = linear_cross_entropy(x, w, t)
         gx, gw = torch.autograd.grad(loss, (x, w))

@@ -6,6 +6,7 @@ import torch
 
 from gptlab import cpu, gemm, kernels
 from gptlab.chunked_loss import linear_cross_entropy
+from gptlab.data import IGNORE
 
 pytestmark = pytest.mark.skipif(not kernels.available()[0], reason=f"no kernels built: {kernels.available()[2]}")
 
@@ -317,7 +318,7 @@ def test_the_chunked_loss_through_sgemm_equals_pytorchs(monkeypatch, gptlab_gemm
     x = torch.randn(37, 24, requires_grad=True)
     w = torch.randn(1000, 24, requires_grad=True)
     t = torch.randint(0, 1000, (37,))
-    t[[4, 30]] = -100
+    t[[4, 30]] = IGNORE
     loss = linear_cross_entropy(x, w, t, chunk_rows=chunk_rows)
     got = (loss, *torch.autograd.grad(loss, (x, w)))
     chunks = -(-37 // chunk_rows)
@@ -455,7 +456,7 @@ def test_the_chunked_loss_under_bf16_autocast_through_gemm_bf16(bf16_gemm, chunk
     x = torch.randn(37, 24, requires_grad=True)
     w = torch.randn(1000, 24, requires_grad=True)
     t = torch.randint(0, 1000, (37,))
-    t[[4, 30]] = -100
+    t[[4, 30]] = IGNORE
     with torch.autocast("cpu", dtype=torch.bfloat16):
         loss = linear_cross_entropy(x, w, t, chunk_rows=chunk_rows)
     got = (loss, *torch.autograd.grad(loss, (x, w)))

@@ -16,6 +16,7 @@ import torch.nn as nn
 
 from conftest import VARIANTS, tiny_model
 from gptlab import cpu, kernel_build, kernels, ops
+from gptlab.data import IGNORE
 from gptlab.generation import decode_step, generate, new_cache, prefill
 from gptlab.quantize import Int4Linear, Int8Linear, quantize_model
 
@@ -553,7 +554,7 @@ def test_attention_argmax_and_softmax_agree_with_portable(dtype):
     mask[0, ..., :3] = False
     att = on_each(lambda: ops.decode_attention(qkv, tuple(caches.clone()), pos, mask, nh))
     logits = torch.randn(5, 1003)
-    targets = torch.tensor([0, 1002, -100, 7, 500])
+    targets = torch.tensor([0, 1002, IGNORE, 7, 500])
 
     def softmax():
         z = logits.t().contiguous()  # (V, n)

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from conftest import VARIANTS, tiny_config, tiny_model
 from gptlab.config import GPTConfig
+from gptlab.data import IGNORE
 from gptlab.model import GPT, apply_rope, rope_cos_sin
 
 
@@ -76,7 +77,7 @@ def test_ignore_index():
     model = tiny_model()
     idx = torch.randint(0, 97, (2, 9))
     targets = idx[:, 1:].clone()
-    targets[:, :4] = -100
+    targets[:, :4] = IGNORE
     logits, loss = model(idx[:, :-1], targets)
     expected = F.cross_entropy(logits[:, 4:].reshape(-1, 97), targets[:, 4:].reshape(-1))
     torch.testing.assert_close(loss, expected)

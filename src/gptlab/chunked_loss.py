@@ -13,7 +13,7 @@ the autocast dtype (bf16 logits under bf16 autocast); the softmax runs in fp32. 
 on a CPU with AVX512-BF16 the three products run in gl_gemm_bf16 instead (gemm.gemm_bf16_runs):
 fp32 operands rounded to bf16 as they are packed, fp32 sums, and the logits kept in fp32.
 
-The same value as `F.cross_entropy(x @ weight.T, targets, ignore_index=-100)` (mean over the
+The same value as `F.cross_entropy(x @ weight.T, targets, ignore_index=IGNORE)` (mean over the
 non-ignored targets), to float rounding.
 
 `token_logprobs` is the same pass for scoring (evaluation, lm-eval's loglikelihood): each row's
@@ -25,8 +25,8 @@ from __future__ import annotations
 import torch
 
 from gptlab import gemm, ops
+from gptlab.data import IGNORE
 
-IGNORE_INDEX = -100
 # Rows per chunk: larger chunks multiply faster, up to a batch of the demo's size. Measured on the
 # AMD EPYC (2 threads, 1024 rows of a 128-wide head over 50,257 tokens, forward + backward):
 # 128 rows 516-631 ms, 256 512-532, 512 472, 1024 432-447; the chunk's logits take 206 MB.
@@ -53,7 +53,7 @@ def _chunk_grad(x_c, w, t_c, out: torch.Tensor, bf16: bool = False):
     if scored is not None:
         row_loss, inv = scored
         return row_loss.sum(), logits, inv
-    valid = t_c != IGNORE_INDEX  # (n,)
+    valid = t_c != IGNORE  # (n,)
     t_safe = t_c.clamp_min(0)[None, :]  # (1, n)
     target_logit = logits.gather(0, t_safe).squeeze(0)  # (n,)
     peak = logits.amax(dim=0, keepdim=True)  # (1, n)
@@ -75,7 +75,7 @@ def _accumulate_grads(e, inv, t_c, x_c, w, w_t, grad_x_c, grad_w, first: bool, s
     transposed operand on each call, so the products run on contiguous ones (w_t is w.T made
     contiguous once).
     """
-    rows = (t_c != IGNORE_INDEX).nonzero().squeeze(1)  # (k,) rows with a target
+    rows = (t_c != IGNORE).nonzero().squeeze(1)  # (k,) rows with a target
     targets = t_c[rows]  # (k,)
     inv = inv * scale  # (n,)
     x_scaled = x_c * inv.to(x_c.dtype)[:, None]  # (n, C)
@@ -130,12 +130,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def forward(ctx, x, weight, targets, compute_dtype, chunk_rows, grad_mode):
         x2 = x.reshape(-1, x.size(-1))  # (N, C)
         t = targets.reshape(-1)  # (N,)
-        bad = (t != IGNORE_INDEX) & ((t < 0) | (t >= weight.size(0)))  # (N,)
+        bad = (t != IGNORE) & ((t < 0) | (t >= weight.size(0)))  # (N,)
         if bool(bad.any()):
-            raise ValueError(
-                f"target {int(t[bad][0])} outside the vocabulary [0, {weight.size(0)}) (and not {IGNORE_INDEX})"
-            )
-        n_valid = max(int((t != IGNORE_INDEX).sum()), 1)
+            raise ValueError(f"target {int(t[bad][0])} outside the vocabulary [0, {weight.size(0)}) (and not {IGNORE})")
+        n_valid = max(int((t != IGNORE).sum()), 1)
         bf16 = compute_dtype == torch.bfloat16 and gemm.gemm_bf16_runs(x.device)  # gl_gemm_bf16 rounds fp32 operands
         mm_dtype = torch.float32 if bf16 else compute_dtype
         xc = x2.to(mm_dtype)
@@ -182,10 +180,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
 def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_rows: int = CHUNK_ROWS):
     """Mean cross-entropy of logits x @ weight.T against targets, without materialising all logits.
 
-    x (..., C), weight (V, C), targets (...) with IGNORE_INDEX (-100) for positions to skip.
+    x (..., C), weight (V, C), targets (...) with IGNORE (-100) for positions to skip.
     Under autocast the matmuls run in the autocast dtype.
     """
-    keep = targets != IGNORE_INDEX
+    keep = targets != IGNORE
     if not bool(keep.all()):  # masked fine-tuning: the head runs on the rows that count only
         x, targets = x.reshape(-1, x.size(-1))[keep.reshape(-1)], targets.reshape(-1)[keep.reshape(-1)]  # (n, C), (n,)
     device_type = x.device.type

@@ -39,7 +39,7 @@ MANIFEST = "manifest.json"
 SPLITS = ("train", "val")
 PIECE_CHARS = 1 << 20  # text handed to one worker task
 PARALLEL_MIN_CHARS = 8 << 20  # below this, encoding in-process beats starting workers
-IGNORE = -100  # a target the loss leaves out (F.cross_entropy's ignore_index)
+IGNORE = -100  # a target every loss leaves out: F.cross_entropy's ignore_index, the C kernels' too
 # A piece ends after a newline (\n or a Windows file's \r\n) that sits between two non-space
 # characters: GPT-2's pre-tokenizer splits there on its own, so cutting there does not change the ids.
 _SAFE_CUT = re.compile(r"\S\r?\n(?=\S)")

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from gptlab import fused_step, hooks, ops
 from gptlab.chunked_loss import linear_cross_entropy
 from gptlab.config import GPTConfig
+from gptlab.data import IGNORE
 from gptlab.hooks import HookPoint
 from gptlab.kv_cache import write_kv
 from gptlab.linear import Linear
@@ -473,7 +474,7 @@ class GPT(nn.Module):
         logits = self.lm_head(x)  # (B, T, vocab_size)
         loss = None
         if targets is not None:
-            loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=-100)
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=IGNORE)
         return logits, loss
 
     @staticmethod

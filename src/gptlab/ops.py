@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from gptlab import kernel_build, kernels
+from gptlab.data import IGNORE
 from gptlab.kernels import MAX_HEAD_SIZE, MAX_ROWS, check, ptr, stream
 
 
@@ -205,7 +206,7 @@ def softmax_exp_(
     """Training's softmax cross-entropy over n rows of logits stored transposed, logits_t (V, n)
     fp32 (row r's logits in column r; each of the V rows contiguous, their stride n or more), in
     place: they become exp(logits - max) per column; returns (the rows' losses (n,), inv (n,)) with
-    inv = 1 / sum of the column's exps, 0 where the target is IGNORE_INDEX (-100; loss 0 there).
+    inv = 1 / sum of the column's exps, 0 where the target is IGNORE (-100, as in the C kernel; loss 0 there).
     d(sum of losses)/d(logits) is then inv * logits_t - onehot: gptlab.chunked_loss folds inv and
     the one-hot into the products after it, so the logits take two passes (max; exp and sum) and
     are written once; one pass when peak (n,), each column's largest logit (gemm.mm_colmax's), is
@@ -217,13 +218,13 @@ def softmax_exp_(
 
 def softmax_xent_(logits_t: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
     """softmax_exp_ finished in place: logits_t (V, n) becomes softmax - onehot itself (zero columns
-    where the target is IGNORE_INDEX); returns the rows' losses (n,), or None as softmax_exp_."""
+    where the target is IGNORE); returns the rows' losses (n,), or None as softmax_exp_."""
     out = softmax_exp_(logits_t, targets)
     if out is None:
         return None
     loss, inv = out
     logits_t.mul_(inv)  # (V, n) softmax, 0 in ignored columns
-    rows = (targets != -100).nonzero().squeeze(1)  # (k,)
+    rows = (targets != IGNORE).nonzero().squeeze(1)  # (k,)
     logits_t[targets[rows], rows] -= 1.0
     return loss
 
@@ -262,8 +263,8 @@ def _softmax_xent(logits_t: torch.Tensor, targets: torch.Tensor, grad: bool, pea
         int(grad), None if given is None else given.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     if status == -3:
-        bad = t[(t != -100) & ((t < 0) | (t >= V))]
-        raise ValueError(f"target {int(bad[0])} outside the vocabulary [0, {V}) (and not the ignore index -100)")
+        bad = t[(t != IGNORE) & ((t < 0) | (t >= V))]
+        raise ValueError(f"target {int(bad[0])} outside the vocabulary [0, {V}) (and not the ignore index {IGNORE})")
     check(status)
     return loss, peak, inv
 

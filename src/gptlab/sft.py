@@ -12,7 +12,7 @@ and manifest.json with `"kind": "sft"`. By default only the response (Alpaca) or
 turns (chat) are trained on, and the closing <|endoftext|> with them, so the model learns where
 to stop; `train_on="all"` trains on every token.
 
-`ExampleLoader` turns the examples into (x, y, extra) batches, y = -100 where nothing is trained:
+`ExampleLoader` turns the examples into (x, y, extra) batches, y = IGNORE (-100) where nothing is trained:
 layout "pack" fills each row with whole examples and passes `segments` so that attention and
 positions stay inside each example (GPT.forward); layout "pad" gives every example its own row.
 Batch k is a pure function of (seed, k), as with gptlab.data.TokenLoader, so resuming is exact.
@@ -303,7 +303,7 @@ def pack_rows(lengths: np.ndarray, order: np.ndarray, block_size: int) -> list[n
 
 
 class ExampleLoader(CountedLoader):
-    """(x, y, extra) batches (B, T) of SFT examples; y is -100 where no loss is taken.
+    """(x, y, extra) batches (B, T) of SFT examples; y is IGNORE (-100) where no loss is taken.
 
     mode "random" reshuffles the examples every epoch (seeded by (seed, epoch)); "sequential"
     keeps their order (validation). layout "pack": several examples per row, extra holds

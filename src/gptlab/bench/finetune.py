@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from gptlab.bench.common import positive, write_results
+from gptlab.data import IGNORE
 
 DEFAULT_BASE = "runs/demo/run/latest"  # what `make demo` trains
 CLS_MODES = {  # name: (TrainConfig overrides, lr)
@@ -131,7 +132,7 @@ def instruct_recipe(args, work: Path) -> dict:
         loader = ExampleLoader(work / data, "train", args.batch_size, 128, layout=layout)
         steps = max(1, round(args.sft_epochs * len(loader.epoch_rows(0)) / args.batch_size))
         run = train_run(args.base, work / data, out, steps, args.batch_size, args.sft_lr, sft_layout=layout)
-        trained = int(sum((loader.batch(k)[1] != -100).sum() for k in range(8))) / 8  # per batch
+        trained = int(sum((loader.batch(k)[1] != IGNORE).sum() for k in range(8))) / 8  # per batch
         step_s = run["seconds"] / run["steps_run"]
         tuned = load_model(run["checkpoint"])
         rows[name] = dict(**score_answers(tuned, heldout), response_loss=response_loss(tuned, held), steps=steps,
@@ -206,10 +207,10 @@ def response_loss(model, loaders) -> float:
     for loader in loaders:
         examples = len(loader.examples)
         for k in range(-(-examples // loader.batch_size)):
-            x, y, _ = loader.batch(k)  # y is -100 on the rows of the last batch that wrap around
+            x, y, _ = loader.batch(k)  # y is IGNORE on the rows of the last batch that wrap around
             logits, _ = model(x)
             total += float(torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum"))
-            count += int((y != -100).sum())
+            count += int((y != IGNORE).sum())
     return total / count
 
 
