@@ -1286,6 +1286,9 @@ MUTANTS = [
            ("tests/test_sft.py", "-k", "before_tokenizing")),
     Mutant("quantize/unknown-record-keys-loaded-silently", "quantize.py",
            "    _check_record_keys(scheme, directory)\n", "", ("tests/test_quantize.py", "-k", "unknown_keys")),
+    Mutant("train/resume-with-another-max-steps-unwarned", "train/checkpointing.py",
+           "    free = FREE_ON_RESUME - schedule_length(was) - schedule_length(now)\n", "    free = FREE_ON_RESUME\n",
+           ("tests/test_train.py", "-k", "another_schedule_length")),
     Mutant("loss/ignore-target-not-pytorchs-ignore-index", "data.py", "IGNORE = -100  #", "IGNORE = -1  #", LOSS_TESTS),
 ]
 # fmt: on

@@ -629,7 +629,7 @@ def test_resume_with_another_shape_or_over_a_run_fails_and_writes_nothing(byte_d
     with caplog.at_level("WARNING", logger="gptlab.train.checkpointing"):
         Trainer(config(byte_data, out, max_steps=6, eval_interval=3, lr=1e-3, min_lr=1e-4, resume=True))
     assert "changed settings" in caplog.text and "lr 0.003 -> 0.001" in caplog.text
-    assert "max_steps" not in caplog.text and "eval_interval" not in caplog.text
+    assert "eval_interval" not in caplog.text
     # a run copied without its link, or with the link followed (`latest` a directory): a new run
     # there pruned the old checkpoints and truncated their metrics
     import shutil
@@ -652,6 +652,29 @@ def test_resume_with_another_shape_or_over_a_run_fails_and_writes_nothing(byte_d
     weights.write_bytes(weights.read_bytes()[:100])
     with pytest.raises(ValueError, match="model.safetensors: cannot read weights, the checkpoint is damaged"):
         train(config(byte_data, out, max_steps=4, resume=True))
+
+
+@pytest.mark.parametrize(
+    ("first", "resumed", "warned"),
+    [
+        (dict(max_steps=2), dict(max_steps=6), "max_steps 2 -> 6"),  # the cosine's length: every later lr moves
+        (dict(max_steps=2, schedule="wsd"), dict(max_steps=6, schedule="wsd"), "max_steps 2 -> 6"),
+        (dict(max_steps=2, schedule="constant"), dict(max_steps=6, schedule="constant"), None),
+        (dict(max_steps=2, max_time="1h"), dict(max_steps=6, max_time="1h"), None),  # the time budget sets the lr
+        (dict(max_steps=2, max_time="1h"), dict(max_steps=2, max_time="2h"), "max_time '1h' -> '2h'"),
+    ],
+)
+def test_resume_with_another_schedule_length_warns(byte_data, tmp_path, caplog, first, resumed, warned):
+    """max_steps (max_time in a time-budgeted run) is how long the learning rate decays: resumed with
+    another, every later step's lr changed (a finished cosine run jumped back up) without a word."""
+    out = tmp_path / "run"
+    train(config(byte_data, out, eval_interval=2, **first))
+    with caplog.at_level("WARNING", logger="gptlab.train.checkpointing"):
+        Trainer(config(byte_data, out, eval_interval=2, resume=True, **resumed))
+    if warned:
+        assert "changed settings" in caplog.text and warned in caplog.text
+    else:
+        assert "changed settings" not in caplog.text
 
 
 # --------------------------------------------------------------------------------------------- demo corpus

@@ -159,8 +159,8 @@ def resume(trainer) -> float:
 
 
 # Settings a resumed run may change and still be the run it continues (when and how long it runs,
-# what it logs and keeps, where it runs; init_from's weights are replaced by the checkpoint's, and
-# a LoRA run checks its base itself).
+# unless that is the length of its lr schedule, see schedule_length; what it logs and keeps, where it
+# runs; init_from's weights are replaced by the checkpoint's, and a LoRA run checks its base itself).
 FREE_ON_RESUME = {"resume", "max_steps", "max_time", "progress", "log_interval", "eval_interval", "eval_steps",
                   "checkpoint_interval", "keep_checkpoints", "sample_prompt", "sample_tokens", "device", "out_dir",
                   "init_from"}  # fmt: skip
@@ -169,8 +169,18 @@ FREE_ON_RESUME = {"resume", "max_steps", "max_time", "progress", "log_interval",
 def changed_settings(was: dict, now: dict) -> dict:
     """{setting: (checkpoint's, now)} for the settings that change what a resumed run computes
     (min_lr as the value it stands for: unset is lr / 10)."""
+    free = FREE_ON_RESUME - schedule_length(was) - schedule_length(now)
     was, now = _final_lr(was), _final_lr(now)
-    return {k: (v, now[k]) for k, v in was.items() if k in now and now[k] != v and k not in FREE_ON_RESUME}
+    return {k: (v, now[k]) for k, v in was.items() if k in now and now[k] != v and k not in free}
+
+
+def schedule_length(settings: dict) -> set[str]:
+    """The setting a decaying learning rate is spread over: max_time where it is set, else max_steps
+    (none for a constant lr). Resuming with another moves every later step's learning rate (a
+    finished cosine run's jumps back up), as in nanoGPT and llm.c, where the new value wins silently."""
+    if settings.get("schedule", "cosine") == "constant":
+        return set()
+    return {"max_time"} if settings.get("max_time") else {"max_steps"}
 
 
 def _final_lr(settings: dict) -> dict:
