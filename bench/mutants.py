@@ -355,7 +355,7 @@ MUTANTS = [
            "softmax_seen(sc, S, S, 1.0f / sqrtf((float)hs))", "softmax_seen(sc, S, S, hs == 64 ? 1.0f : 1.0f / sqrtf((float)hs))",
            FUSED_TESTS),
     Mutant("install/a-library-of-other-sources-counts-as-current", "kernel_build.py",
-           "return source_digest().encode() in Path(path).read_bytes()", "return bool(Path(path).read_bytes())",
+           "return source_digest().encode() in data and", "return bool(data) and",
            ("tests/test_kernel_variants.py", "-k", "build_all or stale")),
     Mutant("install/avx512-without-vnni-taken-as-avx512", "kernel_build.py",
            '"avx512dq", "avx512vnni", "avx2", "fma", "f16c"),', '"avx512dq", "avx2", "fma", "f16c"),',
@@ -1289,6 +1289,12 @@ MUTANTS = [
     Mutant("train/resume-with-another-max-steps-unwarned", "train/checkpointing.py",
            "    free = FREE_ON_RESUME - schedule_length(was) - schedule_length(now)\n", "    free = FREE_ON_RESUME\n",
            ("tests/test_train.py", "-k", "another_schedule_length")),
+    Mutant("kernels/library-cut-short-dlopened", "kernels.py",
+           "    if not whole:\n        log.warning(", "    if False:\n        log.warning(",
+           ("tests/test_kernel_variants.py", "-k", "cut_short")),
+    Mutant("kernels/library-cut-short-counted-current", "kernel_build.py",
+           "    return source_digest().encode() in data and is_whole(data)", "    return source_digest().encode() in data",
+           ("tests/test_kernel_variants.py", "-k", "cut_short")),
     Mutant("loss/ignore-target-not-pytorchs-ignore-index", "data.py", "IGNORE = -100  #", "IGNORE = -1  #", LOSS_TESTS),
 ]
 # fmt: on

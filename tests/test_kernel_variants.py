@@ -372,6 +372,30 @@ def test_a_stale_library_is_not_loaded_but_built_afresh(tmp_path, monkeypatch):
     assert lib.gl_source_digest() == b"0123456789abcdef" and lib.gl_variant() == b"portable"
 
 
+@pytest.mark.parametrize("kept", [0.5, 0.99])  # its digest cut off too; only its section headers
+def test_a_library_cut_short_is_built_again_and_never_opened(tmp_path, monkeypatch, kept):
+    """A library cut short (an interrupted copy: build_all's is not atomic) passed is_current while
+    its digest lay in the part kept, and dlopen mapped it however short: the process died of SIGBUS
+    at the first page past its end. The installed and the cached copy are passed over, and the
+    cache's built again."""
+    whole = kernels.library_path("portable").read_bytes()
+    cut = whole[: int(len(whole) * kept)]
+    installed = tmp_path / kernel_build.library_name("portable")
+    installed.write_bytes(cut)
+    monkeypatch.setenv("GPTLAB_CACHE", str(tmp_path / "cache"))
+    cached = kernels.cached_path("portable")
+    cached.parent.mkdir(parents=True)
+    cached.write_bytes(cut)
+    assert not kernel_build.is_current(installed) and kernel_build.is_current(kernels.library_path("portable"))
+    monkeypatch.setattr(kernels, "installed_path", lambda variant: installed)
+    monkeypatch.setattr(kernel_build, "build", lambda variant, out, cc=None: out.write_bytes(whole) and out)
+    dlopen = kernels.ctypes.CDLL
+    opened = lambda name: pytest.fail(f"opened {name}, cut short") if Path(name).read_bytes() == cut else dlopen(name)  # noqa: E731
+    monkeypatch.setattr(kernels.ctypes, "CDLL", opened)
+    lib = kernels._load("portable")
+    assert Path(lib.path) == cached and cached.read_bytes() == whole and lib.gl_variant() == b"portable"
+
+
 def test_each_library_is_the_variant_it_is_loaded_as(monkeypatch):
     """The variant the log and benchmarks name is the one that runs: each library this CPU runs
     says so itself (gl_variant, from its build flags), and one that names another is refused."""

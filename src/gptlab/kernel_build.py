@@ -19,6 +19,7 @@ import os
 import platform
 import shlex
 import shutil
+import struct
 import subprocess
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
@@ -142,13 +143,34 @@ def library_name(variant: str) -> str:
 
 
 def is_current(path: str | Path) -> bool:
-    """Whether the library at `path` was built from these sources and flags: its compiled-in
-    gl_source_digest is this source_digest(). Read from the file, never loaded (it may be for
-    instructions this CPU lacks)."""
+    """Whether the library at `path` was built from these sources and flags (its compiled-in
+    gl_source_digest is this source_digest()) and is whole (is_whole). Read from the file, never
+    loaded (it may be for instructions this CPU lacks)."""
     try:
-        return source_digest().encode() in Path(path).read_bytes()
+        data = Path(path).read_bytes()
     except OSError:
         return False
+    return source_digest().encode() in data and is_whole(data)
+
+
+def is_whole(data: bytes) -> bool:
+    """False for a 64-bit ELF file shorter than its headers say (a copy or a write cut short): dlopen
+    maps it anyway, and the process dies of SIGBUS at the first page past its end. What is not ELF
+    counts as whole: dlopen refuses it with an error that says why."""
+    if data[:4] != b"\x7fELF":
+        return True
+    if len(data) < 64:  # cut inside the ELF header
+        return False
+    if data[4] != 2:  # not ELFCLASS64 (x86-64's and aarch64's): not read here
+        return True
+    order = "<" if data[5] == 1 else ">"
+    phoff, shoff = struct.unpack_from(f"{order}2Q", data, 0x20)
+    phentsize, phnum, shentsize, shnum = struct.unpack_from(f"{order}4H", data, 0x36)
+    ends = [phoff + phnum * phentsize, shoff + shnum * shentsize]  # the tables of segments and sections
+    if ends[0] <= len(data):
+        for entry in range(phoff, ends[0], phentsize):  # each segment's p_offset + p_filesz
+            ends.append(sum(struct.unpack_from(f"{order}Q", data, entry + field)[0] for field in (8, 32)))
+    return max(ends) <= len(data)
 
 
 def build_all(directory: str | Path, reuse: str | Path | None = None) -> list[str]:

@@ -147,8 +147,15 @@ def _remove_older_builds(variant: str, path: Path) -> None:
 
 
 def _open(path: Path) -> ctypes.CDLL | None:
-    """The library at path when it is current (this ABI, built from these sources), else None."""
+    """The library at path when it is current (this ABI, built from these sources) and whole, else None."""
     if not path.is_file():
+        return None
+    try:
+        whole = kernel_build.is_whole(path.read_bytes())
+    except OSError:  # removed since (another gptlab's first-use build): built again
+        return None
+    if not whole:
+        log.warning("%s is cut short (an interrupted copy or write); not using it", path)
         return None
     try:
         lib = ctypes.CDLL(str(path))
