@@ -1061,13 +1061,12 @@ MUTANTS = [
     Mutant("install/cc-with-arguments-run-as-one-program", "kernel_build.py",
            "*shlex.split(cc or compiler()), *COMMON_FLAGS,", "cc or compiler(), *COMMON_FLAGS,",
            ("tests/test_kernel_variants.py", "-k", "cc_may_hold")),
-    Mutant("install/no-compiler-leaves-an-empty-temporary-library", "kernel_build.py",
-           "    cc = cc or compiler()  # before the temporary file: without a compiler it was left behind, empty\n"
-           "    fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=\".so.tmp\")\n    os.close(fd)\n"
-           "    try:\n        cmd = command(variant, tmp, cc)\n",
-           "    fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=\".so.tmp\")\n    os.close(fd)\n"
-           "    cmd = command(variant, tmp, cc)\n    try:\n",
-           ("tests/test_kernel_variants.py", "-k", "no_compiler")),
+    Mutant("install/a-failed-compile-leaves-its-temporary-library", "kernel_build.py",
+           "    try:\n        write(tmp)\n        os.replace(tmp, out)\n    finally:\n        if os.path.exists(tmp):\n            os.unlink(tmp)\n",
+           "    write(tmp)\n    os.replace(tmp, out)\n", ("tests/test_kernel_variants.py", "-k", "compiles_only_what")),
+    Mutant("install/a-reused-library-copied-straight-onto-its-target", "kernel_build.py",
+           "_write_whole(out, lambda tmp: shutil.copyfile(found, tmp))", "shutil.copyfile(found, out)",
+           ("tests/test_kernel_variants.py", "-k", "copy_cut_short")),
     Mutant("kernels/unreadable-features-blamed-on-the-cpu", "kernels.py",
            "    if features_unread() and variant in kernel_build.buildable():", "    if False:",
            ("tests/test_kernel_variants.py", "-k", "blamed_on_the_cpu")),

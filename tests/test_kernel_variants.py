@@ -330,7 +330,27 @@ def test_build_all_compiles_only_what_is_not_current(tmp_path, monkeypatch):
     monkeypatch.setattr(kernel_build, "source_digest", lambda: "fedcba9876543210")
     failed = kernel_build.build_all(tmp_path / "third")
     assert all("could not build the" in line and "unrecognized option" in line for line in failed)
+    assert list((tmp_path / "third").iterdir()) == []  # no temporary file left by a failed compile
     assert not kernel_build.is_current(tmp_path / "missing.so")
+
+
+def test_a_copy_cut_short_leaves_no_library(tmp_path, monkeypatch):
+    """build_all copied a current library from `reuse` straight onto its target: a copy cut short
+    (a full disk, an interrupt) left a partial library under the real name. It copies into a
+    temporary file and renames it when whole."""
+    monkeypatch.setenv("CC", str(stand_in_compiler(tmp_path / "cc", tmp_path / "calls")))
+    first, second = tmp_path / "first", tmp_path / "second"
+    kernel_build.build_all(first)
+
+    def cut_short(src, dst):
+        Path(dst).write_bytes(Path(src).read_bytes()[:8])
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(kernel_build.shutil, "copyfile", cut_short)
+    monkeypatch.setattr(kernel_build, "build", lambda *a, **k: pytest.fail("a current library was there to copy"))
+    lines = kernel_build.build_all(second, reuse=first)
+    assert all("No space left on device" in line for line in lines)
+    assert list(second.iterdir()) == []
 
 
 @pytest.mark.parametrize("wrapper", ["", "ccache"])
@@ -358,7 +378,7 @@ def test_no_compiler_is_a_clear_error_that_leaves_no_temporary_file(tmp_path, mo
         kernel_build.build("portable", tmp_path / "out" / kernel_build.library_name("portable"))
     lines = kernel_build.build_all(tmp_path / "out")
     assert all("no C compiler found" in line for line in lines)
-    assert list((tmp_path / "out").iterdir()) == []
+    assert list(tmp_path.glob("out/*")) == []
 
 
 def test_a_stale_library_is_not_loaded_but_built_afresh(tmp_path, monkeypatch):

@@ -121,15 +121,25 @@ def build(variant: str, out: Path, cc: str | None = None) -> Path:
     RuntimeError with the compiler's message when it fails."""
     if variant not in buildable():
         raise RuntimeError(f"the {variant} variant is for {variant_arch(variant)}; this is {platform.machine()}")
-    out.parent.mkdir(parents=True, exist_ok=True)
     cc = cc or compiler()  # before the temporary file: without a compiler it was left behind, empty
-    fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".so.tmp")
-    os.close(fd)
-    try:
+
+    def compile_into(tmp: str) -> None:
         cmd = command(variant, tmp, cc)
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-2000:]}")
+
+    return _write_whole(out, compile_into)
+
+
+def _write_whole(out: Path, write) -> Path:
+    """write(tmp) into a temporary file beside `out`, then rename it to `out`: a library is there
+    whole or not at all (gptlab.atomic's pattern; this module also runs alone, from setup.py)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".so.tmp")
+    os.close(fd)
+    try:
+        write(tmp)
         os.replace(tmp, out)
     finally:
         if os.path.exists(tmp):
@@ -188,8 +198,7 @@ def build_all(directory: str | Path, reuse: str | Path | None = None) -> list[st
             if is_current(out):
                 return f"gptlab: the {variant} kernels in {out} are current"
             if found is not None and is_current(found):
-                out.parent.mkdir(parents=True, exist_ok=True)
-                shutil.copyfile(found, out)
+                _write_whole(out, lambda tmp: shutil.copyfile(found, tmp))  # a copy cut short is not left
                 return f"gptlab: copied the current {variant} kernels from {found} to {out}"
             build(variant, out)
             return f"gptlab: built the {variant} kernels into {out}"
