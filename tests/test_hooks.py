@@ -262,6 +262,25 @@ def test_a_cache_streamed_to_a_safetensors_file_equals_run_with_cache(tmp_path):
         assert set(f.keys()) == set(ref) and "blocks.1.hook_resid_mid" not in ref and "blocks.0.hook_resid_post" in ref
 
 
+def test_a_name_listed_twice_is_one_point(tmp_path):
+    """A names list that repeats a name selects that point once: cache_to_file wrote it twice,
+    a file safetensors refused ("invalid offset"), and a hook given the list ran twice."""
+    from safetensors.torch import load_file
+
+    model = tiny_model()
+    idx = torch.randint(0, model.config.vocab_size, (1, 5), generator=torch.Generator().manual_seed(0))
+    names = ["hook_embed", "blocks.0.hook_resid_post", "hook_embed"]
+    path = tmp_path / "cache.safetensors"
+    model.cache_to_file(idx, path, names_filter=names)
+    _, ref = model.run_with_cache(idx, names_filter=names)
+    saved = load_file(str(path))
+    assert set(saved) == set(ref) == {"hook_embed", "blocks.0.hook_resid_post"}
+    assert all(torch.equal(saved[name], ref[name]) for name in ref)
+    calls = []
+    model.run_with_hooks(idx, fwd_hooks=[(["hook_embed", "hook_embed"], lambda x, hook: calls.append(hook.name))])
+    assert calls == ["hook_embed"]
+
+
 def test_hooks_fire_only_in_the_thread_that_registered_them():
     import threading
 

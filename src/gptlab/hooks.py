@@ -113,12 +113,14 @@ def _unknown(name: str, points: dict[str, HookPoint]) -> str:
 
 
 def _select(points: dict[str, HookPoint], names) -> list[HookPoint]:
-    """names: None (all), a name, a list of names, or a predicate on names."""
+    """names: None (all), a name, a list of names, or a predicate on names. A name listed twice
+    is selected once (a cache streamed to a file wrote it twice and could not be read back; a
+    hook ran twice)."""
     if names is None:
         return list(points.values())
     if callable(names):
         return [p for n, p in points.items() if names(n)]
-    names = [names] if isinstance(names, str) else list(names)
+    names = list(dict.fromkeys([names] if isinstance(names, str) else names))
     unknown = [n for n in names if n not in points]
     if unknown:
         raise ValueError(_unknown(unknown[0], points))
