@@ -810,6 +810,9 @@ MUTANTS = [
     # the server's threads (a second thread that keeps OpenMP helpers makes every team sleep)
     Mutant("serve/explorer-keeps-its-openmp-helpers", "serve/explorer.py",
            '"/lens", computes(self.lens)', '"/lens", self.lens', ("tests/test_serve.py", "-k", "release")),
+    Mutant("serve/explorer-patch-grid-of-zeros-without-a-scale", "serve/explorer.py",
+           'if abs(result["clean"] - result["corrupt"]) <= 1e-9:', "if False:",
+           ("tests/test_serve.py", "-k", "explorer_patching")),
     Mutant("serve/release-threads-does-nothing", "csrc/cpu.c",
            "return omp_pause_resource_all(omp_pause_soft);", "return 0;", ("tests/test_serve.py", "-k", "release")),
     Mutant("serve/step-view-keeps-its-first-position", "serve/scheduler.py",

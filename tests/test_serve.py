@@ -648,6 +648,10 @@ def test_explorer_patching(url, model, tok):
     normalized = (ref["grid"] - ref["corrupt"]) / (ref["clean"] - ref["corrupt"])
     assert data["columns"] == list("abcdef")
     torch.testing.assert_close(torch.tensor(data["grid"]), normalized, rtol=0, atol=1e-4)
+    # the same logit difference both ways: no scale for the grid (it was zeros, drawn as a result)
+    r = httpx.post(f"{url}/api/patch", json={**body, "corrupt": body["clean"]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "corrupt"
+    assert "same logit difference" in r.json()["error"]["message"]
     cell = httpx.post(f"{url}/api/patch/cell", json={**body, "layer": 1, "unit": 2, "top": 5}).json()
     probs = torch.softmax(patched_logits(model, clean, corrupt, 1, 2)[0, -1], dim=-1)
     assert [c["id"] for c in cell["patched"]] == probs.topk(5).indices.tolist()

@@ -195,6 +195,8 @@ class Explorer:
 
         clean, corrupt, (right, wrong) = self._patch_inputs(body)
         result = activation_patching(self.state.model, clean, corrupt, logit_diff(right, wrong), over=body.over)
+        if abs(result["clean"] - result["corrupt"]) <= 1e-9:  # the grid has no scale: zeros, read as results
+            raise APIError(400, f"clean and corrupt give the same logit difference ({result['clean']:.4f}): there is nothing to patch; choose prompts whose answers differ", param="corrupt", code="invalid_value")  # fmt: skip
         columns = (self._labels(clean[0].tolist()) if body.over == "layer-pos"
                    else [f"head {h}" for h in range(self.state.model.config.n_head)])  # fmt: skip
         return dict(over=body.over, columns=columns, clean=result["clean"], corrupt=result["corrupt"],
