@@ -1,6 +1,8 @@
 """gptlab.patching: batched activation patching against a loop of single patches, attribution
 patching against the metric's directional derivative, ablation."""
 
+import json
+
 import pytest
 import torch
 
@@ -138,11 +140,14 @@ def test_gptlab_patch_writes_the_grids_and_checks_its_prompts(tmp_path, capsys):
                      "--answers", *answers, *extra])  # fmt: skip
 
     assert patch(clean, corrupt, (" Mary", " John"), "--out", str(png), "--json", str(out)) in (0, None)
-    data = __import__("json").loads(out.read_text())
+    data = json.loads(out.read_text())
     assert data["columns"][9] == " John" and len(data["grid"]) == 2 and len(data["attribution"][0]) == 14
     # layer 0 before the block: patching the one differing position restores the clean run exactly
     assert data["normalized"][0] == pytest.approx([1.0 if p == 9 else 0.0 for p in range(14)], abs=1e-4)
     assert png.stat().st_size > 0 and "patched (layer-pos)" in capsys.readouterr().out
+    # <|endoftext|> as an answer is the token, as in the prompts (it was 7 tokens, refused)
+    assert patch(clean, corrupt, (" Mary", "<|endoftext|>"), "--json", str(out)) in (0, None)
+    assert json.loads(out.read_text())["clean"] != data["clean"]
     assert patch(answers=(" Mary Ann", " John")) == 2
     assert "each answer must be one token" in capsys.readouterr().err
     assert patch(corrupt="When") == 2

@@ -648,6 +648,10 @@ def test_explorer_patching(url, model, tok):
     normalized = (ref["grid"] - ref["corrupt"]) / (ref["clean"] - ref["corrupt"])
     assert data["columns"] == list("abcdef")
     torch.testing.assert_close(torch.tensor(data["grid"]), normalized, rtol=0, atol=1e-4)
+    # <|endoftext|> as an answer is that token, as in the prompts (it was 13 byte tokens, refused)
+    eot = httpx.post(f"{url}/api/patch", json={**body, "wrong": "<|endoftext|>"}).json()
+    ref = activation_patching(model, clean, corrupt, logit_diff(tok.encode("g")[0], EOS))
+    assert eot["clean"] == pytest.approx(ref["clean"], abs=1e-5)
     # the same logit difference both ways: no scale for the grid (it was zeros, drawn as a result)
     r = httpx.post(f"{url}/api/patch", json={**body, "corrupt": body["clean"]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "corrupt"

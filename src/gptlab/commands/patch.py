@@ -18,7 +18,8 @@ def add_arguments(parser):
 
 
 def single_token(tokenizer, text: str) -> int:
-    ids = tokenizer.encode(text)
+    """The answer's one token; `<|endoftext|>` is that token, as in the prompts."""
+    ids = tokenizer.encode(text, allowed_special="all")
     if len(ids) != 1:
         raise ValueError(f"--answers {text!r} is {len(ids)} tokens; each answer must be one token")
     return ids[0]

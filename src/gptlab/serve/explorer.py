@@ -180,7 +180,7 @@ class Explorer:
             raise APIError(400, f"clean has {len(clean)} tokens, corrupt {len(corrupt)}: they must be as long", param="corrupt", code="invalid_value")  # fmt: skip
         answers = []
         for param in ("right", "wrong"):
-            answer = self.state.tokenizer.encode(getattr(body, param))
+            answer = self.state.tokenizer.encode(getattr(body, param), allowed_special="all")  # as the prompts
             if len(answer) != 1:
                 raise APIError(400, f"{param} must be one token, got {len(answer)}", param=param, code="invalid_value")  # fmt: skip
             answers += answer
