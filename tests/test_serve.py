@@ -659,7 +659,8 @@ def test_explorer_patching(url, model, tok):
     cell = httpx.post(f"{url}/api/patch/cell", json={**body, "layer": 1, "unit": 2, "top": 5}).json()
     probs = torch.softmax(patched_logits(model, clean, corrupt, 1, 2)[0, -1], dim=-1)
     assert [c["id"] for c in cell["patched"]] == probs.topk(5).indices.tolist()
-    for bad, param in (({"corrupt": "abX"}, "corrupt"), ({"right": "gg"}, "right"), ({"layer": 7, "unit": 0}, "unit"),
+    for bad, param in (({"corrupt": "abX"}, "corrupt"), ({"right": "gg"}, "right"), ({"layer": 7, "unit": 0}, "layer"),
+                       ({"layer": -1, "unit": 0}, "layer"), ({"layer": 1, "unit": 6}, "unit"),
                        ({"wrong": "g"}, "wrong")):  # fmt: skip
         r = httpx.post(f"{url}/api/patch/cell", json={**body, "layer": 0, "unit": 0, **bad})
         assert r.status_code == 400 and r.json()["error"]["param"] == param, bad

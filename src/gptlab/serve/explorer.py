@@ -210,8 +210,9 @@ class Explorer:
         clean, corrupt, _ = self._patch_inputs(body)
         try:
             logits = patched_logits(self.state.model, clean, corrupt, body.layer, body.unit, body.over)
-        except ValueError as e:
-            raise APIError(400, str(e), param="unit", code="invalid_value") from e
+        except ValueError as e:  # the cell is outside the grid: name the coordinate at fault
+            param = "unit" if 0 <= body.layer < self.state.model.config.n_layer else "layer"
+            raise APIError(400, str(e), param=param, code="invalid_value") from e
         with torch.no_grad():
             clean_logits, corrupt_logits = self._logits(clean[0].tolist()), self._logits(corrupt[0].tolist())
         return dict(layer=body.layer, unit=body.unit, patched=self._candidates(logits[0, -1], body.top),
