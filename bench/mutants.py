@@ -1021,6 +1021,9 @@ MUTANTS = [
     Mutant("explorer/patch-cell-read-with-the-form-of-now", "serve/static/app.js",
            '"/api/patch/cell", { ...request, layer', '"/api/patch/cell", { ...patchRequest(), layer',
            ("tests/test_serve_browser.py", "-k", "patching")),
+    Mutant("explorer/head-columns-drawn-with-open-boxes", "serve/static/app.js",
+           'data.over === "layer-pos" ? data.columns.map(show) : data.columns', "data.columns.map(show)",
+           ("tests/test_serve_browser.py", "-k", "patching")),
     Mutant("explorer/predict-again-recorded-twice", "serve/static/app.js",
            "  if (same) return;", "", ("tests/test_serve_browser.py", "-k", "picked")),
     # training (QA of DDP and max_time)

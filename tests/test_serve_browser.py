@@ -168,6 +168,18 @@ def test_logit_lens_and_patching_panels_in_chromium(browser, tmp_path):
         page.wait_for_function("document.querySelector('#patchmap').dataset.selected === '0,1'")
         title = page.text_content("#patch-cell-title")
         plain = page.eval_on_selector_all("#patch-cell .candidate", "els => els.map(e => e.tagName)")
+        # the layers x heads grid's columns read "head 0", not "head⌣0" (spaces made visible as in tokens)
+        page.evaluate("""() => { const fill = CanvasRenderingContext2D.prototype.fillText; window.patchText = [];
+            CanvasRenderingContext2D.prototype.fillText = function (text, ...rest) {
+                if (this.canvas.id === 'patchmap') window.patchText.push(text);
+                return fill.call(this, text, ...rest); }; }""")
+        page.fill("#corrupt", corrupt)
+        page.click("#patch-go")
+        page.wait_for_function(
+            "n => document.querySelector('#patchmap').dataset.cols === String(n)", arg=model.config.n_head
+        )
+        heads = page.evaluate("window.patchText.filter(t => t.startsWith('head'))")
+    assert heads == [f"head {h}" for h in range(model.config.n_head)], heads
     assert listed == [c["text"] for c in expected]
     assert title.startswith("layer 0, position 1 (") and set(plain) == {"DIV"}  # no buttons that do nothing
     assert errors == [], errors

@@ -218,7 +218,8 @@ function renderPatch(data, request) {
     const v = Math.max(-1, Math.min(1, data.grid[layer][u]));
     return v >= 0 ? `rgba(40, 90, 200, ${v})` : `rgba(210, 50, 40, ${-v})`;
   };
-  const grid = drawGrid(canvas, layers, data.columns.map(show), colour, { minLeft: 40, maxLabel: 120, minCell: 10, maxCell: 36 });
+  const columns = data.over === "layer-pos" ? data.columns.map(show) : data.columns; // tokens, or "head 0" (its space no token's)
+  const grid = drawGrid(canvas, layers, columns, colour, { minLeft: 40, maxLabel: 120, minCell: 10, maxCell: 36 });
   Object.assign(canvas.dataset, {
     rows: String(grid.rows), cols: String(grid.cols), left: String(grid.left), top: String(grid.top), cell: String(grid.cell),
   });
