@@ -1024,6 +1024,9 @@ MUTANTS = [
     Mutant("explorer/head-columns-drawn-with-open-boxes", "serve/static/app.js",
            'data.over === "layer-pos" ? data.columns.map(show) : data.columns', "data.columns.map(show)",
            ("tests/test_serve_browser.py", "-k", "patching")),
+    Mutant("explorer/history-chip-cuts-an-emoji-in-half", "serve/static/app.js",
+           'Array.from(step.text).slice(-16).join("")', "step.text.slice(-16)",
+           ("tests/test_serve_browser.py", "-k", "picked_token")),
     Mutant("explorer/predict-again-recorded-twice", "serve/static/app.js",
            "  if (same) return;", "", ("tests/test_serve_browser.py", "-k", "picked")),
     # training (QA of DDP and max_time)

@@ -243,6 +243,11 @@ def test_a_picked_token_is_continued_by_its_id_in_chromium(browser):
         page.click("#go")
         page.wait_for_function("document.querySelector('#status').textContent === '2 tokens'")
         assert page.evaluate(chips) == steps  # the step's text was "\ufffd", the box's its decoding
+        # an edited prompt's chip ends with its last characters, an emoji whole (was half of one, U+FFFD)
+        page.fill("#prompt", "\U0001f44b" + "x" * 15)
+        page.click("#go")
+        page.wait_for_function("document.querySelector('#status').textContent === '19 tokens'")
+        assert page.text_content("#history li:last-child button") == "\u270e \u2026\U0001f44b" + "x" * 15
     assert errors == [], errors
 
 

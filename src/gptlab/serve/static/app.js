@@ -311,7 +311,8 @@ function renderHistory() {
     const item = document.createElement("li");
     const button = document.createElement("button");
     button.type = "button";
-    const end = step.text.slice(-16).replace(/\n/g, "\\n").replace(/\t/g, "\\t"); // escaped as labels are
+    // the last 16 characters, not UTF-16 units (half an emoji showed as U+FFFD), escaped as labels are
+    const end = Array.from(step.text).slice(-16).join("").replace(/\n/g, "\\n").replace(/\t/g, "\\t");
     button.textContent = step.added !== null ? show(step.added) : `\u270e \u2026${show(end)}`;
     button.title = step.text;
     if (i === state.current) item.className = "current";
