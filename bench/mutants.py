@@ -1006,6 +1006,8 @@ MUTANTS = [
            "names = list(dict.fromkeys([names] if isinstance(names, str) else names))",
            "names = [names] if isinstance(names, str) else list(names)",
            ("tests/test_hooks.py", "-k", "listed_twice")),
+    Mutant("hooks/edited-scores-dropped", "model.py", "        att = hook_scores(att)", "        hook_scores(att)",
+           ("tests/test_hooks.py", "-k", "edit_at_every")),
     Mutant("hooks/targets-dropped", "hooks.py", 'if forward_kwargs.get("targets") is not None:', "if False:",
            ("tests/test_hooks.py", "-k", "names_filter")),
     Mutant("speculative/draft-window-counted-from-the-row-start", "speculative.py",

@@ -93,6 +93,34 @@ def test_a_head_ablation_gives_transformer_bridges_logits(pair):
     assert (ours - model(idx)[0]).abs().max() > 1e-3  # the ablation changed something
 
 
+def test_an_edit_at_every_point_gives_transformer_bridges_logits(pair):
+    """A hook that returns a changed tensor changes the logits as it does in the Bridge, at every
+    point but hook_resid_mid: there the Bridge's point is an alias of ln2.hook_in, so its edit
+    reaches the MLP's input and not the residual stream (gptlab's, as HookedTransformer's, both)."""
+    model, bridge = pair
+    idx = torch.randint(0, 50257, (2, 7), generator=torch.Generator().manual_seed(4))
+    plain = model(idx)[0]
+
+    def scale(x, hook):
+        return x * (1 + 0.5 * torch.rand(x.shape, generator=torch.Generator().manual_seed(5)))
+
+    for name in model.hook_points():
+        ours = model.run_with_hooks(idx, fwd_hooks=[(name, scale)])
+        theirs = bridge.run_with_hooks(idx, fwd_hooks=[(name, scale)])
+        assert (ours - plain).abs().max() > 1e-6, name  # the edit reached the logits
+        if name.endswith("hook_resid_mid"):  # the Bridge's edit is gptlab's made to ln_2's input alone
+            ln_2 = model.transformer.h[int(name.split(".")[1])].ln_2
+            handle = ln_2.register_forward_pre_hook(lambda module, args: (scale(args[0], None),))
+            try:
+                mlp_input_only = model(idx)[0]
+            finally:
+                handle.remove()
+            assert (ours - theirs).abs().max() > 1e-3, name
+            torch.testing.assert_close(mlp_input_only, theirs, rtol=0, atol=1e-5, msg=name)
+            continue
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5, msg=name)  # measured: 3.6e-7
+
+
 @pytest.mark.parametrize("variant", ["gpt2", "llama"])
 def test_every_point_may_be_edited_in_place_with_autograd_on(variant):
     """A hook that zeroes a slice in place (README's head ablation) works at every point, as a
