@@ -1319,6 +1319,9 @@ MUTANTS = [
            "    return source_digest().encode() in data and is_whole(data)", "    return source_digest().encode() in data",
            ("tests/test_kernel_variants.py", "-k", "cut_short")),
     Mutant("loss/ignore-target-not-pytorchs-ignore-index", "data.py", "IGNORE = -100  #", "IGNORE = -1  #", LOSS_TESTS),
+    Mutant("train/resume-with-another-dropout-is-another-shape", "train/checkpointing.py",
+           'NOT_SHAPE = ("dropout",)', "NOT_SHAPE = ()",
+           ("tests/test_train.py", "-k", "another_dropout")),
 ]
 # fmt: on
 # The swapped-name mutant needs its table in the module: appended to hf.py with it.

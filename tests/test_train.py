@@ -677,6 +677,17 @@ def test_resume_with_another_schedule_length_warns(byte_data, tmp_path, caplog, 
         assert "changed settings" not in caplog.text
 
 
+def test_resume_with_another_dropout_is_a_changed_setting_not_another_shape(byte_data, tmp_path, caplog):
+    """Dropout is in the model's config but is no part of its shape: resuming with --set dropout=0
+    (dropout off for the last phase) failed with "holds a model of another shape ({'dropout': ...})"."""
+    out = tmp_path / "run"
+    train(config(byte_data, out, max_steps=2, eval_interval=2, dropout=0.1))
+    with caplog.at_level("WARNING", logger="gptlab.train.checkpointing"):
+        summary = train(config(byte_data, out, max_steps=3, eval_interval=3, dropout=0.0, resume=True))
+    assert summary["step"] == 3 and "dropout 0.1 -> 0.0" in caplog.text
+    assert load_native(out / "latest").config.dropout == 0.0
+
+
 # --------------------------------------------------------------------------------------------- demo corpus
 
 

@@ -26,6 +26,7 @@ from gptlab.train_config import final_lr
 
 log = logging.getLogger(__name__)
 LORA_FILE = "lora.safetensors"  # a LoRA run's trained tensors, exactly, for resuming
+NOT_SHAPE = ("dropout",)  # model config fields a resumed run may change (TrainConfig.dropout)
 
 
 def full_state_dicts(trainer) -> tuple[dict, dict]:
@@ -124,9 +125,12 @@ def resume(trainer) -> float:
     """Load the latest checkpoint of trainer.out_dir into the trainer; returns the seconds it had spent."""
     ckpt = run_files.latest_checkpoint(trainer.out_dir)
     state = run_files.load_json(ckpt / run_files.STATE_FILE)
-    now = trainer.raw_model.config.to_dict()
-    if state["model_config"] != now:
-        diff = {k: (v, now.get(k)) for k, v in state["model_config"].items() if now.get(k) != v}
+    # dropout is in the model's config but is no part of its shape: a changed one is a changed
+    # setting (warned about below), as it is to --set dropout= of a fine-tune's init_from
+    shape_was = {k: v for k, v in state["model_config"].items() if k not in NOT_SHAPE}
+    shape_now = {k: v for k, v in trainer.raw_model.config.to_dict().items() if k not in NOT_SHAPE}
+    if shape_was != shape_now:
+        diff = {k: (v, shape_now.get(k)) for k, v in shape_was.items() if shape_now.get(k) != v}
         raise ValueError(f"{ckpt} holds a model of another shape (checkpoint vs now: {diff})")
     was = state.get("config", {}).get("optimizer", "adamw")
     if was != trainer.cfg.optimizer:
