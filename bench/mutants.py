@@ -1322,6 +1322,9 @@ MUTANTS = [
     Mutant("train/resume-with-another-dropout-is-another-shape", "train/checkpointing.py",
            'NOT_SHAPE = ("dropout",)', "NOT_SHAPE = ()",
            ("tests/test_train.py", "-k", "another_dropout")),
+    Mutant("train/resume-with-another-seed-fails-in-the-loader", "train/checkpointing.py",
+           'LOADER_SETTINGS = ("seed", "layout")', "LOADER_SETTINGS = ()",
+           ("tests/test_train.py", "-k", "another_seed")),
 ]
 # fmt: on
 # The swapped-name mutant needs its table in the module: appended to hf.py with it.

@@ -688,6 +688,18 @@ def test_resume_with_another_dropout_is_a_changed_setting_not_another_shape(byte
     assert load_native(out / "latest").config.dropout == 0.0
 
 
+def test_resume_with_another_seed_draws_on_with_it(byte_data, tmp_path, caplog):
+    """A changed seed is a changed setting like lr: warned about, then taken. The resume warned,
+    then failed with the loader's "loader state {...} does not match this loader ({...})"."""
+    out = tmp_path / "run"
+    train(config(byte_data, out, max_steps=2, eval_interval=2))
+    with caplog.at_level("WARNING", logger="gptlab.train.checkpointing"):
+        trainer = Trainer(config(byte_data, out, max_steps=4, eval_interval=2, seed=5, resume=True))
+    assert "seed 1337 -> 5" in caplog.text
+    assert trainer.train_loader.state_dict() == {"batch_index": 2, "mode": "random", "seed": 5}
+    assert trainer.run()["step"] == 4
+
+
 # --------------------------------------------------------------------------------------------- demo corpus
 
 

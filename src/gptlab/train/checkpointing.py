@@ -27,6 +27,7 @@ from gptlab.train_config import final_lr
 log = logging.getLogger(__name__)
 LORA_FILE = "lora.safetensors"  # a LoRA run's trained tensors, exactly, for resuming
 NOT_SHAPE = ("dropout",)  # model config fields a resumed run may change (TrainConfig.dropout)
+LOADER_SETTINGS = ("seed", "layout")  # a loader's state keys that are TrainConfig's seed and sft_layout
 
 
 def full_state_dicts(trainer) -> tuple[dict, dict]:
@@ -154,7 +155,11 @@ def resume(trainer) -> float:
     torch.set_rng_state(mine["cpu"])
     if "cuda" in mine and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(mine["cuda"])
-    trainer.train_loader.load_state_dict(state["loader"])
+    # seed and sft_layout are settings a resumed run may change, warned about above (the loader
+    # refused them, after the warning, with its own "does not match"): its batches go on from the
+    # checkpoint's count, drawn as this run's settings say
+    now = trainer.train_loader.state_dict()
+    trainer.train_loader.load_state_dict({**state["loader"], **{k: now[k] for k in LOADER_SETTINGS if k in now}})
     trainer.step_num, trainer.tokens_seen = state["step"], state["tokens_seen"]
     trainer.guard.load_state_dict(state)
     trainer.best_val, trainer.last_checkpoint = state.get("best_val"), ckpt
