@@ -1325,6 +1325,9 @@ MUTANTS = [
     Mutant("train/resume-with-another-seed-fails-in-the-loader", "train/checkpointing.py",
            'LOADER_SETTINGS = ("seed", "layout")', "LOADER_SETTINGS = ()",
            ("tests/test_train.py", "-k", "another_seed")),
+    Mutant("demo/failed-run-deletes-the-previous-one", "commands/demo.py",
+           "        elif aside.exists():\n", "        elif False:\n",
+           ("tests/test_train.py", "-k", "keeps_the_previous_run")),
 ]
 # fmt: on
 # The swapped-name mutant needs its table in the module: appended to hf.py with it.

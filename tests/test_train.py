@@ -773,6 +773,43 @@ def test_demo_trains_under_the_deadline_it_is_given(tmp_path, monkeypatch):
     assert 98 <= parse_duration(seen[1].max_time) <= 100 and seen[1].optimizer == "muon"
 
 
+def test_a_demo_that_fails_before_its_first_checkpoint_keeps_the_previous_run(tmp_path, monkeypatch, capsys):
+    """`gptlab demo --set n_layer=0` deleted the previous demo's trained run, then failed on the
+    setting; the previous run is put aside now, back on failure, deleted once the new one has a checkpoint."""
+    import gptlab.train
+    from gptlab.cli import main
+    from gptlab.commands import demo
+
+    monkeypatch.setattr(demo, "find_corpus", lambda explicit, out: tmp_path / "corpus.txt")
+    monkeypatch.setattr(demo, "prepared", lambda corpus, data_dir: data_dir)
+    monkeypatch.setattr(demo, "generate_passage", lambda *a: "ROMEO:\n")
+    previous = tmp_path / "demo" / "run"
+    (previous / "ckpt-000005").mkdir(parents=True)
+    (previous / "ckpt-000005" / "model.safetensors").write_bytes(b"trained")
+    (previous / "latest").symlink_to("ckpt-000005")
+    kept = dir_digest(previous)
+
+    def failing_train(cfg):
+        Path(cfg.out_dir).mkdir(parents=True)
+        (Path(cfg.out_dir) / "metrics.jsonl").write_text("")  # a new run that got as far as its metrics
+        raise ValueError("GPTConfig.n_layer must be a positive integer, got 0")
+
+    monkeypatch.setattr(gptlab.train, "train", failing_train)
+    assert main(["demo", "--out", str(tmp_path / "demo"), "--set", "n_layer=0"]) == 2
+    assert dir_digest(previous) == kept and (previous / "latest").is_symlink()
+
+    def good_train(cfg):
+        (Path(cfg.out_dir) / "ckpt-000001").mkdir(parents=True)
+        (Path(cfg.out_dir) / "latest").symlink_to("ckpt-000001")
+        return dict(val_loss=5.0, step=1, seconds=1.0, precision="float32", tokens=1, checkpoint="c", metrics="m",
+                    plot="p")  # fmt: skip
+
+    monkeypatch.setattr(gptlab.train, "train", good_train)
+    assert main(["demo", "--out", str(tmp_path / "demo")]) == 0
+    assert sorted(p.name for p in (tmp_path / "demo").iterdir()) == ["run"]  # nothing left aside
+    assert sorted(p.name for p in previous.iterdir()) == ["ckpt-000001", "latest"]
+
+
 def test_make_demo_gives_the_demo_a_deadline_from_makes_start():
     """`make -n -o CORE`: the install taken as done (make mutants' copy of the tree has no setup.py)."""
     import re

@@ -10,7 +10,10 @@ RESERVE_S before T for the last evaluation, the checkpoint and the sample. It ne
 training below MIN_TRAIN_S; a deadline that leaves less is missed, saying so.
 """
 
+import contextlib
 import hashlib
+import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -97,7 +100,6 @@ def prepared(corpus: Path, data_dir: Path) -> Path:
 
 
 def run(args):
-    import shutil
     from importlib import resources
 
     from gptlab.train import TrainConfig, train
@@ -116,10 +118,8 @@ def run(args):
     )
     if args.deadline is not None:
         cfg = fit_to_deadline(cfg, args.deadline, time.time())
-    if (out / "run").exists():
-        print(f"removing the previous demo run in {out / 'run'}")
-        shutil.rmtree(out / "run")
-    summary = train(cfg)
+    with over_previous_run(out / OWN_SETTINGS["out_dir"]):
+        summary = train(cfg)
     t_train = time.perf_counter() - t0
     passage = generate_passage(summary["checkpoint"], args.max_new_tokens, cfg.seed)
     print("\n" + "=" * 72 + f"\n{passage}\n" + "=" * 72)
@@ -134,6 +134,29 @@ def run(args):
     print(f"metrics:    {summary['metrics']}")
     print(f"loss plot:  {summary['plot']}")
     sys.stdout.flush()
+
+
+@contextlib.contextmanager
+def over_previous_run(run_dir: Path):
+    """Train into run_dir in the block, a previous demo run there put aside meanwhile: deleted once
+    the new run has a checkpoint, put back where it fails before one (a bad --set, n_layer=0,
+    deleted the trained model and then failed)."""
+    from gptlab import run_files
+
+    aside = run_dir.with_name(f".{run_dir.name}.previous")
+    shutil.rmtree(aside, ignore_errors=True)  # left by a demo killed while it trained
+    if run_dir.exists():
+        print(f"replacing the previous demo run in {run_dir}")
+        os.replace(run_dir, aside)
+    try:
+        yield
+    finally:
+        if aside.exists() and (run_dir / run_files.LATEST).is_symlink():
+            shutil.rmtree(aside)
+        elif aside.exists():
+            shutil.rmtree(run_dir, ignore_errors=True)
+            os.replace(aside, run_dir)
+            print(f"the previous demo run is back in {run_dir}")
 
 
 # TrainConfig settings the demo gives itself, under --out: a --set of them was silently replaced
