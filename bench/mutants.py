@@ -1199,7 +1199,7 @@ MUTANTS = [
            "    for module in users:\n        module.tqdm = quiet\n", "",
            ("tests/test_harness.py", "-k", "prints_lm_evals_table")),
     Mutant("train/nan-weights-checkpointed-as-good", "train/trainer.py",
-           "        if math.isfinite(loss):\n            self.save_checkpoint()", "        if True:\n            self.save_checkpoint()",
+           "        if bad is None:\n            self.save_checkpoint()", "        if True:\n            self.save_checkpoint()",
            ("tests/test_train.py", "-k", "not_checkpointed_as_good")),
     Mutant("lora/peft-trained-biases-unnamed", "lora.py",
            '    if config.get("bias", "none") != "none":', "    if False:",
@@ -1328,6 +1328,9 @@ MUTANTS = [
     Mutant("demo/failed-run-deletes-the-previous-one", "commands/demo.py",
            "        elif aside.exists():\n", "        elif False:\n",
            ("tests/test_train.py", "-k", "keeps_the_previous_run")),
+    Mutant("train/checkpoint-of-weights-its-evaluation-found-nan", "train/trainer.py",
+           'self._save_if_sound(record["loss"], evaluated and evaluated["val_loss"])', 'self._save_if_sound(record["loss"])',
+           ("tests/test_train.py", "-k", "own_step")),
 ]
 # fmt: on
 # The swapped-name mutant needs its table in the module: appended to hf.py with it.

@@ -408,6 +408,18 @@ def test_weights_whose_loss_is_nan_are_not_checkpointed_as_good(byte_data, tmp_p
     assert not list((tmp_path / "run").glob("ckpt-*"))
 
 
+def test_weights_broken_by_the_checkpoints_own_step_are_not_checkpointed(byte_data, tmp_path, caplog):
+    """lr 1e6 breaks the weights in step 1's own update: its loss (of the weights before) is finite,
+    its evaluation NaN, and ckpt-000001 was written of the broken weights all the same."""
+    cfg = config(byte_data, tmp_path / "run", max_steps=1, eval_interval=1, lr=1e6, min_lr=0, grad_clip=0,
+                 warmup_steps=0, schedule="constant")  # fmt: skip
+    with caplog.at_level("WARNING", logger="gptlab.train.trainer"):
+        summary = train(cfg)
+    assert math.isfinite(summary["train_loss"]) and math.isnan(summary["val_loss"])
+    assert summary["checkpoint"] is None and not list((tmp_path / "run").glob("ckpt-*"))
+    assert "step 1: no checkpoint: these weights give a loss of nan" in caplog.text
+
+
 def test_gradient_spike_is_skipped(byte_data, tmp_path):
     trainer = Trainer(config(byte_data, tmp_path / "run", max_steps=30, spike_window=10, spike_zscore=4.0))
     for _ in range(12):

@@ -185,10 +185,11 @@ class Trainer:
                 at_end = self.finished()
                 if main and at_end and self.step_num % max(cfg.log_interval, 1) and not record["skipped"]:
                     metrics.write(record)  # the last step is always logged
+                evaluated = None  # this step's evaluation, of the weights a checkpoint now would hold
                 if self.step_num % cfg.eval_interval == 0 or at_end:
-                    last_eval = self._eval_and_log(metrics, bar)
+                    last_eval = evaluated = self._eval_and_log(metrics, bar)
                 if self.step_num % cfg.save_every == 0 or at_end:
-                    self._save_if_sound(record["loss"])
+                    self._save_if_sound(record["loss"], evaluated and evaluated["val_loss"])
         finally:
             bar.close()
             if metrics:
@@ -203,15 +204,18 @@ class Trainer:
                     metrics=str(self.out_dir / run_files.METRICS), plot=str(plot) if plot else None,
                     seconds=time.perf_counter() - t0, steps_run=self.step_num - start_step)  # fmt: skip
 
-    def _save_if_sound(self, loss: float) -> None:
-        """A checkpoint, unless the last step's loss (agreed by the ranks) was not finite: an update
-        before it broke the weights (skipped updates leave them as they are), and their checkpoint
-        was named "the last good checkpoint" by the guard and pushed good ones out."""
-        if math.isfinite(loss):
+    def _save_if_sound(self, loss: float, val_loss: float | None = None) -> None:
+        """A checkpoint, unless the last step's loss or this step's validation loss (agreed by the
+        ranks) was not finite: an update before the step, or the step's own, broke the weights
+        (skipped updates leave them as they are), and their checkpoint was named "the last good
+        checkpoint" by the guard and pushed good ones out. The step's loss is of the weights before
+        its update: a checkpoint whose evaluation had just given NaN was written."""
+        bad = next((x for x in (loss, val_loss) if x is not None and not math.isfinite(x)), None)
+        if bad is None:
             self.save_checkpoint()
         elif self.dist.is_main:
             log.warning("step %d: no checkpoint: these weights give a loss of %s (the last good checkpoint is %s)",
-                        self.step_num, loss, self.last_checkpoint or "none")  # fmt: skip
+                        self.step_num, bad, self.last_checkpoint or "none")  # fmt: skip
 
     def _eval_and_log(self, metrics, bar) -> dict:
         result = self.evaluate()
