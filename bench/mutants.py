@@ -1331,6 +1331,9 @@ MUTANTS = [
     Mutant("train/checkpoint-of-weights-its-evaluation-found-nan", "train/trainer.py",
            'self._save_if_sound(record["loss"], evaluated and evaluated["val_loss"])', 'self._save_if_sound(record["loss"])',
            ("tests/test_train.py", "-k", "own_step")),
+    Mutant("prepare/option-of-another-kind-of-data-ignored", "commands/prepare.py",
+           "        _check_options(args, fmt)\n", "",
+           ("tests/test_sft.py", "-k", "option_its_data")),
 ]
 # fmt: on
 # The swapped-name mutant needs its table in the module: appended to hf.py with it.

@@ -200,6 +200,30 @@ def test_prepare_refuses_an_out_under_a_file_before_tokenizing(tmp_path, capsys,
     assert f"{tmp_path}/afile is a file, not a directory" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "flags, data, message",
+    [(["--labels", "a,b"], "text", "--labels is for classify data; this input is text"),
+     (["--train-on", "all"], "text", "--train-on is for sft data; this input is text"),
+     (["--seed", "3"], "text", "--seed is for sft or classify data; this input is text"),
+     (["--template", "alpaca"], "classify", "--template is for sft data; this input is classify"),
+     (["--labels", "x,y"], "sft", "--labels is for classify data; this input is sft")],
+)  # fmt: skip
+def test_prepare_refuses_an_option_its_data_does_not_use(tmp_path, capsys, flags, data, message):
+    """--labels on a text file (or --template on text/label records, ...) was silently ignored: the
+    directory held plain text tokens, not the classification set the user asked for."""
+    if data == "text":
+        src = tmp_path / "t.txt"
+        src.write_text("plain text, not records")
+    elif data == "classify":
+        src = write_jsonl(tmp_path / "c.jsonl", [{"text": f"t{i}", "label": "ab"[i % 2]} for i in range(8)])
+    else:
+        src = write_jsonl(tmp_path / "a.jsonl", alpaca())
+    assert main(["prepare", "--input", str(src), "--out", str(tmp_path / "d"), "--no-progress", *flags]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+    assert not (tmp_path / "d").exists()
+
+
 def test_bad_records_name_the_problem(tmp_path):
     with pytest.raises(ValueError, match="record 2: record needs string fields output"):  # counted from 1
         prepare_sft(write_jsonl(tmp_path / "a.jsonl", [alpaca()[0], {"instruction": "x"}]), tmp_path / "d")

@@ -5,6 +5,8 @@ records -> a classification set (gptlab.classify_data)."""
 import sys
 
 FORMATS = ("auto", "text", "sft", "classify")
+# Options for some kinds of data only: given for another kind, they were silently ignored.
+FORMAT_OPTIONS = {"labels": ("classify",), "template": ("sft",), "train_on": ("sft",), "seed": ("sft", "classify")}
 
 
 def add_arguments(parser):
@@ -24,9 +26,9 @@ def add_arguments(parser):
                      "(.json/.jsonl/.csv), else text")  # fmt: skip
     sft.add_argument("--labels", help="classify: label names in id order, comma-separated (default: sorted)")
     sft.add_argument("--template", help="prompt template: alpaca (default) or a JSON file (see gptlab.sft.Template)")
-    sft.add_argument("--train-on", choices=("response", "all"), default="response",
+    sft.add_argument("--train-on", choices=("response", "all"),
                      help="tokens the loss covers: the responses / assistant turns (default), or all")  # fmt: skip
-    sft.add_argument("--seed", type=int, default=0, help="seed of the validation examples' draw")
+    sft.add_argument("--seed", type=int, help="seed of the validation examples' draw (default 0)")
     sft.add_argument("--show", type=int, default=0, metavar="N",
                      help="print the first N prepared examples, trained-on tokens marked [[...]] "
                      "(with --out alone: of an existing directory)")  # fmt: skip
@@ -49,6 +51,7 @@ def run(args):
         fmt = args.format if args.format != "auto" else sft.record_format(args.input) or "text"
         if args.show and fmt != "sft":
             raise ValueError(f"--show marks the trained-on tokens of instruction data; this input is {fmt}")
+        _check_options(args, fmt)
         if fmt == "sft":
             _prepare_sft(args)
         elif fmt == "classify":
@@ -57,6 +60,14 @@ def run(args):
             _prepare_text(args)
     for i in range(args.show):
         print(sft.render_example(args.out, i, color=sys.stdout.isatty()), end="\n\n")
+
+
+def _check_options(args, fmt: str) -> None:
+    """ValueError for an option given that this kind of data does not use (FORMAT_OPTIONS)."""
+    for name, formats in FORMAT_OPTIONS.items():
+        if getattr(args, name) is not None and fmt not in formats:
+            raise ValueError(f"--{name.replace('_', '-')} is for {' or '.join(formats)} data; this input is {fmt} "
+                             "(--format names it)")  # fmt: skip
 
 
 def _prepare_text(args):
@@ -86,7 +97,7 @@ def _prepare_sft(args):
     from gptlab.sft import prepare_sft
 
     m = prepare_sft(args.input, args.out, tokenizer=args.tokenizer, template=args.template,
-                    train_on=args.train_on, val_fraction=args.val_fraction, seed=args.seed)  # fmt: skip
+                    train_on=args.train_on or "response", val_fraction=args.val_fraction, seed=args.seed or 0)  # fmt: skip
     e, t, trained = m["examples"], m["tokens"], m["trained_tokens"]
     print(
         f"{args.out}: {e['train']:,} train + {e['val']:,} val examples, {t['train']:,} + {t['val']:,} tokens, "
@@ -99,7 +110,7 @@ def _prepare_classify(args):
 
     labels = [x.strip() for x in args.labels.split(",")] if args.labels else None
     m = prepare_classify(args.input, args.out, tokenizer=args.tokenizer, labels=labels,
-                         val_fraction=args.val_fraction, seed=args.seed)  # fmt: skip
+                         val_fraction=args.val_fraction, seed=args.seed or 0)  # fmt: skip
     e = m["examples"]
     counts = ", ".join(f"{n} {c}" for n, c in zip(m["labels"], m["per_label"]["train"], strict=True))
     print(f"{args.out}: {e['train']:,} train + {e['val']:,} val texts; labels (train): {counts}")
