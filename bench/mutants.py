@@ -1334,6 +1334,9 @@ MUTANTS = [
     Mutant("prepare/option-of-another-kind-of-data-ignored", "commands/prepare.py",
            "        _check_options(args, fmt)\n", "",
            ("tests/test_sft.py", "-k", "option_its_data")),
+    Mutant("train/toml-key-at-top-and-under-train-silently-merged", "train_config.py",
+           "        if both := sorted(set(top) & set(train)):", "        if both := []:",
+           ("tests/test_train.py", "-k", "config_overrides")),
 ]
 # fmt: on
 # The swapped-name mutant needs its table in the module: appended to hf.py with it.

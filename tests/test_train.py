@@ -124,6 +124,9 @@ def test_config_overrides_and_toml(tmp_path):
             TrainConfig.from_toml(toml)
     toml.write_text("lr = 1e-3\nmax_time = 90\n[train]\nmax_steps = 3\n")  # top level and [train] together
     assert (TrainConfig.from_toml(toml).lr, TrainConfig.from_toml(toml).max_steps) == (1e-3, 3)
+    toml.write_text('precision = "float32"\nlr = 1e-3\n[train]\nprecision = "bfloat16"\n')  # [train]'s silently won
+    with pytest.raises(ValueError, match="precision given both at the top level and under \\[train\\]"):
+        TrainConfig.from_toml(toml)
 
 
 def test_old_dtype_key_is_read_as_precision(tmp_path, caplog):

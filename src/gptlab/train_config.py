@@ -213,7 +213,11 @@ class TrainConfig:
         if tables:  # their keys would be ignored, or read as one setting's value
             raise ValueError(f"config {path}: unknown table(s) [{'], ['.join(tables)}]; "
                              "settings go at the top level or under [train]")  # fmt: skip
-        data = {**{k: v for k, v in data.items() if k != "train"}, **data.get("train", {})}
+        top, train = {k: v for k, v in data.items() if k != "train"}, data.get("train", {})
+        if both := sorted(set(top) & set(train)):  # [train]'s value silently won
+            raise ValueError(f"config {path}: {', '.join(both)} given both at the top level and under [train]; "
+                             "give each setting once")  # fmt: skip
+        data = {**top, **train}
         return cls().with_overrides(data).with_overrides(overrides or [])
 
     def with_overrides(self, overrides: list[str] | dict) -> TrainConfig:
