@@ -1055,6 +1055,10 @@ MUTANTS = [
            "    path = decided_on_rank0(trainer.dist, trainer.device, publish)\n"
            "    trainer.last_checkpoint = path if trainer.dist.is_main else trainer.last_checkpoint",
            ("tests/test_train.py", "-k", "rank_0_alone")),
+    Mutant("train/rank-0-keeps-its-runtime-error-from-the-others", "train/setup.py",
+           "        except Exception as e:\n            failure, box[0]",
+           "        except (ValueError, OSError) as e:\n            failure, box[0]",
+           ("tests/test_train.py", "-k", "rank_0_decision")),
     Mutant("train/resume-compares-world-size-x-grad-accum-only", "train/checkpointing.py",
            "    if math.prod(batch_was) != math.prod(batch_now):", "    if batch_was[:2] != batch_now[:2]:",
            ("tests/test_train.py", "-k", "global_batch")),

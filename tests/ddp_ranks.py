@@ -7,6 +7,7 @@ Knobs, from the environment:
                      optimizer: after Trainer's last collective, before its time budget starts)
   DDP_FAKE_PROBE=1   precision=auto measures (a CPU with bf16 instructions, the probe faked): the
                      fake probe finds bf16 faster on rank 1 only, and takes a second on rank 0
+  DDP_SAVE_FAILS=M   rank 0's checkpoint writes raise RuntimeError(M) (not a ValueError or OSError)
 
 Each rank writes RECORD_DIR/rankN.json: the learning rate of each of its steps, its precision,
 how often it probed, and the checkpoint its summary names.
@@ -19,7 +20,7 @@ import time
 from pathlib import Path
 
 import gptlab.train
-from gptlab import cli
+from gptlab import cli, run_files
 from gptlab.train import precision, setup
 from gptlab.train.trainer import Trainer
 
@@ -41,6 +42,10 @@ def fake_probe(model, device, batch, block) -> dict[str, float]:
     if RANK == 0:
         time.sleep(1.0)  # measuring a while: rank 1 finds no cached timings
     return {"float32": 0.5, "bfloat16": 0.1} if RANK == 1 else {"float32": 0.1, "bfloat16": 0.5}
+
+
+def failing_write(*args, **kwargs):
+    raise RuntimeError(os.environ["DDP_SAVE_FAILS"])
 
 
 def recorded(step):
@@ -69,6 +74,8 @@ def main() -> int:
     if os.environ.get("DDP_FAKE_PROBE"):
         precision.may_have_native_bf16 = precision.onednn_runs_bf16 = lambda: True
         precision.probe = fake_probe
+    if "DDP_SAVE_FAILS" in os.environ and RANK == 0:
+        run_files.write_checkpoint = failing_write
     Trainer.step = recorded(Trainer.step)
     gptlab.train.train = recorded_train(gptlab.train.train)  # what `gptlab train` calls
     try:

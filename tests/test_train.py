@@ -568,6 +568,27 @@ def test_under_torchrun_rank_0_alone_reports(byte_data, tmp_path):
     assert [r["checkpoint"] for r in ranks] == [str(tmp_path / "run" / "ckpt-000004")] * 2
 
 
+def test_a_rank_0_decision_that_fails_ends_every_rank_with_its_error(byte_data, tmp_path):
+    """Rank 0 decides (here writes the checkpoint) and broadcasts; where that raised anything but a
+    ValueError or OSError, rank 0 left and the others waited for its broadcast: under a launcher
+    that does not kill the ranks left (srun, mpirun, or two processes started by hand, as here)
+    they hung for the process group's timeout (30 min on gloo). Every rank now ends with rank 0's error."""
+    cfg = config(byte_data, tmp_path / "run", batch_size=2, max_steps=2, eval_interval=2, sample_tokens=0)
+    helper = str(Path(__file__).parent / "ddp_ranks.py")
+    command = [sys.executable, helper, str(tmp_path / "ranks"), "train", *as_flags(cfg)]
+    world = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+             "DDP_SAVE_FAILS": "the disk controller is on fire"}  # fmt: skip
+    ranks = [subprocess.Popen(command, env={**env(), **world, "RANK": str(r), "LOCAL_RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]  # fmt: skip
+    try:
+        said = [rank.communicate(timeout=90)[1] for rank in ranks]
+    finally:
+        for rank in ranks:
+            rank.kill()
+    assert [rank.returncode != 0 for rank in ranks] == [True, True]
+    assert all("the disk controller is on fire" in s for s in said), said[1][-3000:]
+
+
 # --------------------------------------------------------------------------------------------- bad input
 
 

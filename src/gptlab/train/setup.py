@@ -6,6 +6,7 @@ import ctypes
 import logging
 import math
 import os
+import pickle
 import platform
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,23 +56,40 @@ def init_distributed(device_type: str) -> Dist:
 
 
 def decided_on_rank0(dist: Dist, device: torch.device, decide):
-    """decide() run on rank 0 alone, its value (or its ValueError or OSError) taken by every rank:
-    one decision where ranks would each decide their own (precision=auto's timings differ per
-    rank), or what rank 0 alone did (the checkpoint it wrote; the others wait for it)."""
+    """decide() run on rank 0 alone, its value (or its exception) taken by every rank: one
+    decision where ranks would each decide their own (precision=auto's timings differ per rank),
+    or what rank 0 alone did (the checkpoint it wrote; the others wait for it).
+
+    Any exception of rank 0's is raised on every rank: one it kept to itself left the others
+    waiting for its broadcast until the gloo pair closed ("Connection closed by peer", not why)
+    or, on NCCL, the watchdog's timeout."""
     if not dist.enabled:
         return decide()
     import torch.distributed as torch_dist
 
-    box = [None]
+    box, failure = [None], None
     if dist.is_main:
         try:
-            box[0] = decide()
-        except (ValueError, OSError) as e:  # raised on every rank: the others would wait for rank 0 forever
-            box[0] = e
+            box[0] = (decide(), None)
+        except Exception as e:
+            failure, box[0] = e, (None, _sendable(e))
     torch_dist.broadcast_object_list(box, src=0, device=device if device.type == "cuda" else None)
-    if isinstance(box[0], (ValueError, OSError)):
-        raise box[0]
-    return box[0]
+    value, error = box[0]
+    if failure is not None:
+        raise failure  # rank 0's own, with its traceback
+    if error is not None:
+        raise error
+    return value
+
+
+def _sendable(error: Exception) -> Exception:
+    """error as another rank can raise it: itself where it pickles (a ValueError the CLI prints as
+    one line), else a RuntimeError with its message (an exception holding a lock or a file)."""
+    try:
+        pickle.loads(pickle.dumps(error))  # our own bytes, as broadcast_object_list sends them
+        return error
+    except Exception:
+        return RuntimeError(f"rank 0: {type(error).__name__}: {error}")
 
 
 def resolve_device(cfg: TrainConfig, dist: Dist) -> torch.device:
