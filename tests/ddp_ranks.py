@@ -5,6 +5,7 @@
 Knobs, from the environment:
   DDP_LATE_RANK_S=S  rank 1 starts its clock S seconds after rank 0 (it sleeps as it builds the
                      optimizer: after Trainer's last collective, before its time budget starts)
+  DDP_LATE_RANK=R    rank R is the late one instead (DDP_LATE_RANK_S)
   DDP_FAKE_PROBE=1   precision=auto measures (a CPU with bf16 instructions, the probe faked): the
                      fake probe finds bf16 faster on rank 1 only, and takes a second on rank 0
   DDP_SAVE_FAILS=M   rank 0's checkpoint writes raise RuntimeError(M) (not a ValueError or OSError)
@@ -30,7 +31,7 @@ RECORD = {"lrs": [], "precision": None, "probes": 0, "checkpoint": None}
 
 def late(build):
     def build_late(*args, **kwargs):
-        if RANK == 1:
+        if RANK == int(os.environ.get("DDP_LATE_RANK", "1")):
             time.sleep(float(os.environ["DDP_LATE_RANK_S"]))
         return build(*args, **kwargs)
 

@@ -535,6 +535,21 @@ def test_ddp_ranks_share_one_clock_under_max_time(byte_data, tmp_path):
     assert run_files.latest_checkpoint(tmp_path / "run").name == run_files.checkpoint_name(steps)
 
 
+def test_ddp_checkpoint_records_the_time_the_ranks_agreed_on(byte_data, tmp_path):
+    """Rank 0 started its clock 2 s after rank 1: the ranks stopped when rank 1's clock said the
+    3 s were spent, but the checkpoint recorded rank 0's own ~1 s, so the same command resumed
+    trained 2 more seconds of a budget already spent (each resume gained the ranks' skew)."""
+    cfg = config(byte_data, tmp_path / "run", batch_size=2, max_steps=100_000, max_time="3s", eval_interval=100_000,
+                 sample_tokens=0, log_interval=50)  # fmt: skip
+    done, ranks = run_ranks(cfg, tmp_path / "ranks", DDP_LATE_RANK_S="2", DDP_LATE_RANK="0")
+    assert done.returncode == 0, done.stderr[-3000:]
+    state = json.loads((tmp_path / "run" / "latest" / run_files.STATE_FILE).read_text())
+    assert state["elapsed_s"] >= 3.0
+    done, ranks = run_ranks(cfg.with_overrides({"resume": True}), tmp_path / "resumed")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [r["lrs"] for r in ranks] == [[], []]  # nothing left to train
+
+
 def test_ddp_ranks_train_in_rank_0s_measured_precision(byte_data, tmp_path):
     """precision=auto measured on each rank: ranks could train in different precisions (here the
     fake probe finds bf16 faster on rank 1 only), and the cache kept whichever wrote last. Rank 0

@@ -43,10 +43,12 @@ def full_state_dicts(trainer) -> tuple[dict, dict]:
 
 def save_checkpoint(trainer) -> None:
     """Write a checkpoint of the trainer's current step (rank 0 writes; every rank takes part, and
-    takes its path as last_checkpoint: rank 1 named the one it had resumed from)."""
+    takes its path as last_checkpoint: rank 1 named the one it had resumed from). The time spent
+    is the ranks' agreed reading: rank 0's own, where it started last, was short of the budget
+    the ranks had stopped on, and a resume trained on in time already spent."""
     model_state, optim_state = full_state_dicts(trainer)
     rng = _gather_rng(trainer.dist)
-    elapsed = trainer.budget.elapsed()
+    elapsed = trainer.agreed_elapsed()
 
     def publish() -> Path:
         write = lambda d: _write(trainer, d, model_state, optim_state, rng, elapsed)  # noqa: E731
