@@ -521,6 +521,42 @@ def test_two_gloo_ranks_match_one_process(byte_data, tmp_path, fsdp, optimizer):
     assert len(val) == 2 and run_files.latest_checkpoint(tmp_path / "two").name == "ckpt-000006"
 
 
+def rewind(out_dir: Path, step: int) -> None:
+    """Make checkpoint `step` the run's latest, as if the run had stopped there."""
+    for later in out_dir.glob("ckpt-*"):
+        if int(later.name.removeprefix("ckpt-")) > step:
+            import shutil
+
+            shutil.rmtree(later)
+    (out_dir / "latest").unlink()
+    (out_dir / "latest").symlink_to(run_files.checkpoint_name(step))
+
+
+def test_checkpoints_resume_sharded_and_unsharded(byte_data, tmp_path):
+    """A checkpoint of one process (or DDP) resumed under torchrun --fsdp failed with
+    KeyError: 'state.0.step': torch's optimizer state is keyed by parameter index, and FSDP's
+    set_optimizer_state_dict reads it keyed by name. One process -> FSDP -> one process now
+    continues the straight run."""
+    import shutil
+
+    straight = config(byte_data, tmp_path / "straight", max_steps=6, batch_size=4, eval_interval=2,
+                      checkpoint_interval=2, keep_checkpoints=3, sample_tokens=0)  # fmt: skip
+    train(straight)
+    cut = tmp_path / "cut"
+    shutil.copytree(tmp_path / "straight", cut, symlinks=True)
+    rewind(cut, 2)
+    sharded = straight.with_overrides({"out_dir": str(cut), "batch_size": 2, "fsdp": True, "resume": True})
+    done = subprocess.run(torchrun("-m", "gptlab", "train") + as_flags(sharded), env=env(), capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    rewind(cut, 4)  # the sharded run's checkpoint, resumed by one process
+    train(straight.with_overrides({"out_dir": str(cut), "resume": True}))
+    a, b = losses(tmp_path / "straight"), losses(cut)
+    assert sorted(a) == sorted(b) == list(range(1, 7))
+    for step in a:
+        assert abs(a[step] - b[step]) < 1e-5, (step, a[step], b[step])
+
+
 def test_ddp_ranks_share_one_clock_under_max_time(byte_data, tmp_path):
     """Each rank's max_time clock starts on its own, here rank 1's a second after rank 0's. On
     their own clocks the ranks took different learning rates and stopped at different steps (a

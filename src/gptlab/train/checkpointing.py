@@ -204,12 +204,31 @@ def _load_optimizer(trainer, optim: dict) -> None:
     if trainer.sharded:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-        set_optimizer_state_dict(trainer.raw_model, trainer.optimizer, optim["optimizer"],
+        state = keyed_by_name(trainer.raw_model, trainer.optimizer, optim["optimizer"])
+        set_optimizer_state_dict(trainer.raw_model, trainer.optimizer, state,
                                  options=StateDictOptions(full_state_dict=True))  # fmt: skip
     else:
         trainer.optimizer.load_state_dict(optim["optimizer"])
     if trainer.scaler and optim.get("scaler"):
         trainer.scaler.load_state_dict(optim["scaler"])
+
+
+def keyed_by_name(model, optimizer, state: dict) -> dict:
+    """An optimizer state dict with its parameters keyed by name, as FSDP's set_optimizer_state_dict
+    reads it (and get_state_dict writes it). An unsharded run saves torch's own state_dict, keyed
+    by each parameter's index in the optimizer's groups (0, 1, ...): those are renamed, in the
+    groups' order, which build_optimizer makes the same in every run of the same model."""
+    saved = [key for group in state["param_groups"] for key in group["params"]]
+    if not all(isinstance(key, int) for key in saved):
+        return state
+    names = {id(p): name for name, p in model.named_parameters()}
+    now = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+    if len(saved) != len(now):
+        raise ValueError(f"the checkpoint's optimizer holds {len(saved)} parameters; this run trains {len(now)}")
+    name = dict(zip(saved, now, strict=True))
+    return {"state": {name[key]: value for key, value in state["state"].items()},
+            "param_groups": [{**group, "params": [name[key] for key in group["params"]]}
+                             for group in state["param_groups"]]}  # fmt: skip
 
 
 def _read_safetensors(path: Path, device) -> dict:
