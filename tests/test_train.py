@@ -701,6 +701,33 @@ def test_resume_on_another_world_size_compares_the_global_batch(byte_data, tmp_p
     assert "batch_size 4 -> 16" in caplog.text
 
 
+def test_resume_with_another_split_of_the_global_batch_reads_on_from_the_rows_read(tmp_path):
+    """2 ranks of 2 rows resumed by one process of 2 rows with grad_accum 2 (the same global
+    batch on one device): the loader's counter counts batches of world_size x batch_size rows, so
+    taken as it was it went back to rows already read, and an SFT epoch trained its rows 4..7
+    twice. The resumed loader goes on from the rows read."""
+    from gptlab.sft import prepare_sft
+    from test_sft import alpaca, write_jsonl
+
+    prepare_sft(write_jsonl(tmp_path / "a.jsonl", alpaca(40)), tmp_path / "d", tokenizer="byte", val_fraction=0.25)
+    out = tmp_path / "run"
+    common = dict(block_size=256, eval_interval=2, sample_tokens=0)
+    trainer = Trainer(config(tmp_path / "d", out, max_steps=2, batch_size=4, **common))
+    trainer.run()
+    state_file = out / "latest" / run_files.STATE_FILE
+    state = json.loads(state_file.read_text())
+    state["world_size"], state["config"]["batch_size"] = 2, 2  # as two ranks of batch_size 2 write it
+    state_file.write_text(json.dumps(state))
+    resumed = Trainer(config(tmp_path / "d", out, max_steps=4, batch_size=2, grad_accum=2, resume=True, **common))
+    read = [int(i) for k in range(2) for row in trainer.train_loader.rows(k) for i in row]  # the two steps' 8
+    loader = resumed.train_loader
+    following = [
+        int(i) for k in range(loader.batch_index, loader.batch_index + 2) for row in loader.rows(k) for i in row
+    ]
+    assert len(set(read + following)) == 12  # no example twice in the epoch
+    assert loader.batch_index == 4
+
+
 def test_resume_with_another_shape_or_over_a_run_fails_and_writes_nothing(byte_data, tmp_path, caplog):
     out = tmp_path / "run"
     train(config(byte_data, out, max_steps=2, eval_interval=2))

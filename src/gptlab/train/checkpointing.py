@@ -162,11 +162,25 @@ def resume(trainer) -> float:
     # checkpoint's count, drawn as this run's settings say
     now = trainer.train_loader.state_dict()
     trainer.train_loader.load_state_dict({**state["loader"], **{k: now[k] for k in LOADER_SETTINGS if k in now}})
+    trainer.train_loader.load_state_dict(loader_state(state, trainer))
     trainer.step_num, trainer.tokens_seen = state["step"], state["tokens_seen"]
     trainer.guard.load_state_dict(state)
     trainer.best_val, trainer.last_checkpoint = state.get("best_val"), ckpt
     log.info("resumed from %s at step %d", ckpt, trainer.step_num)
     return state.get("elapsed_s", 0.0)
+
+
+def loader_state(state: dict, trainer) -> dict:
+    """The checkpoint's training-loader state for this run's loader. Its counter counts batches
+    of world_size x batch_size rows: where that changed (2 ranks of 4 rows resumed by one process
+    of 4 rows with grad_accum 2), it is converted to count the rows read in this run's batches.
+    Taken as it was, it went back to rows already read (an SFT epoch trained examples twice).
+    Rows that do not fill one of this run's batches are skipped, not read twice."""
+    loader = dict(state["loader"])
+    rows_was = state["world_size"] * state.get("config", {}).get("batch_size", trainer.cfg.batch_size)
+    rows_now = trainer.dist.world_size * trainer.cfg.batch_size
+    loader["batch_index"] = -(-loader["batch_index"] * rows_was // rows_now)
+    return loader
 
 
 # Settings a resumed run may change and still be the run it continues (when and how long it runs,
