@@ -557,6 +557,23 @@ def test_checkpoints_resume_sharded_and_unsharded(byte_data, tmp_path):
         assert abs(a[step] - b[step]) < 1e-5, (step, a[step], b[step])
 
 
+def test_lora_under_fsdp_is_refused_where_its_checkpoint_hung(byte_data, tmp_path):
+    """torchrun ... --fsdp with lora_rank trained, then hung for good at its first checkpoint:
+    rank 0 wrote the PEFT adapter from the sharded adapters, an all-gather the other ranks never
+    joined (they waited for rank 0's broadcast). The setting is refused, on every rank, before
+    anything runs."""
+    with pytest.raises(ValueError, match="lora_rank and fsdp exclude each other"):
+        TrainConfig(init_from="gpt2", lora_rank=4, fsdp=True)
+    base = tmp_path / "base"
+    train(config(byte_data, base, max_steps=1, eval_interval=1, sample_tokens=0))
+    adapted = config(byte_data, tmp_path / "lora", max_steps=2, init_from=str(base), lora_rank=4, eval_interval=2,
+                     sample_tokens=0)  # fmt: skip
+    done = subprocess.run(torchrun("-m", "gptlab", "train") + as_flags(adapted) + ["--fsdp"], env=env(),
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode != 0 and "gptlab train: error: lora_rank and fsdp exclude each other" in done.stderr
+    assert not (tmp_path / "lora").exists()
+
+
 def test_ddp_ranks_share_one_clock_under_max_time(byte_data, tmp_path):
     """Each rank's max_time clock starts on its own, here rank 1's a second after rank 0's. On
     their own clocks the ranks took different learning rates and stopped at different steps (a

@@ -136,6 +136,10 @@ class TrainConfig:
         if self.lora_rank:
             if self.init_from == "scratch":
                 raise ValueError("lora_rank: LoRA adapts a trained model; set init_from to it")
+            if self.fsdp:  # writing the PEFT adapter gathered the sharded adapters on rank 0 alone: a hang
+                raise ValueError(
+                    "lora_rank and fsdp exclude each other: train LoRA adapters under DDP (without --fsdp)"
+                )
             self.lora_settings()  # validates alpha, dropout and the targets
 
     def _check_numbers(self) -> None:
