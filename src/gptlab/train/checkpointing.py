@@ -159,10 +159,10 @@ def resume(trainer) -> float:
         torch.cuda.set_rng_state_all(mine["cuda"])
     # seed and sft_layout are settings a resumed run may change, warned about above (the loader
     # refused them, after the warning, with its own "does not match"): its batches go on from the
-    # checkpoint's count, drawn as this run's settings say
+    # checkpoint's count (in this run's batches: loader_state), drawn as this run's settings say
     now = trainer.train_loader.state_dict()
-    trainer.train_loader.load_state_dict({**state["loader"], **{k: now[k] for k in LOADER_SETTINGS if k in now}})
-    trainer.train_loader.load_state_dict(loader_state(state, trainer))
+    kept = {k: now[k] for k in LOADER_SETTINGS if k in now}
+    trainer.train_loader.load_state_dict({**loader_state(state, trainer), **kept})
     trainer.step_num, trainer.tokens_seen = state["step"], state["tokens_seen"]
     trainer.guard.load_state_dict(state)
     trainer.best_val, trainer.last_checkpoint = state.get("best_val"), ckpt
