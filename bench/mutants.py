@@ -1353,6 +1353,12 @@ MUTANTS = [
     Mutant("train/toml-key-at-top-and-under-train-silently-merged", "train_config.py",
            "        if both := sorted(set(top) & set(train)):", "        if both := []:",
            ("tests/test_train.py", "-k", "config_overrides")),
+    Mutant("metrics/non-finite-loss-written-as-a-nan-literal", "run_files.py",
+           "        self.file.write(json.dumps(strict, allow_nan=False) + ", "        self.file.write(json.dumps(record) + ",
+           ("tests/test_train.py", "-k", "broken_by_the")),
+    Mutant("metrics/a-cut-last-line-fails-the-resume", "run_files.py",
+           "            if i < len(lines) - 1:", "            if True:",
+           ("tests/test_train.py", "-k", "cut_short_does")),
 ]
 # fmt: on
 # The swapped-name mutant needs its table in the module: appended to hf.py with it.

@@ -421,6 +421,26 @@ def test_weights_broken_by_the_checkpoints_own_step_are_not_checkpointed(byte_da
     assert math.isfinite(summary["train_loss"]) and math.isnan(summary["val_loss"])
     assert summary["checkpoint"] is None and not list((tmp_path / "run").glob("ckpt-*"))
     assert "step 1: no checkpoint: these weights give a loss of nan" in caplog.text
+    # metrics.jsonl is strict JSON: the NaN is null (a NaN literal failed jq's and JavaScript's parsers)
+    lines = (tmp_path / "run" / run_files.METRICS).read_text().splitlines()
+    records = [json.loads(line, parse_constant=lambda c: pytest.fail(f"metrics.jsonl holds {c}")) for line in lines]
+    assert [r["val_loss"] for r in records if "val_loss" in r] == [None]
+
+
+def test_a_metrics_line_cut_short_does_not_stop_a_resume(byte_data, tmp_path, caplog):
+    """A process killed while it wrote metrics.jsonl (or a full disk) left half a line, and --resume
+    failed on it with a bare JSONDecodeError; the cut line is left out, with a warning."""
+    out = tmp_path / "run"
+    train(config(byte_data, out, max_steps=2, eval_interval=2))
+    with open(out / run_files.METRICS, "a") as f:
+        f.write('{"step": 3, "lo')
+    with caplog.at_level("WARNING", logger="gptlab.run_files"):
+        train(config(byte_data, out, max_steps=3, eval_interval=3, resume=True))
+    assert "its last line is cut short" in caplog.text
+    assert [r["step"] for r in run_files.read_metrics(out) if "loss" in r] == [1, 2, 3]
+    (out / run_files.METRICS).write_text('{"step": 1, "lo\n{"step": 2}\n')
+    with pytest.raises(ValueError, match="metrics.jsonl line 1 is not JSON"):
+        run_files.read_metrics(out)
 
 
 def test_gradient_spike_is_skipped(byte_data, tmp_path):

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import shutil
 from collections.abc import Callable
@@ -135,9 +136,7 @@ class MetricsLog:
         self.path = Path(out_dir) / METRICS
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if resume_step is not None and self.path.exists():
-            kept = [
-                line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] <= resume_step
-            ]
+            kept = [json.dumps(r) for r in read_metrics(out_dir) if r["step"] <= resume_step]
             atomic_write_text(self.path, "".join(line + "\n" for line in kept))
         elif resume_step is None:
             self.path.unlink(missing_ok=True)
@@ -145,9 +144,12 @@ class MetricsLog:
         self.tb = _tensorboard(Path(out_dir))
 
     def write(self, record: dict) -> None:
-        self.file.write(json.dumps(record) + "\n")
+        """Append one record; a non-finite number (a diverged loss) is written null, as strict
+        JSON has no NaN (jq, JavaScript and pandas' strict readers refused the line)."""
+        strict = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
+        self.file.write(json.dumps(strict, allow_nan=False) + "\n")
         self.file.flush()
-        if self.tb is not None:
+        if self.tb is not None:  # TensorBoard takes NaN
             for key, value in record.items():
                 if key not in ("step", "tokens") and isinstance(value, (int, float)) and not isinstance(value, bool):
                     self.tb.add_scalar(key, value, record["step"])
@@ -167,8 +169,19 @@ def _tensorboard(out_dir: Path):
 
 
 def read_metrics(out_dir: str | os.PathLike) -> list[dict]:
+    """The records of out_dir's metrics.jsonl, in order. A last line cut short (the process died
+    while writing it, or the disk filled) is left out with a warning: it failed --resume."""
     path = Path(out_dir) / METRICS
-    return [json.loads(line) for line in path.read_text().splitlines() if line] if path.exists() else []
+    lines = [line for line in path.read_text().splitlines() if line] if path.exists() else []
+    records = []
+    for i, line in enumerate(lines):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            if i < len(lines) - 1:
+                raise ValueError(f"{path} line {i + 1} is not JSON ({e})") from e
+            log.warning("%s: its last line is cut short, left out: %r", path, line[:80])
+    return records
 
 
 def plot_losses(out_dir: str | os.PathLike) -> Path | None:
@@ -179,8 +192,8 @@ def plot_losses(out_dir: str | os.PathLike) -> Path | None:
     import matplotlib.pyplot as plt
 
     records = read_metrics(out_dir)
-    train = [(r["tokens"], r["loss"]) for r in records if "loss" in r and r.get("loss") == r.get("loss")]
-    val = [(r["tokens"], r["val_loss"]) for r in records if "val_loss" in r]
+    train = [(r["tokens"], r["loss"]) for r in records if r.get("loss") is not None]  # null: not finite
+    val = [(r["tokens"], r["val_loss"]) for r in records if r.get("val_loss") is not None]
     if not train and not val:
         return None
     fig, ax = plt.subplots(figsize=(7, 4))
