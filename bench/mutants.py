@@ -1359,6 +1359,8 @@ MUTANTS = [
     Mutant("metrics/a-cut-last-line-fails-the-resume", "run_files.py",
            "            if i < len(lines) - 1:", "            if True:",
            ("tests/test_train.py", "-k", "cut_short_does")),
+    Mutant("demo/config-directories-silently-replaced", "commands/demo.py",
+           "    check_config(cfg, config_path)\n", "", ("tests/test_cli.py", "-k", "config_that_sets_the_directories")),
 ]
 # fmt: on
 # The swapped-name mutant needs its table in the module: appended to hf.py with it.

@@ -161,6 +161,18 @@ def test_demo_refuses_to_set_the_directories_it_sets_itself(setting, key, tmp_pa
     assert not (tmp_path / "demo").exists()
 
 
+@pytest.mark.parametrize("key", ["out_dir", "data_dir"])
+def test_demo_refuses_a_config_that_sets_the_directories_it_sets_itself(key, tmp_path, capsys):
+    """A --config file's out_dir and data_dir were silently replaced by the demo's own (a --set of
+    them is refused): the run went to runs/demo/run, not where the file said."""
+    config = tmp_path / "my.toml"
+    config.write_text(f'[train]\nmax_steps = 1\n{key} = "{tmp_path / "mine"}"\n')
+    assert main(["demo", "--out", str(tmp_path / "demo"), "--config", str(config)]) == 2
+    err = one_line_error(capsys, "gptlab demo: error: ")
+    assert f"--config {config} sets {key}: the demo sets it itself" in err
+    assert not (tmp_path / "demo").exists() and not (tmp_path / "mine").exists()
+
+
 @pytest.mark.parametrize(
     "argv, env, threads", [([], {}, None), (["--threads", "2"], {}, 2), ([], {"OMP_NUM_THREADS": "4"}, None)]
 )

@@ -107,15 +107,15 @@ def run(args):
     if args.max_new_tokens < 1:  # before minutes of training, not after
         raise ValueError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
     check_overrides(args.overrides)
+    config_path = args.config or resources.files("gptlab") / "configs" / "demo.toml"
+    cfg = TrainConfig.from_toml(config_path, args.overrides)
+    check_config(cfg, config_path)
     t0 = time.perf_counter()
     out = Path(args.out)
     corpus = find_corpus(args.input, out)
     data_dir = prepared(corpus, out / OWN_SETTINGS["data_dir"])
     print(f"corpus: {corpus} -> {data_dir} ({time.perf_counter() - t0:.1f}s)")
-    config_path = args.config or resources.files("gptlab") / "configs" / "demo.toml"
-    cfg = TrainConfig.from_toml(config_path, args.overrides).with_overrides(
-        {"data_dir": str(data_dir), "out_dir": str(out / OWN_SETTINGS["out_dir"])}
-    )
+    cfg = cfg.with_overrides({"data_dir": str(data_dir), "out_dir": str(out / OWN_SETTINGS["out_dir"])})
     if args.deadline is not None:
         cfg = fit_to_deadline(cfg, args.deadline, time.time())
     with over_previous_run(out / OWN_SETTINGS["out_dir"]):
@@ -172,6 +172,18 @@ def check_overrides(overrides: list[str]) -> None:
         if key in OWN_SETTINGS:
             raise ValueError(f"--set {text}: the demo sets {key} itself, to {OWN_SETTINGS[key]}/ under --out; "
                              f"give --out DIR instead (default runs/demo)")  # fmt: skip
+
+
+def check_config(cfg, path) -> None:
+    """ValueError for a --config file that sets what the demo sets itself (OWN_SETTINGS): they were
+    silently replaced, as a --set of them was."""
+    from gptlab.train import TrainConfig
+
+    default = TrainConfig()
+    for key, under in OWN_SETTINGS.items():
+        if getattr(cfg, key) != getattr(default, key):
+            raise ValueError(f"--config {path} sets {key}: the demo sets it itself, to {under}/ under --out; "
+                             f"remove it there and give --out DIR instead (default runs/demo)")  # fmt: skip
 
 
 def fit_to_deadline(cfg, deadline: float, now: float):
