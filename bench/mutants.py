@@ -1361,6 +1361,9 @@ MUTANTS = [
            ("tests/test_train.py", "-k", "cut_short_does")),
     Mutant("demo/config-directories-silently-replaced", "commands/demo.py",
            "    check_config(cfg, config_path)\n", "", ("tests/test_cli.py", "-k", "config_that_sets_the_directories")),
+    Mutant("train/new-rank-on-resume-copies-rank-0s-random-state", "train/checkpointing.py",
+           '        torch.manual_seed(trainer.cfg.seed + trainer.dist.rank + state["step"])',
+           '        torch.set_rng_state(rng[0]["cpu"])', ("tests/test_train.py", "-k", "had_not_draw")),
 ]
 # fmt: on
 # The swapped-name mutant needs its table in the module: appended to hf.py with it.

@@ -10,15 +10,19 @@ Knobs, from the environment:
                      fake probe finds bf16 faster on rank 1 only, and takes a second on rank 0
   DDP_SAVE_FAILS=M   rank 0's checkpoint writes raise RuntimeError(M) (not a ValueError or OSError)
 
-Each rank writes RECORD_DIR/rankN.json: the learning rate of each of its steps, its precision,
+Each rank writes RECORD_DIR/rankN.json: the learning rate of each of its steps (and a digest of
+its random state before it), its precision,
 how often it probed, and the checkpoint its summary names.
 """
 
+import hashlib
 import json
 import os
 import sys
 import time
 from pathlib import Path
+
+import torch
 
 import gptlab.train
 from gptlab import cli, run_files
@@ -26,7 +30,7 @@ from gptlab.train import precision, setup
 from gptlab.train.trainer import Trainer
 
 RANK = int(os.environ["RANK"])
-RECORD = {"lrs": [], "precision": None, "probes": 0, "checkpoint": None}
+RECORD = {"lrs": [], "precision": None, "probes": 0, "checkpoint": None, "rng": []}
 
 
 def late(build):
@@ -51,6 +55,7 @@ def failing_write(*args, **kwargs):
 
 def recorded(step):
     def recording_step(self) -> dict:
+        RECORD["rng"].append(hashlib.sha256(torch.get_rng_state().numpy().tobytes()).hexdigest()[:16])
         record = step(self)
         RECORD["lrs"].append(record["lr"])
         RECORD["precision"] = str(self.precision).removeprefix("torch.")

@@ -623,6 +623,18 @@ def test_ddp_checkpoint_records_the_time_the_ranks_agreed_on(byte_data, tmp_path
     assert [r["lrs"] for r in ranks] == [[], []]  # nothing left to train
 
 
+def test_ranks_a_checkpoint_had_not_draw_their_own_random_streams(byte_data, tmp_path):
+    """One process's checkpoint resumed on 2 ranks gave rank 1 rank 0's random state: both ranks
+    dropped the same units (a fresh DDP run seeds each rank on its own)."""
+    cfg = config(byte_data, tmp_path / "run", batch_size=4, max_steps=2, eval_interval=2, dropout=0.1,
+                 sample_tokens=0)  # fmt: skip
+    train(cfg)
+    resumed = cfg.with_overrides({"batch_size": 2, "max_steps": 3, "eval_interval": 3, "resume": True})
+    done, ranks = run_ranks(resumed, tmp_path / "ranks")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert len(ranks[0]["rng"]) == len(ranks[1]["rng"]) == 1 and ranks[0]["rng"] != ranks[1]["rng"]
+
+
 def test_ddp_ranks_train_in_rank_0s_measured_precision(byte_data, tmp_path):
     """precision=auto measured on each rank: ranks could train in different precisions (here the
     fake probe finds bf16 faster on rank 1 only), and the cache kept whichever wrote last. Rank 0

@@ -153,10 +153,12 @@ def resume(trainer) -> float:
     _load_weights(trainer, ckpt)
     _load_optimizer(trainer, run_files.load_torch(ckpt / run_files.OPTIMIZER_FILE))
     rng = run_files.load_torch(ckpt / run_files.RNG_FILE)["ranks"]
-    mine = rng[trainer.dist.rank] if trainer.dist.rank < len(rng) else rng[0]
-    torch.set_rng_state(mine["cpu"])
-    if "cuda" in mine and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(mine["cuda"])
+    if trainer.dist.rank < len(rng):
+        torch.set_rng_state(rng[trainer.dist.rank]["cpu"])
+        if "cuda" in rng[trainer.dist.rank] and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(rng[trainer.dist.rank]["cuda"])
+    else:  # a rank the checkpoint had not: its own stream (rank 0's, copied, dropped the same units on every rank)
+        torch.manual_seed(trainer.cfg.seed + trainer.dist.rank + state["step"])
     # seed and sft_layout are settings a resumed run may change, warned about above (the loader
     # refused them, after the warning, with its own "does not match"): its batches go on from the
     # checkpoint's count (in this run's batches: loader_state), drawn as this run's settings say
