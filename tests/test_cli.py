@@ -22,6 +22,16 @@ def test_help_lists_commands_without_importing_torch():
         assert name in out
 
 
+def test_version_is_the_packages(capsys):
+    """`gptlab --version` (there was none) prints the version pyproject.toml gives the package."""
+    import tomllib
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]
+    assert exit_.value.code == 0 and capsys.readouterr().out == f"gptlab {project['version']}\n"
+
+
 def test_a_reader_that_leaves_early_is_no_error():
     """`gptlab info gpt2 | head -1`: the command printed "gptlab info: error: [Errno 32] Broken
     pipe" and exited 2. Its output's reader closed before it wrote: quiet, 141 as for SIGPIPE."""

@@ -53,7 +53,10 @@ def add_global_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from gptlab import __version__
+
     parser = ArgumentParser(prog="gptlab", description="GPT-2-style language models in PyTorch.")
+    parser.add_argument("--version", action="version", version=f"gptlab {__version__}")
     add_global_arguments(parser)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, help_text in COMMANDS.items():
