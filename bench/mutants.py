@@ -1364,6 +1364,8 @@ MUTANTS = [
     Mutant("train/new-rank-on-resume-copies-rank-0s-random-state", "train/checkpointing.py",
            '        torch.manual_seed(trainer.cfg.seed + trainer.dist.rank + state["step"])',
            '        torch.set_rng_state(rng[0]["cpu"])', ("tests/test_train.py", "-k", "had_not_draw")),
+    Mutant("cli/version-apart-from-the-packages", "__init__.py", '__version__ = "0.1.0"', '__version__ = "0.1"',
+           ("tests/test_cli.py", "-k", "version_is")),
 ]
 # fmt: on
 # The swapped-name mutant needs its table in the module: appended to hf.py with it.
