@@ -1366,6 +1366,9 @@ MUTANTS = [
            '        torch.set_rng_state(rng[0]["cpu"])', ("tests/test_train.py", "-k", "had_not_draw")),
     Mutant("cli/version-apart-from-the-packages", "__init__.py", '__version__ = "0.1.0"', '__version__ = "0.1"',
            ("tests/test_cli.py", "-k", "version_is")),
+    Mutant("cli/os-error-shown-with-its-errno", "cli.py",
+           "    if e.filename is None:\n        return e.strerror\n", "    if e.filename is None:\n        return str(e)\n",
+           ("tests/test_cli.py", "-k", "errno or unwritable")),
 ]
 # fmt: on
 # The swapped-name mutant needs its table in the module: appended to hf.py with it.

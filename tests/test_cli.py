@@ -1,4 +1,5 @@
 import argparse
+import errno
 import logging
 import os
 import socket
@@ -126,9 +127,36 @@ def one_line_error(capsys, prefix: str) -> str:
 
 
 def test_unwritable_json_path_is_a_one_line_error(tmp_path, capsys):
+    """The message is OSError's reason, without str()'s "[Errno 17]" before it."""
     (tmp_path / "file").write_text("")
-    assert main(["info", "gpt2-tiny", "--json", str(tmp_path / "file" / "x.json")]) == 2
-    assert str(tmp_path / "file") in one_line_error(capsys, "gptlab info: error: ")
+    out = tmp_path / "file" / "x.json"
+    assert main(["trace", "--model", "gpt2-tiny", "--prompt", "hi", "--json", str(out)]) == 2
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert err == f"gptlab trace: error: cannot write {out}: {tmp_path / 'file'} is a file, not a directory"
+    assert main(["info", "gpt2-tiny", "--json", str(out)]) == 2
+    assert str(tmp_path / "file") in one_line_error(capsys, "gptlab info: error: cannot write ")
+
+
+@pytest.mark.parametrize(
+    ("error", "message"),
+    [
+        (OSError(errno.ENOTDIR, "cannot write x/y: Not a directory"), "cannot write x/y: Not a directory"),
+        (FileNotFoundError(errno.ENOENT, "No such file or directory", "x.bin"), "x.bin: No such file or directory"),
+        (OSError(errno.EXDEV, "Invalid cross-device link", "a", None, "b"), "a -> b: Invalid cross-device link"),
+        (OSError("no errno"), "no errno"),
+    ],
+)
+def test_os_errors_are_their_reason_without_the_errno(monkeypatch, capsys, error, message):
+    failing(monkeypatch, error)
+    assert main(["info", "gpt2"]) == 2
+    assert capsys.readouterr().err == f"gptlab info: error: {message}\n"
+
+
+def test_an_unreadable_prompt_file_names_it_without_the_errno(tmp_path, capsys):
+    missing = tmp_path / "prompt.txt"
+    assert main(["generate", "--model", "gpt2-tiny", "--prompt-file", str(missing), "--max-new-tokens", "1"]) == 2
+    err = one_line_error(capsys, "gptlab generate: error: ")
+    assert err == f"gptlab generate: error: cannot read --prompt-file {missing}: No such file or directory\n"
 
 
 def test_serve_on_a_port_in_use_is_a_one_line_error_before_loading(monkeypatch, capsys):

@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
             raise  # gptlab's own import failed: a bug, keep the traceback
         return fail(name, message)
     except OSError as e:
-        return fail(name, f"{e.filename}: {e.strerror}" if e.filename and e.strerror else str(e))
+        return fail(name, os_error_message(e))
     except ValueError as e:
         return fail(name, str(e))
 
@@ -104,6 +104,16 @@ def _stdout_to_devnull() -> None:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     except (OSError, ValueError):  # no file descriptor behind sys.stdout (captured, replaced)
         pass
+
+
+def os_error_message(e: OSError) -> str:
+    """An OSError as its reason, after the file it names if any, without str()'s "[Errno 20]"."""
+    if not e.strerror:
+        return str(e)
+    if e.filename is None:
+        return e.strerror
+    files = f"{e.filename} -> {e.filename2}" if e.filename2 is not None else str(e.filename)
+    return f"{files}: {e.strerror}"
 
 
 def fail(command: str, message: str) -> int:

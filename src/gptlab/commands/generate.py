@@ -126,7 +126,7 @@ def read_prompt(args) -> str:
             with open(args.prompt_file, encoding="utf-8") as f:
                 return f.read()
         except OSError as e:
-            raise ValueError(f"cannot read --prompt-file: {e}") from e
+            raise ValueError(f"cannot read --prompt-file {args.prompt_file}: {e.strerror or e}") from e
     if not sys.stdin.isatty():
         return sys.stdin.read()
     return ""
