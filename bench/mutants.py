@@ -1369,6 +1369,12 @@ MUTANTS = [
     Mutant("cli/os-error-shown-with-its-errno", "cli.py",
            "    if e.filename is None:\n        return e.strerror\n", "    if e.filename is None:\n        return str(e)\n",
            ("tests/test_cli.py", "-k", "errno or unwritable")),
+    Mutant("inspect/literal-backslash-label-reads-as-an-escape", "inspect.py",
+           '    if c == "\\\\":\n        return "\\\\\\\\"\n', "", ("tests/test_inspect.py", "-k", "own_label or backslash")),
+    Mutant("inspect/latin-1-character-labelled-as-a-lone-byte", "inspect.py",
+           '        return f"\\\\u{ord(c):04x}"', '        return f"\\\\x{ord(c):02x}"', ("tests/test_inspect.py", "-k", "own_label")),
+    Mutant("explorer/history-chip-backslash-reads-as-an-escape", "serve/static/app.js",
+           '.replace(/\\\\/g, "\\\\\\\\")', "", ("tests/test_serve_browser.py", "-k", "picked_token")),
 ]
 # fmt: on
 # The swapped-name mutant needs its table in the module: appended to hf.py with it.

@@ -211,6 +211,23 @@ def test_token_labels():
     assert gi.token_label(BYTE, 27) == "\\x1b"
 
 
+def test_every_gpt2_token_has_its_own_label():
+    """A literal backslash is doubled, and U+0080..U+00FF is not written as the byte of a split
+    character: the tokens `\\` `n` read as a newline, U+00A0 (1849) as the lone byte 0xa0 (254)."""
+    tok = get_tokenizer("gpt2")
+    labels = [gi.token_label(tok, i) for i in range(tok.n_vocab)]
+    assert len(set(labels)) == tok.n_vocab
+    assert [gi.token_label(tok, i) for i in tok.encode("\\n")] == ["\\\\", "n"]  # not "\\" "n"
+    assert [labels[i] for i in (198, 6852, 254, 1849, 255, 3907)] == [
+        "\\n", "\\" * 4, "\\xa0", "\\u00a0", "\\xad", "\\u00ad"]  # fmt: skip
+
+
+def test_the_cli_shows_a_backslash_doubled(capsys):
+    assert main(["trace", "--model", "gpt2-tiny", "--prompt", "a\\n\n"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[-1] for line in lines[1:5]] == ["'a'", "'\\\\'", "'n'", "'\\n'"]
+
+
 def test_bad_prompts_and_indices():
     model = tiny_model()
     with pytest.raises(ValueError, match="prompt is empty"):

@@ -248,6 +248,13 @@ def test_a_picked_token_is_continued_by_its_id_in_chromium(browser):
         page.click("#go")
         page.wait_for_function("document.querySelector('#status').textContent === '19 tokens'")
         assert page.text_content("#history li:last-child button") == "\u270e \u2026\U0001f44b" + "x" * 15
+        # a typed backslash-n is not a newline: labels and chips double a literal backslash
+        page.fill("#prompt", "a\\nb\n")
+        page.click("#go")
+        page.wait_for_function("document.querySelector('#status').textContent === '5 tokens'")
+        assert page.text_content("#history li:last-child button") == "\u270e \u2026a\\\\nb\\n"
+        assert page.eval_on_selector_all("#tokens span", "els => els.map(e => e.textContent)") == [
+            "a", "\\\\", "n", "b", "\\n"]  # fmt: skip
     assert errors == [], errors
 
 

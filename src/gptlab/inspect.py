@@ -24,14 +24,28 @@ from gptlab.tokenizer import Tokenizer
 
 
 def token_label(tokenizer: Tokenizer, token_id: int) -> str:
-    """A token's text for display: non-printable characters escaped (\\n, \\x1b), and a piece of
-    a multi-byte UTF-8 character shown as its bytes (\\xe4)."""
+    """A token's text for display, a label no other text has: a backslash doubled (\\\\),
+    non-printable characters escaped (\\n, \\x1b, \\u00a0), and a piece of a multi-byte UTF-8
+    character shown as its bytes (\\xe4)."""
     raw = tokenizer.decode_bytes([token_id])
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
         return "".join(f"\\x{b:02x}" for b in raw)
-    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+    return "".join(_escape(c) for c in text)
+
+
+def _escape(c: str) -> str:
+    """One character of a label. A backslash is doubled, or the tokens `\\` and `n` would read as a
+    newline; U+0080..U+00FF are written \\u00XX, as \\xXX there is a byte of a split character
+    (GPT-2's U+00A0, token 1849, read as its lone byte 0xa0, token 254)."""
+    if c == "\\":
+        return "\\\\"
+    if c.isprintable():
+        return c
+    if "\x80" <= c <= "\xff":
+        return f"\\u{ord(c):04x}"
+    return c.encode("unicode_escape").decode("ascii")
 
 
 def encode_prompt(tokenizer: Tokenizer, prompt: str, block_size: int, flag: str = "--prompt") -> list[int]:

@@ -1,7 +1,7 @@
 """gptlab patch: activation patching of a clean prompt into a corrupted one, with attribution
 patching's estimate of the same grid (gptlab.patching); a table, a PNG and a JSON file."""
 
-from gptlab.commands._model_args import add_json_argument, add_model_arguments, load, write_json
+from gptlab.commands._model_args import add_json_argument, add_model_arguments, load, quoted, write_json
 
 
 def add_arguments(parser):
@@ -51,7 +51,7 @@ def run(args):
                else [f"head {h}" for h in range(model.config.n_head)])  # fmt: skip
     print(f"logit difference: clean {result['clean']:.4f}, corrupted {result['corrupt']:.4f}")
     print(f"patched ({args.over}), as a share of the way from corrupted (0) to clean (1):")
-    print(f"{'layer':<7}" + "".join(f"{c[:9]!r:>12}" for c in columns))
+    print(f"{'layer':<7}" + "".join(f"{quoted(c[:9]):>12}" for c in columns))  # labels: escaped, not repr'd
     for layer, row in enumerate(normalized.tolist()):
         print(f"{layer:<7}" + "".join(f"{v:>12.3f}" for v in row))
     data = {"over": args.over, "columns": columns, "clean": result["clean"], "corrupt": result["corrupt"],

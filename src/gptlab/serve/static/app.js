@@ -311,8 +311,9 @@ function renderHistory() {
     const item = document.createElement("li");
     const button = document.createElement("button");
     button.type = "button";
-    // the last 16 characters, not UTF-16 units (half an emoji showed as U+FFFD), escaped as labels are
-    const end = Array.from(step.text).slice(-16).join("").replace(/\n/g, "\\n").replace(/\t/g, "\\t");
+    // the last 16 characters, not UTF-16 units (half an emoji showed as U+FFFD), escaped as labels
+    // are: a backslash doubled first, so that a typed \n does not read as a newline
+    const end = Array.from(step.text).slice(-16).join("").replace(/\\/g, "\\\\").replace(/\n/g, "\\n").replace(/\t/g, "\\t");
     button.textContent = step.added !== null ? show(step.added) : `\u270e \u2026${show(end)}`;
     button.title = step.text;
     if (i === state.current) item.className = "current";
