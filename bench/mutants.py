@@ -1375,6 +1375,11 @@ MUTANTS = [
            '        return f"\\\\u{ord(c):04x}"', '        return f"\\\\x{ord(c):02x}"', ("tests/test_inspect.py", "-k", "own_label")),
     Mutant("explorer/history-chip-backslash-reads-as-an-escape", "serve/static/app.js",
            '.replace(/\\\\/g, "\\\\\\\\")', "", ("tests/test_serve_browser.py", "-k", "picked_token")),
+    Mutant("explorer/panels-of-an-earlier-prompt-look-current", "serve/static/app.js",
+           '  for (const id of PANELS) $(id).classList.add("stale");', '  $("candidates").classList.add("stale");',
+           ("tests/test_serve_browser.py", "-k", "dimmed")),
+    Mutant("explorer/heatmap-of-the-layer-before-looks-current", "serve/static/app.js",
+           '    $("heatmap").classList.add("stale"); //', "    //", ("tests/test_serve_browser.py", "-k", "dimmed")),
 ]
 # fmt: on
 # The swapped-name mutant needs its table in the module: appended to hf.py with it.

@@ -290,3 +290,36 @@ def test_attention_shows_the_last_layer_picked_in_chromium(browser):
         page.wait_for_timeout(200)
         assert page.get_attribute("#heatmap", "data-layer") == "1"  # was '0'
         assert page.get_attribute("#heatmap", "data-tokens") == "5"
+
+
+STALE = "ids => ids.map(id => getComputedStyle(document.getElementById(id)).opacity)"
+
+
+def test_every_panel_of_an_earlier_prompt_is_dimmed_in_chromium(browser):
+    """A prompt the server refuses leaves the panels showing the previous prompt: all four were
+    to be dimmed as the next-token list was (the tokens, attention and lens looked current)."""
+    torch.set_num_threads(1)
+    panels = ["candidates", "tokens", "heatmap", "lens"]
+    app = create_app(serve_model(), get_tokenizer("byte"), name=NAME)
+    with running(app) as url:
+        page = browser.new_page(viewport={"width": 1100, "height": 900})
+        errors = []
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.goto(url)
+        page.wait_for_function("document.querySelector('#status').textContent.endsWith('tokens')")
+        assert page.evaluate(STALE, panels) == ["1"] * 4
+        page.fill("#prompt", "x" * 600)  # past the context of 512
+        page.click("#go")
+        page.wait_for_function("document.querySelector('#status').textContent.startsWith('error: ')")
+        assert "600 tokens" in page.text_content("#status")
+        assert page.evaluate(STALE, panels) == ["0.5"] * 4
+        page.fill("#prompt", "Hello")
+        page.click("#go")
+        page.wait_for_function("document.querySelector('#status').textContent === '5 tokens'")
+        assert page.evaluate(STALE, panels) == ["1"] * 4
+        # a layer the server cannot draw leaves the heatmap of the one before: dimmed too
+        page.route("**/api/attention", lambda route: route.fulfill(status=500, json={"error": {"message": "down"}}))
+        page.select_option("#layer", "1")
+        page.wait_for_function("document.querySelector('#status').textContent === 'error: down'")
+        assert page.evaluate(STALE, panels) == ["1", "1", "0.5", "1"]
+    assert errors == [], errors

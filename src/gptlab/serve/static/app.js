@@ -20,11 +20,14 @@ function prompt() {
   return state.ids ?? $("prompt").value;
 }
 
-// The prompt changed: the candidates shown are for the old one until the refresh (a click on one
-// does nothing meanwhile).
+// The panels that show the prompt's analysis; each render takes its own panel's stale mark off.
+const PANELS = ["candidates", "tokens", "heatmap", "lens"];
+
+// The prompt changed: every panel shows the old one until the refresh (dimmed; a click on a
+// candidate does nothing meanwhile), and still does if the refresh fails.
 function stale() {
   state.shownIds = null;
-  $("candidates").classList.add("stale");
+  for (const id of PANELS) $(id).classList.add("stale");
 }
 
 async function api(path, body) {
@@ -77,6 +80,7 @@ function surprisalColour(bits) {
 function renderTokens(tokens) {
   const box = $("tokens");
   box.replaceChildren();
+  box.classList.remove("stale");
   for (const t of tokens) {
     const span = document.createElement("span");
     span.textContent = show(t.label);
@@ -158,6 +162,7 @@ function renderAttention(data) {
   const labels = data.tokens.map(show);
   const colour = (i, j) => (j > i ? "#f7f7f9" : `rgba(59, 111, 216, ${Math.sqrt(data.weights[i][j])})`);
   const grid = drawGrid(canvas, labels, labels, colour, { maxLabel: 140, minCell: 8, maxCell: 28 });
+  canvas.classList.remove("stale");
   Object.assign(canvas.dataset, { tokens: String(labels.length), layer: String(data.layer), head: String(data.head) });
   const describe = (i, j) => {
     $("cell").textContent = `${labels[i]} \u2192 ${labels[j]}: ${data.weights[i][j].toFixed(3)}`;
@@ -173,6 +178,7 @@ function renderAttention(data) {
 function renderLens(data) {
   const table = $("lens");
   table.replaceChildren();
+  table.classList.remove("stale");
   const head = document.createElement("tr");
   head.append(document.createElement("th"));
   for (const t of data.tokens) {
@@ -298,7 +304,9 @@ async function refreshAttention() {
     });
     if (run === state.attention) renderAttention(data);
   } catch (err) {
-    if (run === state.attention) $("status").textContent = `error: ${err.message}`;
+    if (run !== state.attention) return;
+    $("status").textContent = `error: ${err.message}`;
+    $("heatmap").classList.add("stale"); // the layer or head picked before
   }
 }
 
