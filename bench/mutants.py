@@ -1380,6 +1380,11 @@ MUTANTS = [
            ("tests/test_serve_browser.py", "-k", "dimmed")),
     Mutant("explorer/heatmap-of-the-layer-before-looks-current", "serve/static/app.js",
            '    $("heatmap").classList.add("stale"); //', "    //", ("tests/test_serve_browser.py", "-k", "dimmed")),
+    Mutant("explorer/model-details-never-asked-again", "serve/static/app.js",
+           "    if (!state.info) await loadInfo();", "    if (!state.info) {}", ("tests/test_serve_browser.py", "-k", "tries_again")),
+    Mutant("explorer/an-html-error-page-read-as-json", "serve/static/app.js",
+           "await response.json().catch(() => ({}));", "await response.json();",
+           ("tests/test_serve_browser.py", "-k", "tries_again")),
 ]
 # fmt: on
 # The swapped-name mutant needs its table in the module: appended to hf.py with it.

@@ -323,3 +323,33 @@ def test_every_panel_of_an_earlier_prompt_is_dimmed_in_chromium(browser):
         page.wait_for_function("document.querySelector('#status').textContent === 'error: down'")
         assert page.evaluate(STALE, panels) == ["1", "1", "0.5", "1"]
     assert errors == [], errors
+
+
+def test_the_page_says_when_the_server_does_not_answer_and_tries_again_in_chromium(browser):
+    """/api/info failing as the page opened was an unhandled rejection: no message, and the
+    buttons were never wired, so Predict did nothing even once the server answered."""
+    torch.set_num_threads(1)
+    model = serve_model()
+    app = create_app(model, get_tokenizer("byte"), name=NAME)
+    with running(app) as url:
+        page = browser.new_page(viewport={"width": 1100, "height": 900})
+        errors = []
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.set_default_timeout(10_000)  # the page answers in well under a second; a miss fails soon
+        page.route("**/api/info", lambda route: route.abort())
+        page.goto(url)
+        page.wait_for_function("document.querySelector('#status').textContent.startsWith('error: ')")
+        assert "cannot read the model's details from the server" in page.text_content("#status")
+        page.unroute("**/api/info")
+        # a proxy's HTML error page: its status, not a JSON parse error
+        page.route("**/api/info", lambda route: route.fulfill(status=502, body="<html>Bad Gateway</html>"))
+        page.click("#go")
+        page.wait_for_function("document.querySelector('#status').textContent.includes('(502 ')")
+        page.unroute("**/api/info")
+        page.fill("#prompt", "Hello")
+        page.click("#go")
+        page.wait_for_function("document.querySelector('#status').textContent === '5 tokens'")
+        assert page.eval_on_selector_all(".candidate", "els => els.length") == 10
+        assert page.eval_on_selector_all("#layer option", "els => els.length") == model.config.n_layer
+        assert page.text_content("#model-name").startswith(NAME)
+    assert errors == [], errors

@@ -9,6 +9,7 @@ const $ = (id) => document.getElementById(id);
 // the text would re-encode merged with the one before), until the text is edited.
 const state = {
   history: [], current: -1, generation: 0, attention: 0, patch: 0, patchCell: 0, maxSurprisal: 12, typing: null, ids: null, shownIds: null,
+  info: null, // /api/info's answer, once it came
 };
 
 // Make spaces visible in token labels (the server's labels escape other control characters).
@@ -35,8 +36,9 @@ async function api(path, body) {
     method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body),
   };
   const response = await fetch(path, init);
-  const data = await response.json();
-  if (!response.ok) throw new Error(data.error ? data.error.message : response.statusText);
+  // a proxy's or a dying server's page is no JSON: its status is the message
+  const data = await response.json().catch(() => ({}));
+  if (!response.ok) throw new Error(data.error ? data.error.message : `${response.status} ${response.statusText}`);
   return data;
 }
 
@@ -275,6 +277,7 @@ async function refresh() {
   const body = { prompt: prompt() };
   $("status").textContent = "\u2026";
   try {
+    if (!state.info) await loadInfo(); // the page opened while the server did not answer
     const layer = Number($("layer").value || 0);
     const head = Number($("head").value || 0);
     const [next, tokens, attention, lens] = await Promise.all([
@@ -370,11 +373,22 @@ function fillSelect(select, count) {
   }
 }
 
-async function main() {
-  const info = await api("/api/info");
+// The model's name and the layer and head pickers. Failing, it is an error that refresh shows
+// (and each refresh tries again), not a page whose buttons do nothing.
+async function loadInfo() {
+  let info;
+  try {
+    info = await api("/api/info");
+  } catch (err) {
+    throw new Error(`cannot read the model's details from the server (${err.message}); Predict tries again`);
+  }
   $("model-name").textContent = `${info.model}: ${info.n_layer} layers, ${info.n_head} heads, context ${info.block_size}`;
   fillSelect($("layer"), info.n_layer);
   fillSelect($("head"), info.n_head);
+  state.info = info;
+}
+
+function main() {
   $("prompt").addEventListener("input", () => {
     state.ids = null; // edited: the text is the prompt again
     state.generation++; // a refresh in flight is for the old prompt: its answer is not shown
@@ -393,7 +407,7 @@ async function main() {
   $("layer").addEventListener("change", refreshAttention);
   $("head").addEventListener("change", refreshAttention);
   record({ text: $("prompt").value, ids: null, added: null });
-  await refresh();
+  refresh();
 }
 
 main();
