@@ -1385,6 +1385,13 @@ MUTANTS = [
     Mutant("explorer/an-html-error-page-read-as-json", "serve/static/app.js",
            "await response.json().catch(() => ({}));", "await response.json();",
            ("tests/test_serve_browser.py", "-k", "tries_again")),
+    Mutant("hooks/stop-at-layer-returns-none", "hooks.py", "        return stopped.residual", "        return None",
+           ("tests/test_hooks.py", "-k", "stop_at_layer")),
+    Mutant("hooks/stop-at-layer-after-the-stopped-blocks-hooks", "hooks.py",
+           "add_hook(stop, prepend=first)", "add_hook(stop, prepend=False)", ("tests/test_hooks.py", "-k", "stop_at_layer")),
+    Mutant("hooks/stop-at-n-layer-after-the-final-norm", "hooks.py",
+           '(f"blocks.{n - 1}.hook_resid_post", False)', '("ln_final.hook_normalized", False)',
+           ("tests/test_hooks.py", "-k", "stop_at_layer")),
 ]
 # fmt: on
 # The swapped-name mutant needs its table in the module: appended to hf.py with it.

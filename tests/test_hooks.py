@@ -93,6 +93,52 @@ def test_a_head_ablation_gives_transformer_bridges_logits(pair):
     assert (ours - model(idx)[0]).abs().max() > 1e-3  # the ablation changed something
 
 
+@pytest.mark.parametrize("stop", [0, 1, -1, -2])
+def test_stop_at_layer_returns_transformer_bridges_residual_stream(pair, stop):
+    """stop_at_layer=L returns the residual stream entering block L, as the Bridge does (a
+    negative L counts from the end): it returned None, and refused negative L. Block L's points
+    are neither cached nor run, an edit before them is in the residual returned."""
+    model, bridge = pair
+    idx = torch.randint(0, 50257, (2, 7), generator=torch.Generator().manual_seed(4))
+    ours, cache = model.run_with_cache(idx, stop_at_layer=stop)
+    theirs, their_cache = bridge.run_with_cache(idx, stop_at_layer=stop)
+    assert ours.shape == theirs.shape == (2, 7, 64)
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5)
+    assert set(cache) == set(their_cache) & GPT2_POINTS
+
+    def shift(x, hook):
+        return x + 0.5
+
+    edit = [(lambda name: name.endswith(("hook_resid_pre", "hook_embed")), shift)]
+    ours = model.run_with_hooks(idx, fwd_hooks=edit, stop_at_layer=stop)
+    theirs = bridge.run_with_hooks(idx, fwd_hooks=edit, stop_at_layer=stop)
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5)
+    layer = stop % model.config.n_layer
+    unedited = cache[f"blocks.{layer - 1}.hook_resid_post"] if layer else cache["hook_embed"] + cache["hook_pos_embed"]
+    assert (ours - unedited).abs().max() > 0.1  # the edits before the stop were made
+
+
+def test_stop_at_layer_n_layer_is_the_residual_after_the_last_block(pair):
+    """As TransformerLens documents it (HookedTransformer's "the last residual stream computed"),
+    stop_at_layer=n_layer runs every block, its hooks included, but not the final norm or the
+    head. It was refused, as was any negative L; one past either end still is."""
+    model, _ = pair
+    idx = torch.randint(0, 50257, (1, 6), generator=torch.Generator().manual_seed(5))
+    _, full = model.run_with_cache(idx)
+    resid, cache = model.run_with_cache(idx, stop_at_layer=2)
+    assert torch.equal(resid, full["blocks.1.hook_resid_post"])
+    assert set(cache) == {n for n in full if not n.startswith("ln_final.")}
+
+    def double(x, hook):
+        return 2 * x
+
+    doubled = model.run_with_hooks(idx, fwd_hooks=[("blocks.1.hook_resid_post", double)], stop_at_layer=2)
+    torch.testing.assert_close(doubled, 2 * resid, rtol=0, atol=1e-6)  # unhooked patterns: the fused attention
+    for bad in (3, -3, 1.5, "1"):
+        with pytest.raises(ValueError, match=r"stop_at_layer must be an integer in \[-2, 2\] \(2 blocks\)"):
+            model.run_with_cache(idx, stop_at_layer=bad)
+
+
 def test_an_edit_at_every_point_gives_transformer_bridges_logits(pair):
     """A hook that returns a changed tensor changes the logits as it does in the Bridge, at every
     point but hook_resid_mid: there the Bridge's point is an alias of ln2.hook_in, so its edit
@@ -176,8 +222,8 @@ def test_names_filter_stop_at_layer_and_the_context_manager():
     _, cache = model.run_with_cache(idx, names_filter=lambda n: n.endswith("hook_pattern"))
     assert set(cache) == {f"blocks.{i}.attn.hook_pattern" for i in range(model.config.n_layer)}
     assert torch.allclose(cache["blocks.0.attn.hook_pattern"].sum(-1), torch.ones(1))  # rows of probabilities
-    logits, cache = model.run_with_cache(idx, names_filter="blocks.0.hook_resid_post", stop_at_layer=1)
-    assert logits is None and set(cache) == {"blocks.0.hook_resid_post"}
+    resid, cache = model.run_with_cache(idx, names_filter="blocks.0.hook_resid_post", stop_at_layer=1)
+    assert set(cache) == {"blocks.0.hook_resid_post"} and torch.equal(resid, cache["blocks.0.hook_resid_post"])
     seen = []
     with model.hooks([("hook_embed", lambda x, hook: seen.append(hook.name))]):
         model(idx)
@@ -284,8 +330,9 @@ def test_a_cache_streamed_to_a_safetensors_file_equals_run_with_cache(tmp_path):
     # stop_at_layer as run_with_cache takes it (a TypeError from forward), into a directory to make
     # (a FileNotFoundError on a temporary name)
     deep = tmp_path / "new" / "dir" / "c.safetensors"
-    assert model.cache_to_file(idx, deep, names_filter=names, stop_at_layer=1) is None
-    _, ref = model.run_with_cache(idx, names_filter=names, stop_at_layer=1)
+    resid = model.cache_to_file(idx, deep, names_filter=names, stop_at_layer=1)
+    ref_resid, ref = model.run_with_cache(idx, names_filter=names, stop_at_layer=1)
+    assert torch.equal(resid, ref_resid)
     with safe_open(str(deep), framework="pt") as f:
         assert set(f.keys()) == set(ref) and "blocks.1.hook_resid_mid" not in ref and "blocks.0.hook_resid_post" in ref
 

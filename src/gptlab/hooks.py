@@ -22,6 +22,7 @@ import contextlib
 import dataclasses
 import difflib
 import json
+import operator
 import os
 import shutil
 import tempfile
@@ -66,15 +67,15 @@ class HookPoint(nn.Module):
     def active(self) -> bool:
         return bool(self._forward_hooks)
 
-    def add_hook(self, fn: HookFn):
-        """Call fn(activation, self) at each forward; a tensor it returns replaces the activation.
-        Returns the handle (`.remove()`)."""
+    def add_hook(self, fn: HookFn, prepend: bool = False):
+        """Call fn(activation, self) at each forward (before the hooks already there with
+        `prepend`); a tensor it returns replaces the activation. Returns the handle (`.remove()`)."""
 
         def hook(module, args, output):
             out = fn(output, self)
             return output if out is None else out
 
-        return self.register_forward_hook(hook)
+        return self.register_forward_hook(hook, prepend=prepend)
 
 
 def tl_name(path: str) -> str:
@@ -153,22 +154,23 @@ def _logits_only(forward_kwargs: dict) -> None:
         raise ValueError("targets: run_with_hooks and run_with_cache return logits only; for the loss, call model(idx, targets=...) inside `with model.hooks([...])`")  # fmt: skip
 
 
-def run_with_hooks(model: nn.Module, idx: torch.Tensor, fwd_hooks: Iterable[tuple] = (), **forward_kwargs):
-    """The model's logits (B, T, V) with the hooks in place for this one forward."""
+def run_with_hooks(model: nn.Module, idx: torch.Tensor, fwd_hooks: Iterable[tuple] = (),
+                   stop_at_layer: int | None = None, **forward_kwargs):  # fmt: skip
+    """The model's logits (B, T, V) with the hooks in place for this one forward; with
+    stop_at_layer, the residual stream (B, T, C) where it stops (see run_with_cache)."""
     _logits_only(forward_kwargs)
-    with hooks(model, fwd_hooks):
-        return model(idx, **forward_kwargs)[0]
+    return _forward(model, idx, list(fwd_hooks), stop_at_layer, forward_kwargs, grad=True)
 
 
 _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64"}
 
 
 def cache_to_file(model: nn.Module, idx: torch.Tensor, path, names_filter=None, stop_at_layer: int | None = None,
-                  **forward_kwargs) -> torch.Tensor | None:  # fmt: skip
+                  **forward_kwargs) -> torch.Tensor:  # fmt: skip
     """Run the model and stream each selected activation to a safetensors file as it is
     computed, so only one is in memory at a time (for inputs whose whole cache would not fit);
-    returns the logits (None with stop_at_layer, as run_with_cache). The file is written beside
-    `path` (its directory made if need be) and renamed into place when complete;
+    returns the logits (the residual stream with stop_at_layer, as run_with_cache). The file is
+    written beside `path` (its directory made if need be) and renamed into place when complete;
     `safetensors.safe_open` reads one tensor at a time back."""
     path = os.fspath(path)
     header: dict[str, dict] = {}
@@ -253,14 +255,58 @@ def process_weights(
 
 
 class _Stop(Exception):
-    pass
+    """Raised where stop_at_layer ends a forward, holding the residual stream there."""
+
+    def __init__(self, residual: torch.Tensor):
+        super().__init__()
+        self.residual = residual
+
+
+def _stop_point(model: nn.Module, stop_at_layer) -> tuple[str, bool]:
+    """(hook point, first): where stop_at_layer=L ends the forward, as in TransformerLens: as
+    block L starts, before any hook of that block (blocks.L.hook_resid_pre, stopped first); with
+    L = n_layer after the last block and its hooks, before the final norm. A negative L counts
+    from the end (-1: the last block is not run)."""
+    n = model.config.n_layer
+    try:
+        layer = operator.index(stop_at_layer)
+    except TypeError:
+        layer = None
+    if layer is None or not -n <= layer <= n:
+        raise ValueError(f"stop_at_layer must be an integer in [-{n}, {n}] ({n} blocks), got {stop_at_layer!r}")
+    layer += n if layer < 0 else 0
+    return (f"blocks.{layer}.hook_resid_pre", True) if layer < n else (f"blocks.{n - 1}.hook_resid_post", False)
+
+
+@contextlib.contextmanager
+def _stopping(model: nn.Module, stop_at_layer: int | None):
+    """While the `with` block runs, a forward in this thread raises _Stop where stop_at_layer
+    says (_stop_point); nothing when it is None."""
+    if stop_at_layer is None:
+        yield
+        return
+    name, first = _stop_point(model, stop_at_layer)
+    thread = threading.get_ident()
+
+    def stop(x, hook):
+        if threading.get_ident() == thread:
+            raise _Stop(x)
+
+    handle = hook_points(model)[name].add_hook(stop, prepend=first)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def run_with_cache(model: nn.Module, idx: torch.Tensor, names_filter=None, stop_at_layer: int | None = None,
                    device=None, **forward_kwargs):  # fmt: skip
     """(logits, cache): cache[name] is the activation at each selected hook point (all by default;
     names_filter: a name, names or a predicate), detached, on `device` when given. With
-    stop_at_layer=L the forward stops as block L starts (logits None; blocks 0..L-1 cached)."""
+    stop_at_layer=L the forward stops as block L starts and returns the residual stream there,
+    (B, T, C), in place of the logits: blocks 0..L-1 run and are cached, block L's points are
+    not. As in TransformerLens, L = n_layer runs every block but not the final norm and the head
+    (the residual stream after the last block), and a negative L counts from the end."""
     _logits_only(forward_kwargs)
     cache: dict[str, torch.Tensor] = {}
 
@@ -270,22 +316,15 @@ def run_with_cache(model: nn.Module, idx: torch.Tensor, names_filter=None, stop_
     return _forward(model, idx, [(names_filter, save)], stop_at_layer, forward_kwargs), cache
 
 
-def _forward(model: nn.Module, idx: torch.Tensor, fwd: list, stop_at_layer: int | None, forward_kwargs: dict):
-    """The logits of one forward without gradients under the `fwd` hooks; None when it stops as
-    block stop_at_layer starts."""
-    if stop_at_layer is not None:
-        if not 0 <= stop_at_layer < model.config.n_layer:
-            raise ValueError(f"stop_at_layer must be in [0, {model.config.n_layer}), got {stop_at_layer}")
-
-        def stop(x, hook):
-            raise _Stop
-
-        fwd = [*fwd, (f"blocks.{stop_at_layer}.hook_resid_pre", stop)]
+def _forward(model: nn.Module, idx: torch.Tensor, fwd: list, stop_at_layer: int | None, forward_kwargs: dict,
+             grad: bool = False):  # fmt: skip
+    """The logits of one forward under the `fwd` hooks (without gradients unless `grad`), or the
+    residual stream where stop_at_layer ends it."""
     try:
-        with torch.no_grad(), hooks(model, fwd):
+        with contextlib.nullcontext() if grad else torch.no_grad(), hooks(model, fwd), _stopping(model, stop_at_layer):
             return model(idx, **forward_kwargs)[0]
-    except _Stop:
-        return None
+    except _Stop as stopped:
+        return stopped.residual
 
 
 _KEYED = ("hook_attn_scores", "hook_pattern")  # (B, nh, query, key): positions on dim 2, keys on dim 3

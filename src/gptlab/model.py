@@ -367,9 +367,9 @@ class GPT(nn.Module):
         """Logits, with the selected activations streamed to a safetensors file (gptlab.hooks)."""
         return hooks.cache_to_file(self, idx, path, names_filter, stop_at_layer, **forward_kwargs)
 
-    def run_with_hooks(self, idx, fwd_hooks=(), **forward_kwargs):
+    def run_with_hooks(self, idx, fwd_hooks=(), stop_at_layer=None, **forward_kwargs):
         """Logits with (name or predicate, fn(tensor, hook)) hooks for one forward (gptlab.hooks)."""
-        return hooks.run_with_hooks(self, idx, fwd_hooks, **forward_kwargs)
+        return hooks.run_with_hooks(self, idx, fwd_hooks, stop_at_layer, **forward_kwargs)
 
     def hooks(self, fwd_hooks=()):
         """A context manager holding (name or predicate, fn) hooks (gptlab.hooks.hooks)."""
