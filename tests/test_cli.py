@@ -152,6 +152,22 @@ def test_os_errors_are_their_reason_without_the_errno(monkeypatch, capsys, error
     assert capsys.readouterr().err == f"gptlab info: error: {message}\n"
 
 
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["train", "--set", "data_dir={d}", "--set", "out_dir={d}/out", "--set", "max_steps=1"],
+         "{d}: no readable manifest.json (No such file or directory); run `gptlab prepare` first"),
+        (["generate", "--model", "gpt2-tiny", "--adapter", "{d}", "--prompt", "x"],
+         "{d}: not a PEFT adapter directory (adapter_config.json: No such file or directory)"),
+    ],
+)  # fmt: skip
+def test_a_missing_file_in_a_directory_is_named_without_the_errno(tmp_path, capsys, argv, message):
+    """The library's ValueErrors that wrap an OSError quoted str(e): "([Errno 2] No such file or
+    directory: '.../manifest.json')", the path twice and the errno."""
+    assert main([a.format(d=tmp_path) for a in argv]) == 2
+    assert one_line_error(capsys, "gptlab ") == f"gptlab {argv[0]}: error: {message.format(d=tmp_path)}\n"
+
+
 def test_an_unreadable_prompt_file_names_it_without_the_errno(tmp_path, capsys):
     missing = tmp_path / "prompt.txt"
     assert main(["generate", "--model", "gpt2-tiny", "--prompt-file", str(missing), "--max-new-tokens", "1"]) == 2

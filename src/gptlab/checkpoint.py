@@ -46,7 +46,7 @@ def read_meta(directory: str | os.PathLike) -> dict:
     try:
         meta = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path}: not a readable gptlab model file ({e})") from e
+        raise ValueError(f"{path}: not a readable gptlab model file ({getattr(e, 'strerror', None) or e})") from e
     if not isinstance(meta, dict) or meta.get("format") != "gptlab":
         found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
         raise ValueError(f"{path}: not a gptlab model file (format={found!r})")

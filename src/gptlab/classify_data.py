@@ -81,7 +81,9 @@ class ClassifyLoader(CountedLoader):
             self.offsets = np.fromfile(data_dir / f"{split}.offsets.bin", dtype=np.int64)
             self.labels = np.fromfile(data_dir / f"{split}.labels.bin", dtype=np.int64)
         except OSError as e:
-            raise ValueError(f"{data_dir}: not a prepared classification split {split!r} ({e})") from e
+            raise ValueError(
+                f"{data_dir}: not a prepared classification split {split!r} ({getattr(e, 'strerror', None) or e})"
+            ) from e
         if len(self.labels) != len(self.offsets) - 1:
             raise ValueError(f"{data_dir}: {split}.labels.bin and .offsets.bin disagree")
         self.batch_size, self.block_size, self.mode, self.seed = batch_size, block_size, mode, seed

@@ -375,7 +375,9 @@ def read_manifest(data_dir: str | os.PathLike) -> dict:
     try:
         return json.loads((data_dir / MANIFEST).read_text())
     except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"{data_dir}: no readable {MANIFEST} ({e}); run `gptlab prepare` first") from e
+        raise ValueError(
+            f"{data_dir}: no readable {MANIFEST} ({getattr(e, 'strerror', None) or e}); run `gptlab prepare` first"
+        ) from e
 
 
 # ---------------------------------------------------------------------------------------------

@@ -184,7 +184,7 @@ def _token_dtype(path: Path, tokenizer: Tokenizer) -> str:
         try:
             meta = json.loads(manifest.read_text())
         except (OSError, json.JSONDecodeError) as e:
-            raise ValueError(f"{manifest}: not readable ({e})") from e
+            raise ValueError(f"{manifest}: not readable ({getattr(e, 'strerror', None) or e})") from e
         if meta.get("kind") in ("sft", "classify"):  # examples back to back, no separator: no running text
             raise ValueError(f"{path.parent} holds {meta['kind']} examples; perplexity reads text or a directory "
                              "`gptlab prepare` made from text")  # fmt: skip

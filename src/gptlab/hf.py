@@ -333,7 +333,7 @@ def _shards(index_path: Path) -> list[Path]:
     try:
         weight_map = json.loads(index_path.read_text())["weight_map"]
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"{index_path}: not a readable shard index ({e})") from e
+        raise ValueError(f"{index_path}: not a readable shard index ({getattr(e, 'strerror', None) or e})") from e
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise ValueError(f"{index_path}: weight_map must map tensor names to shard file names")
     names = sorted(set(weight_map.values()))
@@ -426,7 +426,7 @@ def read_config(directory: Path) -> dict:
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError) as e:
-        raise ValueError(f"{path}: not a readable Hugging Face config ({e})") from e
+        raise ValueError(f"{path}: not a readable Hugging Face config ({getattr(e, 'strerror', None) or e})") from e
 
 
 def load_config(name_or_path: str | os.PathLike) -> GPTConfig:

@@ -223,7 +223,9 @@ def load_adapter(model: nn.Module, directory: str | os.PathLike) -> nn.Module:
     try:
         config = json.loads((directory / "adapter_config.json").read_text())
     except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"{directory}: not a PEFT adapter directory (adapter_config.json: {e})") from e
+        raise ValueError(
+            f"{directory}: not a PEFT adapter directory (adapter_config.json: {getattr(e, 'strerror', None) or e})"
+        ) from e
     if not isinstance(config, dict):
         raise ValueError(f"{directory}: adapter_config.json is not a JSON object")
     if config.get("peft_type") != "LORA":
