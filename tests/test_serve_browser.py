@@ -317,9 +317,24 @@ def test_every_panel_of_an_earlier_prompt_is_dimmed_in_chromium(browser):
         page.click("#go")
         page.wait_for_function("document.querySelector('#status').textContent === '5 tokens'")
         assert page.evaluate(STALE, panels) == ["1"] * 4
+        # the heatmap of a layer picked before the prompt changed, coming after, is not drawn (it
+        # was: the old prompt's, undimmed, under the new prompt's error)
+        held = []
+        page.route("**/api/attention", lambda route: held.append(route) if not held else route.continue_())
+        page.select_option("#layer", "1")
+        while not held:
+            page.wait_for_timeout(20)
+        page.fill("#prompt", "x" * 600)  # the refresh waits for typing to pause (300 ms)
+        held[0].continue_()  # meanwhile the old prompt's heatmap comes
+        page.wait_for_function("document.querySelector('#status').textContent.startsWith('error: ')")
+        assert page.evaluate(STALE, panels) == ["0.5"] * 4 and page.get_attribute("#heatmap", "data-layer") == "0"
+        page.unroute("**/api/attention")
+        page.fill("#prompt", "Hello")
+        page.click("#go")
+        page.wait_for_function("document.querySelector('#status').textContent === '5 tokens'")
         # a layer the server cannot draw leaves the heatmap of the one before: dimmed too
         page.route("**/api/attention", lambda route: route.fulfill(status=500, json={"error": {"message": "down"}}))
-        page.select_option("#layer", "1")
+        page.select_option("#layer", "0")
         page.wait_for_function("document.querySelector('#status').textContent === 'error: down'")
         assert page.evaluate(STALE, panels) == ["1", "1", "0.5", "1"]
     assert errors == [], errors

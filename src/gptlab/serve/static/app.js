@@ -28,6 +28,7 @@ const PANELS = ["candidates", "tokens", "heatmap", "lens"];
 // candidate does nothing meanwhile), and still does if the refresh fails.
 function stale() {
   state.shownIds = null;
+  state.attention++; // a heatmap still loading (a layer picked) is of the old prompt: not drawn
   for (const id of PANELS) $(id).classList.add("stale");
 }
 
