@@ -248,6 +248,11 @@ BAD_REQUESTS = {
     ),  # fmt: skip
     "conversation too long": (dict(model=NAME, messages=[{"role": "user", "content": "x" * 600}]), 400, "messages"),
     "max_tokens past the context": (dict(model=NAME, messages=HI, max_tokens=600), 400, "max_tokens"),
+    "max_completion_tokens past the context": (
+        dict(model=NAME, messages=HI, max_completion_tokens=600),
+        400,
+        "max_completion_tokens",
+    ),  # fmt: skip
     "max_tokens zero": (dict(model=NAME, messages=HI, max_tokens=0), 400, "max_tokens"),
     "max_tokens disagreeing": (
         dict(model=NAME, messages=HI, max_tokens=3, max_completion_tokens=4),
@@ -276,6 +281,8 @@ def test_bad_request(url, client, case):
     assert r.status_code == status, r.text
     error = r.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["param"] == param, error
+    if param.startswith("max_") and error["code"] == "context_length_exceeded":  # the field the client sent
+        assert f"reduce {param} to" in error["message"], error
     out = client.chat.completions.create(model=NAME, messages=HI, max_tokens=2)  # still serving
     assert out.usage.completion_tokens >= 1
 

@@ -169,8 +169,10 @@ class ChatCompletions:
         try:
             prompts = self.completions.prompts(completion)
             params = self.completions.params(completion, prompts)
-        except APIError as e:
-            e.param = "messages" if e.param == "prompt" else e.param
+        except APIError as e:  # name the fields this request sent: its messages, its max_*tokens
+            sent = "max_completion_tokens" if body.max_tokens is None else "max_tokens"
+            e.param = {"prompt": "messages", "max_tokens": sent}.get(e.param, e.param)
+            e.message = e.message.replace("reduce max_tokens", f"reduce {sent}")
             raise
         params = replace(params, stop=(*params.stop, *self.stops))
         return await respond(ChatRun(self.state, completion, prompts, params, self.tail), request)
