@@ -321,3 +321,17 @@ def test_serve_command_takes_a_chat_template(tmp_path, model, monkeypatch, capsy
     assert main(["serve", "--model", str(tmp_path / "m"), "--template", str(tmp_path / "bad.json"), "--port", "0"]) == 2
     err = capsys.readouterr().err
     assert "must hold {content} once" in err and "Traceback" not in err
+
+
+def test_a_lone_surrogate_in_a_message_is_read_as_tiktoken_reads_it(url, client, tok):
+    """JSON may escape half a surrogate pair ("\\ud83d": a client that cut an emoji in two); the
+    byte tokenizer reads it as U+FFFD, as tiktoken's GPT-2 does (it failed as a 500, a
+    UnicodeEncodeError), and a whole escaped pair as its character."""
+    body = '{"model": "%s", "max_tokens": 2, "messages": [{"role": "user", "content": "a\\ud83d b\\ud83d\\ude00"}]}'
+    r = httpx.post(f"{url}/v1/chat/completions", content=body % NAME, headers={"content-type": "application/json"})
+    assert r.status_code == 200, r.text
+    same = [{"role": "user", "content": "a\ufffd b\U0001f600"}]
+    assert r.json()["usage"]["prompt_tokens"] == len(trained_prompt(tok, same))
+    assert tok.encode("a\ud83d b\ud83d\ude00") == tok.encode("a\ufffd b\U0001f600")
+    gpt2 = get_tokenizer("gpt2")
+    assert gpt2.encode("a\ud83d b\ud83d\ude00") == gpt2.encode("a\ufffd b\U0001f600")  # tiktoken's reading

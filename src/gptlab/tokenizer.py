@@ -92,6 +92,7 @@ class ByteTokenizer(Tokenizer):
     eot_token = 256
 
     def encode(self, text, allowed_special=()):
+        text = _without_lone_surrogates(text)
         if allowed_special == "all" or ENDOFTEXT in allowed_special:
             pieces = text.split(ENDOFTEXT)
             ids: list[int] = []
@@ -110,6 +111,17 @@ class ByteTokenizer(Tokenizer):
 
     def decode(self, ids):
         return self.decode_bytes(ids).decode("utf-8", errors="replace")
+
+
+def _without_lone_surrogates(text: str) -> str:
+    """text with each half of a surrogate pair that stands alone as U+FFFD and each pair as its
+    character, as tiktoken reads such text (JSON may hold them: "\\ud83d"); UTF-8 has no bytes
+    for them."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+    return text
 
 
 def gpt2_files() -> dict[str, str]:
