@@ -451,6 +451,16 @@ def test_info_gpt2_prints_the_total(capsys):
     assert "124,439,808" in out and "284,812,800" in out and "72.0 MiB at 1024 tokens" in out
 
 
+def test_info_names_the_variant_switches(capsys):
+    """A Llama-style model's info said nothing of RoPE, RMSNorm, SwiGLU, biases or the head: it
+    read as a GPT-2 of that shape. A GPT-2 gets no variant line."""
+    assert main(["info", "llama-tiny"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1] == "variant: RoPE positions (theta 10000), RMSNorm, SwiGLU MLP, no biases, untied head"
+    assert main(["info", "gpt2-tiny"]) == 0
+    assert "variant" not in capsys.readouterr().out
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [

@@ -41,12 +41,27 @@ def _bytes(n: float) -> str:
         n /= 1024
 
 
+def _variant(c: dict) -> str:
+    """The config's departures from GPT-2's architecture, comma-separated ("" for a GPT-2)."""
+    switches = {
+        f"RoPE positions (theta {c['rope_theta']:g})": c["pos_embedding"] == "rope",
+        "RMSNorm": c["norm"] == "rmsnorm",
+        "SwiGLU MLP": c["mlp"] == "swiglu",
+        "exact (erf) GELU": c["mlp"] == "gelu_erf",
+        "no biases": not c["bias"],
+        "untied head": not c["tie_weights"] and not c.get("num_labels"),
+    }
+    return ", ".join(name for name, on in switches.items() if on)
+
+
 def print_info(spec: str, info: dict) -> None:
     c = info["config"]
     print(
         f"model: {spec}  ({c['n_layer']} layers, {c['n_head']} heads, n_embd {c['n_embd']}, "
         f"context {c['block_size']}, vocab {c['vocab_size']})"
     )
+    if variant := _variant(c):
+        print(f"variant: {variant}")
     width = max(len(r["component"]) for r in info["components"]) + 2
     print("parameters")
     for r in info["components"]:
