@@ -1411,6 +1411,11 @@ MUTANTS = [
     Mutant("hooks/stop-at-n-layer-after-the-final-norm", "hooks.py",
            '(f"blocks.{n - 1}.hook_resid_post", False)', '("ln_final.hook_normalized", False)',
            ("tests/test_hooks.py", "-k", "stop_at_layer")),
+    Mutant("generate/padded-head-ids-drawn", "generation.py",
+           "        if self.n_vocab < logits.size(-1):", "        if False:",
+           ("tests/test_generate.py", "-k", "padded_heads_spare")),
+    Mutant("speculative/padded-head-ids-verified", "speculative.py",
+           "verify(logits[..., :n_vocab],", "verify(logits,", ("tests/test_generate.py", "-k", "padded_heads_spare")),
 ]
 # fmt: on
 # The swapped-name mutant needs its table in the module: appended to hf.py with it.

@@ -8,7 +8,7 @@ from gptlab import fused_step
 from gptlab.generation import TextDecoder, decode_step, generate, generate_text, new_cache, prefill, stream_text
 from gptlab.model import GPT
 from gptlab.sampling import SamplingParams
-from gptlab.tokenizer import get_tokenizer
+from gptlab.tokenizer import ByteTokenizer, get_tokenizer
 
 POSITIONS = ["learned", "rope"]
 NEG = float("-inf")
@@ -331,13 +331,52 @@ def test_text_generation_samples_without_dropout_and_restores_the_mode():
 
 
 def test_an_id_past_the_tokenizers_vocabulary_is_shown_not_a_crash():
-    """A padded vocabulary (nanoGPT's 50,304 for GPT-2's 50,257) can sample an id the tokenizer
-    lacks: tiktoken raised KeyError mid-stream (the byte tokenizer a ValueError). It is U+FFFD."""
-    byte = get_tokenizer("byte")
-    model = tiny_model(vocab_size=300)
-    model.lm_head.register_forward_hook(lambda m, i, out: out.index_add(-1, torch.tensor([299]), torch.full((*out.shape[:-1], 1), 100.0)))  # fmt: skip
-    assert generate_text(model, byte, "Hi", 3, temperature=0) == "\ufffd" * 3
+    """An id the tokenizer lacks (a padded head's: nanoGPT's 50,304 for GPT-2's 50,257) raised
+    KeyError in tiktoken (the byte tokenizer a ValueError). It decodes as U+FFFD."""
     assert get_tokenizer("gpt2").decode([15496, 50300]) == "Hello\ufffd"
+    assert get_tokenizer("byte").decode([72, 300]) == "H\ufffd"
+
+
+def padded_head_model(**overrides):
+    """A model over the byte tokenizer's 257 ids padded to 320 (vocab_multiple=64) whose logits
+    are the same at every position, with the padded id 300 far the largest."""
+    model = tiny_model(vocab_size=320, tie_weights=False, **overrides)
+    with torch.no_grad():
+        ln_f = model.transformer.ln_f
+        ln_f.weight.zero_()
+        ln_f.bias.copy_(torch.randn(ln_f.bias.shape, generator=torch.Generator().manual_seed(0)))
+        model.lm_head.weight[300] = 50 * ln_f.bias
+    return model
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=0), dict(seed=1), dict(seed=1, top_p=0.9)], ids=str)
+@pytest.mark.parametrize("speculating", ["plain", "prompt-lookup", "draft-model"])
+def test_a_padded_heads_spare_ids_are_never_drawn(sampling, speculating):
+    """A model trained with vocab_multiple has head rows past the tokenizer's vocabulary: text
+    generation drew them (U+FFFD in the text), greedy every token here. Only the tokenizer's ids
+    are drawn now, and the ids API takes the tokenizer's n_vocab; batch 1 (the fused C step's
+    logits read in place) and a batch alike."""
+    byte, model = get_tokenizer("byte"), padded_head_model()
+    speculation = {"plain": {}, "prompt-lookup": dict(prompt_lookup=2),
+                   "draft-model": dict(draft_model=padded_head_model(n_layer=1))}[speculating]  # fmt: skip
+    assert generate(model, [[72, 105]], 4, temperature=0) == [[72, 105, 300, 300, 300, 300]]  # the model's argmax
+    best = int(model.lm_head.weight[:257].mv(model.transformer.ln_f.bias).argmax())  # the tokenizer's
+    decoded = []  # the ids text generation decoded
+
+    class Recording(ByteTokenizer):
+        def decode_bytes(self, ids):
+            decoded.extend(ids)
+            return super().decode_bytes(ids)
+
+    text = generate_text(model, Recording(), "Hi", 6, stop_at_eos=False, **sampling, **speculation)
+    assert len(decoded) == 6 and max(decoded) < 257
+    if sampling.get("temperature") == 0:
+        assert decoded == [best] * 6 and text == byte.decode(decoded)
+    for prompts in ([[72, 105]], [[72, 105], [1], [9, 9, 9]]):
+        out = generate(model, prompts, 8, n_vocab=257, **sampling, **speculation)
+        assert all(t < 257 for row in out for t in row)
+    with pytest.raises(ValueError, match="n_vocab must be an integer in \\[1, 320\\]"):
+        generate(model, [[1]], 2, n_vocab=321)
 
 
 @pytest.mark.parametrize("fast", [True, False])

@@ -850,3 +850,20 @@ def test_serve_command_serves_the_dtype_asked(tmp_path, model, monkeypatch):
         assert next(state.model.parameters()).dtype == torch.bfloat16
     finally:
         state.scheduler.close()
+
+
+def test_a_padded_heads_spare_ids_are_never_served():
+    """A model trained with vocab_multiple (257 byte ids padded to 320) whose padded id 300 is its
+    argmax everywhere: completions were U+FFFD (greedy, every token); the tokenizer's ids only now,
+    plain and speculative (prompt lookup), and a token prompt past the tokenizer's ids is a 400."""
+    from test_generate import padded_head_model
+
+    model, byte = padded_head_model(), get_tokenizer("byte")
+    best = int(model.lm_head.weight[:257].mv(model.transformer.ln_f.bias).argmax())
+    with running(create_app(model, byte, name=NAME, max_batch=2, max_queue=2)) as base:
+        for extra in ({}, {"prompt_lookup": 2}):
+            body = dict(model=NAME, prompt="Hi", max_tokens=5, temperature=0, return_token_ids=True, **extra)
+            reply = httpx.post(f"{base}/v1/completions", json=body, timeout=30).json()
+            assert reply["choices"][0]["token_ids"] == [best] * 5, reply
+        reply = httpx.post(f"{base}/v1/completions", json=dict(model=NAME, prompt=[72, 300], max_tokens=2), timeout=30)
+        assert reply.status_code == 400 and "must be in [0, 257)" in reply.json()["error"]["message"]

@@ -165,8 +165,11 @@ class TokenSampler:
 
     Each step draws the rows' next tokens from their logits (repetition penalty over the tokens
     each row has seen, temperature, filters), keeps a row that produced `eos_id` on `eos_id`, and
-    counts steps. `generate` runs one over its whole batch; the server's scheduler one per request,
-    so a request's tokens are the same whatever else is in the batch.
+    counts steps. `n_vocab` (the tokenizer's vocabulary; default: every id of `vocab_size`) keeps
+    the draws to real tokens: a head padded to a multiple (`vocab_multiple`, nanoGPT's 50,304 rows
+    for GPT-2's 50,257) has rows no tokenizer can decode. `generate` runs one over its whole batch;
+    the server's scheduler one per request, so a request's tokens are the same whatever else is in
+    the batch.
     """
 
     def __init__(
@@ -178,8 +181,10 @@ class TokenSampler:
         *,
         eos_id: int | None = None,
         generator: torch.Generator | None = None,
+        n_vocab: int | None = None,
     ):
         self.params, self.eos_id = params, eos_id
+        self.n_vocab = vocab_size if n_vocab is None else min(n_vocab, vocab_size)
         self.generator = generator if generator is not None else params.generator(device)
         penalised = params.repetition_penalty != 1.0
         self.seen = seen_tokens(prompts, vocab_size, device) if penalised else None  # (n, V)
@@ -188,7 +193,10 @@ class TokenSampler:
 
     def next_tokens(self, logits: torch.Tensor) -> torch.Tensor:
         """The rows' next tokens (n,) from their logits (n, V)."""
-        tokens = sample_next(logits, self.params, seen=self.seen, generator=self.generator)  # (n,)
+        seen = self.seen
+        if self.n_vocab < logits.size(-1):  # a padded head: (n, n_vocab) views, one row's contiguous (no copy)
+            logits, seen = logits[:, : self.n_vocab], None if seen is None else seen[:, : self.n_vocab]
+        tokens = sample_next(logits, self.params, seen=seen, generator=self.generator)  # (n,)
         if self.eos_id is not None:
             tokens = tokens.masked_fill(self.finished, self.eos_id)
             self.finished |= tokens == self.eos_id
@@ -235,6 +243,10 @@ class _Decoder:
         if self.next_positions is not None:
             self.next_positions = self.next_positions + 1
         return logits
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _token_id(t, vocab_size: int, what: str) -> int:
@@ -291,6 +303,7 @@ def generate_tokens(
     prompt_lookup: int = 0,
     num_draft_tokens: int = 4,
     feed_last: bool = False,
+    n_vocab: int | None = None,
 ) -> Iterator[torch.Tensor]:
     """Yield the new token of every row, (B * num_samples,), one step at a time; rows that have
     produced `eos_id` keep yielding `eos_id`, and the iterator ends once all have (or after
@@ -300,18 +313,21 @@ def generate_tokens(
     if eos_id is not None:  # one past the vocabulary never stops anything
         _token_id(eos_id, model.config.vocab_size, "eos_id")
     bos_id = eos_id if bos_id is None else bos_id
-    rows = _prepare_prompts(idx, params.num_samples, bos_id, config.vocab_size, config.block_size)
+    if n_vocab is not None and not (_is_int(n_vocab) and 1 <= n_vocab <= config.vocab_size):
+        raise ValueError(f"n_vocab must be an integer in [1, {config.vocab_size}], got {n_vocab!r}")
+    vocab = config.vocab_size if n_vocab is None else n_vocab  # prompt ids, too, are the tokenizer's
+    rows = _prepare_prompts(idx, params.num_samples, bos_id, vocab, config.block_size)
     keep = window_keep_of(config.block_size, window_keep)
     if draft_model is not None or prompt_lookup:  # speculative decoding: gptlab.speculative
         if compiled_step is not None:
             raise ValueError("compiled_step does not apply to speculative decoding (draft_model, prompt_lookup)")
         yield from speculative.generate_tokens(model, rows, params, eos_id=eos_id, generator=generator, window_keep=keep,
                                                draft_model=draft_model, prompt_lookup=prompt_lookup,
-                                               num_draft_tokens=num_draft_tokens)  # fmt: skip
+                                               num_draft_tokens=num_draft_tokens, n_vocab=n_vocab)  # fmt: skip
         return
     device, _ = model_device_dtype(model)
     decoder = _Decoder(model, rows, params.max_new_tokens + feed_last, keep, compiled_step)
-    sampler = TokenSampler(params, rows, config.vocab_size, device, eos_id=eos_id, generator=generator)
+    sampler = TokenSampler(params, rows, config.vocab_size, device, eos_id=eos_id, generator=generator, n_vocab=n_vocab)
     logits = decoder.start(rows)
     while True:
         tokens = sampler.next_tokens(logits)
@@ -359,6 +375,7 @@ def generate(
     prompt_lookup: int = 0,
     num_draft_tokens: int = 4,
     cache_names=None,
+    n_vocab: int | None = None,
 ):
     """Continue token-id prompts with a KV cache.
 
@@ -373,6 +390,8 @@ def generate(
     override sampling's fields. `temperature=0` is greedy; `seed` makes sampling reproducible, as
     does `generator`, a torch.Generator to draw with (it replaces the seed's). Each prompt gets
     `num_samples` continuations (rows prompt-major). Stop strings need text: see `stream_text`.
+    `n_vocab` (the tokenizer's `n_vocab`; default: the model's `vocab_size`) draws only ids below
+    it: a model trained with `vocab_multiple` has head rows past the tokenizer's vocabulary.
 
     Returns the prompts plus the new tokens: a (B * num_samples, T + new) LongTensor for tensor
     input (rows that ended early are filled with eos_id), a list of id lists for list input
@@ -409,7 +428,8 @@ def generate(
         steps = list(generate_tokens(model, idx, params, eos_id=eos_id, bos_id=bos_id, generator=generator,
                                      window_keep=window_keep, compiled_step=compiled_step,
                                      draft_model=draft_model, prompt_lookup=prompt_lookup,
-                                     num_draft_tokens=num_draft_tokens, feed_last=cache_names is not None))  # fmt: skip
+                                     num_draft_tokens=num_draft_tokens, feed_last=cache_names is not None,
+                                     n_vocab=n_vocab))  # fmt: skip
     new = torch.stack(steps, dim=1)  # (B * num_samples, new)
     out = _with_prompts(idx, new, params.num_samples, eos_id)
     if cache_names is None:
@@ -523,7 +543,8 @@ def stream_text(
     Every piece is valid UTF-8 text: bytes of a character split across tokens are held until the
     character is complete. Generation ends at the tokenizer's end-of-text token (unless
     stop_at_eos=False), at the first of the stop strings (not included in the output), or at
-    max_new_tokens. `sampling` and the keyword `fields` (temperature, top_k, top_p, min_p,
+    max_new_tokens. Only the tokenizer's ids are drawn (a padded head's spare rows never are).
+    `sampling` and the keyword `fields` (temperature, top_k, top_p, min_p,
     repetition_penalty, seed, stop) are as in `generate`, and so are `generator`, `window_keep`,
     `compiled_step` and speculative decoding's `draft_model`, `prompt_lookup` and
     `num_draft_tokens`; one continuation (num_samples 1).
@@ -537,7 +558,8 @@ def stream_text(
     text = TextDecoder(tokenizer, params.stop)
     steps = generate_tokens(model, [ids], params, eos_id=eos_id, bos_id=tokenizer.eot_token, generator=generator,
                             window_keep=window_keep, compiled_step=compiled_step, draft_model=draft_model,
-                            prompt_lookup=prompt_lookup, num_draft_tokens=num_draft_tokens)  # fmt: skip
+                            prompt_lookup=prompt_lookup, num_draft_tokens=num_draft_tokens,
+                            n_vocab=tokenizer.n_vocab)  # fmt: skip
     with evaluating(model):  # until the last piece, or the caller stops reading
         for step in steps:
             token = int(step[0])

@@ -194,7 +194,7 @@ class GptlabLM(TemplateLM):
         texts = [TextDecoder(self.tok, until) for _ in rows]
         done = [False] * len(rows)
         steps = generate_tokens(self.model, [list(r) for r in rows], params, eos_id=self.eot_token_id,
-                                bos_id=self.eot_token_id)  # fmt: skip
+                                bos_id=self.eot_token_id, n_vocab=self.tok.n_vocab)  # fmt: skip
         for step in steps:
             for b, token in enumerate(step.tolist()):
                 if done[b]:

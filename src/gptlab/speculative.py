@@ -340,8 +340,8 @@ class SpeculationStats:
 class _Draft:
     """A draft model, its cache and its view of the rows: proposes k tokens per row."""
 
-    def __init__(self, model, batch_size: int, max_len: int):
-        self.model = model
+    def __init__(self, model, batch_size: int, max_len: int, n_vocab: int):
+        self.model, self.n_vocab = model, n_vocab  # ids it may propose: [0, n_vocab)
         self.cache = RowCache(model, batch_size, max_len)
         self.keep = max_len * 3 // 4
         self.dropped = [0] * batch_size  # each row's tokens before the cache's window (cut at a re-encode)
@@ -356,7 +356,7 @@ class _Draft:
             fits = cache.cache.max_len - k + 1
             chunks = encode_rows(cache, rows, min(self.keep, fits), fits)
             self.dropped = [len(r) - n - len(c) for r, n, c in zip(rows, cache.lengths, chunks, strict=True)]
-        logits = cache.feed(chunks)[:, -1]  # (B, V)
+        logits = cache.feed(chunks)[:, -1, : self.n_vocab]  # (B, n_vocab)
         seen = None if seen is None else seen.clone()
         drafts, qs = [], []
         for i in range(k):
@@ -369,7 +369,7 @@ class _Draft:
             if seen is not None:
                 seen.scatter_(1, d[:, None], True)
             if i < k - 1:
-                logits = cache.feed([[t] for t in d.tolist()])[:, -1]
+                logits = cache.feed([[t] for t in d.tolist()])[:, -1, : self.n_vocab]
         return torch.stack(drafts, 1), torch.stack(qs, 1) if qs else None
 
     def settle(self, kept: list[int], k: int) -> None:
@@ -434,6 +434,7 @@ def decode(
     num_draft_tokens: int = 4,
     adaptive: bool = True,
     stats: SpeculationStats | None = None,
+    n_vocab: int | None = None,
 ) -> Iterator[list[list[int]]]:
     """Speculative decoding of prompts `rows` (id lists; not modified; one longer than block_size
     keeps its last block_size tokens, as in generation), params.max_new_tokens new tokens each.
@@ -442,6 +443,8 @@ def decode(
     at eos_id or max_new_tokens). `generator` draws (default: one seeded with params.seed);
     `window_keep` as in generation. `adaptive=False` always proposes
     num_draft_tokens (tests, benchmarks); `stats`, if given, is filled in as decoding goes.
+    Only ids below `n_vocab` (the tokenizer's; default: all) are proposed and drawn, as in
+    gptlab.generation.TokenSampler.
     """
     check_speculation(model, draft_model, prompt_lookup, num_draft_tokens)
     B, V, block = len(rows), model.config.vocab_size, model.config.block_size
@@ -453,11 +456,13 @@ def decode(
     draft, lookups = None, None
     if draft_model is not None:
         draft_len = min(draft_model.config.block_size, max(map(len, rows)) + max_new + num_draft_tokens)
-        draft = _Draft(draft_model, B, draft_len)
+        draft = _Draft(draft_model, B, draft_len, n_vocab)
     if prompt_lookup:
         lookups = [PromptLookup(r, prompt_lookup) for r in rows]
     control = DraftLength(most_draft_tokens(num_draft_tokens, B, target.device), cost=proposal_cost(model, draft_model))
     seen = seen_tokens(rows, V, target.device) if params.repetition_penalty != 1.0 else None
+    n_vocab = V if n_vocab is None else min(n_vocab, V)
+    real_seen = None if seen is None else seen[:, :n_vocab]  # (B, n_vocab): a view, updated with seen
     produced, done = [0] * B, [False] * B
     chunks = encode_rows(target, rows, keep)  # each row's last token, still to feed
     while not all(done):
@@ -465,10 +470,10 @@ def decode(
             chunks = encode_rows(target, rows, keep)
         left = max(max_new - n for n, d in zip(produced, done, strict=True) if not d)
         k = max(0, min(control.next_k() if adaptive else num_draft_tokens, left - 1, target.room - 1))
-        drafts, q, real = _propose(rows, k, lookups, draft, params, seen, generator, target.device)
+        drafts, q, real = _propose(rows, k, lookups, draft, params, real_seen, generator, target.device)
         k = drafts.size(1)
         logits = target.feed([c + d for c, d in zip(chunks, drafts.tolist(), strict=True)], all_logits=True)
-        accepted, extra = verify(logits, drafts, q, params, seen, generator)
+        accepted, extra = verify(logits[..., :n_vocab], drafts, q, params, real_seen, generator)
         new = _new_tokens(drafts, accepted, extra, produced, done, max_new, eos_id)
         target.rollback([k + 1 - len(t) for t in new])
         if draft is not None and k:

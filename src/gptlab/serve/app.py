@@ -79,7 +79,8 @@ def create_app(
     if tokenizer.n_vocab > model.config.vocab_size:
         raise ValueError(f"tokenizer {tokenizer.name} has {tokenizer.n_vocab} tokens, the model only {model.config.vocab_size}")  # fmt: skip
     model.eval()
-    scheduler = Scheduler(model, max_batch=max_batch, max_queue=max_queue, cache_len=cache_len, draft_model=draft_model)
+    scheduler = Scheduler(model, max_batch=max_batch, max_queue=max_queue, cache_len=cache_len, draft_model=draft_model,
+                          n_vocab=tokenizer.n_vocab)  # fmt: skip
     state = ServerState(model, tokenizer, name, scheduler, int(time.time()), template or Template())
 
     @asynccontextmanager

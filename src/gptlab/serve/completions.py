@@ -194,7 +194,8 @@ class Completions:
 
     def prompts(self, body: CompletionRequest) -> list[list[int]]:
         """The request's prompts as token id lists (an empty prompt is <|endoftext|>)."""
-        tok, vocab, p = self.state.tokenizer, self.state.model.config.vocab_size, body.prompt
+        tok, p = self.state.tokenizer, body.prompt
+        vocab = tok.n_vocab  # a padded head's spare ids are no tokens (the app checked n_vocab <= vocab_size)
         if isinstance(p, str):
             p = [p]
         if not p:

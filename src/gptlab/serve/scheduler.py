@@ -218,15 +218,16 @@ class Scheduler:
     """Runs the decode loop in a worker thread; `submit` requests from the event loop.
 
     max_batch: rows decoded together (a request with n samples takes n rows); max_queue: requests
-    waiting for rows, beyond which `submit` raises QueueFull.
+    waiting for rows, beyond which `submit` raises QueueFull; n_vocab: the tokenizer's vocabulary,
+    the only ids drawn (default: the model's vocab_size).
     """
 
     def __init__(
         self, model, *, max_batch: int = 16, max_queue: int = 64, cache_len: int | None = None, draft_model=None,
-        num_draft_tokens: int = 4,
+        num_draft_tokens: int = 4, n_vocab: int | None = None,
     ):  # fmt: skip
         block = model.config.block_size
-        self.model = model
+        self.model, self.n_vocab = model, n_vocab  # the tokenizer's ids: a padded head's others are never drawn
         speculative.check_speculation(model, draft_model, 0, num_draft_tokens)
         self.draft_model, self.num_draft_tokens = draft_model, num_draft_tokens
         self.speculating: list[_Speculating] = []
@@ -351,9 +352,8 @@ class Scheduler:
             request.emit("prompt", request.index, self._prompt_scores(request.prompt, logits[: len(request.prompt) - 1], request.logprobs or 0))  # fmt: skip
         vocab = self.model.config.vocab_size
         generator = request.params.generator(self.device, fresh=True)  # unseeded: random, not the global RNG
-        sampler = TokenSampler(
-            request.params, [request.prompt] * n, vocab, self.device, eos_id=request.eos_id, generator=generator
-        )
+        sampler = TokenSampler(request.params, [request.prompt] * n, vocab, self.device, eos_id=request.eos_id,
+                               generator=generator, n_vocab=self.n_vocab)  # fmt: skip
         placeholder = torch.zeros(n, dtype=torch.long, device=self.device)
         group = _Group(request, start, sampler, last=placeholder)
         self.groups.append(group)
@@ -369,7 +369,7 @@ class Scheduler:
         proposer = dict(prompt_lookup=request.prompt_lookup) if request.prompt_lookup else dict(draft_model=self.draft_model)  # fmt: skip
         steps = speculative.generate_tokens(
             self.model, [request.prompt] * n, request.params, eos_id=request.eos_id, num_draft_tokens=self.num_draft_tokens,
-            generator=request.params.generator(self.device, fresh=True), **proposer,
+            generator=request.params.generator(self.device, fresh=True), n_vocab=self.n_vocab, **proposer,
         )  # fmt: skip
         self.speculating.append(_Speculating(request, steps, [False] * n))
         self.stats["speculative"] += 1
