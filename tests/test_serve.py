@@ -328,6 +328,25 @@ def test_null_fields_take_openai_defaults(url, client):
     assert out.choices == client.completions.create(**greedy).choices  # one choice, not streamed, not echoed
 
 
+def test_null_extras_and_include_usage_take_their_defaults(url):
+    """null for gptlab's extras (ignore_eos, return_token_ids, prompt_lookup) and for
+    stream_options.include_usage is their default too, as for top_k and OpenAI's own fields:
+    they were 400s ("Input should be a valid boolean (got null)")."""
+    extras = dict(ignore_eos=None, return_token_ids=None, prompt_lookup=None)
+    for path, body in [
+        ("/v1/completions", dict(model=NAME, prompt="ab", max_tokens=4, temperature=0)),
+        ("/v1/chat/completions", dict(model=NAME, messages=[{"role": "user", "content": "ab"}], max_tokens=4, temperature=0)),
+    ]:  # fmt: skip
+        expected = httpx.post(f"{url}{path}", json=body, timeout=30).json()
+        got = httpx.post(f"{url}{path}", json=body | extras, timeout=30)
+        assert got.status_code == 200, got.text
+        assert got.json()["choices"] == expected["choices"] and got.json()["usage"] == expected["usage"]
+        streamed = httpx.post(f"{url}{path}", json=body | dict(stream=True, stream_options={"include_usage": None}), timeout=30)  # fmt: skip
+        assert streamed.status_code == 200, streamed.text
+        chunks = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
+        assert chunks and all("usage" not in c for c in chunks), chunks[-1]  # no usage asked for
+
+
 def test_streaming(client, url, model, tok):
     kwargs = dict(model=NAME, prompt="Once upon", max_tokens=40, temperature=0.8, seed=5)
     whole = client.completions.create(**kwargs, extra_body={"ignore_eos": True})

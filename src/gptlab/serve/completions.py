@@ -39,7 +39,9 @@ MAX_LOGPROBS = 20
 MAX_STOPS = 16  # OpenAI takes 4; lm-eval's client adds <|endoftext|> to a task's own (humaneval has 5)
 
 Prompt = str | list[str] | list[int] | list[list[int]]
-NULL_MEANS_DEFAULT = ("prompt", "n", "stream", "echo")  # null is their default: never None past validation
+# null is their default: never None past validation (gptlab's switches too, as top_k's null is off)
+EXTRAS_NULL_MEANS_DEFAULT = ("ignore_eos", "return_token_ids", "prompt_lookup")
+NULL_MEANS_DEFAULT = ("prompt", "n", "stream", "echo", *EXTRAS_NULL_MEANS_DEFAULT)
 
 
 class StreamOptions(BaseModel):
@@ -47,7 +49,7 @@ class StreamOptions(BaseModel):
 
     model_config = ConfigDict(extra="ignore", strict=True)
 
-    include_usage: bool = False
+    include_usage: bool | None = False  # null: False
 
 
 class SamplingRequest(BaseModel):
@@ -55,7 +57,7 @@ class SamplingRequest(BaseModel):
     gptlab's extras)."""
 
     model_config = ConfigDict(extra="ignore", strict=True)  # the JSON types the schema states: no true for 1
-    null_means_default: ClassVar[tuple[str, ...]] = ("n", "stream")
+    null_means_default: ClassVar[tuple[str, ...]] = ("n", "stream", *EXTRAS_NULL_MEANS_DEFAULT)
 
     model: str
     max_tokens: int | None = Field(16, ge=0)
@@ -74,9 +76,9 @@ class SamplingRequest(BaseModel):
     top_k: int | None = Field(SamplingParams.top_k, ge=0)  # 0 (or null): off
     min_p: float | None = Field(SamplingParams.min_p, ge=0, le=1)  # 0.0 (or null): off
     repetition_penalty: float | None = Field(SamplingParams.repetition_penalty, gt=0)  # 1.0 (or null): off
-    ignore_eos: bool = False
-    return_token_ids: bool = False
-    prompt_lookup: int = Field(0, ge=0, le=16)  # 0: off
+    ignore_eos: bool | None = False
+    return_token_ids: bool | None = False
+    prompt_lookup: int | None = Field(0, ge=0, le=16)  # 0: off
 
     @model_validator(mode="after")
     def _null_is_the_default(self):
