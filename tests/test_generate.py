@@ -1,4 +1,5 @@
 import logging
+import time
 
 import pytest
 import torch
@@ -290,6 +291,21 @@ def test_text_decoder_holds_back_split_characters_and_stop_prefixes():
     assert stop.add(ord("q")) == "aq" and not stop.stopped
     assert [stop.add(b) for b in b"xyzw"] == ["", "", "", ""] and stop.stopped  # w: ignored after the stop
     assert stop.text == "1xaq" and stop.finish() == ""
+
+
+def test_long_stop_strings_cost_each_token_only_the_text_not_yet_shown():
+    """A server request's 16 stop strings of 60,000 characters that never match: each token's
+    hold-back looked at the whole text decoded so far, slicing every stop at every length, so a
+    continuation of 5,000 characters took 15 s of the server's event loop (every other client's
+    stream stalled meanwhile), growing with the square of the text per token. Only the text not
+    yet shown can begin a stop string; here it is empty after each token."""
+    tok = get_tokenizer("byte")
+    text = TextDecoder(tok, ["x" * 60_000 + str(i) for i in range(16)])
+    start = time.monotonic()
+    for i, byte in enumerate(b"hello world, " * 800):  # 10,400 characters, no x
+        assert text.add(byte) == chr(byte)
+        assert time.monotonic() - start < 2, f"{i} characters took 2 s"  # ~0.05 s (was minutes)
+    assert text.finish() == "" and not text.stopped
 
 
 def test_empty_prompt_starts_from_end_of_text(echo_model):

@@ -507,7 +507,10 @@ class TextDecoder:
             self.text = self.text[: min(hits)]
             self.stopped = True
             return self._take(len(self.text))
-        return self._take(len(self.text) - held_back(self.text, self.stops))
+        # Only text not yet shown can begin a stop string (what was shown could begin none), so
+        # the hold-back looks at that alone: over the whole text, long stop strings cost each
+        # token the square of the text's length.
+        return self._take(len(self.text) - held_back(self.text[self.emitted :], self.stops))
 
     def finish(self) -> str:
         """Generation ended (no stop string found): the rest, a cut-off character as U+FFFD."""
