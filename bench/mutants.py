@@ -998,6 +998,8 @@ MUTANTS = [
            "        super()._apply(fn, recurse)\n", ("tests/test_quantize.py", "-k", "rebinds")),
     Mutant("hf/exact-gelu-read-as-tanh", "hf.py", '"gelu": "gelu_erf"}', '"gelu": "gelu"}',
            ("tests/test_hf.py", "-k", "parity")),
+    Mutant("cli/out-over-a-model-of-the-other-layout-written", "commands/_model_args.py",
+           "    if (Path(out) / marker).is_file():", "    if False:", ("tests/test_cli.py", "-k", "other_layout")),
     Mutant("cli/out-over-another-training-checkpoint-written", "commands/_model_args.py",
            "if (out / STATE_FILE).is_file() or", "if", ("tests/test_cli.py", "-k", "writing_over")),
     Mutant("hooks/last-block-trimmed-under-a-hooked-final-norm", "model.py",

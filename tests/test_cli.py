@@ -399,6 +399,30 @@ def test_an_out_that_cannot_be_written_is_refused_before_loading(tmp_path, capsy
     assert (tmp_path / "afile").read_text() == "kept" and not any((tmp_path / "adir").iterdir())
 
 
+@pytest.mark.parametrize(
+    ("command", "other", "message"),
+    [(["export"], "gptlab", "holds a gptlab model (gptlab.json)"),
+     (["quantize", "--mode", "int8"], "hf", "holds a Hugging Face model (config.json)")],
+)  # fmt: skip
+def test_an_out_holding_a_model_of_the_other_layout_is_refused(tmp_path, capsys, command, other, message):
+    """Both layouts keep their weights in model.safetensors: `gptlab export --out D` into a gptlab
+    model's directory replaced its weights and left its gptlab.json, which gptlab then read (the
+    load failed: "is torch.float32, the model expects torch.int8" for a quantized one); `quantize
+    --out D` into a Hugging Face directory replaced the weights config.json describes."""
+    from conftest import tiny_model
+    from gptlab.checkpoint import save_model
+    from gptlab.hf import save_pretrained
+
+    save_model(tiny_model(), tmp_path / "model", tokenizer="byte")
+    (save_model if other == "gptlab" else save_pretrained)(tiny_model(seed=1), tmp_path / "other", tokenizer="byte")
+    before = {p.name: p.read_bytes() for p in (tmp_path / "other").iterdir()}
+    argv = [command[0], "--model", str(tmp_path / "model"), "--out", str(tmp_path / "other"), *command[1:]]
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in (tmp_path / "other").iterdir()} == before
+    assert main([*argv[:4], str(tmp_path / "new"), *command[1:]]) == 0  # a fresh directory is written
+
+
 @pytest.mark.parametrize("name", ["model.safetensors", "optimizer.pt"])
 def test_writing_over_a_file_of_another_training_checkpoint_is_refused(tmp_path, capsys, name):
     """--out naming a file of a training checkpoint other than the --model read is refused and the

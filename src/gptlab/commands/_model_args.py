@@ -101,6 +101,24 @@ def check_out_path(out: str, *, directory: bool) -> None:
         raise ValueError(f"--out {out}: {there} is a file, not a directory")
 
 
+# layout -> (its marker file: hf.CONFIG_FILE, checkpoint.META_FILE, named here without importing torch; what it holds)
+DIRECTORY_LAYOUTS = {"hf": ("config.json", "a Hugging Face model"), "gptlab": ("gptlab.json", "a gptlab model")}
+
+
+def check_out_layout(out: str, layout: str) -> None:
+    """Refuse an --out directory holding a model of the other directory layout than `layout` ("hf"
+    or "gptlab"): both keep their weights in model.safetensors, so writing there replaced the other
+    model's weights and left its config.json or gptlab.json beside them, describing weights no
+    longer there (gptlab reads gptlab.json first and then failed on the Hugging Face weights)."""
+    from pathlib import Path
+
+    (other,) = set(DIRECTORY_LAYOUTS) - {layout}
+    marker, holds = DIRECTORY_LAYOUTS[other]
+    if (Path(out) / marker).is_file():
+        raise ValueError(f"--out {out} holds {holds} ({marker}): writing {DIRECTORY_LAYOUTS[layout][1]} there "
+                         "would replace its weights (model.safetensors); choose another path")  # fmt: skip
+
+
 def load(args, *, classifier: bool = False):
     """(model, tokenizer) for args.model on the requested device and dtype, in eval mode.
 

@@ -4,7 +4,13 @@ an llm.c checkpoint."""
 import os
 from pathlib import Path
 
-from gptlab.commands._model_args import add_model_arguments, check_out_is_not_read, check_out_path, model_from_args
+from gptlab.commands._model_args import (
+    add_model_arguments,
+    check_out_is_not_read,
+    check_out_layout,
+    check_out_path,
+    model_from_args,
+)
 
 FORMATS = ("hf", "gguf", "llmc")
 GGUF_OUTTYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")  # gptlab.formats.gguf.OUTTYPES, without importing gguf
@@ -46,6 +52,8 @@ def run(args):
     dtype = getattr(torch, args.dtype) if args.dtype else None
     check_out_is_not_read(args)
     check_out_path(args.out, directory=fmt == "hf")
+    if fmt == "hf":
+        check_out_layout(args.out, "hf")
     tokenizer = tokenizer_name(args.model)
     model = model_from_args(args)
     if model.config.num_labels and fmt != "hf":

@@ -3,7 +3,13 @@
 import os
 from pathlib import Path
 
-from gptlab.commands._model_args import add_model_arguments, check_out_is_not_read, check_out_path, model_from_args
+from gptlab.commands._model_args import (
+    add_model_arguments,
+    check_out_is_not_read,
+    check_out_layout,
+    check_out_path,
+    model_from_args,
+)
 
 
 def add_arguments(parser):
@@ -37,6 +43,7 @@ def run(args):
         raise ValueError("--group-size applies to --mode int4 only")
     check_out_is_not_read(args)
     check_out_path(args.out, directory=True)
+    check_out_layout(args.out, "gptlab")
     model = model_from_args(args)
     if lora_layers(model):  # a quantized file holds plain weights: --adapter's (or a LoRA run's) is folded in
         merge(model)
