@@ -998,6 +998,8 @@ MUTANTS = [
            "        super()._apply(fn, recurse)\n", ("tests/test_quantize.py", "-k", "rebinds")),
     Mutant("hf/exact-gelu-read-as-tanh", "hf.py", '"gelu": "gelu_erf"}', '"gelu": "gelu"}',
            ("tests/test_hf.py", "-k", "parity")),
+    Mutant("llmc/bin-of-another-magic-sent-to-hugging-face", "formats/__init__.py",
+           "    if path.suffix == LLMC_SUFFIX:", "    if False:", ("tests/test_formats_llmc.py", "-k", "magic")),
     Mutant("cli/out-over-a-model-of-the-other-layout-written", "commands/_model_args.py",
            "    if (Path(out) / marker).is_file():", "    if False:", ("tests/test_cli.py", "-k", "other_layout")),
     Mutant("cli/out-over-another-training-checkpoint-written", "commands/_model_args.py",

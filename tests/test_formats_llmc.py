@@ -14,6 +14,7 @@ from gptlab import GPT, GPTConfig, load_model
 from gptlab.checkpoint import save_model
 from gptlab.cli import main
 from gptlab.formats import llmc
+from gptlab.loading import load_config
 
 # llm.c's ParameterTensors in order, with their shapes as functions of (Vp, maxT, L, C)
 LLMC_TENSORS = [
@@ -160,6 +161,20 @@ def test_damaged_files_are_refused(tmp_path):
     (tmp_path / "vp.bin").write_bytes(header.tobytes() + data[1024:])
     with pytest.raises(ValueError, match="inconsistent"):
         llmc.load(tmp_path / "vp.bin")
+
+
+def test_a_bin_file_without_llmcs_magic_is_named_as_not_an_llmc_checkpoint(tmp_path):
+    """llm.c's other .bin files (its tokenizer, magic 20240328; its debug state, 20240327), an empty
+    or a damaged one were refused as "not a directory in the Hugging Face layout, and not a Hub id":
+    the llm.c reader, whose header check names the magic, was only asked when the magic was right."""
+    header = np.zeros(256, dtype="<i4")
+    header[:2] = [20240328, 2]
+    (tmp_path / "gpt2_tokenizer.bin").write_bytes(header.tobytes() + bytes(100))
+    with pytest.raises(ValueError, match=r"not an llm.c checkpoint \(magic 20240328, expected 20240326\)"):
+        load_model(str(tmp_path / "gpt2_tokenizer.bin"))
+    (tmp_path / "empty.bin").write_bytes(b"")
+    with pytest.raises(ValueError, match="0 bytes, shorter than llm.c's 1024-byte header"):
+        load_config(str(tmp_path / "empty.bin"))  # gptlab info's path
 
 
 def test_a_header_asking_for_a_million_layers_is_refused_by_the_size_before_building(tmp_path, monkeypatch):

@@ -19,6 +19,7 @@ LLMC_MAGIC = (20240326).to_bytes(4, "little")
 GGUF_MAGIC = b"GGUF"
 NANOGPT_FILE = "ckpt.pt"
 TORCH_SUFFIXES = (".pt", ".pth", ".ckpt")
+LLMC_SUFFIX = ".bin"  # when not a torch zip (an HF pytorch_model.bin is one)
 
 
 def reader_for(path: Path) -> Callable | None:
@@ -31,17 +32,23 @@ def reader_for(path: Path) -> Callable | None:
     with open(path, "rb") as f:
         magic = f.read(4)
     if magic == LLMC_MAGIC:
-        from gptlab.formats.llmc import load
-
-        return load
+        return _llmc()
     if magic == GGUF_MAGIC:
         raise ValueError(f"{path}: a GGUF file; gptlab writes GGUF (gptlab export --format gguf) but does not read it")
     if path.suffix in TORCH_SUFFIXES or zipfile.is_zipfile(path):
         return _nanogpt()
+    if path.suffix == LLMC_SUFFIX:  # another magic (llm.c's tokenizer, a damaged file): its header check names it
+        return _llmc()
     return None
 
 
 def _nanogpt() -> Callable:
     from gptlab.formats.nanogpt import load
+
+    return load
+
+
+def _llmc() -> Callable:
+    from gptlab.formats.llmc import load
 
     return load
