@@ -340,6 +340,23 @@ def test_an_export_without_a_tokenizer_leaves_no_earlier_exports_tokenizer(tmp_p
     assert hf.load_pretrained(tmp_path).config.vocab_size == 256
 
 
+def test_an_export_over_another_tokenizer_leaves_none_of_its_files(tmp_path):
+    """Over a directory where transformers had saved another tokenizer, the export wrote GPT-2's
+    vocab.json and merges.txt but left its tokenizer.json, which AutoTokenizer reads first: the
+    exported GPT-2 got a 4-token tokenizer that encoded "hello world" as []."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = Tokenizer(models.WordLevel({"[UNK]": 0, "hello": 1, "world": 2}, unk_token="[UNK]"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=words, unk_token="[UNK]").save_pretrained(tmp_path)
+    assert (tmp_path / "tokenizer.json").is_file()
+    gpt2_like().save_pretrained(tmp_path)
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path)
+    assert len(tokenizer) == 50257
+    assert tokenizer("hello world").input_ids == get_tokenizer("gpt2").encode("hello world")
+
+
 def test_export_command_refuses_variants(tmp_path, capsys):
     save_model(tiny_model(**VARIANTS["llama"]), tmp_path / "native")
     assert main(["export", "--model", str(tmp_path / "native"), "--out", str(tmp_path / "hf")]) == 2

@@ -43,6 +43,9 @@ SAFETENSORS_INDEX = "model.safetensors.index.json"
 BIN_FILE = "pytorch_model.bin"
 BIN_INDEX = "pytorch_model.bin.index.json"
 TOKENIZER_FILES = ("vocab.json", "merges.txt", "tokenizer_config.json")  # what write_tokenizer_files writes
+# Tokenizer files transformers reads that gptlab never writes: an earlier save's would define the
+# exported model's tokenizer (AutoTokenizer reads tokenizer.json before vocab.json and merges.txt).
+FOREIGN_TOKENIZER_FILES = ("tokenizer.json", "special_tokens_map.json", "added_tokens.json")
 PREFIX = "transformer."
 
 # HF name (after the `transformer.` prefix) -> True where the tensor is a Conv1D weight, stored
@@ -481,7 +484,8 @@ def save_pretrained(model: GPT, directory: str | os.PathLike, *, tokenizer: str 
 
     Only a plain GPT-2 (learned positions, LayerNorm, GELU MLP, biases; the head tied or not) has
     a GPT2LMHeadModel equivalent; anything else raises ValueError. The tokenizer files are written
-    when `tokenizer` is "gpt2" and the vocabulary covers GPT-2's 50,257 tokens.
+    when `tokenizer` is "gpt2" and the vocabulary covers GPT-2's 50,257 tokens; another tokenizer's
+    files already in `directory` are removed.
     """
     config = model.config
     _check_exportable(config)
@@ -492,6 +496,8 @@ def save_pretrained(model: GPT, directory: str | os.PathLike, *, tokenizer: str 
     # new weights beside the old config (a directory that loads, wrongly), but no config.json.
     (directory / CONFIG_FILE).unlink(missing_ok=True)
     atomic_write(directory / SAFETENSORS_FILE, lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
+    for name in FOREIGN_TOKENIZER_FILES:
+        (directory / name).unlink(missing_ok=True)
     if tokenizer == "gpt2" and config.vocab_size >= 50257:
         write_tokenizer_files(directory, config.block_size)
     else:  # an earlier export's GPT-2 files would be loaded as this model's tokenizer by AutoTokenizer
