@@ -357,6 +357,18 @@ def test_an_export_over_another_tokenizer_leaves_none_of_its_files(tmp_path):
     assert tokenizer("hello world").input_ids == get_tokenizer("gpt2").encode("hello world")
 
 
+def test_an_export_over_another_models_generation_config_removes_it(tmp_path, caplog):
+    """An earlier save's generation_config.json was left beside the export, and transformers
+    generated with it: another vocabulary's eos_token_id (13 is GPT-2's ".") and max_new_tokens.
+    Without one, transformers takes bos and eos from the exported config.json (50256)."""
+    from transformers import GenerationConfig
+
+    GenerationConfig(bos_token_id=1, eos_token_id=13, max_new_tokens=3).save_pretrained(tmp_path)
+    gpt2_like().save_pretrained(tmp_path)
+    generation = hf_load_cleanly(tmp_path, caplog).generation_config
+    assert (generation.eos_token_id, generation.max_new_tokens) == (50256, None)
+
+
 def test_export_command_refuses_variants(tmp_path, capsys):
     save_model(tiny_model(**VARIANTS["llama"]), tmp_path / "native")
     assert main(["export", "--model", str(tmp_path / "native"), "--out", str(tmp_path / "hf")]) == 2

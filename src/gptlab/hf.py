@@ -46,6 +46,9 @@ TOKENIZER_FILES = ("vocab.json", "merges.txt", "tokenizer_config.json")  # what 
 # Tokenizer files transformers reads that gptlab never writes: an earlier save's would define the
 # exported model's tokenizer (AutoTokenizer reads tokenizer.json before vocab.json and merges.txt).
 FOREIGN_TOKENIZER_FILES = ("tokenizer.json", "special_tokens_map.json", "added_tokens.json")
+# An earlier save's generation settings (its vocabulary's eos_token_id, max_length) would be the
+# export's; without the file transformers takes bos and eos from config.json.
+GENERATION_CONFIG_FILE = "generation_config.json"
 PREFIX = "transformer."
 
 # HF name (after the `transformer.` prefix) -> True where the tensor is a Conv1D weight, stored
@@ -485,7 +488,7 @@ def save_pretrained(model: GPT, directory: str | os.PathLike, *, tokenizer: str 
     Only a plain GPT-2 (learned positions, LayerNorm, GELU MLP, biases; the head tied or not) has
     a GPT2LMHeadModel equivalent; anything else raises ValueError. The tokenizer files are written
     when `tokenizer` is "gpt2" and the vocabulary covers GPT-2's 50,257 tokens; another tokenizer's
-    files already in `directory` are removed.
+    files and a generation_config.json already in `directory` are removed.
     """
     config = model.config
     _check_exportable(config)
@@ -496,7 +499,7 @@ def save_pretrained(model: GPT, directory: str | os.PathLike, *, tokenizer: str 
     # new weights beside the old config (a directory that loads, wrongly), but no config.json.
     (directory / CONFIG_FILE).unlink(missing_ok=True)
     atomic_write(directory / SAFETENSORS_FILE, lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
-    for name in FOREIGN_TOKENIZER_FILES:
+    for name in (*FOREIGN_TOKENIZER_FILES, GENERATION_CONFIG_FILE):
         (directory / name).unlink(missing_ok=True)
     if tokenizer == "gpt2" and config.vocab_size >= 50257:
         write_tokenizer_files(directory, config.block_size)
