@@ -56,7 +56,7 @@ def test_bench_generate_refuses_what_transformers_cannot_run_before_any_work(mon
         main(["--preset", "gpt2-tiny"])
     with pytest.raises(ValueError, match="--prompt-len 100 \\+ --new-tokens 29 is past gpt2-tiny's 128 positions"):
         main(["--preset", "gpt2-tiny", "--prompt-len", "100", "--new-tokens", "29"])
-    with pytest.raises(ValueError, match="llama-tiny uses RoPE positions, RMSNorm, SwiGLU MLP, no biases, which"):
+    with pytest.raises(ValueError, match="llama-tiny uses RoPE positions, RMSNorm, SwiGLU MLP, which"):
         main(["--preset", "llama-tiny", "--prompt-len", "8", "--new-tokens", "8"])
     with pytest.raises(ValueError, match="--modes fp32,bogus: unknown bogus; choose from fp32, bf16"):
         main(["--preset", "gpt2-tiny", "--prompt-len", "4", "--new-tokens", "4", "--modes", "fp32,bogus"])

@@ -22,7 +22,7 @@ def test_presets_round_trip_dict_and_json(name):
 def test_llama_preset_combines_variants():
     c = GPTConfig.from_name("llama-tiny")
     assert (c.pos_embedding, c.norm, c.mlp, c.bias, c.tie_weights) == ("rope", "rmsnorm", "swiglu", False, False)
-    assert not c.is_gpt2 and c.not_gpt2 == ["RoPE positions", "RMSNorm", "SwiGLU MLP", "no biases"]
+    assert not c.is_gpt2 and c.not_gpt2 == ["RoPE positions", "RMSNorm", "SwiGLU MLP"]
     # an untied head and the exact GELU export to GPT2LMHeadModel: GPT-2 (is_gpt2 said not)
     assert GPTConfig(tie_weights=False).is_gpt2 and GPTConfig(mlp="gelu_erf").is_gpt2
 

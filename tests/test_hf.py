@@ -297,7 +297,22 @@ def test_an_untied_head_exports_as_its_own_lm_head(tmp_path, caplog):
     assert not back.config.tie_weights and torch.equal(back.lm_head.weight, ours.lm_head.weight)
 
 
-@pytest.mark.parametrize("variant", [v for v in VARIANTS if v != "gpt2"])
+def test_a_model_without_biases_exports_with_zero_biases(tmp_path, caplog):
+    """nanoGPT's default bias=False: GPT2LMHeadModel computes the same with zero biases (it was
+    refused as unrepresentable, so a nanoGPT run could not reach transformers)."""
+    ours = tiny_model(**VARIANTS["nobias-untied"])
+    randomize(ours, seed=3)
+    ours.save_pretrained(tmp_path)
+    theirs = hf_load_cleanly(tmp_path, caplog)
+    assert not theirs.transformer.h[0].attn.c_attn.bias.any() and not theirs.transformer.ln_f.bias.any()
+    assert max_diff(ours, theirs, inputs(theirs.config)) <= TOL
+    back = hf.load_pretrained(tmp_path)  # biases again, all zero: the same logits
+    idx = inputs(theirs.config)
+    with torch.no_grad():
+        assert torch.equal(back(idx)[0], ours(idx)[0])  # measured: exactly equal
+
+
+@pytest.mark.parametrize("variant", [v for v in VARIANTS if v not in ("gpt2", "nobias-untied")])
 def test_variants_refuse_to_export(tmp_path, variant):
     with pytest.raises(ValueError, match="native format.*save_model"):
         tiny_model(**VARIANTS[variant]).save_pretrained(tmp_path)

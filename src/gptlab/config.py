@@ -102,7 +102,7 @@ class GPTConfig:
     @property
     def is_gpt2(self) -> bool:
         """True when transformers' GPT2LMHeadModel holds the model exactly (gptlab.hf exports it):
-        no variant of `not_gpt2`. An untied head and the exact GELU are GPT-2 too."""
+        no variant of `not_gpt2`. An untied head, the exact GELU and no biases (zero biases) are GPT-2 too."""
         return not self.not_gpt2
 
     @property
@@ -112,8 +112,7 @@ class GPTConfig:
             "RoPE positions": self.pos_embedding != "learned",
             "RMSNorm": self.norm != "layernorm",
             "SwiGLU MLP": self.mlp == "swiglu",
-            "no biases": not self.bias,
-        }  # an untied head is tie_word_embeddings=False with its own lm_head.weight
+        }  # an untied head is tie_word_embeddings=False with its own lm_head.weight; no biases are zero biases
         return [name for name, on in variants.items() if on]
 
     @classmethod

@@ -485,8 +485,9 @@ def download(repo_id: str, *, config_only: bool = False) -> Path:
 def save_pretrained(model: GPT, directory: str | os.PathLike, *, tokenizer: str = "gpt2") -> None:
     """Write `model` as a transformers GPT2LMHeadModel directory, with GPT-2's tokenizer files.
 
-    Only a plain GPT-2 (learned positions, LayerNorm, GELU MLP, biases; the head tied or not) has
-    a GPT2LMHeadModel equivalent; anything else raises ValueError. The tokenizer files are written
+    Only a plain GPT-2 (learned positions, LayerNorm, GELU MLP; the head tied or not) has a
+    GPT2LMHeadModel equivalent; anything else raises ValueError. A model without biases (nanoGPT's
+    default) is written with zero biases, the same function. The tokenizer files are written
     when `tokenizer` is "gpt2" and the vocabulary covers GPT-2's 50,257 tokens; another tokenizer's
     files and a generation_config.json already in `directory` are removed.
     """
@@ -524,7 +525,8 @@ def _check_exportable(config: GPTConfig) -> None:
 
 
 def _hf_state(model: GPT) -> dict[str, torch.Tensor]:
-    """The model's tensors under transformers' names, Conv1D weights transposed, a tied head omitted."""
+    """The model's tensors under transformers' names, Conv1D weights transposed, a tied head omitted,
+    zeros for the biases of a model without them."""
     own = model.state_dict()
     table = name_table(model.config)
     unexpected = sorted(set(own) - {name for name, _ in table.values()} - {HEAD_TENSOR})
@@ -534,7 +536,11 @@ def _hf_state(model: GPT) -> dict[str, torch.Tensor]:
         raise ValueError(f"the model has tensors GPT-2 does not ({', '.join(unexpected[:3])}); {why}")
     state = {}
     for hf_name, (name, transpose) in table.items():
-        tensor = own[name].detach()
+        if name in own:
+            tensor = own[name].detach()
+        else:  # bias=False: a zero bias of the weight's output size (gptlab's weights are (out, in))
+            weight = own[name.removesuffix(".bias") + ".weight"]
+            tensor = weight.new_zeros(weight.shape[0])
         state[hf_name] = (tensor.t() if transpose else tensor).contiguous().cpu()
     return state
 
