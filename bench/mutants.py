@@ -1444,6 +1444,9 @@ MUTANTS = [
            ("tests/test_generate.py", "-k", "padded_heads_spare")),
     Mutant("speculative/padded-head-ids-verified", "speculative.py",
            "verify(logits[..., :n_vocab],", "verify(logits,", ("tests/test_generate.py", "-k", "padded_heads_spare")),
+    Mutant("harness/unknown-model-args-ignored", "harness.py",
+           "unused = sorted(set(kwargs) - set(UNUSED_MODEL_ARGS))", "unused = []",
+           ("tests/test_harness.py", "-k", "model_arg_it_would_not_use")),
 ]
 # fmt: on
 # The swapped-name mutant needs its table in the module: appended to hf.py with it.

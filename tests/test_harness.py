@@ -166,6 +166,19 @@ def test_a_batch_size_below_one_or_auto_is_refused(saved):
     assert gptlab.harness.GptlabLM(pretrained=model, batch_size="3").batch_size == 3  # model_args' strings
 
 
+def test_a_model_arg_it_would_not_use_is_refused(saved):
+    """Unknown model_args were swallowed by **kwargs: `peft=DIR` (lm-eval's `hf` name for a LoRA
+    adapter) scored the base model, and a typo (`max_lenght=32`) ran the default, both unsaid.
+    What lm-eval itself passes (max_batch_size, trust_remote_code) is still taken."""
+    _, path = saved
+    extra = {"batch_size": 2, "max_batch_size": 64, "device": None}
+    for args, unused in (("peft=adapter", "peft"), ("max_lenght=32,quantise=int8", "max_lenght, quantise")):
+        with pytest.raises(ValueError, match=f"model_args {unused} not supported by --model gptlab"):
+            gptlab.harness.GptlabLM.create_from_arg_string(f"pretrained={path},{args}", extra)
+    lm = gptlab.harness.GptlabLM.create_from_arg_string(f"pretrained={path},trust_remote_code=True", extra)
+    assert lm.batch_size == 2
+
+
 def test_an_unknown_harness_task_is_a_clear_error(lmeval_workdir, saved, capsys):
     _, path = saved
     assert main(["eval", "--model", path, "--harness", "tiny_choice,no_such_task", "--include-path", str(TASKS)]) == 2

@@ -42,6 +42,9 @@ from gptlab.tokenizer import get_tokenizer
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": None}
 DEFAULT_MAX_GEN_TOKS = 256  # lm-eval's default, where a task names no max_gen_toks
 SAMPLING_KWARGS = ("top_k", "top_p", "min_p", "repetition_penalty", "seed")  # generation_kwargs taken as they are
+# model_args lm-eval itself may add that mean nothing here: max_batch_size (simple_evaluate passes it;
+# it bounds only an `auto` batch size, refused below) and trust_remote_code (its CLI's flag; no code is run)
+UNUSED_MODEL_ARGS = ("max_batch_size", "trust_remote_code")
 
 
 def _batch_size(value: int | str) -> int:
@@ -66,6 +69,10 @@ class GptlabLM(TemplateLM):
     def __init__(self, pretrained, dtype: str = "auto", batch_size: int | str = 1, max_length: int | None = None,
                  device: str | None = None, quantize: str | None = None, adapter: str | None = None, **kwargs):  # fmt: skip
         super().__init__()
+        unused = sorted(set(kwargs) - set(UNUSED_MODEL_ARGS))
+        if unused:  # a typo, or another backend's name (hf's peft=): refused, not run without it
+            raise ValueError(f"model_args {', '.join(unused)} not supported by --model gptlab (it takes pretrained, "
+                             "dtype, batch_size, max_length, device, quantize, adapter)")  # fmt: skip
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
         if isinstance(pretrained, str):
