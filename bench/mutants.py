@@ -1447,6 +1447,9 @@ MUTANTS = [
     Mutant("harness/unknown-model-args-ignored", "harness.py",
            "unused = sorted(set(kwargs) - set(UNUSED_MODEL_ARGS))", "unused = []",
            ("tests/test_harness.py", "-k", "model_arg_it_would_not_use")),
+    Mutant("evaluate/text-file-newlines-translated", "evaluate.py",
+           'text = path.read_bytes().decode("utf-8")', 'text = path.read_text(encoding="utf-8")',
+           ("tests/test_evaluate.py", "-k", "scored_as_its_bytes")),
 ]
 # fmt: on
 # The swapped-name mutant needs its table in the module: appended to hf.py with it.

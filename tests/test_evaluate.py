@@ -177,6 +177,21 @@ def test_read_tokens(tmp_path):
     assert evaluate.read_tokens(tmp_path / "t.txt", tok).tolist() == tok.encode("hello world")
 
 
+def test_a_text_file_is_scored_as_its_bytes_are(tmp_path):
+    """read_text translated newlines: a Windows file's \\r\\n (and a lone \\r) was scored as \\n, so
+    its perplexity was neither the file's nor that of its `gptlab prepare`d tokens (which keep
+    them), and bits per byte divided by fewer bytes than the file holds."""
+    from gptlab.data import prepare
+
+    raw = "First Citizen:\r\nBefore we proceed\rany further, hear me speak.\r\n" * 4
+    path = tmp_path / "crlf.txt"
+    path.write_bytes(raw.encode())
+    assert evaluate.read_tokens(path, BYTE).tolist() == BYTE.encode(raw)
+    prepare(str(path), tmp_path / "data", tokenizer="byte", val_fraction=0.5, workers=1, progress=False)
+    val = evaluate.read_tokens(tmp_path / "data", BYTE).tolist()
+    assert evaluate.read_tokens(path, BYTE).tolist()[-len(val) :] == val
+
+
 # ----------------------------------------------------------------------------- HellaSwag
 
 

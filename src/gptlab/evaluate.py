@@ -162,7 +162,7 @@ def read_tokens(path: str | os.PathLike, tokenizer: Tokenizer) -> np.ndarray:
         raise ValueError(f"{path}: no such file")
     if path.suffix != ".bin":
         try:
-            text = path.read_text(encoding="utf-8")
+            text = path.read_bytes().decode("utf-8")  # not read_text: its newline translation turned \r\n into \n
         except UnicodeDecodeError as e:
             raise ValueError(f"{path}: not UTF-8 text ({e})") from e
         return np.asarray(tokenizer.encode(text), dtype=np.int64)
