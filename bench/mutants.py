@@ -1241,7 +1241,7 @@ MUTANTS = [
            '        raise ValueError(f"{e}: prepare with a larger', '        raise e\n        raise ValueError(f"{e}: prepare with a larger',
            ("tests/test_train.py", "-k", "shorter_than_a_window")),
     Mutant("eval/harness-bars-drawn-under-no-progress", "commands/eval.py",
-           "    for module in users:\n        module.tqdm = quiet\n", "",
+           "    for module in users:\n        module.tqdm = Quiet\n", "",
            ("tests/test_harness.py", "-k", "prints_lm_evals_table")),
     Mutant("train/nan-weights-checkpointed-as-good", "train/trainer.py",
            "        if bad is None:\n            self.save_checkpoint()", "        if True:\n            self.save_checkpoint()",
@@ -1450,6 +1450,10 @@ MUTANTS = [
     Mutant("evaluate/text-file-newlines-translated", "evaluate.py",
            'text = path.read_bytes().decode("utf-8")', 'text = path.read_text(encoding="utf-8")',
            ("tests/test_evaluate.py", "-k", "scored_as_its_bytes")),
+    Mutant("harness/no-progress-leaves-the-bootstrap-bar", "commands/eval.py",
+           "users = [m for m in users if getattr(m, \"tqdm\", None) is tqdm] + [tqdm_package]",
+           "users = [m for m in users if getattr(m, \"tqdm\", None) is tqdm]",
+           ("tests/test_harness.py", "-k", "prints_lm_evals_table")),
 ]
 # fmt: on
 # The swapped-name mutant needs its table in the module: appended to hf.py with it.

@@ -160,24 +160,27 @@ def run_harness(args):
 @contextlib.contextmanager
 def bars_disabled(disabled: bool):
     """No progress bars meanwhile, when `disabled`. lm-eval has no switch for its own, and tqdm
-    reads TQDM_DISABLE only as it is imported: the `tqdm` of lm-eval's modules and of gptlab's
-    backend is replaced meanwhile by one that draws nothing; the datasets library has a switch."""
+    reads TQDM_DISABLE only as it is imported: the `tqdm` of lm-eval's modules, of gptlab's
+    backend and of the tqdm package (lm-eval's bootstrap imports it as it runs) is replaced
+    meanwhile by a subclass that draws nothing; the datasets library has a switch."""
     if not disabled:
         yield
         return
+    import tqdm as tqdm_package
     from datasets.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
     from tqdm import tqdm
 
-    def quiet(*args, **kwargs):
-        return tqdm(*args, **{**kwargs, "disable": True})
+    class Quiet(tqdm):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **{**kwargs, "disable": True})
 
     users = [m for name, m in list(sys.modules.items())
              if name.split(".")[0] == "lm_eval" or name == "gptlab.harness"]  # fmt: skip
-    users = [m for m in users if getattr(m, "tqdm", None) is tqdm]
+    users = [m for m in users if getattr(m, "tqdm", None) is tqdm] + [tqdm_package]
     datasets_before = are_progress_bars_disabled()
     disable_progress_bars()
     for module in users:
-        module.tqdm = quiet
+        module.tqdm = Quiet
     try:
         yield
     finally:
