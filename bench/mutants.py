@@ -1454,6 +1454,12 @@ MUTANTS = [
            "users = [m for m in users if getattr(m, \"tqdm\", None) is tqdm] + [tqdm_package]",
            "users = [m for m in users if getattr(m, \"tqdm\", None) is tqdm]",
            ("tests/test_harness.py", "-k", "prints_lm_evals_table")),
+    Mutant("evaluate/perplexity-through-dropout", "evaluate.py",
+           "with evaluating(model), tqdm(total=len(windows)", "with tqdm(total=len(windows)",
+           ("tests/test_evaluate.py", "-k", "training_is_scored")),
+    Mutant("evaluate/continuations-through-dropout", "evaluate.py",
+           "with evaluating(model), tqdm(total=len(rows)", "with tqdm(total=len(rows)",
+           ("tests/test_evaluate.py", "-k", "training_is_scored")),
 ]
 # fmt: on
 # The swapped-name mutant needs its table in the module: appended to hf.py with it.

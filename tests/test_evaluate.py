@@ -91,6 +91,22 @@ def test_perplexity_is_exp_of_the_direct_mean_loss():
     assert result["perplexity"] == pytest.approx(math.exp(loss.item()), rel=1e-5)
 
 
+def test_a_model_in_training_is_scored_without_dropout_and_left_training():
+    """A model in train mode (a training loop's, or a fresh GPT) was scored through its dropout:
+    each call of perplexity, hellaswag or lambada gave another number."""
+    model = tiny_model(vocab_size=257, dropout=0.5).train()
+    tokens = torch.randint(0, 257, (80,), generator=torch.Generator().manual_seed(1))
+    pairs = [(tokens[:20].tolist(), tokens[20:24].tolist())]
+
+    def scores():
+        return evaluate.perplexity(model, tokens, BYTE)["loss"], evaluate.score_continuations(model, pairs)[0]["nll"]
+
+    in_training = scores()
+    assert model.training and model.transformer.drop.training  # its own mode, given back
+    model.eval()
+    assert scores() == in_training
+
+
 def test_stride_zero_is_refused_not_taken_as_the_default():
     """`gptlab eval --stride 0` ran the default stride (block_size / 2) without a word."""
     tokens = torch.randint(0, 97, (40,), generator=torch.Generator().manual_seed(1))

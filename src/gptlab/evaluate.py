@@ -31,6 +31,7 @@ import torch
 
 from gptlab.atomic import atomic_write
 from gptlab.chunked_loss import token_logprobs
+from gptlab.generation import evaluating
 from gptlab.model import GPT
 from gptlab.tokenizer import Tokenizer
 
@@ -85,14 +86,15 @@ def sequence_nll(
 
     The head runs only on the positions a window scores, and their log-probabilities come from
     chunked_loss.token_logprobs, never as (B, T, V) logits: on the demo model's 50,257-token head,
-    a window's logits and their log-softmax were 26 MB each, allocated and freed per batch."""
+    a window's logits and their log-softmax were 26 MB each, allocated and freed per batch. A model
+    in training is scored without dropout (`evaluating`) and left in its mode."""
     from tqdm import tqdm
 
     block_size = model.config.block_size
     windows = sliding_windows(len(tokens), block_size, default_stride(block_size) if stride is None else stride)
     device = next(model.parameters()).device
     total, count = 0.0, 0
-    with tqdm(total=len(windows), unit="window", desc="perplexity", disable=not progress) as bar:
+    with evaluating(model), tqdm(total=len(windows), unit="window", desc="perplexity", disable=not progress) as bar:
         for batch in _batches(windows, batch_size):
             x = torch.stack([tokens[b:e] for b, e, _ in batch]).to(device)  # (B, T)
             hidden, _ = model(x, head=False)  # (B, T, C)
@@ -211,7 +213,8 @@ def score_continuations(
     count, and whether greedy decoding reproduces all of it. Contexts are cropped from the left to
     fit the model's context; rows are batched by length, right-padded (causal attention never
     looks at the padding that follows a row). The head runs only on the positions that predict a
-    continuation (chunked_loss.token_logprobs), never on a batch's (B, T, V) logits."""
+    continuation (chunked_loss.token_logprobs), never on a batch's (B, T, V) logits. A model in
+    training is scored without dropout (`evaluating`) and left in its mode."""
     from tqdm import tqdm
 
     block_size = model.config.block_size
@@ -225,7 +228,7 @@ def score_continuations(
         rows.append((list(ctx) + list(cont))[-(block_size + 1) :])
     order = sorted(range(len(rows)), key=lambda i: -len(rows[i]))  # longest first: little padding
     results: list[dict] = [{}] * len(rows)
-    with tqdm(total=len(rows), unit="row", desc=desc, disable=not progress) as bar:
+    with evaluating(model), tqdm(total=len(rows), unit="row", desc=desc, disable=not progress) as bar:
         for start in range(0, len(order), batch_size):
             chunk = order[start : start + batch_size]
             width = len(rows[chunk[0]]) - 1
