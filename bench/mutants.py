@@ -1460,6 +1460,12 @@ MUTANTS = [
     Mutant("evaluate/continuations-through-dropout", "evaluate.py",
            "with evaluating(model), tqdm(total=len(rows)", "with tqdm(total=len(rows)",
            ("tests/test_evaluate.py", "-k", "training_is_scored")),
+    Mutant("quantize/save-writes-lora-adapters-under-the-layers-names", "quantize.py",
+           "    adapters = list(lora_layers(model))\n", "    adapters = []\n",
+           ("tests/test_quantize.py", "-k", "saving_a_quantized_model_with_adapters")),
+    Mutant("quantize/save-writes-merged-float-layers-as-quantized", "quantize.py",
+           "floats = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]", "floats = []",
+           ("tests/test_quantize.py", "-k", "saving_a_quantized_model_with_adapters")),
 ]
 # fmt: on
 # The swapped-name mutant needs its table in the module: appended to hf.py with it.

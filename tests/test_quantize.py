@@ -614,3 +614,20 @@ def test_quantized_model_refuses_to_train_and_its_dequantized_reference_trains(m
     _, loss = reference(idx, targets=idx)
     loss.backward()
     assert all(p.grad is not None for p in reference.parameters())
+
+
+@pytest.mark.parametrize("merged", [False, True])
+def test_saving_a_quantized_model_with_adapters_or_merged_float_layers_is_refused(tmp_path, merged):
+    """save_quantized wrote a directory that did not load: a quantized model carrying LoRA adapters
+    stored them under its layers' names ('missing tensors ...c_attn.weight'), and one whose adapters
+    were merged (gptlab.lora.merge makes the layers float) stored fp32 weights under the int8 record
+    ('is torch.float32, the model expects torch.int8'). Both are refused before anything is written."""
+    from gptlab.lora import LoRASettings, apply_lora, merge
+
+    model = apply_lora(quantize_model(tiny_model(), "int8"), LoRASettings(rank=2, targets=("c_attn.q", "mlp.c_fc")))
+    message = "carries LoRA adapters"
+    if merged:
+        model, message = merge(model), "transformer.h.0.attn.c_attn, .* are float"
+    with pytest.raises(ValueError, match=message):
+        save_quantized(model, tmp_path / "q")
+    assert not (tmp_path / "q").exists()

@@ -53,6 +53,7 @@ from gptlab import linear as linear_layer
 from gptlab.atomic import atomic_write, atomic_write_text
 from gptlab.checkpoint import META_FILE, WEIGHTS_FILE, load_state_strict, read_meta
 from gptlab.config import GPTConfig
+from gptlab.lora import lora_layers
 from gptlab.meta import meta_device
 from gptlab.model import GPT
 
@@ -517,11 +518,25 @@ def save_quantized(model: GPT, directory: str | os.PathLike, *, tokenizer: str =
     scheme = getattr(model, "quantization", None)
     if not scheme:
         raise ValueError("model is not quantized; save it with gptlab.checkpoint.save_model")
+    _check_layers_saveable(model)
     directory = Path(directory)
     state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
     atomic_write(directory / WEIGHTS_FILE, lambda tmp: save_file(state, tmp))
     meta = {"format": "gptlab", "config": model.config.to_dict(), "tokenizer": tokenizer, "quantization": scheme}
     atomic_write_text(directory / META_FILE, json.dumps(meta, indent=2))
+
+
+def _check_layers_saveable(model: GPT) -> None:
+    """Refuse what load_quantized could not read back: LoRA adapters (their tensors sit under the
+    layers' names) and float linear layers (gptlab.lora.merge leaves its merged layers float)."""
+    adapters = list(lora_layers(model))
+    if adapters:
+        raise ValueError(f"model carries LoRA adapters ({', '.join(adapters[:3])}): save them with "
+                         "gptlab.lora.save_adapter, or merge them into the float model and quantize that")  # fmt: skip
+    floats = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    if floats:
+        raise ValueError(f"{', '.join(floats[:3])} are float layers in a quantized model (a LoRA merge makes "
+                         "them float): merge into the float model and quantize that")  # fmt: skip
 
 
 def load_quantized(directory: str | os.PathLike, *, device=None) -> GPT:
