@@ -1466,6 +1466,10 @@ MUTANTS = [
     Mutant("quantize/save-writes-merged-float-layers-as-quantized", "quantize.py",
            "floats = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]", "floats = []",
            ("tests/test_quantize.py", "-k", "saving_a_quantized_model_with_adapters")),
+    Mutant("bench/quantize-group-size-checked-against-n-embd-only", "bench/quantize.py",
+           'misfit = group_misfit(model, scheme.get("group_size", 1))',
+           'misfit = model.config.n_embd % scheme.get("group_size", 1)',
+           ("tests/test_quantize.py", "-k", "skips_a_group_size")),
 ]
 # fmt: on
 # The swapped-name mutant needs its table in the module: appended to hf.py with it.

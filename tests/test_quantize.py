@@ -631,3 +631,24 @@ def test_saving_a_quantized_model_with_adapters_or_merged_float_layers_is_refuse
     with pytest.raises(ValueError, match=message):
         save_quantized(model, tmp_path / "q")
     assert not (tmp_path / "q").exists()
+
+
+def test_bench_quantize_skips_a_group_size_that_does_not_divide_the_mlp_width(tmp_path, capsys):
+    """A group size was checked against n_embd only: a model whose MLP width it does not divide (a
+    Llama-style n_embd 256 has a SwiGLU width of 704; here n_inner 192) stopped the bench at
+    int4-g128 with quantize_model's ValueError, after every earlier row, and nothing was written."""
+    from gptlab.bench.quantize import main as bench_main
+
+    save_model(tiny_model(vocab_size=257, n_embd=128, n_inner=192), tmp_path / "m", tokenizer="byte")
+    (tmp_path / "text.txt").write_text("to be or not to be, that is the question. " * 40)
+    args = ["--no-random", "--model", str(tmp_path / "m"), "--data", str(tmp_path / "text.txt"),
+            "--decode-tokens", "8", "--threads", "1", "--out", str(tmp_path / "out")]  # fmt: skip
+    threads = torch.get_num_threads()
+    try:
+        assert bench_main(args) == 0
+    finally:
+        torch.set_num_threads(threads)
+    rows = json.loads(next((tmp_path / "out").glob("quantize-*.json")).read_text())["perplexity"]
+    assert {"int8", "int8-wo", "int4-g32", "int4-g64"} <= set(rows) and "int4-g128" not in rows
+    skipped = "int4-g128 skipped: group size 128 does not divide transformer.h.0.mlp.c_proj's 192 inputs"
+    assert skipped in capsys.readouterr().out

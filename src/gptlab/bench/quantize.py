@@ -115,6 +115,15 @@ def decode_perplexity(model, ids: list[int], window: int) -> float:
     return math.exp(nll / count)
 
 
+def group_misfit(model, group_size: int) -> str:
+    """Why int4 groups of `group_size` do not fit the model (the first linear layer whose input
+    width they do not divide: n_embd, or the MLP's hidden width for mlp.c_proj), else ""."""
+    for name, m in model.named_modules():
+        if isinstance(m, torch.nn.Linear) and m.in_features % group_size:
+            return f"group size {group_size} does not divide {name}'s {m.in_features} inputs"
+    return ""
+
+
 def perplexity_rows(args, text: str) -> dict:
     """Validation perplexity of --model under each scheme that fits its widths."""
     from gptlab.evaluate import perplexity
@@ -136,7 +145,9 @@ def perplexity_rows(args, text: str) -> dict:
     print(f"  {args.model} fp32 perplexity {base:.4f} ({len(val)} tokens), "
           f"decoding {base_decode:.4f} ({len(decoded)} tokens)", flush=True)  # fmt: skip
     for name, scheme in SCHEMES.items():
-        if model.config.n_embd % scheme.get("group_size", 1):
+        misfit = group_misfit(model, scheme.get("group_size", 1))
+        if misfit:
+            print(f"  {args.model} {name} skipped: {misfit}", flush=True)
             continue
         qmodel = quantize_model(copy.deepcopy(model), **scheme)
         ppl = perplexity(qmodel, val, tok, stride=stride, batch_size=8)["perplexity"]
