@@ -1470,6 +1470,9 @@ MUTANTS = [
            'misfit = group_misfit(model, scheme.get("group_size", 1))',
            'misfit = model.config.n_embd % scheme.get("group_size", 1)',
            ("tests/test_quantize.py", "-k", "skips_a_group_size")),
+    Mutant("quantize/classifier-quantized-as-a-language-model", "quantize.py",
+           "    if model.config.num_labels:  # load_quantized builds a GPT", "    if False:  # load_quantized builds a GPT",
+           ("tests/test_quantize.py", "-k", "refuses_a_classifier")),
 ]
 # fmt: on
 # The swapped-name mutant needs its table in the module: appended to hf.py with it.

@@ -652,3 +652,16 @@ def test_bench_quantize_skips_a_group_size_that_does_not_divide_the_mlp_width(tm
     assert {"int8", "int8-wo", "int4-g32", "int4-g64"} <= set(rows) and "int4-g128" not in rows
     skipped = "int4-g128 skipped: group size 128 does not divide transformer.h.0.mlp.c_proj's 192 inputs"
     assert skipped in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("tie_weights", [True, False])
+def test_quantize_model_refuses_a_classifier(tie_weights):
+    """quantize_model on a classifier was an AttributeError (no lm_head) or, untied, quantized its
+    score head into a model save_quantized wrote and load_quantized read back as a language model;
+    gptlab quantize refused it already, the API now does too, changing nothing."""
+    from gptlab.classifier import from_language_model
+
+    model = from_language_model(tiny_model(tie_weights=tie_weights), ["neg", "pos"], pad_token_id=0)
+    with pytest.raises(ValueError, match="a classifier .*2 labels.*language models"):
+        quantize_model(model, "int8")
+    assert isinstance(model.score, nn.Linear) and not getattr(model, "quantization", None)

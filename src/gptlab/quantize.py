@@ -454,6 +454,10 @@ def quantize_model(
     (group-wise, `group_size` in 32/64/128/256 dividing every layer's input width).
     """
     _check_scheme(mode, group_size, activations)
+    if model.config.num_labels:  # load_quantized builds a GPT: a quantized score head would not come back
+        raise ValueError(
+            f"model is a classifier ({model.config.num_labels} labels); quantize_model holds language models"
+        )
     if getattr(model, "quantization", None):
         raise ValueError(f"model is already quantized ({model.quantization['mode']})")
     linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
