@@ -1473,6 +1473,12 @@ MUTANTS = [
     Mutant("quantize/classifier-quantized-as-a-language-model", "quantize.py",
            "    if model.config.num_labels:  # load_quantized builds a GPT", "    if False:  # load_quantized builds a GPT",
            ("tests/test_quantize.py", "-k", "refuses_a_classifier")),
+    Mutant("bench/quantize-fp32-row-in-the-stored-dtype", "bench/quantize.py",
+           "model = load_model(args.model, dtype=torch.float32)", "model = load_model(args.model)",
+           ("tests/test_quantize.py", "-k", "compares_with_the_fp32")),
+    Mutant("bench/quantize-takes-a-quantized-model", "bench/quantize.py",
+           "        check_not_quantized(args.model)\n", "",
+           ("tests/test_quantize.py", "-k", "compares_with_the_fp32")),
 ]
 # fmt: on
 # The swapped-name mutant needs its table in the module: appended to hf.py with it.

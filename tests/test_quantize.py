@@ -665,3 +665,34 @@ def test_quantize_model_refuses_a_classifier(tie_weights):
     with pytest.raises(ValueError, match="a classifier .*2 labels.*language models"):
         quantize_model(model, "int8")
     assert isinstance(model.score, nn.Linear) and not getattr(model, "quantization", None)
+
+
+def test_bench_quantize_compares_with_the_fp32_model(tmp_path, monkeypatch, capsys):
+    """Its "fp32" row was the model as stored: a bf16 model's bf16 perplexity (the schemes then ran
+    with bf16 activations too), and a quantized one's int8 perplexity, before quantize_model refused
+    it ("already quantized") after every random-model row. The model is read in fp32, and a
+    quantized one is refused before anything runs."""
+    from gptlab.bench import quantize as bench
+    from gptlab.evaluate import perplexity
+    from gptlab.tokenizer import get_tokenizer
+
+    save_model(tiny_model(vocab_size=257, n_embd=64).to(torch.bfloat16), tmp_path / "bf16", tokenizer="byte")
+    text = "to be or not to be, that is the question. " * 40
+    (tmp_path / "text.txt").write_text(text)
+    args = ["--no-random", "--model", str(tmp_path / "bf16"), "--data", str(tmp_path / "text.txt"),
+            "--decode-tokens", "8", "--threads", "1", "--out", str(tmp_path / "out")]  # fmt: skip
+    threads = torch.get_num_threads()
+    try:
+        assert bench.main(args) == 0
+    finally:
+        torch.set_num_threads(threads)
+    rows = json.loads(next((tmp_path / "out").glob("quantize-*.json")).read_text())["perplexity"]
+    tok = get_tokenizer("byte")
+    val = tok.encode(text)[int(0.9 * len(text)) :]
+    fp32 = perplexity(load_model(str(tmp_path / "bf16"), dtype=torch.float32), val, tok, stride=32, batch_size=8)
+    assert rows["fp32"]["perplexity"] == round(fp32["perplexity"], 4)  # bf16's is 0.025 higher
+
+    save_quantized(quantize_model(tiny_model(n_embd=64), "int8"), tmp_path / "q")
+    monkeypatch.setattr(bench, "random_gpt2_rows", None)  # nothing runs before the check
+    assert main(["bench", "quantize", "--model", str(tmp_path / "q"), "--out", ""]) == 2
+    assert f"--model {tmp_path / 'q'} is quantized (int8): give the float model" in capsys.readouterr().err

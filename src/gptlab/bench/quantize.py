@@ -132,7 +132,7 @@ def perplexity_rows(args, text: str) -> dict:
     from gptlab.quantize import quantize_model
     from gptlab.tokenizer import get_tokenizer
 
-    model = load_model(args.model)
+    model = load_model(args.model, dtype=torch.float32)  # the fp32 row, whatever the file holds (bf16)
     tok = get_tokenizer(tokenizer_name(args.model))
     ids = tok.encode(text)
     val = ids[int((1 - args.val_fraction) * len(ids)) :]
@@ -166,6 +166,17 @@ def perplexity_rows(args, text: str) -> dict:
     return rows
 
 
+def check_not_quantized(spec: str) -> None:
+    """ValueError if the --model spec names a gptlab-quantized directory: the bench quantizes a float model."""
+    from gptlab.checkpoint import META_FILE, read_meta
+    from gptlab.loading import checkpoint_path
+
+    path = checkpoint_path(spec)
+    scheme = read_meta(path).get("quantization") if (path / META_FILE).is_file() else None
+    if scheme:
+        raise ValueError(f"--model {spec} is quantized ({scheme['mode']}): give the float model it was quantized from")
+
+
 def main(argv=None) -> int:
     from gptlab.loading import load_config
 
@@ -175,6 +186,7 @@ def main(argv=None) -> int:
             load_config(args.model)
         except ValueError as e:
             raise ValueError(f"--model {e}") from e
+        check_not_quantized(args.model)
     if args.threads:
         torch.set_num_threads(args.threads)
     text = Path(args.data).read_text()
