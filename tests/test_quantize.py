@@ -696,3 +696,17 @@ def test_bench_quantize_compares_with_the_fp32_model(tmp_path, monkeypatch, caps
     monkeypatch.setattr(bench, "random_gpt2_rows", None)  # nothing runs before the check
     assert main(["bench", "quantize", "--model", str(tmp_path / "q"), "--out", ""]) == 2
     assert f"--model {tmp_path / 'q'} is quantized (int8): give the float model" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_compiled_decoding_of_a_quantized_model(mode):
+    """`gptlab generate --compile` of an int4 model whose layers run gptlab's kernels (inputs in
+    whole chunks of 128) failed in torch.compile ('torch.* op returned non-Tensor': the layer
+    dequantized itself through ctypes); compiled graphs now dequantize in torch, and decode the
+    greedy tokens of the dequantized reference."""
+    from gptlab.generation import compile_decode
+
+    model = quantize_model(tiny_model(n_embd=128, n_layer=1), mode, group_size=32)
+    prompts = [[5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8]]
+    tokens = generate(model, prompts, 6, temperature=0, compiled_step=compile_decode(model))
+    assert tokens == generate(dequantize_model(model), prompts, 6, temperature=0)

@@ -393,6 +393,8 @@ class Int4Linear(QuantizedLinear):
 
     def _kernel(self, x2d):
         if self._kernel_weights[0] == "gptlab":
+            if torch.compiler.is_compiling():  # torch.compile cannot trace ctypes: dequantize in torch
+                return F.linear(x2d.float(), self.dequantize(), self.bias)  # (M, N)
             if self._prompts_in_bf16 and x2d.size(0) >= linear_layer.INT4_BF16_ROWS:  # a long prompt on AMX
                 return linear_layer.int4_bf16_linear(
                     x2d, self.weight, self.scales, self.zeros, self.group_size, self.bias
