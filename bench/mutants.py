@@ -1483,6 +1483,9 @@ MUTANTS = [
            "            if torch.compiler.is_compiling():  # torch.compile cannot trace ctypes",
            "            if False:  # torch.compile cannot trace ctypes",
            ("tests/test_quantize.py", "-k", "compiled_decoding_of_a_quantized_model and int4")),
+    Mutant("hooks/process-weights-folds-a-quantized-model", "hooks.py",
+           'if scheme := getattr(model, "quantization", None):', "if scheme := None:",
+           ("tests/test_hooks.py", "-k", "process_weights_refuses_a_quantized_model")),
 ]
 # fmt: on
 # The swapped-name mutant needs its table in the module: appended to hf.py with it.

@@ -406,3 +406,15 @@ def test_processed_weights_equal_transformer_bridges_compatibility_mode(tmp_path
     centred = lambda x: x - x.mean(-1, keepdim=True)  # noqa: E731
     torch.testing.assert_close(centred(logits), centred(plain), rtol=0, atol=1e-5)
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # a copy was processed
+
+
+def test_process_weights_refuses_a_quantized_model():
+    """process_weights of a quantized model was a RuntimeError from torch ('Only Tensors of floating
+    point and complex dtype can require gradients': it copied the int8 head into a float one)."""
+    from gptlab.hooks import process_weights
+    from gptlab.quantize import dequantize_model, quantize_model
+
+    model = quantize_model(tiny_model(), "int8")
+    with pytest.raises(ValueError, match=r"quantized \(int8\).*dequantize_model"):
+        process_weights(model)
+    process_weights(dequantize_model(model))  # what the message asks for

@@ -217,6 +217,9 @@ def process_weights(
     import copy
 
     c = model.config
+    if scheme := getattr(model, "quantization", None):  # its layers hold integer codes, not weights to fold
+        raise ValueError(f"process_weights folds float weights; this model is quantized ({scheme['mode']}): "
+                         "process gptlab.quantize.dequantize_model(model)")  # fmt: skip
     if c.norm != "layernorm" or c.pos_embedding != "learned" or not c.bias or c.mlp == "swiglu":
         raise ValueError("process_weights handles GPT-2's architecture (LayerNorm, learned positions, biases, GELU)")
     m = copy.deepcopy(model)
