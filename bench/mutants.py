@@ -884,7 +884,7 @@ MUTANTS = [
            "[list(r[-block:]) for r in rows]", "[list(r) for r in rows]",
            ("tests/test_speculative.py", "-k", "longer_than")),
     Mutant("speculative/window-keep-zero-taken-as-the-default", "kv_cache.py",
-           "keep = block_size * 3 // 4 if keep is None else keep", "keep = keep or block_size * 3 // 4",
+           "keep = max(1, block_size * 3 // 4) if keep is None else keep", "keep = keep or max(1, block_size * 3 // 4)",
            ("tests/test_speculative.py", "-k", "bad_settings")),
     Mutant("train/keep-checkpoints-zero-accepted", "train_config.py",
            'positive += ["keep_checkpoints", ', "positive += [", ("tests/test_train.py", "-k", "counts_of_zero")),
@@ -1486,6 +1486,9 @@ MUTANTS = [
     Mutant("hooks/process-weights-folds-a-quantized-model", "hooks.py",
            'if scheme := getattr(model, "quantization", None):', "if scheme := None:",
            ("tests/test_hooks.py", "-k", "process_weights_refuses_a_quantized_model")),
+    Mutant("generate/default-window-of-a-one-token-context-is-empty", "kv_cache.py",
+           "keep = max(1, block_size * 3 // 4) if keep is None", "keep = block_size * 3 // 4 if keep is None",
+           ("tests/test_generate.py", "-k", "context_of_one_token")),
 ]
 # fmt: on
 # The swapped-name mutant needs its table in the module: appended to hf.py with it.

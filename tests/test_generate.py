@@ -599,3 +599,15 @@ def test_compiled_decode_step_matches_eager():
     with pytest.raises(ValueError, match="hooks registered"):
         generate(model, prompts, 10, temperature=0, compiled_step=step)
     handle.remove()
+
+
+def test_a_model_with_a_context_of_one_token_generates():
+    """block_size 1: the default window (3/4 of block_size) was 0 tokens, refused as 'window_keep
+    must be in [1, block_size], got 0', so such a model generated nothing, not even one token. It
+    keeps its one token; each step then sees the last token alone, as the model's forward does."""
+    model = tiny_model(block_size=1)
+    out = generate(model, torch.tensor([[5]]), 4, temperature=0)
+    tokens = [5]
+    for _ in range(4):
+        tokens.append(int(model(torch.tensor([tokens[-1:]]))[0][0, -1].argmax()))
+    assert out[0].tolist() == tokens

@@ -34,8 +34,9 @@ def cache_dtype(model) -> torch.dtype:
 
 def window_keep(block_size: int, keep: int | None) -> int:
     """The tokens a full cache keeps when decoding slides its window (gptlab.generation): `keep`,
-    or 3/4 of block_size when None; ValueError outside [1, block_size]."""
-    keep = block_size * 3 // 4 if keep is None else keep
+    or 3/4 of block_size when None (at least 1: a block_size of 1 keeps its token); ValueError
+    outside [1, block_size]."""
+    keep = max(1, block_size * 3 // 4) if keep is None else keep
     if not 1 <= keep <= block_size:
         raise ValueError(f"window_keep must be in [1, block_size], got {keep}")
     return keep
