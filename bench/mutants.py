@@ -1489,6 +1489,12 @@ MUTANTS = [
     Mutant("generate/default-window-of-a-one-token-context-is-empty", "kv_cache.py",
            "keep = max(1, block_size * 3 // 4) if keep is None", "keep = block_size * 3 // 4 if keep is None",
            ("tests/test_generate.py", "-k", "context_of_one_token")),
+    Mutant("checkpoint/save-model-writes-a-quantized-model-as-float", "checkpoint.py",
+           'if scheme := getattr(model, "quantization", None):', "if scheme := None:",
+           ("tests/test_quantize.py", "-k", "save_model_refuses_what_load_native_cannot_read")),
+    Mutant("checkpoint/save-model-writes-adapters-under-the-layers-names", "checkpoint.py",
+           "    if lora_layers(model):\n", "    if False:\n",
+           ("tests/test_quantize.py", "-k", "save_model_refuses_what_load_native_cannot_read")),
 ]
 # fmt: on
 # The swapped-name mutant needs its table in the module: appended to hf.py with it.

@@ -710,3 +710,20 @@ def test_compiled_decoding_of_a_quantized_model(mode):
     prompts = [[5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8]]
     tokens = generate(model, prompts, 6, temperature=0, compiled_step=compile_decode(model))
     assert tokens == generate(dequantize_model(model), prompts, 6, temperature=0)
+
+
+@pytest.mark.parametrize("carries", ["int8", "int4", "adapters"])
+def test_save_model_refuses_what_load_native_cannot_read(tmp_path, carries):
+    """checkpoint.save_model of a quantized model wrote its codes and scales under a float model's
+    gptlab.json, and of a model with LoRA adapters their tensors under the layers' names: neither
+    loaded ('missing tensors ...'), and `gptlab bench serve --model INT8_DIR --mode fp32` died in
+    its server. Each is refused before anything is written, naming what to call instead."""
+    from gptlab.lora import LoRASettings, apply_lora
+
+    if carries == "adapters":
+        model, message = apply_lora(tiny_model(), LoRASettings(rank=2)), "carries LoRA adapters.*save_adapter"
+    else:
+        model, message = quantize_model(tiny_model(), carries, 32), f"quantized \\({carries}\\).*save_quantized"
+    with pytest.raises(ValueError, match=message):
+        save_model(model, tmp_path / "m")
+    assert not (tmp_path / "m").exists()

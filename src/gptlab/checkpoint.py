@@ -22,6 +22,7 @@ from safetensors.torch import load_file, save_file
 from gptlab.atomic import atomic_write, atomic_write_text
 from gptlab.classifier import model_for
 from gptlab.config import GPTConfig
+from gptlab.lora import lora_layers
 from gptlab.meta import meta_device
 from gptlab.model import GPT
 
@@ -32,6 +33,7 @@ WEIGHTS_FILE = "model.safetensors"
 
 def save_model(model: GPT, directory: str | os.PathLike, *, tokenizer: str = "gpt2", extra: dict | None = None) -> None:
     """Write `model` as a native gptlab directory (weights first, then the metadata)."""
+    _check_plain_weights(model)
     directory = Path(directory)
     state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
     if model.config.ties_head:
@@ -39,6 +41,16 @@ def save_model(model: GPT, directory: str | os.PathLike, *, tokenizer: str = "gp
     atomic_write(directory / WEIGHTS_FILE, lambda tmp: save_file(state, tmp))
     meta = {"format": "gptlab", "config": model.config.to_dict(), "tokenizer": tokenizer, **(extra or {})}
     atomic_write_text(directory / META_FILE, json.dumps(meta, indent=2))
+
+
+def _check_plain_weights(model: GPT) -> None:
+    """Refuse what load_native could not read back: a quantized model's codes and scales, or LoRA
+    adapters' tensors under the layers' names."""
+    if scheme := getattr(model, "quantization", None):
+        raise ValueError(f"model is quantized ({scheme['mode']}); save it with gptlab.quantize.save_quantized")
+    if lora_layers(model):
+        raise ValueError("model carries LoRA adapters: save them with gptlab.lora.save_adapter, "
+                         "or fold them in first (gptlab.lora.merge)")  # fmt: skip
 
 
 def read_meta(directory: str | os.PathLike) -> dict:
