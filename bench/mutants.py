@@ -1249,6 +1249,9 @@ MUTANTS = [
     Mutant("lora/peft-trained-biases-unnamed", "lora.py",
            '    if config.get("bias", "none") != "none":', "    if False:",
            ("tests/test_lora.py", "-k", "trained_the_biases")),
+    Mutant("lora/target-parameters-loaded-as-plain-lora", "lora.py",
+           '    "target_parameters": "parameter-targeting LoRA",\n', "",
+           ("tests/test_lora.py", "-k", "other_than_plain")),
     Mutant("cli/broken-pipe-reported-as-an-error", "cli.py",
            "    except BrokenPipeError:  # `gptlab info | head`: the reader has all it wants; no \"error: Broken pipe\"\n"
            "        _stdout_to_devnull()\n        return BROKEN_PIPE\n", "",

@@ -406,6 +406,36 @@ def test_a_peft_adapter_that_trained_the_biases_is_refused_by_its_setting(tmp_pa
     assert not lora_layers(model)
 
 
+@pytest.mark.parametrize(
+    ("key", "setting"),
+    [
+        ("use_dora", dict(use_dora=True)),
+        ("use_rslora", dict(use_rslora=True)),
+        (
+            "target_parameters",
+            dict(target_modules=[], target_parameters=["transformer.h.0.attn.c_proj.weight"], fan_in_fan_out=False),
+        ),
+        ("alora_invocation_tokens", dict(alora_invocation_tokens=[262], task_type="CAUSAL_LM")),
+        ("use_bdlora", dict(use_bdlora={"target_modules_bd_a": ["c_attn"], "nblocks": 2})),
+    ],
+)
+def test_a_peft_adapter_computing_other_than_plain_lora_is_refused_by_its_setting(tmp_path, key, setting):
+    """PEFT variants gptlab does not run were loaded as plain LoRA: a target_parameters adapter
+    on a square weight (attn.c_proj) and an aLoRA one (applied only from its invocation tokens on)
+    gave other logits than PEFT's, 2.7 and 2.3 apart, saying nothing; BD-LoRA's was refused as
+    "an adapter for another model". Each is refused naming its setting, the model unchanged."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import GPT2LMHeadModel
+
+    base_model().save_pretrained(tmp_path / "base")
+    config = LoraConfig(**{"r": 2, "target_modules": ["c_attn"], "fan_in_fan_out": True, **setting})
+    get_peft_model(GPT2LMHeadModel.from_pretrained(tmp_path / "base"), config).save_pretrained(tmp_path / "a")
+    model = base_model()
+    with pytest.raises(ValueError, match=rf"\({key}\) are not supported"):
+        load_adapter(model, tmp_path / "a")
+    assert not lora_layers(model)
+
+
 def test_lora_targets_naming_no_layer_are_refused(tmp_path):
     """lora_targets="" (or ",") made no adapter: the run failed at its first backward with a
     RuntimeError traceback ("element 0 of tensors does not require grad")."""

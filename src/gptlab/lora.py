@@ -29,6 +29,17 @@ from safetensors.torch import load_file, save_file
 QKV = ("q", "k", "v")
 ALL_TARGETS = ("c_attn.q", "c_attn.k", "c_attn.v", "attn.c_proj", "mlp.c_fc", "mlp.c_proj", "lm_head")
 PREFIX = "base_model.model."
+# PEFT settings under which an adapter computes something other than plain LoRA, which gptlab runs:
+# loaded as plain LoRA, a target_parameters adapter on a square weight and an aLoRA one (applied
+# only from its invocation tokens on) gave other logits than PEFT's, saying nothing.
+OTHER_THAN_LORA = {
+    "use_dora": "DoRA",
+    "use_rslora": "rsLoRA",
+    "target_parameters": "parameter-targeting LoRA",
+    "alora_invocation_tokens": "Activated LoRA (aLoRA)",
+    "use_bdlora": "block-diagonal (BD-LoRA)",
+    "arrow_config": "Arrow-routed",
+}
 
 
 @dataclass
@@ -230,8 +241,9 @@ def load_adapter(model: nn.Module, directory: str | os.PathLike) -> nn.Module:
         raise ValueError(f"{directory}: adapter_config.json is not a JSON object")
     if config.get("peft_type") != "LORA":
         raise ValueError(f"{directory}: a {config.get('peft_type')} adapter; gptlab reads LORA")
-    if config.get("use_dora") or config.get("use_rslora"):
-        raise ValueError(f"{directory}: DoRA and rsLoRA adapters are not supported")
+    for key, variant in OTHER_THAN_LORA.items():
+        if config.get(key):
+            raise ValueError(f"{directory}: {variant} adapters ({key}) are not supported; gptlab runs plain LoRA")
     if config.get("lora_bias"):  # its lora_B.bias tensors were left out: other logits, silently
         raise ValueError(f"{directory}: adapters with lora_bias (a bias on lora_B) are not supported")
     if config.get("bias", "none") != "none":  # was "holds ...base_layer.bias, which this model does not have"
