@@ -1252,6 +1252,10 @@ MUTANTS = [
     Mutant("lora/target-parameters-loaded-as-plain-lora", "lora.py",
            '    "target_parameters": "parameter-targeting LoRA",\n', "",
            ("tests/test_lora.py", "-k", "other_than_plain")),
+    Mutant("lora/alpha-pattern-searched-unanchored", "lora.py",
+           'if re.match(rf"(.*\\.)?({key})$", name):',
+           'if re.search(key if key.startswith("^") else rf"(^|\\.){key}$", name):',
+           ("tests/test_lora.py", "-k", "loads_a_peft_adapter_with_pefts")),
     Mutant("cli/broken-pipe-reported-as-an-error", "cli.py",
            "    except BrokenPipeError:  # `gptlab info | head`: the reader has all it wants; no \"error: Broken pipe\"\n"
            "        _stdout_to_devnull()\n        return BROKEN_PIPE\n", "",

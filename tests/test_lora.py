@@ -74,14 +74,21 @@ def test_peft_loads_gptlabs_adapter_with_gptlabs_logits(tmp_path, idx):
     assert (theirs - GPT2LMHeadModel.from_pretrained(tmp_path / "base")(idx).logits).abs().max() > 1e-2
 
 
-def test_gptlab_loads_a_peft_adapter_with_pefts_logits(tmp_path, idx):
+@pytest.mark.parametrize(
+    "alpha_pattern", [{}, {"^transformer.h.1": 9.0}, {"c_attn|fc": 9.0}], ids=["none", "caret", "or"]
+)
+def test_gptlab_loads_a_peft_adapter_with_pefts_logits(tmp_path, idx, alpha_pattern):
+    """alpha_pattern's keys match as PEFT matches them, at the module name's end: `^transformer.h.1`
+    matches no module there (gptlab took it as a prefix: layer 1's adapters scaled 9/4, not 16/4),
+    and `c_attn|fc` matches c_attn, not c_fc (gptlab read it as `(^|.)c_attn` or `fc$`)."""
     from peft import LoraConfig, get_peft_model
     from transformers import GPT2LMHeadModel
 
     base = base_model()
     base.save_pretrained(tmp_path / "base")
     hf = GPT2LMHeadModel.from_pretrained(tmp_path / "base")
-    config = LoraConfig(r=4, lora_alpha=16, target_modules=["c_attn", "c_proj", "c_fc"], fan_in_fan_out=True)
+    config = LoraConfig(r=4, lora_alpha=16, target_modules=["c_attn", "c_proj", "c_fc"], fan_in_fan_out=True,
+                        alpha_pattern=alpha_pattern)  # fmt: skip
     peft = get_peft_model(hf, config)
     with torch.no_grad():
         for name, p in peft.named_parameters():

@@ -310,10 +310,13 @@ def _adapter_tensors(directory: Path, config: dict, tensors: dict, model: nn.Mod
 
 
 def _pattern(patterns: dict, name: str, default):
-    """PEFT's rank/alpha pattern lookup: the first key that matches the module name's end."""
+    """PEFT's rank/alpha pattern lookup (peft.utils.other.get_pattern_key): the first key that,
+    as a whole regular expression, matches the module name's end after a dot, or all of it. A
+    `^`-key is anchored at the end too, and `a|b` is one group: searched unanchored, they matched
+    modules PEFT's keys do not (a prefix `^transformer.h.1`, `fc` inside `c_attn|fc`)."""
     import re
 
     for key, value in patterns.items():
-        if re.search(key if key.startswith("^") else rf"(^|\.){key}$", name):
+        if re.match(rf"(.*\.)?({key})$", name):
             return value
     return default
