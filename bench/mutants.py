@@ -1256,6 +1256,9 @@ MUTANTS = [
            'if re.match(rf"(.*\\.)?({key})$", name):',
            'if re.search(key if key.startswith("^") else rf"(^|\\.){key}$", name):',
            ("tests/test_lora.py", "-k", "loads_a_peft_adapter_with_pefts")),
+    Mutant("lora/modules-to-save-into-a-tied-pair", "lora.py",
+           "    tied = _tied_pair(model) & set(saved)\n", "    tied = set()\n",
+           ("tests/test_lora.py", "-k", "tied_pair")),
     Mutant("cli/broken-pipe-reported-as-an-error", "cli.py",
            "    except BrokenPipeError:  # `gptlab info | head`: the reader has all it wants; no \"error: Broken pipe\"\n"
            "        _stdout_to_devnull()\n        return BROKEN_PIPE\n", "",

@@ -443,6 +443,24 @@ def test_a_peft_adapter_computing_other_than_plain_lora_is_refused_by_its_settin
     assert not lora_layers(model)
 
 
+@pytest.mark.parametrize("module", ["wte", "lm_head"])
+def test_a_peft_adapter_replacing_one_of_a_tied_pair_is_refused(tmp_path, module):
+    """PEFT's modules_to_save=["wte"] (or ["lm_head"]) on GPT-2 replaces that module alone and
+    leaves the other with the base matrix; gptlab copied the saved matrix into the one tensor both
+    share, changing the head (or the embedding) too: logits 3.0 (1.8) from PEFT's, with no word."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import GPT2LMHeadModel
+
+    base_model().save_pretrained(tmp_path / "base")
+    config = LoraConfig(r=2, target_modules=["c_attn"], fan_in_fan_out=True, modules_to_save=[module])
+    get_peft_model(GPT2LMHeadModel.from_pretrained(tmp_path / "base"), config).save_pretrained(tmp_path / "a")
+    model = base_model()
+    before = model.transformer.wte.weight.clone()
+    with pytest.raises(ValueError, match="tied"):
+        load_adapter(model, tmp_path / "a")
+    assert not lora_layers(model) and torch.equal(model.transformer.wte.weight, before)
+
+
 def test_lora_targets_naming_no_layer_are_refused(tmp_path):
     """lora_targets="" (or ",") made no adapter: the run failed at its first backward with a
     RuntimeError traceback ("element 0 of tensors does not require grad")."""

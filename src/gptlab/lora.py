@@ -289,6 +289,11 @@ def _adapter_tensors(directory: Path, config: dict, tensors: dict, model: nn.Mod
     for name, tensor in saved.items():
         if tensor.shape != own[name].shape:
             raise ValueError(f"{directory}: {name} has shape {tuple(tensor.shape)}, this model's {tuple(own[name].shape)}")  # fmt: skip
+    tied = _tied_pair(model) & set(saved)
+    if tied:  # PEFT's modules_to_save replaces that module alone; copied here, it changed both
+        raise ValueError(f"{directory}: the adapter replaces {', '.join(sorted(tied))} (modules_to_save), which this "
+                         "model ties to the other of the token embedding and lm_head; PEFT replaces one alone, "
+                         "a tied model cannot: not supported")  # fmt: skip
     layers = {}
     for name in names:
         A, B = (tensors.get(f"{PREFIX}{name}.lora_{x}.weight") for x in "AB")
@@ -307,6 +312,14 @@ def _adapter_tensors(directory: Path, config: dict, tensors: dict, model: nn.Mod
                              f"maps {base.in_features} to {base.out_features}: an adapter for another model")  # fmt: skip
         layers[name] = A, B, _pattern(config.get("alpha_pattern", {}), name, config["lora_alpha"])
     return layers, saved
+
+
+def _tied_pair(model: nn.Module) -> set[str]:
+    """The state-dict names of the token embedding and the head when they share one tensor."""
+    head = getattr(model, "lm_head", None)
+    if head is None or head.weight is not model.transformer.wte.weight:
+        return set()
+    return {"transformer.wte.weight", "lm_head.weight"}
 
 
 def _pattern(patterns: dict, name: str, default):
