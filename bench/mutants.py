@@ -1259,6 +1259,9 @@ MUTANTS = [
     Mutant("lora/modules-to-save-into-a-tied-pair", "lora.py",
            "    tied = _tied_pair(model) & set(saved)\n", "    tied = set()\n",
            ("tests/test_lora.py", "-k", "tied_pair")),
+    Mutant("lora/adapter-dropout-on-in-eval", "lora.py",
+           "        self.train(base.training)  # a new module trains", "        pass  # a new module trains",
+           ("tests/test_lora.py", "-k", "eval_mode_runs")),
     Mutant("cli/broken-pipe-reported-as-an-error", "cli.py",
            "    except BrokenPipeError:  # `gptlab info | head`: the reader has all it wants; no \"error: Broken pipe\"\n"
            "        _stdout_to_devnull()\n        return BROKEN_PIPE\n", "",

@@ -100,6 +100,24 @@ def test_gptlab_loads_a_peft_adapter_with_pefts_logits(tmp_path, idx, alpha_patt
         torch.testing.assert_close(base(idx)[0], peft.eval()(idx).logits, rtol=0, atol=1e-5)
 
 
+def test_an_adapter_on_a_model_in_eval_mode_runs_without_dropout(tmp_path, idx):
+    """load_model(spec, adapter=DIR) and load_model(a LoRA run's checkpoint) say "in eval mode",
+    but each adapter layer came in training mode: its lora_dropout stayed on, and two forwards
+    of the same tokens gave logits 0.19 apart (a run with lora_dropout=0.1)."""
+    from gptlab.loading import load_model
+
+    model = base_model()
+    model.save_pretrained(tmp_path / "base")
+    apply_lora(model, LoRASettings(rank=4, alpha=8, dropout=0.5, targets=TARGETS))
+    randomize(model)
+    save_adapter(model, tmp_path / "adapter")
+    for loaded in (load_model(str(tmp_path / "base"), adapter=tmp_path / "adapter"), model):
+        assert not any(m.training for m in loaded.modules())
+        with torch.no_grad():
+            torch.testing.assert_close(loaded(idx)[0], loaded(idx)[0], rtol=0, atol=0)
+    assert all(m.training for m in apply_lora(base_model().train(), LoRASettings()).modules())
+
+
 def test_merging_is_the_same_function(idx):
     model = apply_lora(base_model(), LoRASettings(rank=4, alpha=8, targets=TARGETS))
     randomize(model)

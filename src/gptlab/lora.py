@@ -85,6 +85,7 @@ class LoRALinear(nn.Module):
             self.lora_A[name] = nn.Parameter(a)
             self.lora_B[name] = nn.Parameter(torch.zeros(end - start, rank, device=device))
         self.in_features, self.out_features = base.in_features, base.out_features
+        self.train(base.training)  # a new module trains: in an eval model, its dropout stayed on
 
     def delta_weight(self) -> torch.Tensor:
         """The fp32 (out, in) matrix the adapters add to the base weight."""
