@@ -1262,6 +1262,10 @@ MUTANTS = [
     Mutant("lora/adapter-dropout-on-in-eval", "lora.py",
            "        self.train(base.training)  # a new module trains", "        pass  # a new module trains",
            ("tests/test_lora.py", "-k", "eval_mode_runs")),
+    Mutant("lora/run-adapters-written-owner-only", "train/checkpointing.py",
+           "    atomic_write(directory / LORA_FILE, lambda tmp: save_file(adapters, tmp))",
+           "    save_file(adapters, directory / LORA_FILE)",
+           ("tests/test_lora.py", "-k", "resumes_exactly and fp32")),
     Mutant("cli/broken-pipe-reported-as-an-error", "cli.py",
            "    except BrokenPipeError:  # `gptlab info | head`: the reader has all it wants; no \"error: Broken pipe\"\n"
            "        _stdout_to_devnull()\n        return BROKEN_PIPE\n", "",

@@ -326,6 +326,8 @@ def test_lora_training_trains_adapters_only_and_resumes_exactly(tmp_path, precis
     assert steps[12] < steps[1] - 0.05  # it learns
     ckpt = latest_checkpoint(tmp_path / "cut")
     assert not (ckpt / "model.safetensors").exists() and (ckpt / "adapter_model.safetensors").exists()
+    mode = lambda name: (ckpt / name).stat().st_mode & 0o777  # noqa: E731
+    assert mode("lora.safetensors") == mode("adapter_model.safetensors")  # was 0600: safetensors' own temp file
     trained = {k: v for k, v in resumed.raw_model.state_dict().items() if ".lora_" in k}
     assert all(torch.equal(v, straight.raw_model.state_dict()[k]) for k, v in trained.items())
     frozen = {k.replace(".base.", "."): v for k, v in resumed.raw_model.state_dict().items() if ".lora_" not in k}

@@ -84,12 +84,13 @@ def _write(trainer, directory: Path, model_state: dict, optim_state: dict, rng: 
 def _write_adapters(trainer, directory: Path, model_state: dict) -> None:
     from safetensors.torch import save_file
 
+    from gptlab.atomic import atomic_write
     from gptlab.checkpoint import META_FILE
     from gptlab.lora import save_adapter
 
     names = trained_names(trainer.raw_model)
     adapters = {k: v.detach().contiguous() for k, v in model_state.items() if k in names}
-    save_file(adapters, directory / LORA_FILE)
+    atomic_write(directory / LORA_FILE, lambda tmp: save_file(adapters, tmp))  # a normal file's mode, not 0600
     save_adapter(trainer.raw_model, directory, base_model=trainer.cfg.init_from)
     meta = {"format": "gptlab", "lora_base": trainer.lora_base, "config": trainer.raw_model.config.to_dict(),
             "tokenizer": trainer.tokenizer_name, "train_step": trainer.step_num}  # fmt: skip
