@@ -1266,6 +1266,9 @@ MUTANTS = [
            "    atomic_write(directory / LORA_FILE, lambda tmp: save_file(adapters, tmp))",
            "    save_file(adapters, directory / LORA_FILE)",
            ("tests/test_lora.py", "-k", "resumes_exactly and fp32")),
+    Mutant("lora/modules-to-save-in-conv1d-layout", "lora.py",
+           "        ours, transpose = table.get(name, (name, False))", "        ours, transpose = name, False",
+           ("tests/test_lora.py", "-k", "whole_conv1d")),
     Mutant("cli/broken-pipe-reported-as-an-error", "cli.py",
            "    except BrokenPipeError:  # `gptlab info | head`: the reader has all it wants; no \"error: Broken pipe\"\n"
            "        _stdout_to_devnull()\n        return BROKEN_PIPE\n", "",

@@ -481,6 +481,28 @@ def test_a_peft_adapter_replacing_one_of_a_tied_pair_is_refused(tmp_path, module
     assert not lora_layers(model) and torch.equal(model.transformer.wte.weight, before)
 
 
+def test_a_peft_adapter_saving_whole_conv1d_layers_loads_them_transposed(tmp_path, idx):
+    """PEFT's modules_to_save=["attn.c_proj", "c_fc"] saves those layers as transformers holds
+    them, Conv1D (in, out): copied as they were into gptlab's (out, in) weights, the square
+    c_proj ran transposed (logits 4.1 from PEFT's, silently) and c_fc was refused as "shape
+    (32, 128), this model's (128, 32)"."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import GPT2LMHeadModel
+
+    base = base_model()
+    base.save_pretrained(tmp_path / "base")
+    config = LoraConfig(r=2, target_modules=["c_attn"], fan_in_fan_out=True, modules_to_save=["attn.c_proj", "c_fc"])
+    peft = get_peft_model(GPT2LMHeadModel.from_pretrained(tmp_path / "base"), config)
+    with torch.no_grad():
+        for name, p in peft.named_parameters():
+            if "lora_B" in name or "modules_to_save" in name:
+                p.add_(torch.randn_like(p) * 0.2)
+    peft.save_pretrained(tmp_path / "a")
+    load_adapter(base, tmp_path / "a")
+    with torch.no_grad():
+        torch.testing.assert_close(base(idx)[0], peft.eval()(idx).logits, rtol=0, atol=1e-5)
+
+
 def test_lora_targets_naming_no_layer_are_refused(tmp_path):
     """lora_targets="" (or ",") made no adapter: the run failed at its first backward with a
     RuntimeError traceback ("element 0 of tensors does not require grad")."""

@@ -283,7 +283,7 @@ def _adapter_tensors(directory: Path, config: dict, tensors: dict, model: nn.Mod
     if other:  # a bias on B, an embedding's adapter: tensors gptlab would leave out
         raise ValueError(f"{directory}: the adapter holds {', '.join(other)}; gptlab reads lora_A and lora_B weights")
     names = sorted({k[len(PREFIX) :].rsplit(".lora_", 1)[0] for k in tensors if ".lora_" in k})
-    saved = {k[len(PREFIX) :]: v for k, v in tensors.items() if ".lora_" not in k}  # PEFT's modules_to_save
+    saved = _gptlab_layout(model, {k[len(PREFIX) :]: v for k, v in tensors.items() if ".lora_" not in k})
     unknown = sorted(set(saved) - set(own))
     if unknown:
         raise ValueError(f"{directory}: the adapter holds {', '.join(unknown)}, which this model does not have")
@@ -313,6 +313,19 @@ def _adapter_tensors(directory: Path, config: dict, tensors: dict, model: nn.Mod
                              f"maps {base.in_features} to {base.out_features}: an adapter for another model")  # fmt: skip
         layers[name] = A, B, _pattern(config.get("alpha_pattern", {}), name, config["lora_alpha"])
     return layers, saved
+
+
+def _gptlab_layout(model: nn.Module, saved: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """PEFT's modules_to_save tensors as gptlab holds them: they are transformers' tensors, and
+    GPT-2's Conv1D weights are (in, out) there, (out, in) in gptlab's Linear (gptlab.hf's table)."""
+    from gptlab.hf import name_table
+
+    table = name_table(model.config)  # HF name -> (gptlab name, transposed?)
+    out = {}
+    for name, tensor in saved.items():
+        ours, transpose = table.get(name, (name, False))
+        out[ours] = tensor.t().contiguous() if transpose else tensor
+    return out
 
 
 def _tied_pair(model: nn.Module) -> set[str]:
