@@ -1269,6 +1269,9 @@ MUTANTS = [
     Mutant("lora/modules-to-save-in-conv1d-layout", "lora.py",
            "        ours, transpose = table.get(name, (name, False))", "        ours, transpose = name, False",
            ("tests/test_lora.py", "-k", "whole_conv1d")),
+    Mutant("classify/precision-probe-with-lm-targets", "train/precision.py",
+           "    if model.config.num_labels:  # a classifier's targets", "    if False:  # a classifier's targets",
+           ("tests/test_classifier.py", "-k", "probe_times_a_classifier")),
     Mutant("cli/broken-pipe-reported-as-an-error", "cli.py",
            "    except BrokenPipeError:  # `gptlab info | head`: the reader has all it wants; no \"error: Broken pipe\"\n"
            "        _stdout_to_devnull()\n        return BROKEN_PIPE\n", "",

@@ -417,3 +417,18 @@ def test_validation_scores_each_example_once(tmp_path):
         logits, _ = trainer.raw_model.eval()(x, attention_mask=extra["attention_mask"])
     assert summary["val_accuracy"] == pytest.approx(float((logits.argmax(-1) == labels).float().mean()), abs=1e-6)
     assert summary["val_loss"] == pytest.approx(float(F.cross_entropy(logits, labels)), abs=1e-5)
+
+
+def test_the_auto_precision_probe_times_a_classifier():
+    """precision=auto (the default) times one forward + backward on a CPU with bf16 before a run:
+    it passed a language model's (B, T) next-token targets, so training a classifier there (the
+    README's recipe, LoRA or not) failed with "classification targets must be label ids of shape
+    (8,), got (8, 16)" wherever no timing of that shape was cached yet."""
+    from gptlab.train import precision
+
+    torch.manual_seed(0)
+    model = GPTForSequenceClassification(GPTConfig(vocab_size=97, block_size=16, n_layer=1, n_head=2, n_embd=16,
+                                                   num_labels=3, pad_token_id=96)).train()  # fmt: skip
+    timings = precision.probe(model, torch.device("cpu"), 2, 8)
+    assert set(timings) == {"float32", "bfloat16"} and all(0 < t < float("inf") for t in timings.values())
+    assert model.training and all(p.grad is None for p in model.parameters())

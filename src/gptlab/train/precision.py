@@ -115,6 +115,8 @@ def probe(model, device: torch.device, batch: int, block: int) -> dict[str, floa
     g = torch.Generator().manual_seed(0)
     idx = torch.randint(0, model.config.vocab_size, (batch, block + 1), generator=g).to(device)
     x, y = idx[:, :-1], idx[:, 1:]  # (B, T) each
+    if model.config.num_labels:  # a classifier's targets: one label per row, (B,)
+        y = torch.randint(0, model.config.num_labels, (batch,), generator=g).to(device)
     was_training = model.training
     model.eval()
     best = {"float32": float("inf"), "bfloat16": float("inf")}
