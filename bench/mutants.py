@@ -1272,6 +1272,12 @@ MUTANTS = [
     Mutant("classify/precision-probe-with-lm-targets", "train/precision.py",
            "    if model.config.num_labels:  # a classifier's targets", "    if False:  # a classifier's targets",
            ("tests/test_classifier.py", "-k", "probe_times_a_classifier")),
+    Mutant("atomic/symlink-replaced-not-followed", "atomic.py",
+           "    target = Path(os.path.realpath(path)) if path.is_symlink() else path", "    target = path",
+           ("tests/test_checkpoint.py", "-k", "symlink_or_to_a_pipe")),
+    Mutant("atomic/pipe-replaced-by-a-file", "atomic.py",
+           "    if path.exists() and not path.is_file() and not path.is_dir():", "    if False:",
+           ("tests/test_checkpoint.py", "-k", "symlink_or_to_a_pipe")),
     Mutant("cli/broken-pipe-reported-as-an-error", "cli.py",
            "    except BrokenPipeError:  # `gptlab info | head`: the reader has all it wants; no \"error: Broken pipe\"\n"
            "        _stdout_to_devnull()\n        return BROKEN_PIPE\n", "",

@@ -53,6 +53,30 @@ def test_written_files_get_a_normal_mode(tmp_path):
     assert stat.S_IMODE((tmp_path / "x.json").stat().st_mode) == 0o644
 
 
+def test_a_write_through_a_symlink_or_to_a_pipe_reaches_what_it_names(tmp_path):
+    """--json results.json, a link into a shared folder, replaced the link with a file and left its
+    target as it was; --json /dev/stdout (a link to a pipe) replaced /dev/stdout itself where the
+    user may write in /dev (root, in a container): no JSON came out, and the container's
+    /dev/stdout was a plain file from then on."""
+    import threading
+
+    (tmp_path / "shared").mkdir()
+    (tmp_path / "shared" / "results.json").write_text("old")
+    (tmp_path / "results.json").symlink_to(tmp_path / "shared" / "results.json")
+    atomic_write_text(tmp_path / "results.json", "new")
+    assert (tmp_path / "results.json").is_symlink() and (tmp_path / "shared" / "results.json").read_text() == "new"
+    assert sorted(p.name for p in (tmp_path / "shared").iterdir()) == ["results.json"]  # no temporary left
+    os.mkfifo(tmp_path / "pipe")
+    (tmp_path / "stdout").symlink_to(tmp_path / "pipe")
+    received = []
+    reader = threading.Thread(target=lambda: received.append((tmp_path / "pipe").read_text()), daemon=True)
+    reader.start()
+    atomic_write_text(tmp_path / "stdout", "{}")
+    reader.join(timeout=10)
+    assert received == ["{}"] and (tmp_path / "stdout").is_symlink()
+    assert stat.S_ISFIFO(os.stat(tmp_path / "pipe").st_mode)
+
+
 def test_damaged_weights_are_a_clear_error(tmp_path):
     save_model(tiny_model(), tmp_path)
     weights = tmp_path / "model.safetensors"

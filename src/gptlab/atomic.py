@@ -12,13 +12,19 @@ from pathlib import Path
 
 def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> None:
     """Call write(tmp_path) on a temporary file beside `path`, fsync it, then rename it to `path`.
-    A path that cannot be written is an OSError naming it (not the temporary file)."""
+    A path that cannot be written is an OSError naming it (not the temporary file). A symlink is
+    followed (its target is replaced, not the link); a pipe or device (`--json /dev/stdout`),
+    which cannot be replaced, is written directly."""
     path = Path(path)
+    if path.exists() and not path.is_file() and not path.is_dir():
+        write(str(path))
+        return
+    target = Path(os.path.realpath(path)) if path.is_symlink() else path  # renamed onto, the link was replaced
     try:
-        if path.is_dir():
+        if target.is_dir():
             raise IsADirectoryError(errno.EISDIR, "Is a directory")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     except OSError as e:
         why = f"{e.filename} is a file, not a directory" if isinstance(e, FileExistsError) else e.strerror
         raise type(e)(e.errno, f"cannot write {path}: {why}") from e
@@ -28,7 +34,7 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> None:
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; give the file a normal file's mode
-        os.replace(tmp, path)
+        os.replace(tmp, target)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
