@@ -1524,6 +1524,17 @@ MUTANTS = [
     Mutant("checkpoint/save-model-writes-adapters-under-the-layers-names", "checkpoint.py",
            "    if lora_layers(model):\n", "    if False:\n",
            ("tests/test_quantize.py", "-k", "save_model_refuses_what_load_native_cannot_read")),
+    Mutant("tokenizer/hf-models-own-bpe-read-as-gpt2s", "loading.py",
+           "return directory_tokenizer(resolve(spec))", 'return "gpt2"',
+           ("tests/test_evaluate.py", "tests/test_generate.py", "-k", "own_tokenizer")),
+    Mutant("tokenizer/gpt2s-files-saved-again-not-gpt2", "tokenizer.py",
+           'return "gpt2" if read_bpe(d) == _gpt2_bpe() else str(d.resolve())', "return str(d.resolve())",
+           ("tests/test_tokenizer.py", "-k", "gpt2s_own_files")),
+    Mutant("tokenizer/wordpiece-tokenizer-json-read-as-bpe", "tokenizer.py",
+           """model.get("type") != "BPE",""", "False,", ("tests/test_tokenizer.py", "-k", "cannot_read")),
+    Mutant("tokenizer/own-bpe-merges-out-of-id-order-accepted", "tokenizer.py",
+           "if bpe.vocab.get(token, -1) <= last:", "if token not in bpe.vocab:",
+           ("tests/test_tokenizer.py", "-k", "cannot_read")),
 ]
 # fmt: on
 # The swapped-name mutant needs its table in the module: appended to hf.py with it.

@@ -122,3 +122,39 @@ def lmeval_workdir(tmp_path, monkeypatch):
     lmeval_data.write_data(tmp_path)
     monkeypatch.chdir(tmp_path)
     return tmp_path
+
+
+OWN_BPE_TEXT = [
+    "Über die Brücke gehen wir heute.   Ça va? naïve café — 東京 🙂 tab\there\n\nnew  lines",
+    "der die das " * 50,
+    "hello world, it's 42 o'clock\r\n" * 20,
+]
+
+
+def own_bpe_dir(directory, *, layout: str = "pair", vocab_size: int = 400):
+    """A Hugging Face directory holding a tiny byte-level BPE trained by `tokenizers` (not GPT-2's):
+    vocab.json + merges.txt (layout "pair") or tokenizer.json alone ("json"); <|endoftext|> is id 0."""
+    from tokenizers import ByteLevelBPETokenizer
+
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(OWN_BPE_TEXT * 5, vocab_size=vocab_size, min_frequency=2, special_tokens=["<|endoftext|>"])
+    directory.mkdir(parents=True, exist_ok=True)
+    if layout == "pair":
+        bpe.save_model(str(directory))
+    else:
+        bpe.save(str(directory / "tokenizer.json"))
+    return directory
+
+
+def own_bpe_model_dir(directory):
+    """A tiny transformers GPT2LMHeadModel with its own BPE (own_bpe_dir) in `directory`: (the
+    model, transformers' GPT2TokenizerFast for it)."""
+    from transformers import GPT2Config, GPT2LMHeadModel, GPT2TokenizerFast
+
+    ref_tok = GPT2TokenizerFast.from_pretrained(own_bpe_dir(directory))
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=len(ref_tok), n_positions=64, n_embd=32, n_layer=2, n_head=4,
+                        bos_token_id=ref_tok.eos_token_id, eos_token_id=ref_tok.eos_token_id)  # fmt: skip
+    model = GPT2LMHeadModel(config).eval()
+    model.save_pretrained(directory)
+    return model, ref_tok

@@ -443,3 +443,21 @@ def test_cli_eval_json_has_no_bare_nan_or_infinity(tmp_path, byte_model_dir):
     result = strict_json(out)
     assert (result["bytes"], result["bits_per_byte"], result["tokens"]) == (0, None, 4)
     assert math.isfinite(result["loss"])
+
+
+def test_cli_eval_reads_a_hugging_face_models_own_tokenizer(tmp_path):
+    """A GPT-2 that ships its own vocab.json and merges.txt was scored on GPT-2's tokens: the same
+    perplexity as transformers gives with the model's own tokenizer."""
+    from conftest import own_bpe_model_dir
+
+    model, ref_tok = own_bpe_model_dir(tmp_path / "m")
+    text = tmp_path / "text.txt"
+    text.write_text("Über die Brücke, it's 42 o'clock\n\nder die das 🙂")
+    ids = torch.tensor([ref_tok.encode(text.read_text())])  # (1, T)
+    with torch.no_grad():
+        expected = model(ids, labels=ids).loss.item()
+    out = tmp_path / "ppl.json"
+    assert main(["eval", "--model", str(tmp_path / "m"), "--task", "perplexity", "--data", str(text), "--json", str(out), "--no-progress"]) == 0  # fmt: skip
+    result = json.loads(out.read_text())
+    assert result["tokens"] == ids.shape[1] - 1
+    assert result["loss"] == pytest.approx(expected, rel=1e-5)

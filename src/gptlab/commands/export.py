@@ -54,8 +54,8 @@ def run(args):
     check_out_path(args.out, directory=fmt == "hf")
     if fmt == "hf":
         check_out_layout(args.out, "hf")
-    tokenizer = tokenizer_name(args.model)
     model = model_from_args(args)
+    tokenizer = tokenizer_name(args.model)  # after loading: a spec that names no model is the loader's error
     if model.config.num_labels and fmt != "hf":
         raise ValueError(f"{args.model} is a classifier: --format {fmt} holds language models; use --format hf")
     from gptlab.lora import lora_layers, merge
