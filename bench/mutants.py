@@ -1535,6 +1535,12 @@ MUTANTS = [
     Mutant("tokenizer/own-bpe-merges-out-of-id-order-accepted", "tokenizer.py",
            "if bpe.vocab.get(token, -1) <= last:", "if token not in bpe.vocab:",
            ("tests/test_tokenizer.py", "-k", "cannot_read")),
+    Mutant("gguf/own-bpe-written-as-gpt2s", "formats/gguf.py",
+           "_add_tokenizer(writer, bpe_files(tokenizer), config.vocab_size)",
+           '_add_tokenizer(writer, bpe_files("gpt2"), config.vocab_size)',
+           ("tests/test_formats_gguf.py", "-k", "own_bpe")),
+    Mutant("gguf/own-bpe-eos-written-as-gpt2s", "formats/gguf.py",
+           "eot = bpe.special[bpe.eot]", "eot = 50256", ("tests/test_formats_gguf.py", "-k", "own_bpe")),
 ]
 # fmt: on
 # The swapped-name mutant needs its table in the module: appended to hf.py with it.

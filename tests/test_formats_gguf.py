@@ -176,6 +176,25 @@ def test_models_without_gpt2s_tokenizer_are_refused(tmp_path):
         export_gguf(gpt2_model(vocab_size=257), tmp_path / "m.gguf", tokenizer="byte")
 
 
+def test_a_hugging_face_models_own_bpe_is_written(tmp_path):
+    """A GPT-2 with its own tokenizer was refused for GPT-2's (or, with 50,257 tokens, written with
+    GPT-2's): the file holds the model's tokens, merges and end-of-text id, as gguf's own vocabulary
+    readers (those of llama.cpp's converters) read that directory."""
+    from conftest import own_bpe_model_dir
+
+    directory = tmp_path / "m"
+    own_bpe_model_dir(directory)
+    assert main(["export", "--model", str(directory), "--out", str(tmp_path / "m.gguf")]) == 0
+    kv = fields(gguf.GGUFReader(tmp_path / "m.gguf"))
+    special = gguf.SpecialVocab(directory, load_merges=True)
+    expected = [t if isinstance(t, str) else t.decode() for t, _, _ in gguf.vocab.BpeVocab(directory).all_tokens()]
+    assert kv["tokenizer.ggml.tokens"] == expected
+    assert kv["tokenizer.ggml.merges"] == special.merges
+    eos = special.special_token_ids["eos"]
+    assert kv["tokenizer.ggml.eos_token_id"] == kv["tokenizer.ggml.bos_token_id"] == eos == 0
+    assert kv["tokenizer.ggml.token_type"][0] == gguf.TokenType.CONTROL
+
+
 def test_export_logs_no_temporary_file_name(tmp_path, model, caplog):
     """gguf's writer logged "Writing the following files: .../.m.gguf.XXXX.tmp" (and the file's
     endianness) at INFO, which the command line showed: the temporary file, not the output."""

@@ -1,4 +1,4 @@
-"""GGUF export: a gptlab GPT-2 as llama.cpp's `gpt2` architecture, with GPT-2's tokenizer.
+"""GGUF export: a gptlab GPT-2 as llama.cpp's `gpt2` architecture, with its byte-level BPE tokenizer.
 
 Written with the `gguf` package (llama.cpp's own Python writer, from PyPI) and its quantizers, and
 laid out as llama.cpp's convert_hf_to_gguf.py lays out OpenAI's gpt2 (its GPT2Model class, and
@@ -8,7 +8,8 @@ TextModel._set_vocab_gpt2 for the tokenizer):
   attention.layer_norm_epsilon; general.file_type, general.quantization_version;
 - tokenizer: tokenizer.ggml.model "gpt2", pre "gpt-2", tokens (GPT-2's byte-level strings by id;
   ids past 50,257 are "[PAD<id>]", type UNUSED), token_type (NORMAL; <|endoftext|> CONTROL),
-  merges, bos/eos ids 50256, add_bos_token false;
+  merges, bos/eos ids 50256, add_bos_token false. A Hugging Face model's own byte-level BPE (a
+  tokenizer named by its directory) is written the same way: its tokens, merges and end-of-text id;
 - tensors under llama.cpp's names (token_embd, position_embd, blk.N.attn_qkv, ...), matrices in
   nn.Linear's (out, in) layout, which GGUF lists as {in, out}. 1-D tensors and position_embd stay
   F32; every other matrix, token_embd included, gets the output type. A row length that the type's
@@ -25,7 +26,6 @@ no place in llama.cpp's gpt2 and raise ValueError.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 from pathlib import Path
@@ -37,6 +37,7 @@ import torch
 from gptlab.atomic import atomic_write
 from gptlab.config import GPTConfig
 from gptlab.model import GPT
+from gptlab.tokenizer import BPEFiles, bpe_files, get_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +51,6 @@ OUTTYPES = {  # --outtype -> (general.file_type, the type of the matrices)
     "q4_0": (gguf.LlamaFileType.MOSTLY_Q4_0, QTYPE.Q4_0),
 }
 GPT2_VOCAB = 50257
-EOT = 50256  # <|endoftext|>: GPT-2's bos and eos
 PRE_TOKENIZER = "gpt-2"  # what convert_hf_to_gguf.py's get_vocab_base_pre finds for openai-community/gpt2
 
 _T = gguf.MODEL_TENSOR
@@ -85,7 +85,8 @@ def name_table(config: GPTConfig) -> dict[str, str]:
 
 
 def check_exportable(config: GPTConfig, tokenizer: str) -> None:
-    """ValueError unless llama.cpp's gpt2 architecture and GPT-2 tokenizer can hold this model."""
+    """ValueError unless llama.cpp's gpt2 architecture and a byte-level BPE (GPT-2's or the model's
+    own) can hold this model."""
     problems = {
         "RoPE positions (llama.cpp's gpt2 learns a position table)": config.pos_embedding != "learned",
         "RMSNorm (llama.cpp's gpt2 uses LayerNorm)": config.norm != "layernorm",
@@ -94,10 +95,10 @@ def check_exportable(config: GPTConfig, tokenizer: str) -> None:
     used = [what for what, bad in problems.items() if bad]
     if used:
         raise ValueError(f"llama.cpp's gpt2 architecture cannot represent this model: it has {'; '.join(used)}")
-    if tokenizer != "gpt2" or config.vocab_size < GPT2_VOCAB:
-        raise ValueError(
-            f"GGUF export writes GPT-2's tokenizer; this model uses the {tokenizer!r} tokenizer with a {config.vocab_size}-token vocabulary"
-        )
+    n_tokens = GPT2_VOCAB if tokenizer == "gpt2" else None if tokenizer == "byte" else get_tokenizer(tokenizer).n_vocab
+    if n_tokens is None or config.vocab_size < n_tokens:
+        raise ValueError(f"GGUF export writes GPT-2's tokenizer or a model's own byte-level BPE; this model uses the "
+                         f"{tokenizer!r} tokenizer with a {config.vocab_size}-token vocabulary")  # fmt: skip
 
 
 def tensor_type(gguf_name: str, shape: tuple[int, ...], qtype: QTYPE) -> QTYPE:
@@ -129,7 +130,7 @@ def export_gguf(model: GPT, path: str | os.PathLike, *, outtype: str = "f32", to
             for gguf_name, (tensor, ttype) in tensors.items():
                 writer.add_tensor_info(gguf_name, tuple(tensor.shape), np.dtype(np.float32), _nbytes(tensor.shape, ttype), raw_dtype=ttype)  # fmt: skip
             _add_metadata(writer, config, file_type, name or path.stem)
-            _add_tokenizer(writer, config.vocab_size)
+            _add_tokenizer(writer, bpe_files(tokenizer), config.vocab_size)
             writer.write_header_to_file()
             writer.write_kv_data_to_file()
             writer.write_ti_data_to_file()
@@ -191,36 +192,29 @@ def _add_metadata(writer: gguf.GGUFWriter, config: GPTConfig, file_type, name: s
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
 
-def gpt2_vocabulary(vocab_size: int) -> tuple[list[str], list[int], list[str]]:
-    """(tokens, token types, merges) as convert_hf_to_gguf.py writes them for GPT-2's tokenizer,
-    padded to `vocab_size` with "[PAD<id>]" tokens of type UNUSED."""
-    from gptlab.tokenizer import gpt2_files
-
-    files = gpt2_files()
-    encoder = json.loads(Path(files["encoder.json"]).read_text(encoding="utf-8"))  # token -> id
-    by_id = {i: token for token, i in encoder.items()}
+def bpe_vocabulary(bpe: BPEFiles, vocab_size: int) -> tuple[list[str], list[int], list[str]]:
+    """(tokens, token types, merges) as convert_hf_to_gguf.py writes them for a byte-level BPE
+    (GPT-2's: its special tokens CONTROL), padded to `vocab_size` with "[PAD<id>]" tokens of type UNUSED."""
+    by_id = {i: token for token, i in {**bpe.vocab, **bpe.special}.items()}
     tokens, types = [], []
     for i in range(vocab_size):
         if i in by_id:
             tokens.append(by_id[i])
-            types.append(gguf.TokenType.CONTROL if i == EOT else gguf.TokenType.NORMAL)
+            types.append(gguf.TokenType.CONTROL if by_id[i] in bpe.special else gguf.TokenType.NORMAL)
         else:
             tokens.append(f"[PAD{i}]")
             types.append(gguf.TokenType.UNUSED)
-    lines = Path(files["vocab.bpe"]).read_text(encoding="utf-8").splitlines()
-    if lines and lines[0].startswith("#"):  # "#version: 0.2"
-        lines = lines[1:]
-    merges = [" ".join(parts) for parts in (line.split() for line in lines) if len(parts) == 2]
-    return tokens, [int(t) for t in types], merges
+    return tokens, [int(t) for t in types], [" ".join(pair) for pair in bpe.merges]
 
 
-def _add_tokenizer(writer: gguf.GGUFWriter, vocab_size: int) -> None:
-    tokens, types, merges = gpt2_vocabulary(vocab_size)
+def _add_tokenizer(writer: gguf.GGUFWriter, bpe: BPEFiles, vocab_size: int) -> None:
+    tokens, types, merges = bpe_vocabulary(bpe, vocab_size)
+    eot = bpe.special[bpe.eot]  # GPT-2's <|endoftext|> is its bos and eos
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(PRE_TOKENIZER)
+    writer.add_tokenizer_pre(PRE_TOKENIZER)  # the split pattern: tokenizer.py accepts only GPT-2's
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     writer.add_token_merges(merges)
-    writer.add_bos_token_id(EOT)
-    writer.add_eos_token_id(EOT)
+    writer.add_bos_token_id(eot)
+    writer.add_eos_token_id(eot)
     writer.add_add_bos_token(False)
