@@ -1541,6 +1541,11 @@ MUTANTS = [
            ("tests/test_formats_gguf.py", "-k", "own_bpe")),
     Mutant("gguf/own-bpe-eos-written-as-gpt2s", "formats/gguf.py",
            "eot = bpe.special[bpe.eot]", "eot = 50256", ("tests/test_formats_gguf.py", "-k", "own_bpe")),
+    Mutant("hf/own-bpe-files-not-copied-on-export", "hf.py",
+           "eot = copy_tokenizer_files(Path(tokenizer), directory, config.vocab_size)", "pass",
+           ("tests/test_hf.py", "-k", "own_tokenizer")),
+    Mutant("hf/own-bpe-eos-not-in-exported-config", "hf.py",
+           "    return tokenizer.eot_token\n", "    return None\n", ("tests/test_hf.py", "-k", "own_tokenizer")),
 ]
 # fmt: on
 # The swapped-name mutant needs its table in the module: appended to hf.py with it.

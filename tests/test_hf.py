@@ -24,7 +24,7 @@ from gptlab.checkpoint import save_model  # noqa: E402
 from gptlab.cli import main  # noqa: E402
 from gptlab.config import GPTConfig  # noqa: E402
 from gptlab.generation import generate  # noqa: E402
-from gptlab.loading import load_model  # noqa: E402
+from gptlab.loading import load_model, tokenizer_name  # noqa: E402
 from gptlab.model import GPT  # noqa: E402
 from gptlab.tokenizer import get_tokenizer  # noqa: E402
 
@@ -343,6 +343,23 @@ def test_an_export_that_fails_midway_leaves_no_config_beside_new_weights(tmp_pat
     assert not (tmp_path / "config.json").exists()
     with pytest.raises(ValueError, match="config.json"):
         load_model(str(tmp_path))
+
+
+def test_an_export_keeps_a_models_own_tokenizer(tmp_path):
+    """A GPT-2 with its own BPE was exported without tokenizer files (a warning), so AutoTokenizer
+    found none and gptlab read the export with GPT-2's: its files are copied, its eos is config's."""
+    from conftest import own_bpe_model_dir
+
+    _, ref_tok = own_bpe_model_dir(tmp_path / "own")
+    (tmp_path / "out").mkdir()
+    gpt2_like().save_pretrained(tmp_path / "out")  # an earlier export's GPT-2 files are replaced
+    assert main(["export", "--model", str(tmp_path / "own"), "--out", str(tmp_path / "out")]) == 0
+    theirs = AutoTokenizer.from_pretrained(tmp_path / "out")
+    for text in ["Über die Brücke", "der die das 🙂\n", "x<|endoftext|>y"]:
+        assert theirs.encode(text) == ref_tok.encode(text), text
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["eos_token_id"] == config["bos_token_id"] == ref_tok.eos_token_id == 0
+    assert tokenizer_name(str(tmp_path / "out")) == str((tmp_path / "out").resolve())
 
 
 def test_an_export_without_a_tokenizer_leaves_no_earlier_exports_tokenizer(tmp_path):

@@ -185,10 +185,12 @@ def classifier_from_hf(hf: dict) -> dict:
     return dict(num_labels=len(labels), labels=labels, pad_token_id=hf.get("pad_token_id"))
 
 
-def config_to_hf(config: GPTConfig, dtype: torch.dtype) -> dict:
+def config_to_hf(config: GPTConfig, dtype: torch.dtype, eot: int | None = None) -> dict:
     """The config.json that transformers' GPT2LMHeadModel (GPT2ForSequenceClassification for a
-    classifier) reads for `config`."""
-    eot = 50256 if config.vocab_size > 50256 else None  # GPT-2's <|endoftext|>, when the vocab has it
+    classifier) reads for `config`; bos and eos are `eot`, by default GPT-2's <|endoftext|> when
+    the vocabulary has it."""
+    if eot is None:
+        eot = 50256 if config.vocab_size > 50256 else None
     labels = {}
     if config.num_labels:
         names = config.labels or [f"LABEL_{i}" for i in range(config.num_labels)]
@@ -488,8 +490,9 @@ def save_pretrained(model: GPT, directory: str | os.PathLike, *, tokenizer: str 
     Only a plain GPT-2 (learned positions, LayerNorm, GELU MLP; the head tied or not) has a
     GPT2LMHeadModel equivalent; anything else raises ValueError. A model without biases (nanoGPT's
     default) is written with zero biases, the same function. The tokenizer files are written
-    when `tokenizer` is "gpt2" and the vocabulary covers GPT-2's 50,257 tokens; another tokenizer's
-    files and a generation_config.json already in `directory` are removed.
+    when `tokenizer` is "gpt2" and the vocabulary covers GPT-2's 50,257 tokens, or copied when it is
+    a Hugging Face directory's own BPE (tokenizer.directory_tokenizer), whose end-of-text id becomes
+    bos and eos; another tokenizer's files and a generation_config.json already in `directory` are removed.
     """
     config = model.config
     _check_exportable(config)
@@ -502,8 +505,11 @@ def save_pretrained(model: GPT, directory: str | os.PathLike, *, tokenizer: str 
     atomic_write(directory / SAFETENSORS_FILE, lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
     for name in (*FOREIGN_TOKENIZER_FILES, GENERATION_CONFIG_FILE):
         (directory / name).unlink(missing_ok=True)
+    eot = None
     if tokenizer == "gpt2" and config.vocab_size >= 50257:
         write_tokenizer_files(directory, config.block_size)
+    elif tokenizer not in ("gpt2", "byte"):  # a directory's own BPE: its files, as transformers reads them
+        eot = copy_tokenizer_files(Path(tokenizer), directory, config.vocab_size)
     else:  # an earlier export's GPT-2 files would be loaded as this model's tokenizer by AutoTokenizer
         for name in TOKENIZER_FILES:
             (directory / name).unlink(missing_ok=True)
@@ -511,7 +517,7 @@ def save_pretrained(model: GPT, directory: str | os.PathLike, *, tokenizer: str 
             "%s: no tokenizer files written (tokenizer %r, vocab_size %d)", directory, tokenizer, config.vocab_size
         )
     # config.json last: a directory with a config.json holds complete weights.
-    atomic_write_text(directory / CONFIG_FILE, json.dumps(config_to_hf(config, dtype), indent=2))
+    atomic_write_text(directory / CONFIG_FILE, json.dumps(config_to_hf(config, dtype, eot), indent=2))
     log.debug("wrote %s (Hugging Face GPT2LMHeadModel layout)", directory)
 
 
@@ -543,6 +549,23 @@ def _hf_state(model: GPT) -> dict[str, torch.Tensor]:
             tensor = weight.new_zeros(weight.shape[0])
         state[hf_name] = (tensor.t() if transpose else tensor).contiguous().cpu()
     return state
+
+
+def copy_tokenizer_files(source: Path, directory: Path, vocab_size: int) -> int:
+    """Copy the byte-level BPE of the Hugging Face directory `source` into `directory` (removing an
+    earlier export's files it lacks); its end-of-text id."""
+    from gptlab.tokenizer import get_tokenizer
+
+    tokenizer = get_tokenizer(str(source))  # refuses what is no byte-level BPE gptlab reads
+    if tokenizer.n_vocab > vocab_size:
+        raise ValueError(f"the tokenizer of {source} has {tokenizer.n_vocab} tokens, the model only {vocab_size}")
+    for name in (*TOKENIZER_FILES, *FOREIGN_TOKENIZER_FILES):
+        target = directory / name
+        if (source / name).is_file():
+            atomic_write(target, lambda tmp, src=source / name: shutil.copyfile(src, tmp))
+        else:  # an earlier export's GPT-2 files beside this tokenizer's
+            target.unlink(missing_ok=True)
+    return tokenizer.eot_token
 
 
 def write_tokenizer_files(directory: Path, max_length: int) -> None:
