@@ -1546,6 +1546,8 @@ MUTANTS = [
            ("tests/test_hf.py", "-k", "own_tokenizer")),
     Mutant("hf/own-bpe-eos-not-in-exported-config", "hf.py",
            "    return tokenizer.eot_token\n", "    return None\n", ("tests/test_hf.py", "-k", "own_tokenizer")),
+    Mutant("data/own-bpe-directory-recorded-as-typed", "data.py",
+           '"tokenizer": tok.name,', '"tokenizer": tokenizer,', ("tests/test_data.py", "-k", "own_tokenizer")),
 ]
 # fmt: on
 # The swapped-name mutant needs its table in the module: appended to hf.py with it.

@@ -305,3 +305,20 @@ def test_a_windows_file_is_read_in_pieces_with_the_same_ids(tmp_path):
     prepare(tmp_path / "win.txt", tmp_path / "out", workers=2, piece_chars=500, progress=False)
     ids = np.concatenate([read_tokens(tmp_path / "out", "train"), read_tokens(tmp_path / "out", "val")])
     assert ids.tolist() == get_tokenizer("gpt2").encode(text)
+
+
+def test_prepare_with_a_models_own_tokenizer_names_it_as_the_model_does(tmp_path, monkeypatch):
+    """--tokenizer DIR (a Hugging Face model's own BPE) was recorded as typed ("m"), which training
+    from that model compared with the directory's absolute path and refused."""
+    from conftest import OWN_BPE_TEXT, own_bpe_model_dir
+    from gptlab.loading import tokenizer_name
+    from gptlab.train.setup import check_tokenizer
+    from gptlab.train_config import TrainConfig
+
+    own_bpe_model_dir(tmp_path / "m")
+    (tmp_path / "de.txt").write_text("\n".join(OWN_BPE_TEXT))
+    monkeypatch.chdir(tmp_path)
+    manifest = prepare("de.txt", "data", tokenizer="m", val_fraction=0.1)
+    assert manifest["tokenizer"] == tokenizer_name("m") == str((tmp_path / "m").resolve())
+    check_tokenizer(TrainConfig(init_from="m", data_dir="data"), manifest)
+    assert data.read_manifest("data")["vocab_size"] == get_tokenizer("m").n_vocab

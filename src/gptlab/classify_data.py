@@ -58,7 +58,7 @@ def prepare_classify(inputs, out_dir, *, tokenizer: str = "gpt2", labels: list[s
             atomic_write(out_dir / f"{split}{suffix}", lambda tmp, a=array: a.tofile(tmp))
         counts[split] = dict(tokens=int(len(tokens)), examples=len(rows),
                              per_label=np.bincount(arrays[".labels.bin"], minlength=len(names)).tolist())  # fmt: skip
-    manifest = {"kind": "classify", "tokenizer": tokenizer, "vocab_size": tok.n_vocab, "dtype": dtype.name,
+    manifest = {"kind": "classify", "tokenizer": tok.name, "vocab_size": tok.n_vocab, "dtype": dtype.name,
                 "labels": names, "val_fraction": val_fraction, "seed": seed,
                 "tokens": {s: c["tokens"] for s, c in counts.items()},
                 "examples": {s: c["examples"] for s, c in counts.items()},

@@ -311,7 +311,7 @@ def prepare(
     finally:
         stream_path.unlink(missing_ok=True)
     manifest = {
-        "tokenizer": tokenizer,
+        "tokenizer": tok.name,  # a directory's BPE by its absolute path, as loading.tokenizer_name names it
         "vocab_size": tok.n_vocab,
         "dtype": dtype.name,
         "separator": ENDOFTEXT,

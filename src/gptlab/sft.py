@@ -231,7 +231,7 @@ def prepare_sft(
     for split, chosen in (("train", ~is_val), ("val", is_val)):
         stats[split] = _write_split(out_dir, split, [e for e, c in zip(examples, chosen, strict=True) if c], dtype)
     manifest = {
-        "kind": "sft", "tokenizer": tokenizer, "vocab_size": tok.n_vocab, "dtype": dtype.name,
+        "kind": "sft", "tokenizer": tok.name, "vocab_size": tok.n_vocab, "dtype": dtype.name,
         "template": str(template or "alpaca"), "train_on": train_on, "val_fraction": val_fraction, "seed": seed,
         "tokens": {s: v["tokens"] for s, v in stats.items()}, "examples": {s: v["examples"] for s, v in stats.items()},
         "trained_tokens": {s: v["trained"] for s, v in stats.items()},

@@ -324,7 +324,7 @@ def directory_bpe(directory: str | Path) -> TiktokenTokenizer:
     import tiktoken
     from tiktoken_ext.openai_public import r50k_pat_str  # GPT-2's split pattern, as ByteLevel's
 
-    bpe, name = read_bpe(Path(directory)), str(directory)
+    bpe, name = read_bpe(Path(directory)), str(Path(directory).resolve())  # as directory_tokenizer names it
     ranks = bpe_ranks(bpe, name)
     ids = sorted([*ranks.values(), *bpe.special.values()])
     if ids != list(range(len(ids))):

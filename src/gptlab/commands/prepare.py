@@ -16,7 +16,7 @@ def add_arguments(parser):
         help='text FILE, DIR or GLOB (several allowed; JSON/JSONL of {"text": ...} records: their texts), or a `datasets` name',
     )
     parser.add_argument("--out", required=True, help="output directory")
-    parser.add_argument("--tokenizer", default="gpt2", help="gpt2 (default) or byte")
+    parser.add_argument("--tokenizer", default="gpt2", help="gpt2 (default), byte, or a Hugging Face model's directory")
     parser.add_argument("--val-fraction", type=float, default=0.1, help="the last fraction of tokens for validation")
     parser.add_argument("--workers", type=int, default=None, help="encoding processes (default: by input size)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
