@@ -119,6 +119,26 @@ def test_a_directorys_own_bpe_gives_transformers_ids(tmp_path, layout):
     assert 0 not in tok.encode("x<|endoftext|>y")  # plain text unless allowed, as GPT-2's
 
 
+@pytest.fixture(scope="module")
+def own_bpe(tmp_path_factory):
+    """(gptlab's tokenizer, transformers' GPT2TokenizerFast) for a tokenizer.json trained by `tokenizers`."""
+    from transformers import GPT2TokenizerFast
+
+    from conftest import own_bpe_dir
+
+    directory = own_bpe_dir(tmp_path_factory.mktemp("own-bpe"), layout="json")
+    return get_tokenizer(str(directory)), GPT2TokenizerFast.from_pretrained(directory)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text())
+def test_a_directorys_own_bpe_matches_transformers_on_any_text(own_bpe, s):
+    tok, ref = own_bpe
+    ids = tok.encode(s, allowed_special="all")  # transformers reads <|endoftext|> in text as the token
+    assert ids == ref.encode(s)
+    assert tok.decode(ids) == s
+
+
 def test_gpt2_with_fewer_merges_gives_transformers_ids(tmp_path):
     """GPT-2's own files cut to 300 merges: the same alphabet, other tokens."""
     from transformers import GPT2TokenizerFast
