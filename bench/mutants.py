@@ -1548,6 +1548,9 @@ MUTANTS = [
            "    return tokenizer.eot_token\n", "    return None\n", ("tests/test_hf.py", "-k", "own_tokenizer")),
     Mutant("data/own-bpe-directory-recorded-as-typed", "data.py",
            '"tokenizer": tok.name,', '"tokenizer": tokenizer,', ("tests/test_data.py", "-k", "own_tokenizer")),
+    Mutant("export/llmc-refused-for-a-tokenizer-it-does-not-hold", "commands/export.py",
+           'tokenizer = tokenizer_name(args.model) if fmt != "llmc" else None', "tokenizer = tokenizer_name(args.model)",
+           ("tests/test_formats_llmc.py", "-k", "needs_no_tokenizer")),
 ]
 # fmt: on
 # The swapped-name mutant needs its table in the module: appended to hf.py with it.

@@ -208,3 +208,17 @@ def test_export_command(tmp_path, capsys):
     assert (tmp_path / "again.bin").read_bytes() == (tmp_path / "m.bin").read_bytes()
     assert main(["export", "--model", str(tmp_path / "native"), "--out", ""]) == 2  # wrote HF into the cwd
     assert "--out is empty" in capsys.readouterr().err
+
+
+def test_export_needs_no_tokenizer_gptlab_reads(tmp_path, capsys):
+    """llm.c's file holds no tokenizer: a Hugging Face model whose tokenizer gptlab cannot read (a
+    WordPiece tokenizer.json) exports, where generate refuses it by name."""
+    from tokenizers import Tokenizer, models
+
+    from conftest import own_bpe_model_dir
+
+    own_bpe_model_dir(tmp_path / "m")
+    Tokenizer(models.WordPiece({"[UNK]": 0}, unk_token="[UNK]")).save(str(tmp_path / "m" / "tokenizer.json"))
+    assert main(["export", "--model", str(tmp_path / "m"), "--out", str(tmp_path / "m.bin")]) == 0
+    assert main(["generate", "--model", str(tmp_path / "m"), "--prompt", "a", "--max-new-tokens", "1"]) == 2
+    assert "a WordPiece model" in capsys.readouterr().err

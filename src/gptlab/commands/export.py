@@ -55,7 +55,8 @@ def run(args):
     if fmt == "hf":
         check_out_layout(args.out, "hf")
     model = model_from_args(args)
-    tokenizer = tokenizer_name(args.model)  # after loading: a spec that names no model is the loader's error
+    # after loading: a spec that names no model is the loader's error; llm.c's file holds no tokenizer
+    tokenizer = tokenizer_name(args.model) if fmt != "llmc" else None
     if model.config.num_labels and fmt != "hf":
         raise ValueError(f"{args.model} is a classifier: --format {fmt} holds language models; use --format hf")
     from gptlab.lora import lora_layers, merge
