@@ -139,6 +139,24 @@ def test_a_directorys_own_bpe_matches_transformers_on_any_text(own_bpe, s):
     assert tok.decode(ids) == s
 
 
+def test_the_end_of_text_token_is_the_tokenizers_eos(tmp_path):
+    """tokenizer_config.json's eos_token (here a plain merged token) is where generation stops and
+    what separates documents, as transformers' eos_token_id; a bad merges line is named."""
+    from transformers import GPT2TokenizerFast
+
+    from conftest import own_bpe_dir
+
+    directory = own_bpe_dir(tmp_path / "m")
+    (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": "Ġdie"}))
+    tok, ref = get_tokenizer(str(directory)), GPT2TokenizerFast.from_pretrained(directory)
+    assert tok.eot_token == ref.eos_token_id == json.loads((directory / "vocab.json").read_text())["Ġdie"]
+    assert tok.encode(" die der die") == ref.encode(" die der die")
+    with open(directory / "merges.txt", "a") as f:
+        f.write("a b c\n")
+    with pytest.raises(ValueError, match="merge .* is 'a b c', not two tokens"):
+        tokmod.directory_bpe(directory)
+
+
 def test_gpt2_with_fewer_merges_gives_transformers_ids(tmp_path):
     """GPT-2's own files cut to 300 merges: the same alphabet, other tokens."""
     from transformers import GPT2TokenizerFast

@@ -64,7 +64,7 @@ class Tokenizer:
 
 
 class TiktokenTokenizer(Tokenizer):
-    """GPT-2's byte-level BPE: 50,257 tokens, <|endoftext|> = 50256."""
+    """A byte-level BPE: GPT-2's (50,257 tokens, <|endoftext|> = 50256) or a directory's own."""
 
     def __init__(self, encoding, eot_token: int | None = None):
         self.encoding = encoding
@@ -234,8 +234,8 @@ def bpe_files(name: str) -> BPEFiles:
 
 def read_bpe(directory: Path) -> BPEFiles:
     """The byte-level BPE of a Hugging Face directory: tokenizer.json when there (transformers reads
-    it first), else vocab.json and merges.txt; the end-of-text token as tokenizer_config.json,
-    special_tokens_map.json or config.json's eos_token_id name it, else <|endoftext|>."""
+    it first), else vocab.json and merges.txt. Its special tokens are those the files declare, and
+    <|endoftext|> where the vocabulary has it (GPT2Tokenizer's default bos, eos and unk)."""
     if (directory / TOKENIZER_JSON).is_file():
         vocab, merges, special = _tokenizer_json(directory / TOKENIZER_JSON)
     else:
@@ -245,8 +245,9 @@ def read_bpe(directory: Path) -> BPEFiles:
         vocab, merges = _read_json(directory / "vocab.json"), _merges_txt(directory / "merges.txt")
         added = _read_json(directory / "tokenizer_config.json", {}).get("added_tokens_decoder", {})
         special = {t["content"]: int(i) for i, t in added.items()} | _read_json(directory / "added_tokens.json", {})
-    eot = _eos_token(directory, {**vocab, **special})
-    return BPEFiles(vocab, merges, {**special, eot: {**vocab, **special}[eot]}, eot)
+    every = {**vocab, **special}
+    eot = _eos_token(directory, every)
+    return BPEFiles(vocab, merges, {**special, **{t: every[t] for t in (ENDOFTEXT, eot) if t in every}}, eot)
 
 
 def _read_json(path: Path, default=None):
@@ -262,7 +263,11 @@ def _merges_txt(path: Path) -> list[tuple[str, str]]:
     lines = path.read_text(encoding="utf-8").splitlines()
     if lines and lines[0].startswith("#version"):
         lines = lines[1:]
-    return [tuple(line.split(" ")) for line in lines if line]
+    merges = [tuple(line.split(" ")) for line in lines if line]
+    for n, merge in enumerate(merges):
+        if len(merge) != 2:
+            raise ValueError(f"{path}: merge {n + 1} is {' '.join(merge)!r}, not two tokens separated by a space")
+    return merges
 
 
 def _tokenizer_json(path: Path) -> tuple[dict[str, int], list[tuple[str, str]], dict[str, int]]:
@@ -287,14 +292,18 @@ def _tokenizer_json(path: Path) -> tuple[dict[str, int], list[tuple[str, str]], 
 
 
 def _eos_token(directory: Path, vocab: dict[str, int]) -> str:
+    """The eos_token of tokenizer_config.json or special_tokens_map.json, else <|endoftext|> (as
+    GPT2Tokenizer), else the token of config.json's eos_token_id."""
     for name in ("tokenizer_config.json", "special_tokens_map.json"):
         eos = _read_json(directory / name, {}).get("eos_token")
         eos = eos.get("content") if isinstance(eos, dict) else eos
         if eos:
             break
     else:
-        by_id = {i: t for t, i in vocab.items()}
-        eos = by_id.get(_read_json(directory / "config.json", {}).get("eos_token_id"), ENDOFTEXT)
+        eos_id = _read_json(directory / "config.json", {}).get("eos_token_id")
+        if isinstance(eos_id, list):  # several: the first
+            eos_id = eos_id[0] if eos_id else None
+        eos = ENDOFTEXT if ENDOFTEXT in vocab else {i: t for t, i in vocab.items()}.get(eos_id, ENDOFTEXT)
     if eos not in vocab:
         raise ValueError(f"{directory}: the end-of-text token {eos!r} is not in the tokenizer's vocabulary")
     return eos
@@ -326,10 +335,12 @@ def directory_bpe(directory: str | Path) -> TiktokenTokenizer:
 
     bpe, name = read_bpe(Path(directory)), str(Path(directory).resolve())  # as directory_tokenizer names it
     ranks = bpe_ranks(bpe, name)
-    ids = sorted([*ranks.values(), *bpe.special.values()])
+    merged = set(ranks.values())
+    special = {t: i for t, i in bpe.special.items() if i not in merged}  # an eos that is a plain token stays one
+    ids = sorted([*ranks.values(), *special.values()])
     if ids != list(range(len(ids))):
         extra = sorted(set({**bpe.vocab, **bpe.special}.values()) - set(ids))
         why = f"token id {extra[0]} is neither a byte, a merge's result nor a special token" if extra else "ids repeat or skip"  # fmt: skip
         raise ValueError(f"{name}: {why}; gptlab needs every id of a byte-level BPE to be one of those")
-    encoding = tiktoken.Encoding(name=name, pat_str=r50k_pat_str, mergeable_ranks=ranks, special_tokens=bpe.special)
+    encoding = tiktoken.Encoding(name=name, pat_str=r50k_pat_str, mergeable_ranks=ranks, special_tokens=special)
     return TiktokenTokenizer(encoding, eot_token=bpe.special[bpe.eot])
