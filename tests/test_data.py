@@ -322,3 +322,18 @@ def test_prepare_with_a_models_own_tokenizer_names_it_as_the_model_does(tmp_path
     assert manifest["tokenizer"] == tokenizer_name("m") == str((tmp_path / "m").resolve())
     check_tokenizer(TrainConfig(init_from="m", data_dir="data"), manifest)
     assert data.read_manifest("data")["vocab_size"] == get_tokenizer("m").n_vocab
+
+
+def test_pieces_do_not_change_the_ids_of_a_bpe_that_merges_crlf(tmp_path):
+    """Pieces were cut after a Windows \\r\\n, which ends a piece as one pre-token but is two
+    between words: a model's own BPE with a \\r\\n token (GPT-2's has none) got other ids."""
+    from conftest import OWN_BPE_TEXT, own_bpe_dir
+
+    directory = own_bpe_dir(tmp_path / "m")
+    tok = get_tokenizer(str(directory))
+    assert len(tok.encode("\r\n")) == 1
+    text = "".join(OWN_BPE_TEXT * 3)  # "... o'clock\r\nhello ..."
+    (tmp_path / "crlf.txt").write_bytes(text.encode())
+    prepare(tmp_path / "crlf.txt", tmp_path / "small", tokenizer=str(directory), piece_chars=64, progress=False)
+    tokens = np.concatenate([read_tokens(tmp_path / "small", "train"), read_tokens(tmp_path / "small", "val")])
+    assert tokens.tolist() == tok.encode(text)

@@ -40,9 +40,11 @@ SPLITS = ("train", "val")
 PIECE_CHARS = 1 << 20  # text handed to one worker task
 PARALLEL_MIN_CHARS = 8 << 20  # below this, encoding in-process beats starting workers
 IGNORE = -100  # a target every loss leaves out: F.cross_entropy's ignore_index, the C kernels' too
-# A piece ends after a newline (\n or a Windows file's \r\n) that sits between two non-space
-# characters: GPT-2's pre-tokenizer splits there on its own, so cutting there does not change the ids.
-_SAFE_CUT = re.compile(r"\S\r?\n(?=\S)")
+# A piece ends after a newline that sits between two non-space characters, or between the \r and
+# \n of a Windows file's \r\n there: GPT-2's pre-tokenizer splits there on its own, so cutting
+# there does not change the ids. (Not after \r\n: at the end of a piece \r\n is one pre-token,
+# between words \r and \n are two, and a BPE that merged \r\n, unlike GPT-2's, gave other ids.)
+_SAFE_CUT = re.compile(r"\S(?:\r(?=\n\S)|\n(?=\S))")
 
 
 def token_dtype(n_vocab: int) -> np.dtype:
