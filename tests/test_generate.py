@@ -611,6 +611,8 @@ def test_a_model_with_a_context_of_one_token_generates():
     for _ in range(4):
         tokens.append(int(model(torch.tensor([tokens[-1:]]))[0][0, -1].argmax()))
     assert out[0].tolist() == tokens
+
+
 def test_cli_generate_reads_a_hugging_face_models_own_tokenizer(tmp_path, capsys):
     """A GPT-2 with its own tokenizer was prompted and decoded with GPT-2's: greedy text must be
     what transformers generates with the model's own tokenizer."""
