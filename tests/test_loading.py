@@ -147,6 +147,20 @@ def test_tokenizer_name_of_a_hugging_face_model_with_its_own_bpe(tmp_path, monke
     assert tokenizer_name("someone/gpt2-german") == str((tmp_path / "own").resolve())
 
 
+def test_a_hub_download_fetches_every_file_a_models_own_bpe_reads(tmp_path):
+    """Each file the tokenizer reads from a directory (its eos in special_tokens_map.json, its added
+    tokens) is one the Hub download asks for: a Hub model's own eos was otherwise never fetched."""
+    import fnmatch
+
+    from conftest import own_bpe_model_dir
+    from gptlab import hf
+
+    own_bpe_model_dir(tmp_path)
+    names = {"tokenizer.json", "vocab.json", "merges.txt", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json"}  # fmt: skip
+    names |= {p.name for p in tmp_path.iterdir() if "token" in p.name or p.suffix in (".txt",)}
+    assert [n for n in sorted(names) if not any(fnmatch.fnmatch(n, p) for p in hf.HUB_PATTERNS)] == []
+
+
 def test_the_public_name_is_this_function():
     import gptlab
 

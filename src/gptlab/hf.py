@@ -93,6 +93,8 @@ HUB_PATTERNS = [
     "vocab.json",
     "merges.txt",
     "tokenizer*.json",
+    "special_tokens_map.json",  # with tokenizer_config.json: the eos token a model's own BPE names
+    "added_tokens.json",
 ]
 HUB_BIN_PATTERNS = [CONFIG_FILE, "pytorch_model*.bin", BIN_INDEX]
 
