@@ -62,6 +62,26 @@ def test_attribution_is_the_metrics_derivative_towards_the_clean_activation(setu
     assert all(p.requires_grad for p in model.parameters()) and all(p.grad is None for p in model.parameters())
 
 
+def test_a_model_in_training_is_patched_without_dropout_and_left_training():
+    """A model in training (a loop's, a fresh GPT with dropout) was patched and ablated through its
+    dropout: another grid on every call, and attribution's clean activations dropped out too."""
+    model = tiny_model(n_layer=3, n_head=4, n_embd=32, dropout=0.5).eval()
+    clean = torch.tensor([[5, 9, 2, 7, 1, 3]])
+    corrupt = torch.tensor([[5, 8, 2, 6, 1, 3]])
+    metric = logit_diff(7, 11)
+    calls = {
+        "activation": lambda: activation_patching(model, clean, corrupt, metric)["grid"],
+        "attribution": lambda: attribution_patching(model, clean, corrupt, metric, over="layer-head"),
+        "ablation": lambda: ablate(model, clean, "blocks.1.hook_mlp_out", how="mean"),
+    }
+    expected = {name: call() for name, call in calls.items()}
+    model.train()
+    for name, call in calls.items():
+        torch.manual_seed(0)  # dropout's draws, were they made
+        torch.testing.assert_close(call(), expected[name], rtol=0, atol=0, msg=name)  # measured: equal
+        assert model.training, name
+
+
 def test_zero_and_mean_ablation(setup):
     model, clean, _, _ = setup
     zeroed = ablate(model, clean, "blocks.1.attn.hook_z", head=2)

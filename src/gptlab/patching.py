@@ -12,18 +12,34 @@ from one forward and one backward on the corrupted prompt: the metric's gradient
 activation times (clean - corrupted) activation, summed over the patched dimensions.
 
 Clean and corrupted prompts must have the same number of tokens. Metrics take the logits (B, T, V)
-and return one value per row, (B,); `logit_diff` is the usual one.
+and return one value per row, (B,); `logit_diff` is the usual one. Every run is in eval mode (no
+dropout), whatever mode the model is in; its mode is given back after.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable
 
 import torch
 
+from gptlab.generation import evaluating
+
 Metric = Callable[[torch.Tensor], torch.Tensor]
 OVER = {"layer-pos": "hook_resid_pre", "layer-head": "attn.hook_z"}
+
+
+def _in_eval_mode(fn):
+    """fn(model, ...) with the model in eval mode meanwhile: a model in training (a loop's, a fresh
+    GPT with dropout) would patch and ablate through dropout, another grid on every call."""
+
+    @functools.wraps(fn)
+    def wrapper(model, *args, **kwargs):
+        with evaluating(model):
+            return fn(model, *args, **kwargs)
+
+    return wrapper
 
 
 def logit_diff(right: int, wrong: int) -> Metric:
@@ -87,6 +103,7 @@ def _patch_rows(over: str, source: torch.Tensor) -> Callable:
     return hook
 
 
+@_in_eval_mode
 @torch.no_grad()
 def activation_patching(model, clean: torch.Tensor, corrupt: torch.Tensor, metric: Metric, over: str = "layer-pos"):
     """{"grid": (n_layer, T or n_head) metric of each patched run, "clean": float, "corrupt": float,
@@ -108,6 +125,7 @@ def activation_patching(model, clean: torch.Tensor, corrupt: torch.Tensor, metri
     return {"grid": grid, "clean": clean_value, "corrupt": corrupt_value, "normalized": normalized}
 
 
+@_in_eval_mode
 @torch.no_grad()
 def patched_logits(model, clean, corrupt, layer: int, unit: int, over: str = "layer-pos") -> torch.Tensor:
     """The corrupted run's logits (1, T, V) with one cell of the grid patched in from the clean run."""
@@ -128,6 +146,7 @@ def activation_patching_loop(model, clean, corrupt, metric: Metric, over: str = 
     return grid
 
 
+@_in_eval_mode
 def attribution_patching(model, clean: torch.Tensor, corrupt: torch.Tensor, metric: Metric, over: str = "layer-pos"):
     """The gradient estimate of activation_patching's grid minus its corrupted baseline:
     (n_layer, T or n_head) = sum over the patched dimensions of d metric / d activation (at the
@@ -145,8 +164,6 @@ def attribution_patching(model, clean: torch.Tensor, corrupt: torch.Tensor, metr
         return e.detach().requires_grad_(True)
 
     flags = [(p, p.requires_grad) for p in model.parameters()]
-    was_training = model.training
-    model.eval()
     try:
         for p, _ in flags:
             p.requires_grad_(False)
@@ -155,13 +172,13 @@ def attribution_patching(model, clean: torch.Tensor, corrupt: torch.Tensor, metr
     finally:
         for p, flag in flags:
             p.requires_grad_(flag)
-        model.train(was_training)
     dims = (-1,) if over == "layer-pos" else (-1, 1)  # sum over d_model, or over d_head and positions
     return torch.stack([
         (acts[n].grad * (clean_cache[n] - acts[n].detach())).sum(dims)[0] for n in names
     ])  # fmt: skip
 
 
+@_in_eval_mode
 @torch.no_grad()
 def ablate(model, idx: torch.Tensor, name: str, *, head: int | None = None, how: str = "zero", mean_over=None):
     """Logits with the activation at hook point `name` replaced by zeros, or by its mean over
