@@ -445,6 +445,24 @@ def test_info_counts_a_quantized_checkpoint_like_its_float_model(tmp_path, model
     assert json.loads((tmp_path / "q.json").read_text())["total"] == model.num_params()
 
 
+def test_info_of_a_quantized_directory_names_its_scheme_and_sizes_its_int4_groups(tmp_path, model_dir, capsys):
+    """A quantized directory's info said nothing of its scheme, and its int4 row assumed groups of
+    64: a directory of 32-wide groups was larger than info's figure."""
+    from gptlab.quantize import quantize_model, save_quantized
+
+    model = GPT(GPTConfig(vocab_size=257, block_size=64, n_layer=2, n_head=4, n_embd=64))  # 2 groups of 32 a row
+    save_quantized(quantize_model(model, "int4", 32), tmp_path / "q4", tokenizer="byte")
+    assert main(["info", str(tmp_path / "q4"), "--json", str(tmp_path / "q.json")]) == 0
+    assert capsys.readouterr().out.splitlines()[1].startswith("quantized: int4 (group size 32)")
+    info = json.loads((tmp_path / "q.json").read_text())
+    assert info["quantization"] == {"mode": "int4", "group_size": 32}
+    data = (tmp_path / "q4" / "model.safetensors").read_bytes()
+    stored = len(data) - 8 - int.from_bytes(data[:8], "little")  # the tensors, past safetensors' header
+    assert info["weights"]["int4"] == pytest.approx(stored, rel=0.02), stored
+    assert main(["info", str(model_dir)]) == 0
+    assert "\nquantized: " not in capsys.readouterr().out
+
+
 def test_info_gpt2_prints_the_total(capsys):
     assert main(["info", "gpt2"]) == 0
     out = capsys.readouterr().out

@@ -137,9 +137,10 @@ def weight_memory(model: GPT, group_size: int = 64) -> dict[str, int]:
     }
 
 
-def model_info(model: GPT, context: int | None = None) -> dict:
-    """Everything `gptlab info` shows: parameters per component, FLOPs, KV cache, weight memory,
-    at `context` tokens (default and at most block_size: the model never holds more)."""
+def model_info(model: GPT, context: int | None = None, group_size: int = 64) -> dict:
+    """Everything `gptlab info` shows: parameters per component, FLOPs, KV cache, weight memory
+    (int4's with `group_size`), at `context` tokens (default and at most block_size: the model
+    never holds more)."""
     block = model.config.block_size
     if context is not None and (isinstance(context, bool) or not isinstance(context, int) or not 1 <= context <= block):
         raise ValueError(f"context must be in [1, {block}] (the model's block_size), got {context!r}")
@@ -152,7 +153,7 @@ def model_info(model: GPT, context: int | None = None) -> dict:
         "non_embedding": model.num_params(non_embedding=True),
         "flops": flops_per_token(model.config, context),
         "kv_cache": {name: kv_cache_bytes(model.config, size, context) for name, size in (("fp32", 4), ("bf16", 2))},
-        "weights": weight_memory(model),
+        "weights": weight_memory(model, group_size),
     }
 
 

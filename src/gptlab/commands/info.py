@@ -28,10 +28,23 @@ def run(args):
     config = GPTConfig.from_name(spec) if spec in PRESETS and not Path(spec).exists() else load_config(spec)
     with meta_device():  # shapes are all the breakdown needs; a quantized model counts its logical weights
         model = model_for(config)  # a classifier has a score head where a language model's head is
-    info = model_info(model, args.context)
+    quantization = stored_quantization(spec)
+    info = model_info(model, args.context, **{k: v for k, v in quantization.items() if k == "group_size"})
+    if quantization:
+        info["quantization"] = quantization
     print_info(spec, info)
     if args.json is not None:
         write_json(args.json, {"model": spec, **info})
+
+
+def stored_quantization(spec: str) -> dict:
+    """The quantization record of a quantized gptlab directory (mode, group_size, ...), else {}."""
+    from gptlab.checkpoint import META_FILE, read_meta
+    from gptlab.loading import checkpoint_path
+
+    path = checkpoint_path(spec)
+    record = (read_meta(path).get("quantization") or {}) if (path / META_FILE).is_file() else {}
+    return {k: v for k, v in record.items() if v is not None}  # int8's group_size is null
 
 
 def _bytes(n: float) -> str:
@@ -62,6 +75,11 @@ def print_info(spec: str, info: dict) -> None:
     )
     if variant := _variant(c):
         print(f"variant: {variant}")
+    if q := info.get("quantization"):
+        options = ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in q.items() if k != "mode")
+        print(
+            f"quantized: {q['mode']}{f' ({options})' if options else ''}, its weights the {q['mode']} row of weight memory"
+        )
     width = max(len(r["component"]) for r in info["components"]) + 2
     print("parameters")
     for r in info["components"]:
