@@ -1,6 +1,7 @@
 """Shared fixtures: tiny configs and seeded models, so every test runs in seconds on a CPU."""
 
 import hashlib
+import json
 from collections import Counter
 
 import pytest
@@ -131,18 +132,30 @@ OWN_BPE_TEXT = [
 ]
 
 
-def own_bpe_dir(directory, *, layout: str = "pair", vocab_size: int = 400):
+def own_bpe_dir(directory, *, layout: str = "pair", vocab_size: int = 400, special_tokens=("<|endoftext|>",)):
     """A Hugging Face directory holding a tiny byte-level BPE trained by `tokenizers` (not GPT-2's):
-    vocab.json + merges.txt (layout "pair") or tokenizer.json alone ("json"); <|endoftext|> is id 0."""
+    vocab.json + merges.txt (layout "pair") or tokenizer.json alone ("json"); the special tokens
+    take the first ids (<|endoftext|> is id 0)."""
     from tokenizers import ByteLevelBPETokenizer
 
     bpe = ByteLevelBPETokenizer()
-    bpe.train_from_iterator(OWN_BPE_TEXT * 5, vocab_size=vocab_size, min_frequency=2, special_tokens=["<|endoftext|>"])
+    bpe.train_from_iterator(
+        OWN_BPE_TEXT * 5, vocab_size=vocab_size, min_frequency=2, special_tokens=list(special_tokens)
+    )
     directory.mkdir(parents=True, exist_ok=True)
     if layout == "pair":
         bpe.save_model(str(directory))
     else:
         bpe.save(str(directory / "tokenizer.json"))
+    return directory
+
+
+def s_bpe_dir(directory, layout: str = "json"):
+    """own_bpe_dir with a RoBERTa-style <s> (bos, id 0), <pad>, </s> (eos, id 2) and no <|endoftext|>,
+    named in tokenizer_config.json."""
+    own_bpe_dir(directory, layout=layout, special_tokens=("<s>", "<pad>", "</s>"))
+    tokens = {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"}
+    (directory / "tokenizer_config.json").write_text(json.dumps(tokens))
     return directory
 
 

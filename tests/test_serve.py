@@ -889,3 +889,18 @@ def test_a_padded_heads_spare_ids_are_never_served():
             assert reply["choices"][0]["token_ids"] == [best] * 5, reply
         reply = httpx.post(f"{base}/v1/completions", json=dict(model=NAME, prompt=[72, 300], max_tokens=2), timeout=30)
         assert reply.status_code == 400 and "must be in [0, 257)" in reply.json()["error"]["message"]
+
+
+def test_an_omitted_prompt_is_the_models_own_end_of_text(tmp_path):
+    """OpenAI's default prompt is <|endoftext|>, the start of a document: a model whose own BPE
+    ends text with </s> (no <|endoftext|> token) was prompted with "<|endoftext|>" spelled out in
+    12 plain tokens; an omitted prompt is now the model's end-of-text token, as an empty one is."""
+    from conftest import s_bpe_dir
+
+    tok = get_tokenizer(str(s_bpe_dir(tmp_path / "m")))
+    model = tiny_model(vocab_size=tok.n_vocab, block_size=64)
+    with running(create_app(model, tok, name=NAME, max_batch=2, max_queue=2)) as base:
+        for extra in ({}, {"prompt": None}, {"prompt": ""}):
+            body = dict(model=NAME, max_tokens=1, return_token_ids=True, **extra)
+            reply = httpx.post(f"{base}/v1/completions", json=body, timeout=30).json()
+            assert reply["choices"][0]["prompt_token_ids"] == [tok.eot_token] == [2], (extra, reply)

@@ -95,7 +95,7 @@ class CompletionRequest(SamplingRequest):
 
     null_means_default: ClassVar[tuple[str, ...]] = NULL_MEANS_DEFAULT
 
-    prompt: Prompt | None = "<|endoftext|>"
+    prompt: Prompt | None = ""  # OpenAI's default, <|endoftext|>: an empty prompt is the end-of-text token
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool | None = False
     best_of: int | None = None
