@@ -151,10 +151,10 @@ def own_bpe_dir(directory, *, layout: str = "pair", vocab_size: int = 400, speci
 
 
 def s_bpe_dir(directory, layout: str = "json"):
-    """own_bpe_dir with a RoBERTa-style <s> (bos, id 0), <pad>, </s> (eos, id 2) and no <|endoftext|>,
-    named in tokenizer_config.json."""
-    own_bpe_dir(directory, layout=layout, special_tokens=("<s>", "<pad>", "</s>"))
-    tokens = {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"}
+    """own_bpe_dir with RoBERTa-style <s> (bos, id 0), <pad>, </s> (eos, id 2), <unk> and no
+    <|endoftext|>, named in tokenizer_config.json."""
+    own_bpe_dir(directory, layout=layout, special_tokens=("<s>", "<pad>", "</s>", "<unk>"))
+    tokens = {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "unk_token": "<unk>"}
     (directory / "tokenizer_config.json").write_text(json.dumps(tokens))
     return directory
 

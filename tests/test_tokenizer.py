@@ -212,3 +212,18 @@ def test_a_tokenizer_gptlab_cannot_read_is_refused(tmp_path):
     (swapped / "vocab.json").write_text(json.dumps(vocab))
     with pytest.raises(ValueError, match="not in the vocabulary after the previous merge's"):
         get_tokenizer(str(swapped))
+
+
+def test_special_tokens_named_by_the_config_are_special(tmp_path):
+    """vocab.json + merges.txt with RoBERTa-style <s>, <pad>, </s>, <unk> at ids 0-3 that only
+    tokenizer_config.json names (bos, pad, eos, unk) was refused ("token id 0 is neither a byte, a
+    merge's result nor a special token"); transformers adds them as special tokens: the same ids."""
+    from transformers import GPT2TokenizerFast
+
+    from conftest import s_bpe_dir
+
+    directory = s_bpe_dir(tmp_path / "m", layout="pair")
+    tok, ref = get_tokenizer(str(directory)), GPT2TokenizerFast.from_pretrained(directory)
+    assert (tok.n_vocab, tok.eot_token) == (len(ref), ref.eos_token_id) == (len(ref), 2)
+    for text in ["<s>Über die Brücke</s><pad><unk>", *OWN_BPE_SAMPLES]:
+        assert tok.encode(text, allowed_special="all") == ref.encode(text), text

@@ -247,7 +247,26 @@ def read_bpe(directory: Path) -> BPEFiles:
         special = {t["content"]: int(i) for i, t in added.items()} | _read_json(directory / "added_tokens.json", {})
     every = {**vocab, **special}
     eot = _eos_token(directory, every)
-    return BPEFiles(vocab, merges, {**special, **{t: every[t] for t in (ENDOFTEXT, eot) if t in every}}, eot)
+    named = (ENDOFTEXT, eot, *_named_special_tokens(directory))
+    return BPEFiles(vocab, merges, {**special, **{t: every[t] for t in named if t in every}}, eot)
+
+
+SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+def _named_special_tokens(directory: Path) -> list[str]:
+    """The special tokens tokenizer_config.json and special_tokens_map.json name (bos, pad, ...,
+    additional_special_tokens), which transformers adds as special tokens even where vocab.json
+    alone lists them (a RoBERTa-style <s>, <pad>, </s> at ids 0-2)."""
+    named = []
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        config = _read_json(directory / name, {})
+        tokens = [config.get(key) for key in SPECIAL_TOKEN_KEYS] + list(config.get("additional_special_tokens") or [])
+        for token in tokens:
+            token = token.get("content") if isinstance(token, dict) else token
+            if isinstance(token, str):
+                named.append(token)
+    return named
 
 
 def _read_json(path: Path, default=None):
