@@ -206,3 +206,29 @@ def test_bench_harness_runs_both_backends_on_the_same_tasks(lmeval_workdir, save
     assert rows["hf"]["bench_choice"]["requests"] == 32 and rows["hf"]["bench_rolling"]["requests"] == 2
     assert result["bench_choice_speedup"] > 0 and "int8_accuracy_change_points" in result
     assert "gptlab-int8" in capsys.readouterr().out
+
+
+def test_an_own_bpe_with_its_own_bos_is_scored_as_lm_evals_hf_backend_scores_it(tmp_path):
+    """lm-eval's hf backend starts an empty context and each rolling window with the tokenizer's
+    bos_token_id; a directory whose BPE names <s> (0) as bos and </s> (2) as eos was prefixed with
+    </s> here, another loglikelihood than hf's. Both backends now agree on the same weights."""
+    from lm_eval.api.instance import Instance
+    from lm_eval.api.registry import get_model
+    from transformers import GPT2Config, GPT2LMHeadModel, GPT2TokenizerFast
+
+    from conftest import s_bpe_dir
+
+    directory = s_bpe_dir(tmp_path / "m", layout="pair")
+    ref_tok = GPT2TokenizerFast.from_pretrained(directory)
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=len(ref_tok), n_positions=64, n_embd=32, n_layer=2, n_head=4)
+    GPT2LMHeadModel(config).save_pretrained(directory)
+    requests = [("", "the quick brown"), ("die", " Brücke")]
+    scores = {}
+    for name in ("hf", "gptlab"):
+        lm = get_model(name).create_from_arg_string(f"pretrained={directory},dtype=float32,batch_size=2,device=cpu")
+        assert lm.prefix_token_id == ref_tok.bos_token_id == 0
+        pairs = lm.loglikelihood([Instance("loglikelihood", {}, r, i) for i, r in enumerate(requests)])
+        rolling = lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, ("Über die Brücke",), 0)])
+        scores[name] = [p[0] for p in pairs] + rolling
+    assert scores["gptlab"] == pytest.approx(scores["hf"], abs=1e-4)

@@ -10,9 +10,9 @@ in this process (lm-eval's own `lm_eval` command does not import it: from a shel
 models, Hugging Face directories or Hub ids, nanoGPT and llm.c files). Scoring follows lm-eval's
 Hugging Face backend token for token, so the two agree on the same weights:
 - loglikelihood: lm-eval splits context and continuation (TemplateLM._encode_pair; an empty
-  context becomes <|endoftext|>); each request is (context + continuation) left-truncated to
+  context becomes the tokenizer's bos, <|endoftext|> for GPT-2's); each request is (context + continuation) left-truncated to
   max_length + 1 tokens, its last token dropped, scored in batches, longest first;
-- loglikelihood_rolling: lm-eval's disjoint windows of max_length tokens after <|endoftext|>;
+- loglikelihood_rolling: lm-eval's disjoint windows of max_length tokens after that bos;
 - generate_until: greedy (or sampled with `do_sample`/`temperature`) through gptlab's one decode
   engine (`generation.generate_tokens`, so the C kernels), in batches of requests that share
   their settings, longest first, each stopping at <|endoftext|> or its first `until` string.
@@ -98,6 +98,11 @@ class GptlabLM(TemplateLM):
     @property
     def eot_token_id(self) -> int:
         return self.tok.eot_token
+
+    @property
+    def prefix_token_id(self) -> int:
+        """What an empty context and each rolling window start with: bos, as lm-eval's hf backend."""
+        return self.tok.bos_token
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
         return self.tok.encode(string, allowed_special="all")

@@ -38,6 +38,7 @@ class Tokenizer:
     name: str
     n_vocab: int
     eot_token: int
+    bos_token: int  # transformers' bos_token_id: the end-of-text token unless a directory names another
 
     def encode(self, text: str, allowed_special: Literal["all"] | Collection[str] = ()) -> list[int]:
         raise NotImplementedError
@@ -66,11 +67,12 @@ class Tokenizer:
 class TiktokenTokenizer(Tokenizer):
     """A byte-level BPE: GPT-2's (50,257 tokens, <|endoftext|> = 50256) or a directory's own."""
 
-    def __init__(self, encoding, eot_token: int | None = None):
+    def __init__(self, encoding, eot_token: int | None = None, bos_token: int | None = None):
         self.encoding = encoding
         self.name = encoding.name
         self.n_vocab = encoding.n_vocab
         self.eot_token = encoding.eot_token if eot_token is None else eot_token
+        self.bos_token = self.eot_token if bos_token is None else bos_token
 
     def encode(self, text, allowed_special=()):
         # Special tokens in user text are plain text unless the caller allows them.
@@ -97,6 +99,7 @@ class ByteTokenizer(Tokenizer):
     name = "byte"
     n_vocab = 257
     eot_token = 256
+    bos_token = 256
 
     def encode(self, text, allowed_special=()):
         text = _without_lone_surrogates(text)
@@ -186,6 +189,7 @@ class BPEFiles:
     merges: list[tuple[str, str]]  # in priority order
     special: dict[str, int]  # special (added) tokens -> id, the end-of-text token among them
     eot: str  # the end-of-text token
+    bos: str | None = None  # the beginning-of-text token, where not the end-of-text token
 
 
 def bytes_to_unicode() -> dict[int, str]:
@@ -248,7 +252,9 @@ def read_bpe(directory: Path) -> BPEFiles:
     every = {**vocab, **special}
     eot = _eos_token(directory, every)
     named = (ENDOFTEXT, eot, *_named_special_tokens(directory))
-    return BPEFiles(vocab, merges, {**special, **{t: every[t] for t in named if t in every}}, eot)
+    bos = _config_token(directory, "bos_token") or ENDOFTEXT  # GPT2Tokenizer's default bos
+    special |= {t: every[t] for t in named if t in every}
+    return BPEFiles(vocab, merges, special, eot, bos if bos in every and bos != eot else None)
 
 
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -310,15 +316,22 @@ def _tokenizer_json(path: Path) -> tuple[dict[str, int], list[tuple[str, str]], 
     return model.get("vocab", {}), merges, {t["content"]: t["id"] for t in data.get("added_tokens", [])}
 
 
+def _config_token(directory: Path, key: str) -> str | None:
+    """The token tokenizer_config.json names as `key` (a string or an added token's dict), else
+    special_tokens_map.json's; None where neither names one."""
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        token = _read_json(directory / name, {}).get(key)
+        token = token.get("content") if isinstance(token, dict) else token
+        if token:
+            return token
+    return None
+
+
 def _eos_token(directory: Path, vocab: dict[str, int]) -> str:
     """The eos_token of tokenizer_config.json or special_tokens_map.json, else <|endoftext|> (as
     GPT2Tokenizer), else the token of config.json's eos_token_id."""
-    for name in ("tokenizer_config.json", "special_tokens_map.json"):
-        eos = _read_json(directory / name, {}).get("eos_token")
-        eos = eos.get("content") if isinstance(eos, dict) else eos
-        if eos:
-            break
-    else:
+    eos = _config_token(directory, "eos_token")
+    if not eos:
         eos_id = _read_json(directory / "config.json", {}).get("eos_token_id")
         if isinstance(eos_id, list):  # several: the first
             eos_id = eos_id[0] if eos_id else None
@@ -362,4 +375,5 @@ def directory_bpe(directory: str | Path) -> TiktokenTokenizer:
         why = f"token id {extra[0]} is neither a byte, a merge's result nor a special token" if extra else "ids repeat or skip"  # fmt: skip
         raise ValueError(f"{name}: {why}; gptlab needs every id of a byte-level BPE to be one of those")
     encoding = tiktoken.Encoding(name=name, pat_str=r50k_pat_str, mergeable_ranks=ranks, special_tokens=special)
-    return TiktokenTokenizer(encoding, eot_token=bpe.special[bpe.eot])
+    bos = {**bpe.vocab, **bpe.special}.get(bpe.bos)
+    return TiktokenTokenizer(encoding, eot_token=bpe.special[bpe.eot], bos_token=bos)
