@@ -217,3 +217,20 @@ def test_export_command_picks_gguf_from_the_suffix(tmp_path, model, f32_file, ca
     assert upper.is_file() and upper.read_bytes()[:4] == b"GGUF"
     assert main(["export", "--model", str(tmp_path / "native"), "--out", str(out), "--dtype", "float16"]) == 2
     assert "--outtype" in capsys.readouterr().err
+
+
+def test_an_own_bpes_bos_is_written_as_gguf_reads_it(tmp_path):
+    """A model whose own BPE names <s> (0) as bos and </s> (2) as eos was written with bos 2, where
+    gguf's SpecialVocab (llama.cpp's converters) reads 0 from that directory."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from conftest import s_bpe_dir
+
+    directory = s_bpe_dir(tmp_path / "m", layout="pair")
+    config = GPT2Config(vocab_size=347, n_positions=64, n_embd=32, n_layer=1, n_head=4, bos_token_id=0, eos_token_id=2)
+    GPT2LMHeadModel(config).save_pretrained(directory)
+    assert main(["export", "--model", str(directory), "--out", str(tmp_path / "m.gguf")]) == 0
+    kv = fields(gguf.GGUFReader(tmp_path / "m.gguf"))
+    special = gguf.SpecialVocab(directory, load_merges=False).special_token_ids
+    ids = (kv["tokenizer.ggml.bos_token_id"], kv["tokenizer.ggml.eos_token_id"])
+    assert ids == (special["bos"], special["eos"]) == (0, 2)

@@ -210,11 +210,12 @@ def bpe_vocabulary(bpe: BPEFiles, vocab_size: int) -> tuple[list[str], list[int]
 def _add_tokenizer(writer: gguf.GGUFWriter, bpe: BPEFiles, vocab_size: int) -> None:
     tokens, types, merges = bpe_vocabulary(bpe, vocab_size)
     eot = bpe.special[bpe.eot]  # GPT-2's <|endoftext|> is its bos and eos
+    bos = bpe.special[bpe.bos] if bpe.bos else eot  # another a directory names (<s>), as SpecialVocab reads it
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre(PRE_TOKENIZER)  # the split pattern: tokenizer.py accepts only GPT-2's
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     writer.add_token_merges(merges)
-    writer.add_bos_token_id(eot)
+    writer.add_bos_token_id(bos)
     writer.add_eos_token_id(eot)
     writer.add_add_bos_token(False)
