@@ -344,7 +344,7 @@ def test_a_real_missing_package_through_the_command_line(tmp_path):
 @pytest.mark.parametrize("command", [["quantize", "--mode", "int8"], ["export"], ["export", "--format", "llmc"]])
 def test_writing_over_the_model_read_is_refused_and_keeps_it(tmp_path, capsys, monkeypatch, command):
     """--out naming the --model it reads (through a checkpoint's `latest` link, or the run directory
-    that resolves to it), a directory around or inside it, or another training checkpoint, is refused
+    that resolves to it), a directory around it or a path already inside it, or another training checkpoint, is refused
     before anything is written: `gptlab quantize` replaced a training checkpoint's fp32 weights with
     int8 ones."""
     from conftest import tiny_model
