@@ -1575,7 +1575,7 @@ MUTANTS = [
     Mutant("data/own-bpe-directory-recorded-as-typed", "data.py",
            '"tokenizer": tok.name,', '"tokenizer": tokenizer,', ("tests/test_data.py", "-k", "own_tokenizer")),
     Mutant("tokenizer/own-bpe-eos-token-of-tokenizer-config-ignored", "tokenizer.py",
-           'eos = _read_json(directory / name, {}).get("eos_token")', "eos = None",
+           '    eos = _config_token(directory, "eos_token")', "    eos = None",
            ("tests/test_tokenizer.py", "-k", "end_of_text_token")),
     Mutant("data/pieces-cut-after-a-windows-newline", "data.py",
            r'''_SAFE_CUT = re.compile(r"\S(?:\r(?=\n\S)|\n(?=\S))")''', r'''_SAFE_CUT = re.compile(r"\S\r?\n(?=\S)")''',
